@@ -1,0 +1,3 @@
+"""megatron_rl: GRPO, PPO and SAO for language models on Megatron-core."""
+
+__version__ = "0.1.0"

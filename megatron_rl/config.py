@@ -1,0 +1,566 @@
+"""YAML -> validated config objects, and the derived layout every process reads.
+
+`load_config(path)` validates a user's YAML and returns a `ResolvedConfig`: the config plus a
+`layout` (DP sizes, GPU counts, ports) computed here, once. `ResolvedConfig.to_json()` is what
+the launcher writes for every process; `load_resolved(path)` reads it back without re-deriving.
+This module imports nothing of ours.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; `errors` holds one line per problem."""
+
+    def __init__(self, source: str, errors: list[str]):
+        self.source = source
+        self.errors = errors
+        super().__init__(f"{source}: invalid config\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+
+Family = Literal["qwen3", "qwen3_moe", "llama"]
+
+# HF `model_type` -> our family name. A family is supported when its builder mapping exists.
+HF_MODEL_TYPES: dict[str, Family] = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "llama": "llama"}
+
+
+class Architecture(_Strict):
+    """The backbone's shape, in Hugging Face terms (read from config.json or written inline)."""
+
+    family: Family
+    hidden_size: int = Field(gt=0)
+    num_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int | None = Field(default=None, gt=0)
+    intermediate_size: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    num_experts: int = Field(default=0, ge=0)
+    num_experts_per_tok: int = Field(default=0, ge=0)
+    moe_intermediate_size: int = Field(default=0, ge=0)
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = Field(default=4096, gt=0)
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> Architecture:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts={self.num_experts}]"
+            )
+        if self.num_experts and not self.moe_intermediate_size:
+            raise ValueError("moe_intermediate_size is required when num_experts > 0")
+        return self
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any], source: str) -> Architecture:
+        """Reads the fields we need from an HF config.json dict."""
+        model_type = config.get("model_type")
+        if model_type not in HF_MODEL_TYPES:
+            raise ValueError(
+                f"{source}: model_type {model_type!r} has no builder mapping "
+                f"(supported: {sorted(HF_MODEL_TYPES)})"
+            )
+        family = HF_MODEL_TYPES[model_type]
+        return cls(
+            family=family,
+            hidden_size=config["hidden_size"],
+            num_layers=config["num_hidden_layers"],
+            num_attention_heads=config["num_attention_heads"],
+            num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+            head_dim=config.get("head_dim"),
+            intermediate_size=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            num_experts=config.get("num_experts", 0) or 0,
+            num_experts_per_tok=config.get("num_experts_per_tok", 0) or 0,
+            moe_intermediate_size=config.get("moe_intermediate_size", 0) or 0,
+            rope_theta=config.get("rope_theta", 10000.0),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            qk_norm=family in ("qwen3", "qwen3_moe"),
+        )
+
+
+class ModelConfig(_Strict):
+    """One Megatron model (the policy, or the critic under `value.model`)."""
+
+    hf_config: str | None = None  # a directory holding config.json
+    architecture: Architecture | None = None  # inline alternative to hf_config
+    checkpoint: str | None = None  # weights: an HF directory or a converted Megatron checkpoint
+    seq_len: int = Field(gt=0)
+    tp: int = Field(default=1, ge=1)
+    cp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1)
+    ep: int = Field(default=1, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.hf_config is None) == (self.architecture is None):
+            raise ValueError("give exactly one of hf_config (a directory with config.json) or architecture")
+        return self
+
+
+class OptimizerConfig(_Strict):
+    lr: float = Field(default=1e-6, gt=0)
+    min_lr: float = Field(default=0.0, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = Field(default=1.0, ge=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    distributed_optimizer: bool = True
+
+
+class LoraConfig(_Strict):
+    rank: int = Field(gt=0)
+    alpha: float = Field(default=16.0, gt=0)
+    target_modules: list[str] = Field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+
+
+class SnapshotConfig(_Strict):
+    """Load the policy's backbone into the critic at these steps, then retune the head only."""
+
+    steps: list[int] = Field(default_factory=list)
+    policy_checkpoint_dir: str | None = None
+    head_only_retune_steps: int = Field(default=0, ge=0)
+
+
+class ServiceConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8100, gt=0, lt=65536)
+    max_batch_sequences: int = Field(default=512, gt=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+
+
+class ValueConfig(_Strict):
+    """The critic: its own model, layout, optimizer and training options."""
+
+    model: ModelConfig
+    optimizer: OptimizerConfig = Field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    epochs_per_step: int = Field(default=1, ge=1)
+    head_only_warmup_steps: int = Field(default=0, ge=0)
+    freeze_attention: bool = False
+    lora: LoraConfig | None = None
+    pretrain_jsonl: str | None = None
+    pretrain_steps: int = Field(default=0, ge=0)
+    snapshot: SnapshotConfig | None = None
+    head_init_std: float = Field(default=0.0, ge=0)
+    service: ServiceConfig = Field(default_factory=ServiceConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Algorithm
+# ---------------------------------------------------------------------------------------------
+
+# Defaults that differ by algorithm; anything the user sets wins.
+ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "grpo": {"eps_low": 0.2, "eps_high": 0.2, "length_adaptive_alpha": None},
+    "ppo": {"eps_low": 0.2, "eps_high": 0.2, "length_adaptive_alpha": None},
+    # SAO paper (Hou et al., arXiv 2607.07508) defaults.
+    "sao": {"eps_low": 0.3, "eps_high": 5.0, "length_adaptive_alpha": 1.5},
+}
+
+
+class AlgorithmConfig(_Strict):
+    type: Literal["grpo", "ppo", "sao"]
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    policy_lambda: float = Field(default=0.95, ge=0, le=1)
+    value_lambda: float = Field(default=1.0, ge=0, le=1)
+    length_adaptive_alpha: float | None = Field(default=None, gt=0)
+    eps_low: float = Field(default=0.2, ge=0, lt=1)
+    eps_high: float = Field(default=0.2, ge=0)
+    dual_clip: float | None = Field(default=None, gt=1)
+    value_clip: float | None = Field(default=None, gt=0)
+    kl_coef: float = Field(default=0.0, ge=0)
+    normalize_advantage_std: bool = True  # GRPO: divide by the group's std
+    recompute_old_logprobs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _type_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") in ALGORITHM_DEFAULTS:
+            return {**ALGORITHM_DEFAULTS[data["type"]], **data}
+        return data
+
+
+# ---------------------------------------------------------------------------------------------
+# Orchestrator, inference, deployment, transport, checkpoint, logging
+# ---------------------------------------------------------------------------------------------
+
+
+class AdmissionConfig(_Strict):
+    """Which completed groups become training samples."""
+
+    reject_identical_rewards: bool = False  # GRPO: a group whose rewards are all equal has no signal
+    min_completion_tokens: int = Field(default=1, ge=0)
+    drop_truncated: bool = False
+
+
+class OrchestratorConfig(_Strict):
+    num_steps: int = Field(default=1, ge=1)
+    batch_size: int = Field(gt=0, description="groups per training step")
+    group_size: int = Field(gt=0)
+    max_async_level: int = Field(default=1, ge=0)
+    max_prompt_tokens: int = Field(gt=0)
+    max_completion_tokens: int = Field(gt=0)
+    temperature: float = Field(default=1.0, gt=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int = 0
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    dataset: str | None = None
+    environment: str = "arithmetic"
+
+
+class InferenceConfig(_Strict):
+    backend: Literal["vllm", "vllm-cpu"] = "vllm"
+    num_servers: int = Field(default=1, ge=1)
+    tp: int = Field(default=1, ge=1)
+    host: str = "127.0.0.1"
+    base_port: int = Field(default=8000, gt=0, lt=65536)
+    weight_update: Literal["nccl", "safetensors"] = "nccl"
+    weight_broadcast_port: int = Field(default=29600, gt=0, lt=65536)
+    publish_dir: str | None = None
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class DeploymentConfig(_Strict):
+    """Where each process group runs. On CPU a 'GPU' is one process."""
+
+    device: Literal["cuda", "cpu"] = "cuda"
+    nodes: int = Field(default=1, ge=1)
+    gpus_per_node: int = Field(default=8, ge=1)
+    inference_gpus: int = Field(default=1, ge=0)
+    policy_gpus: int = Field(ge=1)
+    num_value_nodes: int = Field(default=0, ge=0)  # dedicated critic nodes
+    num_value_gpus_per_train_node: int = Field(default=0, ge=0)  # critic shares policy nodes
+
+
+class TransportConfig(_Strict):
+    host: str = "127.0.0.1"
+    policy_port: int = Field(default=5555, gt=0, lt=65536)
+    critic_port: int = Field(default=5556, gt=0, lt=65536)
+    receive_timeout_s: float = Field(default=600.0, gt=0)
+    handshake_timeout_s: float = Field(default=120.0, gt=0)
+
+
+class CheckpointConfig(_Strict):
+    dir: str = "checkpoints"
+    save_interval: int = Field(default=0, ge=0)  # 0: never
+    keep_last: int = Field(default=2, ge=1)
+    resume: bool = True
+
+
+class LoggingConfig(_Strict):
+    dir: str = "runs"
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    console: bool = True
+    jsonl: bool = True
+
+
+class Config(_Strict):
+    model: ModelConfig
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)  # the policy's
+    value: ValueConfig | None = None
+    algorithm: AlgorithmConfig
+    orchestrator: OrchestratorConfig
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    deployment: DeploymentConfig
+    transport: TransportConfig = Field(default_factory=TransportConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Derived layout
+# ---------------------------------------------------------------------------------------------
+
+
+class ModelLayout(_Strict):
+    """One process group's parallel layout. world = tp * cp * pp * dp."""
+
+    world_size: int
+    tp: int
+    cp: int
+    pp: int
+    ep: int
+    dp: int
+    expert_dp: int  # data-parallel size of expert weights: world / (tp * ep * pp)
+
+
+class Layout(_Strict):
+    policy: ModelLayout
+    critic: ModelLayout | None
+    value_gpus: int
+    deployment_style: Literal["shared", "dedicated", "none"]
+    inference_ports: list[int]
+    ports: dict[str, int]  # every fixed port by the config key that sets it
+    policy_architecture: Architecture
+    critic_architecture: Architecture | None
+
+
+class ResolvedConfig(Config):
+    layout: Layout
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+
+def _read_architecture(model: ModelConfig, where: str, base_dir: Path, errors: list[str]) -> Architecture | None:
+    if model.architecture is not None:
+        return model.architecture
+    directory = Path(model.hf_config)
+    if not directory.is_absolute():
+        directory = base_dir / directory
+    path = directory / "config.json"
+    if not path.is_file():
+        errors.append(f"{where}.hf_config: no config.json in {directory}")
+        return None
+    try:
+        return Architecture.from_hf_config(json.loads(path.read_text()), str(path))
+    except (ValueError, KeyError) as exc:
+        errors.append(f"{where}.hf_config: {path}: {exc}")
+        return None
+
+
+def _model_layout(
+    model: ModelConfig, arch: Architecture | None, gpus: int, where: str, errors: list[str]
+) -> ModelLayout | None:
+    """DP from the model's own GPU count and degrees, plus divisibility checks."""
+    model_parallel = model.tp * model.cp * model.pp
+    if gpus % model_parallel:
+        errors.append(
+            f"{where}: {gpus} GPUs are not divisible by tp*cp*pp = {model.tp}*{model.cp}*{model.pp} = {model_parallel}"
+        )
+        return None
+    dp = gpus // model_parallel
+    if arch is not None:
+        if arch.num_attention_heads % (model.tp * model.cp):
+            errors.append(
+                f"{where}: num_attention_heads ({arch.num_attention_heads}) must be divisible by "
+                f"tp*cp ({model.tp}*{model.cp}) for tensor parallel with Ulysses context parallel"
+            )
+        if arch.num_key_value_heads % model.tp:
+            errors.append(
+                f"{where}: num_key_value_heads ({arch.num_key_value_heads}) must be divisible by tp ({model.tp})"
+            )
+        if arch.num_layers % model.pp:
+            errors.append(f"{where}: num_layers ({arch.num_layers}) must be divisible by pp ({model.pp})")
+        if model.ep > 1 and not arch.num_experts:
+            errors.append(f"{where}.ep: ep = {model.ep} but the model has no experts")
+        if arch.num_experts and arch.num_experts % model.ep:
+            errors.append(f"{where}.ep: num_experts ({arch.num_experts}) must be divisible by ep ({model.ep})")
+    # Experts are sharded over the data-parallel ranks (times CP): ep must divide dp*cp.
+    if (dp * model.cp) % model.ep:
+        errors.append(f"{where}.ep: ep ({model.ep}) must divide dp*cp ({dp}*{model.cp})")
+        return None
+    return ModelLayout(
+        world_size=gpus,
+        tp=model.tp,
+        cp=model.cp,
+        pp=model.pp,
+        ep=model.ep,
+        dp=dp,
+        expert_dp=gpus // (model.tp * model.ep * model.pp),
+    )
+
+
+def _value_gpus(config: Config, errors: list[str]) -> tuple[int, str]:
+    deployment = config.deployment
+    dedicated, shared = deployment.num_value_nodes, deployment.num_value_gpus_per_train_node
+    if config.value is None:
+        if dedicated or shared:
+            errors.append(
+                "deployment: num_value_nodes / num_value_gpus_per_train_node are set but there is no value section"
+            )
+        return 0, "none"
+    if dedicated and shared:
+        errors.append("deployment: set num_value_nodes (dedicated) or num_value_gpus_per_train_node (shared), not both")
+        return 0, "none"
+    if dedicated:
+        return dedicated * deployment.gpus_per_node, "dedicated"
+    if not shared:
+        errors.append(
+            "deployment: the value section needs critic GPUs: set num_value_nodes or num_value_gpus_per_train_node"
+        )
+        return 0, "none"
+    if shared >= deployment.gpus_per_node:
+        errors.append(
+            f"deployment.num_value_gpus_per_train_node ({shared}) must be less than gpus_per_node ({deployment.gpus_per_node})"
+        )
+        return 0, "none"
+    train_nodes = math.ceil(deployment.policy_gpus / (deployment.gpus_per_node - shared))
+    return train_nodes * shared, "shared"
+
+
+def _ports(config: Config, errors: list[str]) -> tuple[dict[str, int], list[int]]:
+    inference_ports = [config.inference.base_port + i for i in range(config.inference.num_servers)]
+    ports = {
+        "transport.policy_port": config.transport.policy_port,
+        "transport.critic_port": config.transport.critic_port,
+        "inference.weight_broadcast_port": config.inference.weight_broadcast_port,
+    }
+    if config.value is None:
+        del ports["transport.critic_port"]
+    else:
+        ports["value.service.port"] = config.value.service.port
+    for i, port in enumerate(inference_ports):
+        ports[f"inference.base_port+{i}"] = port
+    seen: dict[int, str] = {}
+    for key, port in ports.items():
+        if port in seen:
+            errors.append(f"{key}: port {port} is already used by {seen[port]}; all configured ports must be distinct")
+        else:
+            seen[port] = key
+    return ports, inference_ports
+
+
+def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>") -> ResolvedConfig:
+    """Checks the cross-field rules and computes the layout; raises ConfigError listing every problem."""
+    errors: list[str] = []
+    algorithm = config.algorithm.type
+    if algorithm in ("ppo", "sao") and config.value is None:
+        errors.append(f"value: algorithm.type '{algorithm}' needs a value section (the critic); none is given")
+    if algorithm == "grpo" and config.value is not None:
+        errors.append("value: algorithm.type 'grpo' takes no value section (GRPO has no critic); remove it")
+    if algorithm == "grpo" and config.orchestrator.group_size < 2:
+        errors.append(
+            f"orchestrator.group_size: GRPO normalises rewards within a group and needs at least 2, got {config.orchestrator.group_size}"
+        )
+
+    policy_arch = _read_architecture(config.model, "model", base_dir, errors)
+    critic_arch = _read_architecture(config.value.model, "value.model", base_dir, errors) if config.value else None
+
+    longest = config.orchestrator.max_prompt_tokens + config.orchestrator.max_completion_tokens
+    models = [("model", config.model)] + ([("value.model", config.value.model)] if config.value else [])
+    for where, model in models:
+        if model.seq_len < longest:
+            errors.append(
+                f"{where}.seq_len ({model.seq_len}) is shorter than the longest possible sample "
+                f"(orchestrator.max_prompt_tokens + max_completion_tokens = {longest} tokens)"
+            )
+    if policy_arch and critic_arch and policy_arch.vocab_size != critic_arch.vocab_size:
+        errors.append(
+            f"value.model: vocab_size ({critic_arch.vocab_size}) differs from the policy's ({policy_arch.vocab_size}); "
+            "the critic scores the policy's token ids"
+        )
+
+    value_gpus, style = _value_gpus(config, errors)
+    deployment = config.deployment
+    capacity = deployment.nodes * deployment.gpus_per_node
+    needed = deployment.inference_gpus + deployment.policy_gpus + value_gpus
+    if needed > capacity:
+        errors.append(
+            f"deployment: inference_gpus + policy_gpus + critic GPUs = {deployment.inference_gpus} + "
+            f"{deployment.policy_gpus} + {value_gpus} = {needed} exceeds nodes*gpus_per_node = {capacity}"
+        )
+    if deployment.inference_gpus % config.inference.tp:
+        errors.append(
+            f"deployment.inference_gpus ({deployment.inference_gpus}) must be divisible by inference.tp ({config.inference.tp})"
+        )
+    elif deployment.inference_gpus and config.inference.num_servers * config.inference.tp != deployment.inference_gpus:
+        errors.append(
+            f"inference.num_servers * inference.tp ({config.inference.num_servers}*{config.inference.tp}) must equal "
+            f"deployment.inference_gpus ({deployment.inference_gpus})"
+        )
+
+    policy_layout = _model_layout(config.model, policy_arch, deployment.policy_gpus, "model", errors)
+    critic_layout = None
+    if config.value is not None and value_gpus:
+        critic_layout = _model_layout(config.value.model, critic_arch, value_gpus, "value.model", errors)
+    ports, inference_ports = _ports(config, errors)
+
+    if errors:
+        raise ConfigError(source, errors)
+    layout = Layout(
+        policy=policy_layout,
+        critic=critic_layout,
+        value_gpus=value_gpus,
+        deployment_style=style,
+        inference_ports=inference_ports,
+        ports=ports,
+        policy_architecture=policy_arch,
+        critic_architecture=critic_arch,
+    )
+    data = config.model_dump()
+    # Every process reads the resolved file from its own working directory: make paths absolute.
+    for section in (data["model"], data["value"]["model"] if data["value"] else None):
+        if section and section["hf_config"] and not Path(section["hf_config"]).is_absolute():
+            section["hf_config"] = str((base_dir / section["hf_config"]).resolve())
+    return ResolvedConfig(**data, layout=layout)
+
+
+def _format_validation_error(exc: ValidationError) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "<top>"
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif err["type"] == "missing":
+            message = "required key is missing"
+        lines.append(f"{path}: {message}")
+    return lines
+
+
+def parse_config(data: Any, source: str = "<config>", base_dir: Path = Path(".")) -> ResolvedConfig:
+    """Validates a dict (already loaded from YAML) and resolves it."""
+    if not isinstance(data, dict):
+        raise ConfigError(source, [f"<top>: expected a mapping of sections, got {type(data).__name__}"])
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(source, _format_validation_error(exc)) from None
+    return resolve(config, base_dir=base_dir, source=source)
+
+
+def load_config(path: str | Path) -> ResolvedConfig:
+    """Reads a user's YAML config; relative paths in it are relative to the file's directory."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(str(path), ["file not found"])
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), [f"not valid YAML: {exc}"]) from None
+    return parse_config(data, source=str(path), base_dir=path.parent)
+
+
+def load_resolved(path: str | Path) -> ResolvedConfig:
+    """Reads the resolved JSON written by the launcher (no re-derivation)."""
+    path = Path(path)
+    try:
+        return ResolvedConfig.model_validate_json(path.read_text())
+    except (OSError, ValidationError) as exc:
+        raise ConfigError(str(path), [f"not a resolved config: {exc}"]) from None

