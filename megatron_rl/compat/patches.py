@@ -1,0 +1,228 @@
+"""The CPU patches for megatron-core 0.16.1. Each `_patch_*` says why it exists.
+
+Installed only when CUDA is absent (see `megatron_rl.compat`). Test each by disabling it:
+tests/distributed/test_megatron_cpu.py covers every capability these make work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_installed = False
+_CPU = torch.device("cpu")
+
+
+class _NoOpStream:
+    """Stands in for torch.cuda.Stream/Event: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NoOpStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+def _patch_cuda_device_and_streams() -> None:
+    # ~175 call sites allocate on torch.cuda.current_device(); the schedules, the alltoall
+    # dispatcher and checkpoint saving create streams/events and synchronize.
+    cuda = torch.cuda
+    cuda.current_device = lambda: _CPU
+    cuda.Stream = _NoOpStream
+    cuda.Event = _NoOpStream
+    cuda.current_stream = lambda *a, **k: _NoOpStream()
+    cuda.default_stream = lambda *a, **k: _NoOpStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.device = lambda *a, **k: contextlib.nullcontext()
+    cuda.synchronize = lambda *a, **k: None
+    cuda.set_device = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
+
+
+def _patch_rng() -> None:
+    # megatron's RNG tracker (dropout forks, TP-aware init) saves/restores the CUDA generator.
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    # Seed the CPU generator directly: torch.manual_seed itself calls torch.cuda.manual_seed_all.
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+_original_tensor_type = torch.Tensor.type
+
+
+def _tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+    # The optimizer and clip_grads group parameters by comparing type strings with
+    # 'torch.cuda.FloatTensor'; report CUDA names so CPU tensors land in the right group.
+    if dtype is None:
+        return _CUDA_TYPE_NAMES.get(self.dtype, _original_tensor_type(self))
+    if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
+        dtype = dtype.replace("torch.cuda.", "torch.")
+    return _original_tensor_type(self, dtype, non_blocking, **kwargs)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps device='cuda' to CPU and drops pin_memory in tensor factories megatron calls."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = _CPU
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func in (torch.Tensor.to,) and args:
+            args = tuple(_CPU if _is_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _is_cuda(value) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    if isinstance(value, str):
+        return value.startswith("cuda")
+    return False
+
+
+_mode: _CudaToCpuMode | None = None
+
+
+def _patch_device_arguments() -> None:
+    global _mode
+    torch.Tensor.type = _tensor_type
+    _mode = _CudaToCpuMode()
+    _mode.__enter__()
+
+
+def _patch_te_general_gemm() -> None:
+    # moe_utils references te_general_gemm, which is undefined when TransformerEngine is absent.
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _split_sizes_as_list(sizes):
+    return sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
+
+
+def _patch_all_to_all_split_sizes() -> None:
+    # The alltoall MoE dispatcher passes split sizes as tensors; gloo's all_to_all_single only
+    # takes Python sequences.
+    mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    original = mappings.all_to_all
+
+    def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None):
+        return original(
+            group, input_, _split_sizes_as_list(output_split_sizes_), _split_sizes_as_list(input_split_sizes)
+        )
+
+    _replace_everywhere(original, all_to_all, ["megatron.core.tensor_parallel", mappings.__name__,
+                                              "megatron.core.transformer.moe.token_dispatcher"])
+
+
+def _replace_everywhere(original, replacement, module_names: list[str]) -> None:
+    """Rebinds `original` to `replacement` in each module that imported it by name."""
+    for module_name in module_names:
+        module = importlib.import_module(module_name)
+        for attr, value in list(vars(module).items()):
+            if value is original:
+                setattr(module, attr, replacement)
+
+
+def _patch_torch_norm_sequence_parallel() -> None:
+    # Without TE or Apex, norms are WrappedTorchNorm, which refuses sequence parallel; MoE with
+    # TP>1 requires sequence parallel. A norm over the hidden dimension is correct on sequence
+    # shards; tag its weights so finalize_model_grads all-reduces their grads over TP (without
+    # the tag each TP rank's copy drifts and the loss drifts from TP=1).
+    torch_norm = importlib.import_module("megatron.core.transformer.torch_norm")
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, **kwargs)
+        unsharded = copy.copy(config)
+        object.__setattr__(unsharded, "sequence_parallel", False)
+        norm = original_new(cls, unsharded, hidden_size, eps, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
+def _patch_uneven_gather_scatter() -> None:
+    # MoE with expert-TP > 1 all-gathers / reduce-scatters token slices of different lengths.
+    # gloo's all_gather and reduce_scatter need equal sizes: pad to the longest slice and cut,
+    # and reduce-scatter as an all-reduce followed by taking this rank's slice.
+    mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    original_gather = mappings._gather_along_first_dim
+    original_scatter = mappings._reduce_scatter_along_first_dim
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original_gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = _split_sizes_as_list(output_split_sizes)
+        longest = max(sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        gathered = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(gathered, padded.contiguous(), group=group)
+        return torch.cat([g[:n] for g, n in zip(gathered, sizes)], dim=0)
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original_scatter(input_, group, input_split_sizes, use_global_buffer)
+        sizes = _split_sizes_as_list(input_split_sizes)
+        summed = input_.contiguous().clone()
+        torch.distributed.all_reduce(summed, group=group)
+        start = sum(sizes[: group.rank()])
+        return summed[start : start + sizes[group.rank()]].contiguous()
+
+    mappings._gather_along_first_dim = gather
+    mappings._reduce_scatter_along_first_dim = reduce_scatter
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    _patch_cuda_device_and_streams()
+    _patch_rng()
+    _patch_device_arguments()
+    _patch_te_general_gemm()
+    _patch_all_to_all_split_sizes()
+    _patch_torch_norm_sequence_parallel()
+    _patch_uneven_gather_scatter()

@@ -1,0 +1,74 @@
+"""Process groups for one role (policy or critic), owned by megatron's `parallel_state`.
+
+`initialize_role(resolved, role)` reads the layout the config layer derived; nothing here
+re-derives DP sizes. The default process group comes from torchrun's environment
+(MASTER_ADDR/PORT, RANK, WORLD_SIZE) on NCCL with CUDA and gloo without.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl import compat
+from megatron_rl.config import ModelLayout, ResolvedConfig
+
+Role = Literal["policy", "critic"]
+
+
+def role_layout(resolved: ResolvedConfig, role: Role) -> ModelLayout:
+    layout = resolved.layout.policy if role == "policy" else resolved.layout.critic
+    if layout is None:
+        raise ValueError(f"role '{role}' has no layout in this config (a GRPO config has no critic)")
+    return layout
+
+
+def initialize_distributed(timeout_s: float = 600.0) -> None:
+    """Initialises torch.distributed from the environment unless already initialised."""
+    if dist.is_initialized():
+        return
+    if not compat.CPU_MODE:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=compat.distributed_backend(), timeout=timedelta(seconds=timeout_s))
+
+
+def initialize_model_parallel(tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> None:
+    """Creates megatron's TP/CP/PP/EP/DP groups on the initialised default group and seeds RNGs."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if dist.get_world_size() % (tp * cp * pp):
+        raise ValueError(
+            f"world size {dist.get_world_size()} is not divisible by tp*cp*pp = {tp}*{cp}*{pp}"
+        )
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def initialize_role(resolved: ResolvedConfig, role: Role, seed: int = 1234) -> ModelLayout:
+    """Default group from the environment, then megatron groups with this role's layout."""
+    layout = role_layout(resolved, role)
+    initialize_distributed()
+    if dist.get_world_size() != layout.world_size:
+        raise RuntimeError(
+            f"{role}: started with {dist.get_world_size()} ranks but the resolved layout needs {layout.world_size}"
+        )
+    initialize_model_parallel(tp=layout.tp, cp=layout.cp, pp=layout.pp, ep=layout.ep, seed=seed)
+    return layout
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: spawn gloo process groups on one CPU machine."""

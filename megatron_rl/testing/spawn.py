@@ -1,0 +1,64 @@
+"""Run a function on N gloo ranks in fresh processes and collect each rank's return value.
+
+`run_ranks(fn, world_size, *args)` returns `[result_of_rank_0, ...]`. Results travel back as
+files written with torch.save in a private temporary directory (no sockets involved). `fn` must
+be importable by name (module level) because ranks are started with the spawn method.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    import megatron_rl.compat  # noqa: F401  (before megatron-core)
+    from megatron_rl import parallel
+
+    try:
+        parallel.initialize_distributed(timeout_s=300)
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, Path(out_dir) / f"rank{rank}.pt")
+        raise
+    finally:
+        parallel.destroy()
+
+
+def run_ranks(fn, world_size: int, *args) -> list:
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _rank_main,
+            args=(world_size, free_port(), out_dir, fn, args),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+        results = []
+        for rank in range(world_size):
+            payload = torch.load(Path(out_dir) / f"rank{rank}.pt", weights_only=False)
+            if not payload["ok"]:
+                raise RuntimeError(f"rank {rank} failed:\n{payload['error']}")
+            results.append(payload["result"])
+        return results
