@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -214,11 +215,25 @@ def _patch_uneven_gather_scatter() -> None:
     mappings._reduce_scatter_along_first_dim = reduce_scatter
 
 
+def _silence_cpu_warnings() -> None:
+    # Emitted on every import/forward without TE, Apex or CUDA; they say nothing actionable here.
+    for message in (
+        "Apex is not installed",
+        "Transformer Engine and Apex are not installed",
+        "full scope is deprecated",
+        ".*CUDA_DEVICE_MAX_CONNECTIONS",
+        "`torch.distributed.all_gather_into_tensor` is deprecated",
+        "`torch.distributed.reduce_scatter_tensor` is deprecated",
+    ):
+        warnings.filterwarnings("ignore", message=message)
+
+
 def install() -> None:
     global _installed
     if _installed:
         return
     _installed = True
+    _silence_cpu_warnings()
     _patch_cuda_device_and_streams()
     _patch_rng()
     _patch_device_arguments()

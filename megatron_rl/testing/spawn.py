@@ -46,19 +46,31 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, fn, args) ->
         parallel.destroy()
 
 
-def run_ranks(fn, world_size: int, *args) -> list:
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
+        context = mp.start_processes(
             _rank_main,
             args=(world_size, free_port(), out_dir, fn, args),
             nprocs=world_size,
-            join=True,
+            join=False,
             start_method="spawn",
         )
-        results = []
-        for rank in range(world_size):
-            payload = torch.load(Path(out_dir) / f"rank{rank}.pt", weights_only=False)
+        for process in context.processes:
+            process.join(timeout_s)
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+        payloads, errors = [], []
+        for rank, process in enumerate(context.processes):
+            path = Path(out_dir) / f"rank{rank}.pt"
+            if not path.exists():
+                errors.append(f"rank {rank}: exited with code {process.exitcode} and no result")
+                continue
+            payload = torch.load(path, weights_only=False)
             if not payload["ok"]:
-                raise RuntimeError(f"rank {rank} failed:\n{payload['error']}")
-            results.append(payload["result"])
-        return results
+                errors.append(f"rank {rank} failed:\n{payload['error']}")
+            payloads.append(payload)
+        if errors:
+            # The root cause is usually the shortest traceback; the others are its victims.
+            raise RuntimeError("\n".join(sorted(errors, key=len)))
+        return [p["result"] for p in payloads]

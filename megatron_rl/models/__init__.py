@@ -1,0 +1,1 @@
+"""Model builders (HF config -> Megatron), value head, sharding helpers."""

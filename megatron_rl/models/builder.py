@@ -1,0 +1,124 @@
+"""Megatron GPT models from an `Architecture` (read from an HF config.json or written inline).
+
+No gate on a model name: every family maps onto the same GPT building blocks (RMSNorm, RoPE,
+SwiGLU, GQA, optional q/k-norm, optional MoE). The TransformerEngine layer spec is used when TE
+is importable and CUDA is present, the local spec otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl import compat
+from megatron_rl.config import Architecture
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def transformer_engine_available() -> bool:
+    if compat.CPU_MODE:
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transformer_config(
+    arch: Architecture,
+    tp: int = 1,
+    cp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    dtype: str = "float32",
+    **overrides,
+):
+    """The megatron TransformerConfig for `arch` at the given parallel degrees."""
+    from megatron.core.transformer import TransformerConfig
+
+    params_dtype = DTYPES[dtype]
+    moe = arch.num_experts > 0
+    fields = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.kv_channels,
+        ffn_hidden_size=arch.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        # MoE with expert parallel over TP>1 needs sequence parallel.
+        sequence_parallel=tp > 1 and moe,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        pipeline_dtype=params_dtype,
+        # Fused kernels exist on GPU only.
+        bias_activation_fusion=not compat.CPU_MODE,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=False,
+        persist_layer_norm=False,
+        # Packed batches change length every step; megatron then requires the alltoall dispatcher.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=compat.CPU_MODE,
+    )
+    if moe:
+        fields.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.num_experts_per_tok,
+            moe_ffn_hidden_size=arch.moe_intermediate_size,
+            moe_grouped_gemm=False,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+        )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def layer_spec(arch: Architecture):
+    """TE spec with TE on CUDA, local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    num_experts = arch.num_experts or None
+    if transformer_engine_available():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm
+        )
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
+    )
+
+
+def build_gpt_model(arch: Architecture, config=None, seq_len: int | None = None, **config_kwargs):
+    """A megatron GPTModel for this pipeline stage (pre/post process from parallel_state)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    config = config or transformer_config(arch, **config_kwargs)
+    model = GPTModel(
+        config,
+        layer_spec(arch),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=seq_len or arch.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+    )
+    return model.to(compat.device())

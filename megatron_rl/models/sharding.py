@@ -1,0 +1,91 @@
+"""Move full (unsharded, TP=EP=PP=1) megatron state dicts onto a parallel layout and back.
+
+Megatron tags tensor-parallel parameters with `tensor_model_parallel` and `partition_dim`; gated
+MLP `linear_fc1` weights hold [gate; up] and each TP rank holds [gate_shard; up_shard]. Expert
+weights are numbered locally per EP rank, layers locally per pipeline stage.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
+_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def _is_gated_fc1(name: str, param: torch.nn.Parameter, gated: bool) -> bool:
+    return gated and name.endswith("linear_fc1.weight")
+
+
+def local_to_global_name(name: str, layer_offset: int, expert_offset: int) -> str:
+    """Renames a rank-local parameter name to its name in the full model."""
+    match = _LAYER.match(name)
+    if match:
+        name = f"{match[1]}{int(match[2]) + layer_offset}{match[3]}"
+    match = _EXPERT.match(name)
+    if match:
+        name = f"{match[1]}{int(match[2]) + expert_offset}{match[3]}"
+    return name
+
+
+def _offsets(model) -> tuple[int, int]:
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    config = model.config
+    layer_offset = get_transformer_layer_offset(config)
+    expert_offset = 0
+    if config.num_moe_experts:
+        local_experts = config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+        expert_offset = parallel_state.get_expert_model_parallel_rank() * local_experts
+    return layer_offset, expert_offset
+
+
+def _tp_rank_and_size(name: str) -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    if ".experts." in name:
+        return (
+            parallel_state.get_expert_tensor_parallel_rank(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
+        )
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def shard_full_state_dict(model, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's slice of each of the model's parameters, taken from a full state dict."""
+    layer_offset, expert_offset = _offsets(model)
+    gated = model.config.gated_linear_unit
+    local: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        global_name = local_to_global_name(name, layer_offset, expert_offset)
+        if global_name not in full:
+            raise KeyError(f"full state dict has no tensor {global_name!r} (for local parameter {name!r})")
+        tensor = full[global_name]
+        if getattr(param, "tensor_model_parallel", False):
+            rank, size = _tp_rank_and_size(name)
+            dim = param.partition_dim
+            if _is_gated_fc1(name, param, gated):
+                gate, up = tensor.chunk(2, dim=0)
+                tensor = torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+            else:
+                tensor = tensor.chunk(size, dim=dim)[rank]
+        if tensor.shape != param.shape:
+            raise ValueError(f"{global_name}: shard shape {tuple(tensor.shape)} != parameter shape {tuple(param.shape)}")
+        local[name] = tensor.clone()
+    return local
+
+
+def load_full_state_dict(model, full: dict[str, torch.Tensor]) -> None:
+    """Copies this rank's slices of `full` into the model's parameters."""
+    local = shard_full_state_dict(model, full)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(local[name].to(param.dtype))
+
+
+def full_parameters(model) -> dict[str, torch.Tensor]:
+    """Parameters of a model built at TP=EP=PP=1, by name (detached clones)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -1,0 +1,254 @@
+"""Rank functions for tests/distributed/test_megatron_cpu.py (importable: ranks are spawned).
+
+Every function takes (rank, world_size, ...) and returns plain tensors; the test compares them
+against a single-process reference built from the same full weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl import parallel
+from megatron_rl.config import Architecture
+from megatron_rl.models.builder import build_gpt_model, transformer_config
+from megatron_rl.models.sharding import full_parameters, load_full_state_dict, local_to_global_name
+
+DENSE = Architecture(
+    family="qwen3",
+    hidden_size=64,
+    num_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    vocab_size=128,
+    qk_norm=True,
+)
+MOE = DENSE.model_copy(
+    update=dict(family="qwen3_moe", num_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+)
+
+
+def tokens(batch: int = 2, seq: int = 24, vocab: int = 128, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def reference_weights(rank: int, world_size: int, arch: Architecture, seed: int) -> dict[str, torch.Tensor]:
+    """Random full weights from a TP=EP=PP=1 model."""
+    parallel.initialize_model_parallel(seed=seed)
+    torch.manual_seed(seed)
+    return full_parameters(build_gpt_model(arch))
+
+
+def _gather_vocab(logits: torch.Tensor) -> torch.Tensor:
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+
+
+def logits(rank, world_size, arch, full, tp=1, ep=1, input_ids=None):
+    """Full-vocabulary logits [batch, seq, vocab] of the model at (tp, ep), eval mode."""
+    parallel.initialize_model_parallel(tp=tp, ep=ep)
+    model = build_gpt_model(arch, tp=tp, ep=ep)
+    load_full_state_dict(model, full)
+    model.eval()
+    input_ids = tokens() if input_ids is None else input_ids
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    with torch.no_grad():
+        out = model(input_ids, positions, attention_mask=None)
+    return _gather_vocab(out)
+
+
+def train_loss_and_grads(rank, world_size, arch, full, tp=1, ep=1):
+    """Loss and the gradients of replicated (not TP-sharded) weights after one backward and
+    megatron's finalize_model_grads; every DP replica sees the same batch."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    from megatron_rl.models.sharding import _offsets
+
+    parallel.initialize_model_parallel(tp=tp, ep=ep)
+    config = transformer_config(arch, tp=tp, ep=ep)
+    model = build_gpt_model(arch, config=config)
+    load_full_state_dict(model, full)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    input_ids = tokens()
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    labels = torch.roll(input_ids, -1, dims=1)
+    loss = ddp(input_ids, positions, attention_mask=None, labels=labels).float().mean()
+    loss.backward()
+    # DP all-reduce, plus the TP sum of sequence-parallel norm and q/k-norm gradients.
+    finalize_model_grads([ddp])
+    layer_offset, expert_offset = _offsets(model)
+    grads = {}
+    for name, p in model.named_parameters():
+        if not getattr(p, "tensor_model_parallel", False):
+            grads[local_to_global_name(name, layer_offset, expert_offset)] = p.main_grad.detach().clone()
+    return loss.detach(), grads
+
+
+def pipeline_losses(rank, world_size, arch, full, pp, num_microbatches=3, seq=16):
+    """Per-micro-batch losses from megatron's forward-backward schedule at the given PP size."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    parallel.initialize_model_parallel(pp=pp)
+    config = transformer_config(arch, pp=pp)
+    model = build_gpt_model(arch, config=config)
+    load_full_state_dict(model, full)
+    batches = [tokens(batch=2, seq=seq, seed=10 + i) for i in range(num_microbatches)]
+
+    def forward_step(data_iterator, model):
+        input_ids = next(data_iterator)
+        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        labels = torch.roll(input_ids, -1, dims=1)
+        output = model(input_ids, positions, attention_mask=None, labels=labels)
+
+        def loss_func(per_token):
+            loss = per_token.float().mean()
+            return loss, {"loss": loss.detach().clone()}
+
+        return output, loss_func
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=num_microbatches,
+        seq_length=seq,
+        micro_batch_size=2,
+        forward_only=False,
+    )
+    # Each stage holds its own layers' gradients: the squared norms add up across stages.
+    grad_sq = sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None)
+    return [d["loss"] for d in losses], grad_sq
+
+
+def _named_full_parameters(model) -> dict[str, torch.Tensor]:
+    from megatron_rl.models.sharding import _offsets
+
+    layer_offset, expert_offset = _offsets(model)
+    return {local_to_global_name(n, layer_offset, expert_offset): p.detach().clone() for n, p in model.named_parameters()}
+
+
+def distributed_optimizer_step(rank, world_size, arch, full, lr, weight_decay, steps=2):
+    """DP=world_size: megatron DDP + distributed optimizer; each rank trains on its own batch.
+
+    Returns the parameters after `steps` optimizer steps (DP replicas are identical).
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
+
+    parallel.initialize_model_parallel()
+    config = transformer_config(arch)
+    model = build_gpt_model(arch, config=config)
+    load_full_state_dict(model, full)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+    )
+    model = DistributedDataParallel(config, ddp_config, model)
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+        clip_grad=0.0,
+        use_distributed_optimizer=True,
+        params_dtype=torch.float32,
+    )
+    # No weight decay on 1-D and bias parameters (megatron applies it everywhere without these).
+    optimizer = get_megatron_optimizer(
+        optimizer_config, [model], config_overrides=get_standard_config_overrides(optimizer_config)
+    )
+    # The scheduler writes each group's weight_decay (wd * wd_mult) and lr into the optimizer.
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=lr,
+        max_lr=lr,
+        min_lr=lr,
+        lr_warmup_steps=0,
+        lr_decay_steps=steps + 1,
+        lr_decay_style="constant",
+        start_wd=weight_decay,
+        end_wd=weight_decay,
+        wd_incr_steps=steps + 1,
+        wd_incr_style="constant",
+    )
+    for step in range(steps):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        input_ids = tokens(seed=100 * step + rank)
+        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        labels = torch.roll(input_ids, -1, dims=1)
+        loss = model(input_ids, positions, attention_mask=None, labels=labels).float().mean()
+        loss.backward()
+        model.finish_grad_sync()
+        update_successful, _, _ = optimizer.step()
+        assert update_successful
+        scheduler.step(1)
+    return _named_full_parameters(model.module)
+
+
+def save_checkpoint_then_logits(rank, world_size, arch, full, tp, directory):
+    """Saves the model with dist_checkpointing at this TP size; returns its full-vocab logits."""
+    from megatron.core import dist_checkpointing
+
+    parallel.initialize_model_parallel(tp=tp)
+    model = build_gpt_model(arch, tp=tp)
+    load_full_state_dict(model, full)
+    dist_checkpointing.save(model.sharded_state_dict(), directory)
+    model.eval()
+    input_ids = tokens()
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    with torch.no_grad():
+        return _gather_vocab(model(input_ids, positions, attention_mask=None))
+
+
+def load_checkpoint_then_logits(rank, world_size, arch, tp, directory, seed=999):
+    """A freshly initialised model at this TP size, loaded from `directory`; full-vocab logits."""
+    from megatron.core import dist_checkpointing
+
+    parallel.initialize_model_parallel(tp=tp, seed=seed)
+    model = build_gpt_model(arch, tp=tp)
+    state = dist_checkpointing.load(model.sharded_state_dict(), directory)
+    model.load_state_dict(state)
+    model.eval()
+    input_ids = tokens()
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    with torch.no_grad():
+        return _gather_vocab(model(input_ids, positions, attention_mask=None))
+
+
+def plain_adamw_steps(rank, world_size, arch, full, lr, weight_decay, dp_size, steps=2):
+    """Reference for distributed_optimizer_step: torch AdamW in one process over all DP ranks'
+    batches (DDP averages gradients), with megatron's rule of no decay on 1-D and bias params."""
+    parallel.initialize_model_parallel()
+    model = build_gpt_model(arch)
+    load_full_state_dict(model, full)
+    decays = {n: p.ndim > 1 and not n.endswith(".bias") for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for n, p in model.named_parameters() if decays[n]], "weight_decay": weight_decay},
+            {"params": [p for n, p in model.named_parameters() if not decays[n]], "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    for step in range(steps):
+        optimizer.zero_grad()
+        losses = []
+        for dp_rank in range(dp_size):
+            input_ids = tokens(seed=100 * step + dp_rank)
+            positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+            labels = torch.roll(input_ids, -1, dims=1)
+            losses.append(model(input_ids, positions, attention_mask=None, labels=labels).float().mean())
+        (sum(losses) / dp_size).backward()
+        optimizer.step()
+    return full_parameters(model)
