@@ -145,7 +145,9 @@ class OptimizerConfig(_Strict):
 class LoraConfig(_Strict):
     rank: int = Field(gt=0)
     alpha: float = Field(default=16.0, gt=0)
-    target_modules: list[str] = Field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    )
 
 
 class SnapshotConfig(_Strict):
@@ -337,7 +339,9 @@ class ResolvedConfig(Config):
         return self.model_dump_json(indent=2)
 
 
-def _read_architecture(model: ModelConfig, where: str, base_dir: Path, errors: list[str]) -> Architecture | None:
+def _read_architecture(
+    model: ModelConfig, where: str, base_dir: Path, errors: list[str]
+) -> Architecture | None:
     if model.architecture is not None:
         return model.architecture
     directory = Path(model.hf_config)
@@ -380,7 +384,9 @@ def _model_layout(
         if model.ep > 1 and not arch.num_experts:
             errors.append(f"{where}.ep: ep = {model.ep} but the model has no experts")
         if arch.num_experts and arch.num_experts % model.ep:
-            errors.append(f"{where}.ep: num_experts ({arch.num_experts}) must be divisible by ep ({model.ep})")
+            errors.append(
+                f"{where}.ep: num_experts ({arch.num_experts}) must be divisible by ep ({model.ep})"
+            )
     # Experts are sharded over the data-parallel ranks (times CP): ep must divide dp*cp.
     if (dp * model.cp) % model.ep:
         errors.append(f"{where}.ep: ep ({model.ep}) must divide dp*cp ({dp}*{model.cp})")
@@ -406,7 +412,9 @@ def _value_gpus(config: Config, errors: list[str]) -> tuple[int, str]:
             )
         return 0, "none"
     if dedicated and shared:
-        errors.append("deployment: set num_value_nodes (dedicated) or num_value_gpus_per_train_node (shared), not both")
+        errors.append(
+            "deployment: set num_value_nodes (dedicated) or num_value_gpus_per_train_node (shared), not both"
+        )
         return 0, "none"
     if dedicated:
         return dedicated * deployment.gpus_per_node, "dedicated"
@@ -440,7 +448,9 @@ def _ports(config: Config, errors: list[str]) -> tuple[dict[str, int], list[int]
     seen: dict[int, str] = {}
     for key, port in ports.items():
         if port in seen:
-            errors.append(f"{key}: port {port} is already used by {seen[port]}; all configured ports must be distinct")
+            errors.append(
+                f"{key}: port {port} is already used by {seen[port]}; all configured ports must be distinct"
+            )
         else:
             seen[port] = key
     return ports, inference_ports
@@ -451,7 +461,9 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
     errors: list[str] = []
     algorithm = config.algorithm.type
     if algorithm in ("ppo", "sao") and config.value is None:
-        errors.append(f"value: algorithm.type '{algorithm}' needs a value section (the critic); none is given")
+        errors.append(
+            f"value: algorithm.type '{algorithm}' needs a value section (the critic); none is given"
+        )
     if algorithm == "grpo" and config.value is not None:
         errors.append("value: algorithm.type 'grpo' takes no value section (GRPO has no critic); remove it")
     if algorithm == "grpo" and config.orchestrator.group_size < 2:
@@ -460,7 +472,9 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
         )
 
     policy_arch = _read_architecture(config.model, "model", base_dir, errors)
-    critic_arch = _read_architecture(config.value.model, "value.model", base_dir, errors) if config.value else None
+    critic_arch = (
+        _read_architecture(config.value.model, "value.model", base_dir, errors) if config.value else None
+    )
 
     longest = config.orchestrator.max_prompt_tokens + config.orchestrator.max_completion_tokens
     models = [("model", config.model)] + ([("value.model", config.value.model)] if config.value else [])
@@ -489,7 +503,10 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
         errors.append(
             f"deployment.inference_gpus ({deployment.inference_gpus}) must be divisible by inference.tp ({config.inference.tp})"
         )
-    elif deployment.inference_gpus and config.inference.num_servers * config.inference.tp != deployment.inference_gpus:
+    elif (
+        deployment.inference_gpus
+        and config.inference.num_servers * config.inference.tp != deployment.inference_gpus
+    ):
         errors.append(
             f"inference.num_servers * inference.tp ({config.inference.num_servers}*{config.inference.tp}) must equal "
             f"deployment.inference_gpus ({deployment.inference_gpus})"

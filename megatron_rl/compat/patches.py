@@ -149,8 +149,15 @@ def _patch_all_to_all_split_sizes() -> None:
             group, input_, _split_sizes_as_list(output_split_sizes_), _split_sizes_as_list(input_split_sizes)
         )
 
-    _replace_everywhere(original, all_to_all, ["megatron.core.tensor_parallel", mappings.__name__,
-                                              "megatron.core.transformer.moe.token_dispatcher"])
+    _replace_everywhere(
+        original,
+        all_to_all,
+        [
+            "megatron.core.tensor_parallel",
+            mappings.__name__,
+            "megatron.core.transformer.moe.token_dispatcher",
+        ],
+    )
 
 
 def _replace_everywhere(original, replacement, module_names: list[str]) -> None:

@@ -51,7 +51,10 @@ def _tp_rank_and_size(name: str) -> tuple[int, int]:
             parallel_state.get_expert_tensor_parallel_rank(),
             parallel_state.get_expert_tensor_parallel_world_size(),
         )
-    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
 
 
 def shard_full_state_dict(model, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -73,7 +76,9 @@ def shard_full_state_dict(model, full: dict[str, torch.Tensor]) -> dict[str, tor
             else:
                 tensor = tensor.chunk(size, dim=dim)[rank]
         if tensor.shape != param.shape:
-            raise ValueError(f"{global_name}: shard shape {tuple(tensor.shape)} != parameter shape {tuple(param.shape)}")
+            raise ValueError(
+                f"{global_name}: shard shape {tuple(tensor.shape)} != parameter shape {tuple(param.shape)}"
+            )
         local[name] = tensor.clone()
     return local
 

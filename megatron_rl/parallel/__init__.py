@@ -41,9 +41,7 @@ def initialize_model_parallel(tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1
     from megatron.core import parallel_state, tensor_parallel
 
     if dist.get_world_size() % (tp * cp * pp):
-        raise ValueError(
-            f"world size {dist.get_world_size()} is not divisible by tp*cp*pp = {tp}*{cp}*{pp}"
-        )
+        raise ValueError(f"world size {dist.get_world_size()} is not divisible by tp*cp*pp = {tp}*{cp}*{pp}")
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,

@@ -25,7 +25,9 @@ DENSE = Architecture(
     qk_norm=True,
 )
 MOE = DENSE.model_copy(
-    update=dict(family="qwen3_moe", num_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    update=dict(
+        family="qwen3_moe", num_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    )
 )
 
 
@@ -130,7 +132,10 @@ def _named_full_parameters(model) -> dict[str, torch.Tensor]:
     from megatron_rl.models.sharding import _offsets
 
     layer_offset, expert_offset = _offsets(model)
-    return {local_to_global_name(n, layer_offset, expert_offset): p.detach().clone() for n, p in model.named_parameters()}
+    return {
+        local_to_global_name(n, layer_offset, expert_offset): p.detach().clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def distributed_optimizer_step(rank, world_size, arch, full, lr, weight_decay, steps=2):

@@ -1,0 +1,302 @@
+"""Config rules: each bad config gets an error naming the key path and what was expected."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_rl.config import ConfigError, load_config, load_resolved, parse_config
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
+
+ARCH = {
+    "family": "qwen3",
+    "hidden_size": 64,
+    "num_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+}
+MOE_ARCH = {
+    **ARCH,
+    "family": "qwen3_moe",
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+}
+
+
+def base(algorithm: str = "sao") -> dict:
+    config = {
+        "model": {"architecture": dict(ARCH), "seq_len": 256},
+        "algorithm": {"type": algorithm},
+        "orchestrator": {
+            "batch_size": 4,
+            "group_size": 4,
+            "max_prompt_tokens": 64,
+            "max_completion_tokens": 128,
+        },
+        "deployment": {"nodes": 1, "gpus_per_node": 8, "inference_gpus": 2, "policy_gpus": 4},
+        "inference": {"num_servers": 2},
+    }
+    if algorithm != "grpo":
+        config["value"] = {"model": {"architecture": dict(ARCH), "seq_len": 256}}
+        config["deployment"]["num_value_gpus_per_train_node"] = 2
+    return config
+
+
+def errors_of(data: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, source="test.yaml")
+    return str(info.value)
+
+
+def test_valid_configs_resolve_with_derived_layout():
+    resolved = parse_config(base("sao"))
+    assert resolved.layout.policy.dp == 4 and resolved.layout.critic.dp == 2
+    assert resolved.layout.deployment_style == "shared"
+    assert resolved.algorithm.eps_low == 0.3 and resolved.algorithm.eps_high == 5.0
+    assert resolved.algorithm.length_adaptive_alpha == 1.5
+    grpo = parse_config(base("grpo"))
+    assert grpo.layout.critic is None and grpo.value is None and grpo.layout.deployment_style == "none"
+    assert grpo.algorithm.eps_high == 0.2
+
+
+def test_user_setting_beats_algorithm_default():
+    data = base("sao")
+    data["algorithm"]["eps_high"] = 2.0
+    assert parse_config(data).algorithm.eps_high == 2.0
+
+
+def test_mixed_layouts_derive_each_models_dp():
+    data = base("ppo")
+    data["deployment"] = {
+        "nodes": 3,
+        "gpus_per_node": 8,
+        "inference_gpus": 8,
+        "policy_gpus": 8,
+        "num_value_nodes": 1,
+    }
+    data["inference"] = {"num_servers": 4, "tp": 2}
+    data["model"].update(tp=2, cp=2)  # 8 / (2*2) = 2
+    data["value"]["model"].update(tp=1, cp=4)  # 8 / 4 = 2 ... critic has its own degrees
+    data["value"]["model"]["architecture"] = dict(MOE_ARCH)
+    data["value"]["model"]["ep"] = 4
+    resolved = parse_config(data)
+    assert (resolved.layout.policy.dp, resolved.layout.policy.world_size) == (2, 8)
+    assert (resolved.layout.critic.dp, resolved.layout.critic.cp, resolved.layout.critic.world_size) == (
+        2,
+        4,
+        8,
+    )
+    assert resolved.layout.critic.expert_dp == 2
+    assert resolved.layout.deployment_style == "dedicated" and resolved.layout.value_gpus == 8
+
+
+def test_unknown_key_is_an_error_naming_its_path():
+    data = base()
+    data["value"]["model"]["tensor_parallel"] = 2
+    assert "value.model.tensor_parallel: unknown key" in errors_of(data)
+    data = base()
+    data["orchestartor"] = {}
+    assert "orchestartor: unknown key" in errors_of(data)
+
+
+def test_error_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**base(), "algorithm": {"type": "sao", "gamma": 2}}))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value) and "algorithm.gamma" in str(info.value)
+
+
+def test_missing_required_key():
+    data = base()
+    del data["model"]["seq_len"]
+    assert "model.seq_len: required key is missing" in errors_of(data)
+
+
+def test_ppo_and_sao_need_a_value_section():
+    for algorithm in ("ppo", "sao"):
+        data = base(algorithm)
+        del data["value"]
+        del data["deployment"]["num_value_gpus_per_train_node"]
+        assert f"value: algorithm.type '{algorithm}' needs a value section" in errors_of(data)
+
+
+def test_grpo_takes_no_value_section_and_needs_groups():
+    data = base("grpo")
+    data["value"] = base("sao")["value"]
+    assert "'grpo' takes no value section" in errors_of(data)
+    data = base("grpo")
+    data["orchestrator"]["group_size"] = 1
+    assert "orchestrator.group_size" in errors_of(data)
+
+
+def test_group_size_one_allowed_for_sao_and_ppo():
+    for algorithm in ("sao", "ppo"):
+        data = base(algorithm)
+        data["orchestrator"]["group_size"] = 1
+        assert parse_config(data).orchestrator.group_size == 1
+
+
+def test_longest_sample_must_fit_both_models():
+    data = base()
+    data["value"]["model"]["seq_len"] = 150
+    message = errors_of(data)
+    assert "value.model.seq_len (150) is shorter than the longest possible sample" in message
+    assert "192 tokens" in message and "model.seq_len" not in message.replace("value.model.seq_len", "")
+    data = base()
+    data["model"]["seq_len"] = 100
+    assert "model.seq_len (100)" in errors_of(data)
+
+
+def test_gpu_counts_must_divide_by_model_parallel_degrees():
+    data = base()
+    data["model"]["tp"] = 8  # 4 policy GPUs
+    assert "model: 4 GPUs are not divisible by tp*cp*pp" in errors_of(data)
+    data = base()
+    data["value"]["model"]["cp"] = 4  # 2 critic GPUs
+    assert "value.model: 2 GPUs are not divisible" in errors_of(data)
+
+
+def test_heads_divisible_by_tp_and_cp():
+    data = base()
+    data["model"]["architecture"]["num_attention_heads"] = 12
+    data["model"]["architecture"]["num_key_value_heads"] = 6
+    data["model"].update(tp=2, cp=2)  # 12 % 4 == 0 fine; kv 6 % 2 fine
+    assert parse_config(data).layout.policy.dp == 1
+    data["model"]["architecture"]["num_attention_heads"] = 6
+    data["model"]["architecture"]["num_key_value_heads"] = 6
+    assert "num_attention_heads (6) must be divisible by tp*cp (2*2)" in errors_of(data)
+    data = base()
+    data["model"]["architecture"]["num_key_value_heads"] = 1
+    data["model"]["tp"] = 2
+    assert "num_key_value_heads (1) must be divisible by tp (2)" in errors_of(data)
+
+
+def test_experts_divisible_by_ep_and_ep_fits_dp():
+    data = base()
+    data["model"]["architecture"] = dict(MOE_ARCH, num_experts=6)
+    data["model"]["ep"] = 4
+    assert "model.ep: num_experts (6) must be divisible by ep (4)" in errors_of(data)
+    data = base()
+    data["model"]["architecture"] = dict(MOE_ARCH)
+    data["model"].update(ep=4, tp=2)  # dp = 2, dp*cp = 2
+    assert "model.ep: ep (4) must divide dp*cp (2*1)" in errors_of(data)
+    data = base()
+    data["model"]["ep"] = 2
+    assert "model.ep: ep = 2 but the model has no experts" in errors_of(data)
+
+
+def test_ports_must_be_distinct():
+    data = base()
+    data["value"]["service"] = {"port": 5555}
+    assert "value.service.port: port 5555 is already used by transport.policy_port" in errors_of(data)
+    data = base()
+    data["transport"] = {"critic_port": 8001}  # inference servers use 8000, 8001
+    assert "port 8001 is already used by transport.critic_port" in errors_of(data)
+
+
+def test_deployment_capacity_and_critic_gpus():
+    data = base()
+    data["deployment"]["policy_gpus"] = 6  # 2 + 6 + 2 > 8
+    assert "exceeds nodes*gpus_per_node = 8" in errors_of(data)
+    data = base()
+    del data["deployment"]["num_value_gpus_per_train_node"]
+    assert "the value section needs critic GPUs" in errors_of(data)
+    data = base()
+    data["deployment"]["num_value_nodes"] = 1
+    assert "not both" in errors_of(data)
+
+
+def test_hf_config_directory(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "intermediate_size": 128,
+                "vocab_size": 512,
+            }
+        )
+    )
+    data = base()
+    data["model"] = {"hf_config": "hf", "seq_len": 256}
+    data["value"]["model"] = {"hf_config": str(hf), "seq_len": 256}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    resolved = load_config(path)
+    assert resolved.layout.policy_architecture.family == "llama"
+    assert resolved.layout.policy_architecture.qk_norm is False
+    assert resolved.model.hf_config == str(hf.resolve())  # made absolute for every process
+    data["model"]["hf_config"] = "missing"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"model.hf_config: no config.json in .*missing"):
+        load_config(path)
+    (hf / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    data["model"]["hf_config"] = "hf"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"model_type 'gpt2' has no builder mapping"):
+        load_config(path)
+
+
+def test_exactly_one_model_source():
+    data = base()
+    data["model"]["hf_config"] = "/somewhere"
+    assert "give exactly one of hf_config" in errors_of(data)
+
+
+def test_resolved_json_round_trips(tmp_path):
+    resolved = parse_config(base())
+    path = tmp_path / "resolved.json"
+    path.write_text(resolved.to_json())
+    again = load_resolved(path)
+    assert again == resolved
+    assert again.layout.critic.dp == 2
+
+
+def test_every_example_config_checks():
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        resolved = load_config(path)
+        assert resolved.layout.policy.world_size == resolved.deployment.policy_gpus
+
+
+def test_example_30b_layout():
+    resolved = load_config(EXAMPLES / "qwen3_30b_a3b_sao.yaml")
+    assert (resolved.layout.policy.ep, resolved.layout.policy.dp) == (2, 2)
+    assert resolved.layout.critic.world_size == 2 and resolved.layout.deployment_style == "shared"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_rl.launch.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_check_config_cli(tmp_path):
+    done = _cli("check-config", str(EXAMPLES / "tiny_cpu_sao.yaml"))
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)
+    assert printed["layout"]["policy"]["dp"] == 1 and printed["layout"]["critic"]["dp"] == 1
+    data = copy.deepcopy(yaml.safe_load((EXAMPLES / "tiny_cpu_sao.yaml").read_text()))
+    del data["value"]
+    del data["deployment"]["num_value_gpus_per_train_node"]
+    bad = tmp_path / "no_value.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    done = _cli("check-config", str(bad))
+    assert done.returncode == 2
+    assert "value: algorithm.type 'sao' needs a value section" in done.stderr
+    assert str(bad) in done.stderr
