@@ -21,6 +21,8 @@ setup(
         "safetensors",
         "transformers",
         "numpy",
+        # The compiled GAE scan (megatron_rl/algorithms/_gae_kernel.py).
+        "numba",
         "rich",
         # dist_checkpointing.save starts a multiprocessing Manager that needs psutil.
         "psutil",

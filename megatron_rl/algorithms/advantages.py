@@ -1,0 +1,196 @@
+"""Advantages: skip-observation GAE (PPO, SAO) and group-normalised rewards (GRPO).
+
+All GAE arithmetic is float64. CPU tensors go through a compiled single-pass scan
+(`_gae_kernel`, numba); other devices (or a machine without numba) through the vectorised
+blockwise solve below, which works on any device. In the blockwise solve, the recursion
+A_k = delta_k + c * A_{k+1} (c = gamma * lambda) is solved as A = M @ delta with the upper
+triangular Toeplitz matrix M[k, j] = c^(j - k), computed blockwise: within blocks of L tokens,
+then once more over the blocks' first entries with c^L. Powers are taken directly (never
+c^-k * c^j), so nothing overflows; entries that underflow to 0 are below float64 resolution.
+Memory is O(B * T * L) with L ~ sqrt(T).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_rl.algorithms import _gae_kernel
+
+
+def length_adaptive_lambda(num_action_tokens: torch.Tensor, alpha: float) -> torch.Tensor:
+    """VAPO's lambda = 1 - 1 / (alpha * l), clamped to [0, 1]; `l` per sample, returns [B] float64."""
+    length = torch.as_tensor(num_action_tokens, dtype=torch.float64)
+    lam = 1.0 - 1.0 / (alpha * length)
+    return torch.nan_to_num(lam, neginf=0.0).clamp(0.0, 1.0)
+
+
+def _discounted_suffix_sum(delta: torch.Tensor, discount: torch.Tensor) -> torch.Tensor:
+    """out[b, k] = sum_{j >= k} discount[b]^(j - k) * delta[b, j]; delta [B, K] float64, discount [B]."""
+    batch, length = delta.shape
+    if length == 0:
+        return delta.clone()
+    block = max(1, math.isqrt(length - 1) + 1)
+    num_blocks = -(-length // block)
+    padded = delta.new_zeros(batch, num_blocks * block)
+    padded[:, :length] = delta
+    blocks = padded.view(batch, num_blocks, block)
+
+    steps = torch.arange(block, dtype=torch.float64, device=delta.device)
+    offsets = steps[None, :] - steps[:, None]  # [L, L]: j - k
+    upper = offsets >= 0
+    within = torch.where(upper, torch.pow(discount[:, None, None], offsets.clamp(min=0)), 0.0)  # [B, L, L]
+    local = torch.einsum("bkj,bnj->bnk", within, blocks)  # suffix sums inside each block
+
+    # S_n = local[n, 0] + c^L * S_{n+1}: the same Toeplitz solve over the blocks, ratio c^L.
+    block_steps = torch.arange(num_blocks, dtype=torch.float64, device=delta.device)
+    block_offsets = block_steps[None, :] - block_steps[:, None]
+    across = torch.where(
+        block_offsets >= 0, torch.pow(discount[:, None, None] ** block, block_offsets.clamp(min=0)), 0.0
+    )
+    block_heads = torch.einsum(
+        "bnm,bm->bn", across, local[:, :, 0]
+    )  # [B, num_blocks]: full A at block starts
+    # A at (n, k) = local[n, k] + c^(L - k) * S_{n+1}
+    next_heads = torch.cat([block_heads[:, 1:], block_heads.new_zeros(batch, 1)], dim=1)
+    carry = torch.pow(discount[:, None], (block - steps)[None, :])  # [B, L]
+    full = local + carry[:, None, :] * next_heads[:, :, None]
+    return full.reshape(batch, -1)[:, :length]
+
+
+def _compact_action_tokens(loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Positions of action tokens moved to the front of each row, in order.
+
+    Returns (order [B, T] int64, valid [B, K] bool, counts [B]) where K = max action count.
+    """
+    counts = loss_mask.sum(dim=1)
+    order = torch.sort((~loss_mask).to(torch.int8), dim=1, stable=True).indices
+    longest = int(counts.max()) if counts.numel() else 0
+    valid = torch.arange(longest, device=loss_mask.device)[None, :] < counts[:, None]
+    return order, valid, counts
+
+
+def skip_observation_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    loss_mask: torch.Tensor,
+    bootstrap_values: torch.Tensor,
+    truncated: torch.Tensor,
+    gamma: float,
+    lam: float | torch.Tensor,
+    kl_rewards: torch.Tensor | None = None,
+    method: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over action tokens only; observation and prompt tokens are skipped.
+
+    For action tokens t_1 < ... < t_K of a sample (loss_mask True), with reward R on t_K plus
+    optional per-token `kl_rewards`:
+        delta_k = r_k + gamma * V(t_{k+1}) - V(t_k),  V(t_{K+1}) = bootstrap if truncated else 0
+        A_k     = delta_k + gamma * lambda * A_{k+1}
+        returns_k = A_k + V(t_k)
+    This equals ordinary GAE on the sequence with the non-action tokens deleted.
+
+    Args: rewards [B]; values, loss_mask, kl_rewards [B, T] (right-padded); bootstrap_values,
+    truncated [B]; lam a float or [B]. Returns (advantages, returns), [B, T] float64, 0 off the
+    action tokens. `method`: "auto" (compiled scan for CPU tensors when available), "scan" or
+    "blockwise".
+    """
+    mask = loss_mask.bool()
+    batch = mask.shape[0]
+    lam = torch.as_tensor(lam, dtype=torch.float64, device=mask.device).expand(batch)
+    if method == "auto":
+        method = "scan" if mask.device.type == "cpu" and _gae_kernel.available() else "blockwise"
+    if method == "scan":
+        as_numpy = lambda x: torch.as_tensor(x).detach().cpu().numpy()  # noqa: E731
+        advantages, returns = _gae_kernel.scan_gae(
+            as_numpy(rewards),
+            as_numpy(values.to(torch.float64)),
+            as_numpy(mask),
+            as_numpy(bootstrap_values),
+            as_numpy(truncated),
+            gamma,
+            as_numpy(lam),
+            None if kl_rewards is None else as_numpy(kl_rewards),
+        )
+        return torch.from_numpy(advantages), torch.from_numpy(returns)
+    return _blockwise_gae(rewards, values, mask, bootstrap_values, truncated, gamma, lam, kl_rewards)
+
+
+def _blockwise_gae(rewards, values, mask, bootstrap_values, truncated, gamma, lam, kl_rewards):
+    """skip_observation_gae by compaction of action tokens and a blockwise Toeplitz solve."""
+    batch = mask.shape[0]
+    values = values.to(torch.float64)
+    order, valid, counts = _compact_action_tokens(mask)
+    longest = valid.shape[1]
+    gather = order[:, :longest]
+
+    step_values = torch.where(valid, torch.gather(values, 1, gather), 0.0)  # V(t_k)
+    last = (counts - 1).clamp(min=0)
+    tail = torch.where(
+        torch.as_tensor(truncated, dtype=torch.bool, device=mask.device),
+        torch.as_tensor(bootstrap_values, dtype=torch.float64, device=mask.device),
+        0.0,
+    )
+    next_values = torch.cat([step_values[:, 1:], step_values.new_zeros(batch, 1)], dim=1)
+    is_last = torch.arange(longest, device=mask.device)[None, :] == last[:, None]
+    next_values = torch.where(is_last, tail[:, None], next_values)  # V(t_{k+1}), bootstrap at the end
+
+    step_rewards = torch.where(is_last, torch.as_tensor(rewards, dtype=torch.float64)[:, None], 0.0)
+    if kl_rewards is not None:
+        step_rewards = step_rewards + torch.gather(kl_rewards.to(torch.float64), 1, gather)
+    delta = torch.where(valid, step_rewards + gamma * next_values - step_values, 0.0)
+
+    compact_advantages = _discounted_suffix_sum(delta, gamma * lam)
+    compact_returns = compact_advantages + step_values
+
+    advantages = torch.zeros_like(values)
+    returns = torch.zeros_like(values)
+    advantages.scatter_(1, gather, torch.where(valid, compact_advantages, 0.0))
+    returns.scatter_(1, gather, torch.where(valid, compact_returns, 0.0))
+    # Rows with fewer actions than `longest` scattered their zero padding onto non-action
+    # positions; re-mask so those stay exactly 0.
+    return advantages * mask, returns * mask
+
+
+def decoupled_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    loss_mask: torch.Tensor,
+    bootstrap_values: torch.Tensor,
+    truncated: torch.Tensor,
+    gamma: float,
+    policy_lambda: float,
+    value_lambda: float = 1.0,
+    length_adaptive_alpha: float | None = None,
+    kl_rewards: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Policy advantages with `policy_lambda` (or VAPO's length-adaptive lambda when
+    `length_adaptive_alpha` is set) and value targets with `value_lambda`.
+
+    Returns (advantages, returns), both [B, T] float64.
+    """
+    if length_adaptive_alpha is not None:
+        policy_lambda = length_adaptive_lambda(loss_mask.sum(dim=1), length_adaptive_alpha)
+    args = (rewards, values, loss_mask, bootstrap_values, truncated, gamma)
+    advantages, _ = skip_observation_gae(*args, policy_lambda, kl_rewards=kl_rewards)
+    _, returns = skip_observation_gae(*args, value_lambda, kl_rewards=kl_rewards)
+    return advantages, returns
+
+
+def grpo_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """A_i = (R_i - mean_g(R)) / (std_g(R) + eps) within each group g (std unbiased; a group of
+    one or with equal rewards gets advantage 0). Returns [N] float64."""
+    rewards = torch.as_tensor(rewards, dtype=torch.float64)
+    _, group = torch.unique(torch.as_tensor(group_ids), return_inverse=True)
+    num_groups = int(group.max()) + 1 if group.numel() else 0
+    counts = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, torch.ones_like(rewards))
+    means = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, rewards) / counts
+    centered = rewards - means[group]
+    if not normalize_std:
+        return centered
+    squares = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, centered**2)
+    std = torch.sqrt(squares / (counts - 1).clamp(min=1))
+    return centered / (std[group] + eps)

@@ -1,0 +1,127 @@
+"""Token-level losses: PPO clip, SAO's direct double-sided importance sampling (DIS), value.
+
+Every loss sums over masked tokens and divides by `normalizer`: the number of action tokens in
+the whole global batch (all DP and CP ranks), supplied by the trainer, so the result does not
+depend on how tokens were packed or sharded. Each returns (loss, metrics); metrics are summed
+statistics of this call (`*_sum` and `num_tokens`) so the trainer can reduce them globally, plus
+min/max where useful.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """r_t = exp(logp_theta - logp_old)."""
+    return torch.exp(logprobs - old_logprobs)
+
+
+def _ratio_metrics(
+    ratio: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    ratio = ratio.detach()
+    masked = ratio[mask]
+    # k3 estimator of KL(old || new): E[(r - 1) - log r], non-negative per token.
+    approx_kl = (ratio - 1.0) - log_ratio.detach()
+    return {
+        "num_tokens": mask.sum().to(torch.float64),
+        "ratio_sum": masked.sum().to(torch.float64),
+        "ratio_min": masked.min() if masked.numel() else ratio.new_tensor(float("inf")),
+        "ratio_max": masked.max() if masked.numel() else ratio.new_tensor(float("-inf")),
+        "approx_kl_sum": approx_kl[mask].sum().to(torch.float64),
+    }
+
+
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    normalizer: float | torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """sum_t mask_t * -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) / normalizer.
+
+    With `dual_clip` c > 1, tokens with A_t < 0 are further bounded: loss_t = min(loss_t, -c A_t).
+    """
+    mask = mask.bool()
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -ratio * advantages
+    clipped = -torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
+    per_token = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    if dual_clip is not None:
+        bound = -dual_clip * advantages
+        dual_active = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(dual_active, bound, per_token)
+        clip_active = clip_active | dual_active
+    loss = torch.where(mask, per_token, 0.0).sum() / normalizer
+    metrics = _ratio_metrics(ratio, log_ratio, mask)
+    metrics["clipped_sum"] = (clip_active & mask).sum().to(torch.float64)
+    return loss, metrics
+
+
+def sao_dis_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    normalizer: float | torch.Tensor,
+    eps_low: float = 0.3,
+    eps_high: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAO's DIS: sum_t mask_t * -1[1 - eps_low < r_t < 1 + eps_high] * r_t * A_t / normalizer.
+
+    The indicator is not differentiated; both tails are masked whatever the sign of A_t, and
+    masked-out tokens stay in the denominator (the normalizer counts them).
+    """
+    mask = mask.bool()
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    with torch.no_grad():
+        inside = (ratio > 1.0 - eps_low) & (ratio < 1.0 + eps_high)
+    per_token = -ratio * advantages
+    loss = torch.where(mask & inside, per_token, 0.0).sum() / normalizer
+    metrics = _ratio_metrics(ratio, log_ratio, mask)
+    metrics["clipped_sum"] = (mask & ~inside).sum().to(torch.float64)  # tokens the band masked out
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    normalizer: float | torch.Tensor,
+    old_values: torch.Tensor | None = None,
+    clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """sum_t mask_t * 0.5 * (V_t - R_t)^2 / normalizer.
+
+    With `clip` and `old_values`: 0.5 * max((V - R)^2, (V_clip - R)^2) where
+    V_clip = old + clamp(V - old, -clip, clip).
+    """
+    mask = mask.bool()
+    values = values.to(torch.promote_types(values.dtype, torch.float32))  # bf16 heads -> fp32 loss
+    returns = returns.to(values.dtype)
+    squared = (values - returns) ** 2
+    clipped_frac = values.new_zeros(())
+    if clip is not None:
+        if old_values is None:
+            raise ValueError("value_loss: clip is set but old_values is None")
+        old_values = old_values.to(values.dtype)
+        clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
+        clipped_squared = (clipped_values - returns) ** 2
+        clipped_frac = ((clipped_squared > squared) & mask).sum().to(torch.float64)
+        squared = torch.maximum(squared, clipped_squared)
+    loss = 0.5 * torch.where(mask, squared, 0.0).sum() / normalizer
+    metrics = {
+        "num_tokens": mask.sum().to(torch.float64),
+        "squared_error_sum": torch.where(mask, (values - returns) ** 2, 0.0).sum().detach().to(torch.float64),
+        "value_sum": torch.where(mask, values, 0.0).sum().detach().to(torch.float64),
+        "clipped_sum": clipped_frac,
+    }
+    return loss, metrics

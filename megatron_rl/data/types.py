@@ -1,0 +1,116 @@
+"""The core types: TrainingSample, MicroBatch, Grid (names are the contract between modules).
+
+Arrays are numpy so that they cross process boundaries as raw buffers (see transport/); the
+trainer turns a MicroBatch into torch tensors with `MicroBatch.to_torch()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+
+@dataclass
+class TrainingSample:
+    """One trainable branch of a rollout group.
+
+    `loss_mask` is True on policy-generated action tokens only; `inference_logprobs` is the
+    sampler's log-probability per token (0 where not an action). Annotated later: `values`
+    (per token, the value of the state before that token), `bootstrap_value`, `advantages`,
+    `returns` (per token, 0 off the action tokens).
+    """
+
+    token_ids: np.ndarray  # [T] int64
+    loss_mask: np.ndarray  # [T] bool
+    inference_logprobs: np.ndarray  # [T] float32
+    reward: float
+    truncated: bool = False
+    group_id: int = 0
+    branch_index: int = 0
+    policy_version: int = 0
+    values: np.ndarray | None = None  # [T] float32
+    bootstrap_value: float | None = None
+    advantages: np.ndarray | None = None  # [T] float32
+    returns: np.ndarray | None = None  # [T] float32
+
+    def __post_init__(self) -> None:
+        self.token_ids = np.asarray(self.token_ids, dtype=np.int64)
+        self.loss_mask = np.asarray(self.loss_mask, dtype=bool)
+        self.inference_logprobs = np.asarray(self.inference_logprobs, dtype=np.float32)
+        n = len(self.token_ids)
+        for name in ("loss_mask", "inference_logprobs"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"TrainingSample(group {self.group_id}, branch {self.branch_index}): {name} has "
+                    f"{len(getattr(self, name))} entries for {n} tokens"
+                )
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_action_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+# Per-token float arrays a MicroBatch carries (all [num_tokens] float32).
+MICRO_BATCH_FLOAT_FIELDS = ("advantages", "returns", "old_values", "inference_logprobs")
+
+
+@dataclass
+class MicroBatch:
+    """Sequences packed end to end into one row of `num_tokens` tokens (THD layout).
+
+    `position_ids` restart at 0 for every sequence; `cu_seqlens` ([num_sequences + 1], int32)
+    are the sequence boundaries; padding at the end of the bin (for CP divisibility) belongs to
+    no sequence and is masked. `sample_index[i]` is the original index (in the list given to the
+    packer) of the sample the token belongs to, -1 for padding. A dummy micro-batch (`is_dummy`)
+    has an all-False mask and contributes exactly zero loss and gradient.
+    """
+
+    input_ids: np.ndarray  # [N] int64
+    position_ids: np.ndarray  # [N] int64
+    cu_seqlens: np.ndarray  # [S + 1] int32
+    loss_mask: np.ndarray  # [N] bool
+    advantages: np.ndarray  # [N] float32
+    returns: np.ndarray  # [N] float32
+    old_values: np.ndarray  # [N] float32
+    inference_logprobs: np.ndarray  # [N] float32
+    sample_index: np.ndarray  # [N] int64
+    is_dummy: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return np.diff(self.cu_seqlens)
+
+    @property
+    def num_action_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "is_dummy"}
+
+    def to_torch(self, device=None) -> dict:
+        import torch
+
+        return {
+            name: torch.from_numpy(np.ascontiguousarray(a)).to(device) for name, a in self.arrays().items()
+        }
+
+
+Grid = list[list[MicroBatch]]  # grid[data_rank][micro_step]
+
+
+@dataclass
+class ScoreResult:
+    """The critic's reply for one batch of sequences, in request order."""
+
+    values: list[np.ndarray]  # per sequence, [T_i] float32
+    bootstrap_values: list[float]
+    step: int = 0
+    extra: dict = field(default_factory=dict)

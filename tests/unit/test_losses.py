@@ -1,0 +1,126 @@
+"""PPO clip, SAO DIS and value losses: values, gradients, normalisation independent of packing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.algorithms.losses import ppo_clip_loss, sao_dis_loss, value_loss
+
+
+def random_tokens(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(n, generator=g, dtype=torch.float64) * 3
+    # log-ratios spread over [-1.5, 2] so ratios fall below, inside and above every band.
+    logprobs = (old + torch.empty(n, dtype=torch.float64).uniform_(-1.5, 2.0, generator=g)).requires_grad_()
+    advantages = torch.randn(n, generator=g, dtype=torch.float64)
+    mask = torch.rand(n, generator=g) < 0.8
+    return logprobs, old, advantages, mask
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_dis_gradient_is_ratio_times_advantage_inside_the_band(seed):
+    logprobs, old, advantages, mask = random_tokens(400, seed)
+    normalizer = 512.0
+    loss, metrics = sao_dis_loss(logprobs, old, advantages, mask, normalizer, eps_low=0.3, eps_high=5.0)
+    loss.backward()
+    ratio = torch.exp(logprobs.detach() - old)
+    inside = (ratio > 0.7) & (ratio < 6.0)
+    # d/dlogp of -r*A is -r*A (dr/dlogp = r): the ascent direction is r*A*grad(logp).
+    expected = torch.where(mask & inside, -ratio * advantages / normalizer, 0.0)
+    torch.testing.assert_close(logprobs.grad, expected, atol=1e-15, rtol=0)
+    for sign in (1, -1):  # both tails are masked whatever the sign of A
+        outside = mask & ~inside & (torch.sign(advantages) == sign)
+        assert outside.any() and (logprobs.grad[outside] == 0).all()
+        assert (logprobs.grad[mask & inside & (torch.sign(advantages) == sign)] != 0).all()
+    expected_loss = -(ratio * advantages)[mask & inside].sum() / normalizer
+    torch.testing.assert_close(loss.detach(), expected_loss)
+    assert metrics["clipped_sum"] == (mask & ~inside).sum()
+    assert metrics["num_tokens"] == mask.sum()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ppo_clip_gradient_is_zero_exactly_where_the_clipped_branch_is_active(seed):
+    logprobs, old, advantages, mask = random_tokens(400, seed)
+    loss, metrics = ppo_clip_loss(logprobs, old, advantages, mask, 100.0, eps_low=0.2, eps_high=0.28)
+    loss.backward()
+    ratio = torch.exp(logprobs.detach() - old)
+    clipped_active = ((advantages > 0) & (ratio > 1.28)) | ((advantages < 0) & (ratio < 0.8))
+    assert (mask & clipped_active).any() and (mask & ~clipped_active).any()
+    expected = torch.where(mask & ~clipped_active, -ratio * advantages / 100.0, 0.0)
+    torch.testing.assert_close(logprobs.grad, expected, atol=1e-15, rtol=0)
+    assert metrics["clipped_sum"] == (mask & clipped_active).sum()
+    reference = torch.maximum(-ratio * advantages, -ratio.clamp(0.8, 1.28) * advantages)[mask].sum() / 100.0
+    torch.testing.assert_close(loss.detach(), reference)
+
+
+def test_ppo_dual_clip_bounds_negative_advantages():
+    logprobs, old, advantages, mask = random_tokens(400, 9)
+    loss, _ = ppo_clip_loss(logprobs, old, advantages, mask, 1.0, 0.2, 0.2, dual_clip=3.0)
+    loss.backward()
+    ratio = torch.exp(logprobs.detach() - old)
+    dual = mask & (advantages < 0) & (ratio > 3.0)
+    assert dual.any()
+    assert (logprobs.grad[dual] == 0).all()
+    per_token = torch.maximum(-ratio * advantages, -ratio.clamp(0.8, 1.2) * advantages)
+    per_token = torch.where((advantages < 0), torch.minimum(per_token, -3.0 * advantages), per_token)
+    torch.testing.assert_close(loss.detach(), per_token[mask].sum())
+
+
+@pytest.mark.parametrize("loss_name", ["ppo", "sao", "value"])
+def test_global_normaliser_makes_loss_independent_of_micro_batch_split(loss_name):
+    n = 300
+    logprobs, old, advantages, mask = random_tokens(n, 4)
+    returns = torch.randn(n, dtype=torch.float64)
+    normalizer = mask.sum()
+
+    def run(boundaries):
+        total = 0.0
+        for start, end in zip(boundaries[:-1], boundaries[1:]):
+            sl = slice(start, end)
+            if loss_name == "ppo":
+                part, _ = ppo_clip_loss(logprobs[sl], old[sl], advantages[sl], mask[sl], normalizer)
+            elif loss_name == "sao":
+                part, _ = sao_dis_loss(logprobs[sl], old[sl], advantages[sl], mask[sl], normalizer)
+            else:
+                part, _ = value_loss(logprobs[sl], returns[sl], mask[sl], normalizer, old[sl], clip=0.5)
+            part.backward()
+            total = total + part.detach()
+        grad = logprobs.grad.clone()
+        logprobs.grad = None
+        return total, grad
+
+    loss_a, grad_a = run([0, 300])
+    loss_b, grad_b = run([0, 17, 150, 151, 300])
+    torch.testing.assert_close(loss_a, loss_b, atol=1e-12, rtol=0)
+    torch.testing.assert_close(grad_a, grad_b, atol=1e-15, rtol=0)
+
+
+def test_value_loss_plain_and_clipped():
+    g = torch.Generator().manual_seed(1)
+    values = torch.randn(50, generator=g, dtype=torch.float64, requires_grad=True)
+    returns = torch.randn(50, generator=g, dtype=torch.float64)
+    old = torch.randn(50, generator=g, dtype=torch.float64)
+    mask = torch.rand(50, generator=g) < 0.7
+    loss, metrics = value_loss(values, returns, mask, 64.0)
+    torch.testing.assert_close(loss, 0.5 * ((values - returns) ** 2)[mask].sum() / 64.0)
+    assert metrics["num_tokens"] == mask.sum()
+    clipped, metrics = value_loss(values, returns, mask, 64.0, old_values=old, clip=0.2)
+    v_clip = old + (values.detach() - old).clamp(-0.2, 0.2)
+    expected = (
+        0.5 * torch.maximum((values.detach() - returns) ** 2, (v_clip - returns) ** 2)[mask].sum() / 64.0
+    )
+    torch.testing.assert_close(clipped.detach(), expected)
+    assert 0 < metrics["clipped_sum"] <= mask.sum()
+    with pytest.raises(ValueError, match="old_values is None"):
+        value_loss(values, returns, mask, 1.0, clip=0.2)
+
+
+def test_fully_masked_micro_batch_contributes_zero_loss_and_gradient():
+    logprobs, old, advantages, _ = random_tokens(64, 3)
+    mask = torch.zeros(64, dtype=torch.bool)
+    for fn in (ppo_clip_loss, sao_dis_loss):
+        loss, metrics = fn(logprobs, old, advantages, mask, 10.0)
+        loss.backward()
+        assert loss.item() == 0.0 and (logprobs.grad == 0).all() and metrics["num_tokens"] == 0
+        logprobs.grad = None
