@@ -1,0 +1,256 @@
+"""Pack samples into a grid of micro-batches: `grid[data_rank][micro_step]`.
+
+1. Bins: first-fit-decreasing by length into bins of `seq_len` tokens (complete sequences only).
+2. Balance: bins go to DP ranks by longest-processing-time on a cost model with a linear and a
+   quadratic (attention) term per sequence; then single-sequence moves and pairwise swaps
+   between the most and least loaded ranks lower the maximum rank cost while bins stay within
+   `seq_len`.
+3. Every bin is padded to a multiple of the CP size (padding is masked and belongs to no
+   sequence); every DP rank gets the same number of micro-steps, filled with dummy micro-batches
+   (all masked, `context_parallel_size` tokens) that contribute zero loss and gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_rl.data.types import MICRO_BATCH_FLOAT_FIELDS, Grid, MicroBatch, TrainingSample
+
+CostModel = Callable[[int], float]
+
+
+def attention_cost(length: int, quadratic_scale: float = 8192.0) -> float:
+    """Default cost of one sequence: its tokens (MLP, projections) plus length^2 / scale
+    (attention). With the default scale, attention is half the cost at 8192 tokens."""
+    return length + length * length / quadratic_scale
+
+
+class PackingError(ValueError):
+    pass
+
+
+@dataclass
+class _Bin:
+    items: list[int]  # original sample indices
+    used: int = 0
+
+
+def _first_fit_decreasing(lengths: Sequence[int], seq_len: int, capacity_of) -> list[_Bin]:
+    bins: list[_Bin] = []
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[index]
+        for b in bins:
+            if capacity_of(b.used + n) <= seq_len:
+                b.items.append(index)
+                b.used += n
+                break
+        else:
+            bins.append(_Bin([index], n))
+    return bins
+
+
+def _balance(bins: list[_Bin], lengths, costs, dp: int, seq_len: int, capacity_of, max_rounds: int = 500):
+    """Assigns bins to ranks (LPT), then refines by moving/swapping sequences between ranks."""
+    bin_cost = [sum(costs[i] for i in b.items) for b in bins]
+    ranks: list[list[_Bin]] = [[] for _ in range(dp)]
+    load = [0.0] * dp
+    for k in sorted(range(len(bins)), key=lambda k: -bin_cost[k]):
+        r = min(range(dp), key=lambda r: (load[r], len(ranks[r])))
+        ranks[r].append(bins[k])
+        load[r] += bin_cost[k]
+
+    def fits(b: _Bin, extra: int) -> bool:
+        return capacity_of(b.used + extra) <= seq_len
+
+    for _ in range(max_rounds):
+        hi = max(range(dp), key=lambda r: load[r])
+        best = None  # (new max of the two ranks, action)
+        for lo in range(dp):
+            if lo == hi:
+                continue
+            for src in ranks[hi]:
+                for i in src.items:
+                    # Move i to a bin of `lo` (or to a new bin there).
+                    new_pair_max = max(load[hi] - costs[i], load[lo] + costs[i])
+                    if new_pair_max < load[hi] - 1e-9 and (best is None or new_pair_max < best[0]):
+                        dst = next((b for b in ranks[lo] if fits(b, lengths[i])), None)
+                        # A new bin on `lo` only where it adds no micro-step to the grid.
+                        if dst is not None or len(ranks[lo]) < max(len(r) for r in ranks):
+                            best = (new_pair_max, ("move", hi, lo, src, i, dst))
+                    for dst in ranks[lo]:
+                        for j in dst.items:
+                            delta = costs[i] - costs[j]
+                            if delta <= 0:
+                                continue
+                            new_pair_max = max(load[hi] - delta, load[lo] + delta)
+                            if new_pair_max >= load[hi] - 1e-9 or (
+                                best is not None and new_pair_max >= best[0]
+                            ):
+                                continue
+                            if fits(src, lengths[j] - lengths[i]) and fits(dst, lengths[i] - lengths[j]):
+                                best = (new_pair_max, ("swap", hi, lo, src, i, dst, j))
+        if best is None:
+            break
+        action = best[1]
+        if action[0] == "move":
+            _, hi, lo, src, i, dst = action
+            src.items.remove(i)
+            src.used -= lengths[i]
+            if dst is None:
+                dst = _Bin([], 0)
+                ranks[lo].append(dst)
+            dst.items.append(i)
+            dst.used += lengths[i]
+            if not src.items:
+                ranks[hi].remove(src)
+            load[hi] -= costs[i]
+            load[lo] += costs[i]
+        else:
+            _, hi, lo, src, i, dst, j = action
+            src.items[src.items.index(i)] = j
+            dst.items[dst.items.index(j)] = i
+            src.used += lengths[j] - lengths[i]
+            dst.used += lengths[i] - lengths[j]
+            load[hi] -= costs[i] - costs[j]
+            load[lo] += costs[i] - costs[j]
+    return ranks
+
+
+def _micro_batch(samples: Sequence[TrainingSample], items: list[int], cp: int) -> MicroBatch:
+    lengths = [len(samples[i]) for i in items]
+    real = sum(lengths)
+    total = -(-real // cp) * cp
+    pad = total - real
+
+    def cat(get, dtype, fill=0):
+        parts = [np.asarray(get(samples[i]), dtype=dtype) for i in items]
+        parts.append(np.full(pad, fill, dtype=dtype))
+        return np.concatenate(parts)
+
+    def annotation(name):
+        return lambda s: getattr(s, name) if getattr(s, name) is not None else np.zeros(len(s))
+
+    old_values = annotation("values")
+    floats = {
+        "advantages": cat(annotation("advantages"), np.float32),
+        "returns": cat(annotation("returns"), np.float32),
+        "old_values": cat(old_values, np.float32),
+        "inference_logprobs": cat(lambda s: s.inference_logprobs, np.float32),
+    }
+    assert set(floats) == set(MICRO_BATCH_FLOAT_FIELDS)
+    return MicroBatch(
+        input_ids=cat(lambda s: s.token_ids, np.int64),
+        position_ids=np.concatenate(
+            [np.arange(n, dtype=np.int64) for n in lengths] + [np.arange(pad, dtype=np.int64)]
+        ),
+        cu_seqlens=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+        loss_mask=cat(lambda s: s.loss_mask, np.bool_, False),
+        sample_index=np.concatenate(
+            [np.full(n, i, dtype=np.int64) for i, n in zip(items, lengths)]
+            + [np.full(pad, -1, dtype=np.int64)]
+        ),
+        **floats,
+    )
+
+
+def dummy_micro_batch(context_parallel_size: int = 1) -> MicroBatch:
+    """All-masked filler: one sequence of `context_parallel_size` padding tokens."""
+    n = context_parallel_size
+    zeros = np.zeros(n, dtype=np.float32)
+    return MicroBatch(
+        input_ids=np.zeros(n, dtype=np.int64),
+        position_ids=np.arange(n, dtype=np.int64),
+        cu_seqlens=np.array([0, n], dtype=np.int32),
+        loss_mask=np.zeros(n, dtype=np.bool_),
+        advantages=zeros,
+        returns=zeros.copy(),
+        old_values=zeros.copy(),
+        inference_logprobs=zeros.copy(),
+        sample_index=np.full(n, -1, dtype=np.int64),
+        is_dummy=True,
+    )
+
+
+def pack_into_grid(
+    samples: Sequence[TrainingSample],
+    seq_len: int,
+    data_parallel_size: int,
+    context_parallel_size: int = 1,
+    cost: CostModel | None = None,
+) -> Grid:
+    """Packs `samples` into `grid[data_rank][micro_step]` (see the module docstring)."""
+    cp, dp = context_parallel_size, data_parallel_size
+    if dp < 1 or cp < 1:
+        raise PackingError(f"data_parallel_size ({dp}) and context_parallel_size ({cp}) must be >= 1")
+    if seq_len % cp:
+        raise PackingError(f"seq_len ({seq_len}) must be a multiple of context_parallel_size ({cp})")
+    cost = cost or attention_cost
+    lengths = [len(s) for s in samples]
+    for i, (sample, n) in enumerate(zip(samples, lengths)):
+        if n > seq_len:
+            raise PackingError(
+                f"sample {i} (group {sample.group_id}, branch {sample.branch_index}) has {n} tokens, "
+                f"longer than seq_len {seq_len}; samples are never truncated"
+            )
+        if n == 0:
+            raise PackingError(f"sample {i} (group {sample.group_id}, branch {sample.branch_index}) is empty")
+
+    def padded(n: int) -> int:
+        return -(-n // cp) * cp
+
+    costs = [cost(n) for n in lengths]
+    bins = _first_fit_decreasing(lengths, seq_len, padded)
+    ranks = _balance(bins, lengths, costs, dp, seq_len, padded)
+    steps = max(1, max(len(r) for r in ranks))
+    grid: Grid = []
+    for rank_bins in ranks:
+        # Longest bins first: the heaviest micro-steps line up across ranks.
+        ordered = sorted(rank_bins, key=lambda b: (-sum(costs[i] for i in b.items), min(b.items)))
+        row = [_micro_batch(samples, sorted(b.items), cp) for b in ordered]
+        row += [dummy_micro_batch(cp) for _ in range(steps - len(row))]
+        grid.append(row)
+    return grid
+
+
+def unpack(
+    grid: Grid, per_token_outputs: Sequence[Sequence[np.ndarray]], num_samples: int | None = None
+) -> list:
+    """Per-sample slices of per-token outputs (same [rank][step] shape as `grid`), in original
+    sample order. Returns a list whose entry i is the output for sample i."""
+    found: dict[int, np.ndarray] = {}
+    for rank_grid, rank_out in zip(grid, per_token_outputs, strict=True):
+        for mb, out in zip(rank_grid, rank_out, strict=True):
+            if mb.is_dummy:
+                continue
+            if len(out) != mb.num_tokens:
+                raise ValueError(f"output has {len(out)} tokens for a micro-batch of {mb.num_tokens}")
+            for start, end in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:]):
+                found[int(mb.sample_index[start])] = out[start:end]
+    count = num_samples if num_samples is not None else len(found)
+    missing = [i for i in range(count) if i not in found]
+    if missing:
+        raise ValueError(f"unpack: no output for samples {missing[:10]}")
+    return [found[i] for i in range(count)]
+
+
+def packing_stats(grid: Grid, seq_len: int, cost: CostModel | None = None) -> dict:
+    """Fill ratio, bins vs the lower bound ceil(total_tokens / seq_len), DP cost imbalance
+    (max / mean of per-rank cost), and the number of dummy micro-batches."""
+    cost = cost or attention_cost
+    real_bins = [mb for row in grid for mb in row if not mb.is_dummy]
+    total_tokens = sum(int(mb.cu_seqlens[-1]) for mb in real_bins)
+    rank_costs = [sum(cost(int(n)) for mb in row if not mb.is_dummy for n in mb.seq_lens) for row in grid]
+    mean = sum(rank_costs) / len(rank_costs)
+    return {
+        "num_bins": len(real_bins),
+        "lower_bound_bins": math.ceil(total_tokens / seq_len) if total_tokens else 0,
+        "fill_ratio": total_tokens / (len(real_bins) * seq_len) if real_bins else 0.0,
+        "dp_imbalance": max(rank_costs) / mean if mean else 1.0,
+        "dummies": sum(mb.is_dummy for row in grid for mb in row),
+        "micro_steps": len(grid[0]),
+        "total_tokens": total_tokens,
+    }

@@ -1,0 +1,157 @@
+"""pack_into_grid / unpack / packing_stats: properties over random inputs, and the error cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_rl.data.packing import PackingError, pack_into_grid, packing_stats, unpack
+from megatron_rl.data.types import TrainingSample
+
+
+def make_samples(lengths, seed=0, annotate=True):
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i, n in enumerate(lengths):
+        mask = rng.random(n) < 0.7
+        samples.append(
+            TrainingSample(
+                token_ids=rng.integers(1, 1000, n),
+                loss_mask=mask,
+                inference_logprobs=np.where(mask, -rng.random(n), 0.0),
+                reward=float(rng.normal()),
+                group_id=i // 3,
+                branch_index=i % 3,
+                values=rng.normal(size=n).astype(np.float32) if annotate else None,
+                advantages=rng.normal(size=n).astype(np.float32) if annotate else None,
+                returns=rng.normal(size=n).astype(np.float32) if annotate else None,
+            )
+        )
+    return samples
+
+
+def check_grid(samples, grid, seq_len, dp, cp):
+    assert len(grid) == dp
+    steps = {len(row) for row in grid}
+    assert len(steps) == 1, f"unequal micro-step counts {steps}"
+    seen = []
+    for row in grid:
+        for mb in row:
+            assert mb.num_tokens <= seq_len and mb.num_tokens % cp == 0
+            arrays = mb.arrays()
+            assert all(len(a) == mb.num_tokens for k, a in arrays.items() if k != "cu_seqlens")
+            if mb.is_dummy:
+                assert not mb.loss_mask.any() and (mb.sample_index == -1).all()
+                continue
+            real = int(mb.cu_seqlens[-1])
+            assert not mb.loss_mask[real:].any() and (mb.sample_index[real:] == -1).all()
+            for start, end in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:]):
+                index = int(mb.sample_index[start])
+                sample = samples[index]
+                assert (mb.sample_index[start:end] == index).all()
+                np.testing.assert_array_equal(mb.position_ids[start:end], np.arange(end - start))
+                np.testing.assert_array_equal(mb.input_ids[start:end], sample.token_ids)
+                np.testing.assert_array_equal(mb.loss_mask[start:end], sample.loss_mask)
+                np.testing.assert_array_equal(mb.inference_logprobs[start:end], sample.inference_logprobs)
+                if sample.advantages is not None:
+                    np.testing.assert_array_equal(mb.advantages[start:end], sample.advantages)
+                    np.testing.assert_array_equal(mb.returns[start:end], sample.returns)
+                    np.testing.assert_array_equal(mb.old_values[start:end], sample.values)
+                seen.append(index)
+    # Every sample exactly once.
+    assert sorted(seen) == list(range(len(samples)))
+    # unpack restores original order.
+    outputs = [[mb.input_ids.astype(np.float64) * 2 for mb in row] for row in grid]
+    restored = unpack(grid, outputs, len(samples))
+    for sample, out in zip(samples, restored):
+        np.testing.assert_array_equal(out, sample.token_ids * 2)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 64), min_size=1, max_size=40),
+    dp=st.integers(1, 4),
+    cp=st.sampled_from([1, 2, 4]),
+    seed=st.integers(0, 1000),
+)
+def test_grid_properties(lengths, dp, cp, seed):
+    samples = make_samples(lengths, seed, annotate=seed % 2 == 0)
+    seq_len = 64
+    grid = pack_into_grid(samples, seq_len, dp, cp)
+    check_grid(samples, grid, seq_len, dp, cp)
+
+
+@pytest.mark.parametrize("dp,cp", [(1, 1), (2, 1), (2, 2), (3, 4), (8, 2)])
+def test_seeded_sizes(dp, cp):
+    rng = np.random.default_rng(dp * 10 + cp)
+    for trial in range(5):
+        lengths = rng.integers(1, 512, rng.integers(1, 60)).tolist()
+        samples = make_samples(lengths, trial)
+        grid = pack_into_grid(samples, 512, dp, cp)
+        check_grid(samples, grid, 512, dp, cp)
+
+
+def test_oversize_sample_is_rejected_with_both_lengths():
+    samples = make_samples([10, 70, 5])
+    with pytest.raises(
+        PackingError, match=r"sample 1 \(group 0, branch 1\) has 70 tokens, longer than seq_len 64"
+    ):
+        pack_into_grid(samples, 64, 2)
+
+
+def test_seq_len_must_divide_by_cp():
+    with pytest.raises(
+        PackingError, match=r"seq_len \(63\) must be a multiple of context_parallel_size \(2\)"
+    ):
+        pack_into_grid(make_samples([5]), 63, 1, 2)
+
+
+def test_cp_padding_never_pushes_a_bin_over_seq_len():
+    # 63 + 1 tokens fit in 64, but with CP=4 the bin holding 63 pads to 64 and nothing else fits.
+    samples = make_samples([63, 1, 62, 2])
+    grid = pack_into_grid(samples, 64, 1, 4)
+    check_grid(samples, grid, 64, 1, 4)
+
+
+def test_fewer_bins_than_ranks_fill_with_dummies():
+    samples = make_samples([5, 6])
+    grid = pack_into_grid(samples, 64, 4, 2)
+    check_grid(samples, grid, 64, 4, 2)
+    stats = packing_stats(grid, 64)
+    assert stats["dummies"] == 4 * stats["micro_steps"] - stats["num_bins"]
+    assert all(len(row) == 1 for row in grid)
+
+
+def test_two_layouts_give_independent_grids():
+    samples = make_samples(np.random.default_rng(0).integers(1, 200, 30).tolist())
+    policy = pack_into_grid(samples, 256, 2, 2)
+    critic = pack_into_grid(samples, 512, 3, 1)
+    check_grid(samples, policy, 256, 2, 2)
+    check_grid(samples, critic, 512, 3, 1)
+    policy[0][0].advantages[:] = 99.0  # writing into one grid touches neither the other nor the samples
+    assert not any((mb.advantages == 99.0).any() for row in critic for mb in row)
+    assert not any((s.advantages == 99.0).any() for s in samples)
+
+
+def test_balance_and_bin_count_on_long_tailed_lengths():
+    rng = np.random.default_rng(1)
+    lengths = (rng.integers(100, 600, 128) + np.minimum(rng.lognormal(np.log(2000), 0.9, 128), 7000)).astype(
+        int
+    )
+    samples = make_samples(lengths.tolist(), annotate=False)
+    for dp in (2, 4):
+        stats = packing_stats(pack_into_grid(samples, 8192, dp), 8192)
+        assert stats["num_bins"] <= 1.03 * stats["lower_bound_bins"] + 1
+        assert stats["dp_imbalance"] <= 1.05
+        assert stats["fill_ratio"] > 0.9
+
+
+def test_unpack_rejects_missing_and_mismatched_outputs():
+    samples = make_samples([5, 6, 7])
+    grid = pack_into_grid(samples, 8, 1)
+    with pytest.raises(ValueError, match="tokens for a micro-batch"):
+        unpack(grid, [[np.zeros(1) for _ in row] for row in grid])
+    with pytest.raises(ValueError, match=r"no output for samples \[3\]"):
+        unpack(grid, [[np.zeros(mb.num_tokens) for mb in row] for row in grid], num_samples=4)
