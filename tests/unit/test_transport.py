@@ -1,0 +1,203 @@
+"""Grid codec and the ZMQ sender/receiver in one process: byte-exact round trips and every error."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from megatron_rl.data.packing import pack_into_grid
+from megatron_rl.data.types import TrainingSample
+from megatron_rl.transport import (
+    GridReceiver,
+    GridSender,
+    TransportError,
+    TransportTimeout,
+    decode_grid_item,
+    encode_grid_item,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_grid(step: int, dp: int, cp: int = 1, count: int = 20):
+    rng = np.random.default_rng(step)
+    samples = []
+    for i in range(count):
+        n = int(rng.integers(3, 90))
+        mask = rng.random(n) < 0.6
+        samples.append(
+            TrainingSample(
+                token_ids=rng.integers(0, 50_000, n),
+                loss_mask=mask,
+                inference_logprobs=-rng.random(n),
+                reward=1.0,
+                values=rng.normal(size=n).astype(np.float32),
+                advantages=rng.normal(size=n).astype(np.float32),
+                returns=rng.normal(size=n).astype(np.float32),
+                group_id=i,
+            )
+        )
+    return pack_into_grid(samples, 128, dp, cp)
+
+
+def assert_same_micro_batches(got, expected):
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert a.is_dummy == b.is_dummy
+        for name, array in b.arrays().items():
+            other = getattr(a, name)
+            assert other.dtype == array.dtype and other.shape == array.shape
+            assert other.tobytes() == array.tobytes(), name
+
+
+def test_codec_round_trip_is_byte_exact():
+    grid = make_grid(0, 2, 2)
+    frames = encode_grid_item(7, 1, grid[1])
+    decoded = decode_grid_item([bytes(f) for f in frames], "test", 7, 1)
+    assert_same_micro_batches(decoded, grid[1])
+    assert any(mb.is_dummy for row in make_grid(1, 4, count=3) for mb in row)
+
+
+def test_codec_rejects_corruption_wrong_version_and_truncation():
+    grid = make_grid(0, 1)
+    frames = [bytes(f) for f in encode_grid_item(3, 0, grid[0])]
+    corrupt = list(frames)
+    corrupt[2] = bytes([corrupt[2][0] ^ 0xFF]) + corrupt[2][1:]
+    with pytest.raises(
+        TransportError,
+        match=r"test: grid item for step 3, data rank 0: micro-step 0 array .*checksum mismatch",
+    ):
+        decode_grid_item(corrupt, "test", 3, 0)
+    header = msgspec.msgpack.decode(frames[0])
+    header["version"] = 99
+    with pytest.raises(TransportError, match="wrong format version 99"):
+        decode_grid_item([msgspec.msgpack.encode(header), *frames[1:]], "test", 3, 0)
+    with pytest.raises(TransportError, match="truncated message"):
+        decode_grid_item(frames[:-1], "test", 3, 0)
+    with pytest.raises(TransportError, match="corrupt header"):
+        decode_grid_item([b"\xc1garbage", *frames[1:]], "test", 3, 0)
+    with pytest.raises(TransportError, match="frame is for step 3, data rank 0"):
+        decode_grid_item(frames, "test", 4, 0)
+    short = list(frames)
+    short[1] = short[1][:-1]
+    with pytest.raises(TransportError, match="bytes, header says"):
+        decode_grid_item(short, "test", 3, 0)
+
+
+def test_late_receiver_gets_every_step_and_sender_releases_after_acks():
+    port = free_port()
+    with GridSender(
+        "127.0.0.1", port, data_parallel_size=2, receivers_per_data_rank=1, max_pending_steps=3
+    ) as sender:
+        grids = {step: make_grid(step, 2) for step in range(3)}
+        for step, grid in grids.items():
+            sender.publish(step, grid)  # nobody is connected yet: nothing may be lost
+        receivers = [GridReceiver("127.0.0.1", port, data_rank=d, timeout_s=10) for d in range(2)]
+        sender.wait_for_receivers(timeout_s=10)
+        for step, grid in grids.items():
+            for d, receiver in enumerate(receivers):
+                assert_same_micro_batches(receiver.receive(step), grid[d])
+            sender.wait_delivered(step, timeout_s=10)
+        with pytest.raises(TransportError, match="step 0 was already delivered and released"):
+            receivers[0].receive(0)
+        for receiver in receivers:
+            receiver.close()
+
+
+def test_unacknowledged_step_is_kept_and_served_again():
+    port = free_port()
+    with GridSender("127.0.0.1", port, data_parallel_size=1) as sender:
+        grid = make_grid(5, 1)
+        sender.publish(5, grid)
+        # A receiver that takes the data but dies before acknowledging it.
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.connect(f"tcp://127.0.0.1:{port}")
+        raw.send_multipart([b"GET", msgspec.msgpack.encode({"step": 5, "data_rank": 0, "receiver_id": 0})])
+        assert raw.poll(10_000) and raw.recv_multipart()[0] == b"DATA"
+        raw.close(linger=0)
+        with pytest.raises(
+            TransportTimeout,
+            match=r"step 5 not acknowledged within 0.3s by \(data rank, receiver\) \[\(0, 0\)\]",
+        ):
+            sender.wait_delivered(5, timeout_s=0.3)
+        with GridReceiver("127.0.0.1", port, data_rank=0, timeout_s=10) as receiver:
+            assert_same_micro_batches(receiver.receive(5), grid[0])
+        sender.wait_delivered(5, timeout_s=10)
+
+
+def fake_sender(port: int, replies: list[list[bytes]], stop: threading.Event):
+    """A ROUTER that answers HELLO and then each GET with the next prepared (bad) reply."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    pending = list(replies)
+    while not stop.is_set():
+        if not sock.poll(20):
+            continue
+        identity, kind, _ = sock.recv_multipart()
+        if kind == b"HELLO":
+            sock.send_multipart(
+                [identity, b"WELCOME", msgspec.msgpack.encode({"name": "fake", "data_parallel_size": 1})]
+            )
+        elif kind == b"GET" and pending:
+            sock.send_multipart([identity, *pending.pop(0)])
+    sock.close(linger=0)
+
+
+def test_receiver_raises_on_corrupt_and_wrong_version_frames():
+    grid = make_grid(2, 1)
+    frames = [bytes(f) for f in encode_grid_item(2, 0, grid[0])]
+    corrupt = list(frames)
+    corrupt[3] = b"\x00" * len(corrupt[3])
+    header = msgspec.msgpack.decode(frames[0])
+    header["version"] = 2
+    meta = msgspec.msgpack.encode({"step": 2, "data_rank": 0})
+    port, stop = free_port(), threading.Event()
+    thread = threading.Thread(
+        target=fake_sender,
+        args=(
+            port,
+            [[b"DATA", meta, *corrupt], [b"DATA", meta, msgspec.msgpack.encode(header), *frames[1:]]],
+            stop,
+        ),
+    )
+    thread.start()
+    try:
+        with GridReceiver("127.0.0.1", port, data_rank=0, timeout_s=10) as receiver:
+            with pytest.raises(
+                TransportError, match=f"tcp://127.0.0.1:{port}: grid item for step 2.*checksum mismatch"
+            ):
+                receiver.receive(2)
+            with pytest.raises(TransportError, match="wrong format version 2"):
+                receiver.receive(2)
+            with pytest.raises(
+                TransportTimeout,
+                match=f"tcp://127.0.0.1:{port}: no answer to step 2 for data rank 0 within 0.2s",
+            ):
+                receiver.receive(2, timeout_s=0.2)
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_handshake_timeout_and_layout_errors_name_the_endpoint():
+    port = free_port()
+    with pytest.raises(TransportTimeout, match=f"tcp://127.0.0.1:{port}: no answer to handshake"):
+        GridReceiver("127.0.0.1", port, data_rank=0, handshake_timeout_s=0.2)
+    with GridSender("127.0.0.1", port, data_parallel_size=2) as sender:
+        with pytest.raises(
+            TransportError, match=r"data rank 2 / receiver 0 outside this sender's layout \(dp 2"
+        ):
+            GridReceiver("127.0.0.1", port, data_rank=2, handshake_timeout_s=5)
+        with pytest.raises(ValueError, match="grid has 1 data ranks, expected 2"):
+            sender.publish(0, make_grid(0, 1))
+        with pytest.raises(TransportTimeout, match="0 of 2 receivers connected"):
+            sender.wait_for_receivers(timeout_s=0.2)
