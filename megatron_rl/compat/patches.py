@@ -222,6 +222,59 @@ def _patch_uneven_gather_scatter() -> None:
     mappings._reduce_scatter_along_first_dim = reduce_scatter
 
 
+def _patch_distributed_optimizer_torch_adam() -> None:
+    # Without TE/Apex the distributed optimizer wraps torch Adam, whose per-parameter state
+    # (including `step`) exists only after a first step; building the loading template of a
+    # fresh optimizer then fails ("assert len(steps) == 1"). Fill zero state first.
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    if getattr(distrib, "HAVE_APEX_OR_TE", True):
+        return
+    original = distrib.DistributedOptimizer.sharded_state_dict
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
+        if is_loading:
+            with torch.no_grad():
+                for group in self.optimizer.param_groups:
+                    for param in group["params"]:
+                        state = self.optimizer.state[param]
+                        if not state:
+                            state["step"] = torch.zeros((), dtype=torch.float32)
+                            state["exp_avg"] = torch.zeros_like(param)
+                            state["exp_avg_sq"] = torch.zeros_like(param)
+        if model_sharded_state_dict is None:
+            model_sharded_state_dict = {}
+        return original(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    distrib.DistributedOptimizer.sharded_state_dict = sharded_state_dict
+
+    # torch Adam keeps `step` per parameter, but checkpoints carry it per param group (restored
+    # by load_state_dict); copying per-parameter tensors back must leave `step` alone.
+    original_set = distrib.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors:
+            current = self._get_main_param_and_optimizer_states(model_param)
+            if "step" in current:
+                tensors = {**tensors, "step": current["step"]}
+        with torch.no_grad():
+            return original_set(self, model_param, tensors)
+
+    distrib.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+    # load_state_dict hands every parameter the same `step` tensor; torch Adam then increments
+    # it once per parameter per step and the bias correction goes wrong after a resume.
+    original_load = distrib.DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        result = original_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].detach().clone()
+        return result
+
+    distrib.DistributedOptimizer.load_state_dict = load_state_dict
+
+
 def _silence_cpu_warnings() -> None:
     # Emitted on every import/forward without TE, Apex or CUDA; they say nothing actionable here.
     for message in (
@@ -248,3 +301,4 @@ def install() -> None:
     _patch_all_to_all_split_sizes()
     _patch_torch_norm_sequence_parallel()
     _patch_uneven_gather_scatter()
+    _patch_distributed_optimizer_torch_adam()

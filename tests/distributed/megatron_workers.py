@@ -257,3 +257,73 @@ def plain_adamw_steps(rank, world_size, arch, full, lr, weight_decay, dp_size, s
         (sum(losses) / dp_size).backward()
         optimizer.step()
     return full_parameters(model)
+
+
+def _ddp_model_and_optimizer(arch, full, lr, tp=1):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
+
+    config = transformer_config(arch, tp=tp)
+    model = build_gpt_model(arch, config=config)
+    load_full_state_dict(model, full)
+    model = DistributedDataParallel(
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True), model
+    )
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=0.0,
+        clip_grad=0.0,
+        use_distributed_optimizer=True,
+        params_dtype=torch.float32,
+    )
+    optimizer = get_megatron_optimizer(
+        optimizer_config, [model], config_overrides=get_standard_config_overrides(optimizer_config)
+    )
+    return model, optimizer
+
+
+def _train_step(model, optimizer, step, rank):
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    input_ids = tokens(seed=100 * step + rank)
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    labels = torch.roll(input_ids, -1, dims=1)
+    loss = model(input_ids, positions, attention_mask=None, labels=labels).float().mean()
+    loss.backward()
+    model.finish_grad_sync()
+    assert optimizer.step()[0]
+    return loss.detach()
+
+
+def optimizer_checkpoint(rank, world_size, arch, full, lr, directory, mode, tp=1):
+    """mode 'save': 2 steps, save, 2 more steps; 'load': load the checkpoint, 2 steps.
+    Returns the losses of the last two steps and the final parameters."""
+    from megatron.core import dist_checkpointing
+
+    parallel.initialize_model_parallel(tp=tp)
+    model, optimizer = _ddp_model_and_optimizer(arch, full, lr, tp=tp)
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+    if mode == "plain":
+        for step in range(2):
+            _train_step(model, optimizer, step, rank % 2)
+    elif mode == "save":
+        for step in range(2):
+            _train_step(model, optimizer, step, rank % 2)
+        model_state = model.module.sharded_state_dict()
+        state = {
+            "model": model_state,
+            "optimizer": optimizer.sharded_state_dict(model_state, metadata=metadata),
+        }
+        dist_checkpointing.save(state, directory)
+    else:
+        model_state = model.module.sharded_state_dict()
+        template = {
+            "model": model_state,
+            "optimizer": optimizer.sharded_state_dict(model_state, is_loading=True, metadata=metadata),
+        }
+        loaded = dist_checkpointing.load(template, directory)
+        model.module.load_state_dict(loaded["model"])
+        optimizer.load_state_dict(loaded["optimizer"])
+    losses = [_train_step(model, optimizer, step, rank % 2) for step in (2, 3)]
+    return losses, _named_full_parameters(model.module)
