@@ -59,6 +59,7 @@ class Architecture(_Strict):
     max_position_embeddings: int = Field(default=4096, gt=0)
     tie_word_embeddings: bool = False
     qk_norm: bool = False
+    moe_norm_topk_prob: bool = True  # renormalise the top-k router probabilities (Qwen3-MoE)
 
     @model_validator(mode="after")
     def _check(self) -> Architecture:
@@ -89,6 +90,24 @@ class Architecture(_Strict):
                 f"(supported: {sorted(HF_MODEL_TYPES)})"
             )
         family = HF_MODEL_TYPES[model_type]
+        # Features the builders do not implement are refused rather than silently ignored.
+        # transformers >= 5 writes rope_parameters / num_local_experts; released checkpoints
+        # use rope_theta / rope_scaling / num_experts.
+        rope = config.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        unsupported = {
+            "rope_scaling": config.get("rope_scaling"),
+            "rope_parameters.rope_type": None if rope_type == "default" else rope_type,
+            "attention_bias": config.get("attention_bias"),
+            "mlp_bias": config.get("mlp_bias"),
+            "mlp_only_layers": config.get("mlp_only_layers") or None,
+            "decoder_sparse_step": None
+            if config.get("decoder_sparse_step", 1) == 1
+            else config["decoder_sparse_step"],
+        }
+        for key, value in unsupported.items():
+            if value:
+                raise ValueError(f"{source}: {key}={value!r} is not supported by the {family} builder yet")
         return cls(
             family=family,
             hidden_size=config["hidden_size"],
@@ -98,14 +117,15 @@ class Architecture(_Strict):
             head_dim=config.get("head_dim"),
             intermediate_size=config["intermediate_size"],
             vocab_size=config["vocab_size"],
-            num_experts=config.get("num_experts", 0) or 0,
+            num_experts=config.get("num_experts") or config.get("num_local_experts") or 0,
             num_experts_per_tok=config.get("num_experts_per_tok", 0) or 0,
             moe_intermediate_size=config.get("moe_intermediate_size", 0) or 0,
-            rope_theta=config.get("rope_theta", 10000.0),
+            rope_theta=config.get("rope_theta") or rope.get("rope_theta") or 10000.0,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             qk_norm=family in ("qwen3", "qwen3_moe"),
+            moe_norm_topk_prob=config.get("norm_topk_prob", True),
         )
 
 

@@ -84,6 +84,8 @@ def transformer_config(
             moe_ffn_hidden_size=arch.moe_intermediate_size,
             moe_grouped_gemm=False,
             moe_router_load_balancing_type="none",
+            # softmax over the top-k logits == softmax over all, then renormalised top-k.
+            moe_router_pre_softmax=not arch.moe_norm_topk_prob,
             moe_aux_loss_coeff=0.0,
         )
     fields.update(overrides)

@@ -1,0 +1,37 @@
+"""Megatron models built from HF configs give the logits of `transformers` on the same weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_rl.config import Architecture
+from megatron_rl.models.hf_mapping import hf_to_megatron
+from megatron_rl.testing.spawn import run_ranks
+from tests.distributed import megatron_workers as w
+
+LAYOUTS = {"qwen3": [(1, 1), (2, 1)], "llama": [(1, 1), (2, 1)], "qwen3_moe": [(1, 1), (2, 1), (1, 2)]}
+
+
+def hf_logits(directory, input_ids):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids).logits
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
+def test_logits_match_transformers(family, tiny_models):
+    directory = tiny_models[family]
+    arch = Architecture.from_hf_config(json.loads((directory / "config.json").read_text()), str(directory))
+    full = hf_to_megatron(load_file(directory / "model.safetensors"), arch)
+    input_ids = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    reference = hf_logits(directory, input_ids)
+    assert reference.abs().mean() > 1e-2
+    for tp, ep in LAYOUTS[family]:
+        for logits in run_ranks(w.logits, tp * ep, arch, full, tp, ep, input_ids):
+            torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0, msg=f"{family} tp={tp} ep={ep}")
