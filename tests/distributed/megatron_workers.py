@@ -327,3 +327,14 @@ def optimizer_checkpoint(rank, world_size, arch, full, lr, directory, mode, tp=1
         optimizer.load_state_dict(loaded["optimizer"])
     losses = [_train_step(model, optimizer, step, rank % 2) for step in (2, 3)]
     return losses, _named_full_parameters(model.module)
+
+
+def vocab_parallel_logprob_grads(rank, world_size, logits_full, targets, weights):
+    """Log-probs, entropy and the gradient of sum(w1*logp + w2*H) w.r.t. this rank's logits."""
+    from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
+
+    parallel.initialize_model_parallel(tp=world_size)
+    local = logits_full.chunk(world_size, dim=-1)[rank].clone().requires_grad_()
+    logprobs, entropy = megatron_vocab_parallel_logprobs(local, targets)
+    (weights[0] * logprobs + weights[1] * entropy).sum().backward()
+    return logprobs.detach(), entropy.detach(), local.grad
