@@ -20,6 +20,15 @@ from megatron_rl.config import ModelLayout, ResolvedConfig
 Role = Literal["policy", "critic"]
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on `host` a moment ago (for single-machine rendezvous)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def role_layout(resolved: ResolvedConfig, role: Role) -> ModelLayout:
     layout = resolved.layout.policy if role == "policy" else resolved.layout.critic
     if layout is None:

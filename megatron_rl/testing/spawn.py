@@ -8,7 +8,6 @@ be importable by name (module level) because ranks are started with the spawn me
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 from pathlib import Path
@@ -16,11 +15,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_rl.parallel import free_port
 
 
 def _rank_main(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:

@@ -338,3 +338,27 @@ def vocab_parallel_logprob_grads(rank, world_size, logits_full, targets, weights
     logprobs, entropy = megatron_vocab_parallel_logprobs(local, targets)
     (weights[0] * logprobs + weights[1] * entropy).sum().backward()
     return logprobs.detach(), entropy.detach(), local.grad
+
+
+def value_model_step(rank, world_size, arch, option):
+    """Builds a value model, applies `option` (none | freeze_attention | head_only), takes one
+    SGD step; returns (head weight shape, trainable names, names whose values changed)."""
+    from megatron_rl.models.value_model import build_value_model, freeze_attention, set_head_only
+
+    parallel.initialize_model_parallel()
+    torch.manual_seed(0)
+    model = build_value_model(arch, head_init_std=0.1)
+    if option == "freeze_attention":
+        freeze_attention(model)
+    elif option == "head_only":
+        set_head_only(model, True)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    before = full_parameters(model)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    input_ids = tokens(vocab=arch.vocab_size)
+    values = model(input_ids, torch.arange(input_ids.shape[1]).expand_as(input_ids), attention_mask=None)
+    assert values.shape == input_ids.shape and values.dtype == torch.float32
+    ((values - 1.0) ** 2).mean().backward()
+    optimizer.step()
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    return tuple(model.value_head.weight.shape), trainable, changed

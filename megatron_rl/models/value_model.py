@@ -1,0 +1,94 @@
+"""The critic: a GPT backbone whose vocabulary projection is replaced by a value head.
+
+`value_head = Linear(in_features, 1)` where `in_features` is read from the policy-style output
+layer the backbone builds (never hard-coded, never gated on a model name). The model returns one
+float32 value per token position, `[batch, seq]`: position t holds the head applied to the final
+hidden state at t, i.e. the value of the state before token t + 1 (DESIGN.md, "Critic value
+alignment"). On pipeline parallel the head lives on the last stage.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.gpt import GPTModel
+
+from megatron_rl import compat
+from megatron_rl.config import Architecture
+from megatron_rl.models.builder import layer_spec, transformer_config
+
+
+class MegatronValueModel(GPTModel):
+    """GPTModel with `output_layer` replaced by a float32 `value_head`."""
+
+    def __init__(self, *args, head_init_std: float = 0.0, **kwargs):
+        kwargs["share_embeddings_and_output_weights"] = False
+        super().__init__(*args, **kwargs)
+        if self.post_process:
+            in_features = self.output_layer.input_size
+            del self.output_layer
+            self.value_head = torch.nn.Linear(in_features, 1, dtype=torch.float32)
+            with torch.no_grad():
+                if head_init_std > 0:
+                    self.value_head.weight.normal_(0.0, head_init_std)
+                else:
+                    self.value_head.weight.zero_()
+                self.value_head.bias.zero_()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        # LanguageModule's version adjusts `output_layer.weight`, which a value model does not
+        # have; the generic traversal covers the backbone and the (replicated) value head.
+        from megatron.core.transformer.module import MegatronModule
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+        return MegatronModule.sharded_state_dict(
+            self, prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata)
+        )
+
+    def _postprocess(self, hidden_states, *args, **kwargs):
+        if not self.post_process:
+            return hidden_states
+        if self.config.sequence_parallel:
+            from megatron.core import tensor_parallel
+
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(hidden_states)
+        values = self.value_head(hidden_states.float()).squeeze(-1)  # [seq, batch]
+        return values.transpose(0, 1).contiguous()
+
+
+def build_value_model(
+    arch: Architecture, config=None, seq_len: int | None = None, head_init_std: float = 0.0, **config_kwargs
+):
+    """A value model for this pipeline stage (pre/post process from parallel_state)."""
+    from megatron.core import parallel_state
+
+    config = config or transformer_config(arch, **config_kwargs)
+    model = MegatronValueModel(
+        config,
+        layer_spec(arch),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=seq_len or arch.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+        head_init_std=head_init_std,
+    )
+    return model.to(compat.device())
+
+
+def freeze_attention(model: torch.nn.Module) -> list[str]:
+    """Freezes every `self_attention.*` parameter; returns the frozen names."""
+    frozen = []
+    for name, param in model.named_parameters():
+        if ".self_attention." in name:
+            param.requires_grad_(False)
+            frozen.append(name)
+    return frozen
+
+
+def set_head_only(model: torch.nn.Module, head_only: bool) -> list[str]:
+    """With head_only, only `value_head.*` trains; otherwise everything (except frozen attention
+    is the caller's to re-apply). Returns the trainable names."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("value_head.") or not head_only)
+    return [n for n, p in model.named_parameters() if p.requires_grad]

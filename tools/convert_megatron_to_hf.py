@@ -1,0 +1,42 @@
+"""Convert a megatron_rl checkpoint back to Hugging Face safetensors + config + tokenizer.
+
+    python tools/convert_megatron_to_hf.py --megatron DIR --out DIR --hf-config DIR
+
+--hf-config is the HF directory whose config.json (and tokenizer files) describe the model.
+A value model's head is written as value_head.weight / value_head.bias.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--megatron", required=True, type=Path, help="checkpoint from convert_hf_to_megatron.py"
+    )
+    parser.add_argument("--out", required=True, type=Path, help="output HF directory")
+    parser.add_argument("--hf-config", required=True, type=Path, help="HF directory with config.json")
+    args = parser.parse_args(argv)
+
+    import megatron_rl.compat  # noqa: F401  (before megatron-core)
+    from megatron_rl.models.checkpoint_io import CheckpointError
+    from megatron_rl.models.convert import checkpoint_to_hf
+    from megatron_rl.models.hf_mapping import ConversionError
+
+    try:
+        for line in checkpoint_to_hf(args.megatron, args.out, args.hf_config):
+            print(line)
+    except (CheckpointError, ConversionError, ValueError) as exc:
+        print(f"convert_megatron_to_hf: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
