@@ -5,8 +5,9 @@
    quadratic (attention) term per sequence; then single-sequence moves and pairwise swaps
    between the most and least loaded ranks lower the maximum rank cost while bins stay within
    `seq_len`.
-3. Every bin is padded to a multiple of the CP size (padding is masked and belongs to no
-   sequence); every DP rank gets the same number of micro-steps, filled with dummy micro-batches
+3. Every bin is padded to a multiple of CP size x sequence-parallel size (each CP rank gets an
+   equal contiguous slice, which sequence parallel splits again over TP; padding is masked and
+   belongs to no sequence); every DP rank gets the same number of micro-steps, filled with dummy micro-batches
    (all masked, `context_parallel_size` tokens) that contribute zero loss and gradient.
 """
 
@@ -181,13 +182,24 @@ def pack_into_grid(
     data_parallel_size: int,
     context_parallel_size: int = 1,
     cost: CostModel | None = None,
+    sequence_parallel_size: int = 1,
 ) -> Grid:
-    """Packs `samples` into `grid[data_rank][micro_step]` (see the module docstring)."""
-    cp, dp = context_parallel_size, data_parallel_size
-    if dp < 1 or cp < 1:
-        raise PackingError(f"data_parallel_size ({dp}) and context_parallel_size ({cp}) must be >= 1")
+    """Packs `samples` into `grid[data_rank][micro_step]` (see the module docstring).
+
+    `sequence_parallel_size` is the TP size when the model runs sequence parallel (megatron MoE
+    with TP > 1), else 1.
+    """
+    dp = data_parallel_size
+    if dp < 1 or context_parallel_size < 1 or sequence_parallel_size < 1:
+        raise PackingError(
+            f"data_parallel_size ({dp}), context_parallel_size ({context_parallel_size}) and "
+            f"sequence_parallel_size ({sequence_parallel_size}) must be >= 1"
+        )
+    cp = context_parallel_size * sequence_parallel_size  # every bin pads to a multiple of this
     if seq_len % cp:
-        raise PackingError(f"seq_len ({seq_len}) must be a multiple of context_parallel_size ({cp})")
+        raise PackingError(
+            f"seq_len ({seq_len}) must be a multiple of context_parallel_size x sequence_parallel_size ({cp})"
+        )
     cost = cost or attention_cost
     lengths = [len(s) for s in samples]
     for i, (sample, n) in enumerate(zip(samples, lengths)):

@@ -101,9 +101,14 @@ def layer_spec(arch: Architecture):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm
         )
-    return gpt_layer_specs.get_gpt_layer_local_spec(
+    from megatron_rl.models.attention import PackedDotProductAttention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
     )
+    # The stock local core attention refuses packed (THD) sequences.
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return spec
 
 
 def build_gpt_model(arch: Architecture, config=None, seq_len: int | None = None, **config_kwargs):

@@ -362,3 +362,37 @@ def value_model_step(rank, world_size, arch, option):
     optimizer.step()
     changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
     return tuple(model.value_head.weight.shape), trainable, changed
+
+
+def packed_logits(rank, world_size, arch, full, lengths, tp=1, ep=1, pad=0, seed=0):
+    """Logits of sequences packed into one THD row (plus `pad` padding tokens), split back per
+    sequence, and of each sequence run alone; full vocabulary."""
+    from megatron_rl.models.attention import packed_seq_params
+
+    parallel.initialize_model_parallel(tp=tp, ep=ep)
+    model = build_gpt_model(arch, tp=tp, ep=ep)
+    load_full_state_dict(model, full)
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    sequences = [torch.randint(0, arch.vocab_size, (n,), generator=g) for n in lengths]
+    packed = torch.cat(sequences + [torch.zeros(pad, dtype=torch.long)])[None]
+    positions = torch.cat([torch.arange(n) for n in lengths] + [torch.arange(pad)])[None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    with torch.no_grad():
+        out = _gather_vocab(
+            model(
+                packed,
+                positions,
+                attention_mask=None,
+                packed_seq_params=packed_seq_params(cu, packed.shape[1]),
+            )
+        )[0]
+        # Under sequence parallel (MoE at TP>1) a lone sequence must divide by TP to run at all.
+        sp = tp if model.config.sequence_parallel else 1
+        separate = [
+            _gather_vocab(model(s[None], torch.arange(len(s))[None], attention_mask=None))[0]
+            if len(s) % sp == 0
+            else None
+            for s in sequences
+        ]
+    return [out[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], separate, sequences

@@ -35,3 +35,21 @@ def test_logits_match_transformers(family, tiny_models):
     for tp, ep in LAYOUTS[family]:
         for logits in run_ranks(w.logits, tp * ep, arch, full, tp, ep, input_ids):
             torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0, msg=f"{family} tp={tp} ep={ep}")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
+def test_packed_thd_logits_match_transformers_per_sequence(family, tiny_models):
+    """Sequences of different lengths packed in one row (with CP-style tail padding) give each
+    sequence's own transformers logits."""
+    directory = tiny_models[family]
+    arch = Architecture.from_hf_config(json.loads((directory / "config.json").read_text()), str(directory))
+    full = hf_to_megatron(load_file(directory / "model.safetensors"), arch)
+    lengths = [7, 19, 1, 12, 8]
+    for tp, ep in LAYOUTS[family]:
+        for packed, separate, sequences in run_ranks(
+            w.packed_logits, tp * ep, arch, full, lengths, tp, ep, 3
+        ):
+            for got, alone, ids in zip(packed, separate, sequences):
+                torch.testing.assert_close(got, hf_logits(directory, ids[None])[0], atol=1e-4, rtol=0)
+                if alone is not None:
+                    torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)

@@ -103,9 +103,16 @@ def test_oversize_sample_is_rejected_with_both_lengths():
 
 def test_seq_len_must_divide_by_cp():
     with pytest.raises(
-        PackingError, match=r"seq_len \(63\) must be a multiple of context_parallel_size \(2\)"
+        PackingError,
+        match=r"seq_len \(63\) must be a multiple of context_parallel_size x sequence_parallel_size \(2\)",
     ):
         pack_into_grid(make_samples([5]), 63, 1, 2)
+
+
+def test_sequence_parallel_pads_bins_to_cp_times_tp():
+    samples = make_samples([5, 9, 30, 3, 17])
+    grid = pack_into_grid(samples, 64, 2, 2, sequence_parallel_size=2)
+    check_grid(samples, grid, 64, 2, 4)
 
 
 def test_cp_padding_never_pushes_a_bin_over_seq_len():

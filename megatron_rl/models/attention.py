@@ -1,0 +1,89 @@
+"""Core attention for the local (non-TransformerEngine) layer spec that accepts packed THD input.
+
+Megatron's local DotProductAttention refuses packed sequences. This module runs causal SDPA per
+`cu_seqlens` segment (a loop over sequences, never over tokens), with GQA, and also serves plain
+[seq, batch] input. `packed_seq_params(cu_seqlens, total)` builds the THD parameters; padding
+after the last sequence becomes its own segment so RoPE and attention keep every position.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.module import MegatronModule
+
+
+def packed_seq_params(cu_seqlens: torch.Tensor, total_tokens: int | None = None) -> PackedSeqParams:
+    """THD parameters for sequences packed end to end; a tail of padding becomes a segment."""
+    cu = torch.as_tensor(cu_seqlens, dtype=torch.int32)
+    if total_tokens is not None and int(cu[-1]) < total_tokens:
+        cu = torch.cat([cu, cu.new_tensor([total_tokens])])
+    longest = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
+
+
+class PackedDotProductAttention(MegatronModule):
+    """Causal attention over [seq, batch, heads, dim] or packed [tokens, heads, dim] input."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type=None,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        **kwargs,
+    ):
+        super().__init__(config=config)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale or config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [b, heads, s, d], k/v [b, groups, s, d] -> [b, heads, s, d], causal."""
+        repeat = q.shape[1] // k.shape[1]
+        if repeat > 1:
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            dropout_p=self.dropout if self.training else 0.0,
+            scale=self.softmax_scale,
+        )
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        if attention_bias is not None:
+            raise ValueError("PackedDotProductAttention: attention_bias is not supported")
+        if packed_seq_params is None:  # [s, b, h, d]
+            out = self._attend(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3))
+            s, b = query.shape[0], query.shape[1]
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        cu = packed_seq_params.cu_seqlens_q.tolist()
+        out = query.new_empty(query.shape)
+        for start, end in zip(cu[:-1], cu[1:]):  # one causal block per packed sequence
+            seg = slice(start, end)
+            out[seg] = self._attend(
+                query[seg].transpose(0, 1)[None],
+                key[seg].transpose(0, 1)[None],
+                value[seg].transpose(0, 1)[None],
+            )[0].transpose(0, 1)
+        return out.reshape(out.shape[0], -1)
