@@ -1,8 +1,9 @@
 """Core attention for the local (non-TransformerEngine) layer spec that accepts packed THD input.
 
-Megatron's local DotProductAttention refuses packed sequences. This module runs causal SDPA per
-`cu_seqlens` segment (a loop over sequences, never over tokens), with GQA, and also serves plain
-[seq, batch] input. `packed_seq_params(cu_seqlens, total)` builds the THD parameters; padding
+Megatron's local DotProductAttention refuses packed sequences. PackedDotProductAttention runs
+causal SDPA per `cu_seqlens` segment (a loop over sequences, never over tokens), with GQA, and
+also serves plain [seq, batch] input. UlyssesAttention adds context parallelism over megatron's
+CP group (parallel/ulysses.py) and applies RoPE itself. `packed_seq_params(cu_seqlens, total)` builds the THD parameters; padding
 after the last sequence becomes its own segment so RoPE and attention keep every position.
 """
 
@@ -14,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
+
+from megatron_rl.parallel import ulysses
 
 
 def packed_seq_params(cu_seqlens: torch.Tensor, total_tokens: int | None = None) -> PackedSeqParams:
@@ -86,4 +89,54 @@ class PackedDotProductAttention(MegatronModule):
                 key[seg].transpose(0, 1)[None],
                 value[seg].transpose(0, 1)[None],
             )[0].transpose(0, 1)
+        return out.reshape(out.shape[0], -1)
+
+
+class UlyssesAttention(PackedDotProductAttention):
+    """Core attention over the CP group for packed THD input; RoPE applied here (see module doc)."""
+
+    def __init__(self, config, layer_number: int, *args, rotary_base: float = 10000.0, **kwargs):
+        super().__init__(config, layer_number, *args, **kwargs)
+        self.rotary_base = rotary_base
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        from megatron.core import parallel_state
+
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            raise ValueError("UlyssesAttention (context parallel) needs packed THD input with cu_seqlens")
+        group = parallel_state.get_context_parallel_group()
+        cp = torch.distributed.get_world_size(group)
+        heads, groups = query.shape[1], key.shape[1]
+        if heads % cp:
+            raise ValueError(f"{heads} attention heads per TP rank are not divisible by cp {cp}")
+        if groups % cp:
+            if cp % groups:
+                raise ValueError(f"{groups} KV heads per TP rank and cp {cp}: one must divide the other")
+            # Fewer KV heads than CP ranks: repeat so each rank gets the group its queries use.
+            key = key.repeat_interleave(cp // groups, dim=1)
+            value = value.repeat_interleave(cp // groups, dim=1)
+        q = ulysses.sequence_to_heads(query, group)
+        k = ulysses.sequence_to_heads(key, group)
+        v = ulysses.sequence_to_heads(value, group)
+        cu = packed_seq_params.cu_seqlens_q
+        if int(cu[-1]) != q.shape[0]:
+            raise ValueError(
+                f"cu_seqlens cover {int(cu[-1])} tokens but the CP-gathered sequence has {q.shape[0]}"
+            )
+        positions = ulysses.sequence_positions(cu, q.device)
+        q, k = (
+            ulysses.apply_rope(q, positions, self.rotary_base),
+            ulysses.apply_rope(k, positions, self.rotary_base),
+        )
+        out = super().forward(q, k, v, packed_seq_params=packed_seq_params)  # [T, heads/cp * d]
+        out = ulysses.heads_to_sequence(out.reshape(q.shape[0], q.shape[1], -1), group)
         return out.reshape(out.shape[0], -1)

@@ -92,23 +92,34 @@ def transformer_config(
     return TransformerConfig(**fields)
 
 
-def layer_spec(arch: Architecture):
-    """TE spec with TE on CUDA, local spec otherwise."""
+def layer_spec(arch: Architecture, context_parallel_size: int = 1):
+    """TE spec with TE on CUDA, local spec otherwise; Ulysses core attention when CP > 1."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     num_experts = arch.num_experts or None
-    if transformer_engine_available():
+    if transformer_engine_available() and context_parallel_size == 1:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm
         )
-    from megatron_rl.models.attention import PackedDotProductAttention
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_rl.models.attention import PackedDotProductAttention, UlyssesAttention
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
     )
-    # The stock local core attention refuses packed (THD) sequences.
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    # The stock local core attention refuses packed (THD) sequences and CP > 1.
+    core = PackedDotProductAttention
+    if context_parallel_size > 1:
+        core = ModuleSpec(module=UlyssesAttention, params={"rotary_base": arch.rope_theta})
+    spec.submodules.self_attention.submodules.core_attention = core
     return spec
+
+
+def position_embedding_type(context_parallel_size: int) -> str:
+    """Megatron's RoPE assumes its zigzag CP layout; with Ulysses CP, RoPE runs in the core
+    attention instead, so the model itself gets no position embedding."""
+    return "rope" if context_parallel_size == 1 else "none"
 
 
 def build_gpt_model(arch: Architecture, config=None, seq_len: int | None = None, **config_kwargs):
@@ -119,13 +130,13 @@ def build_gpt_model(arch: Architecture, config=None, seq_len: int | None = None,
     config = config or transformer_config(arch, **config_kwargs)
     model = GPTModel(
         config,
-        layer_spec(arch),
+        layer_spec(arch, config.context_parallel_size),
         vocab_size=arch.vocab_size,
         max_sequence_length=seq_len or arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type=position_embedding_type(config.context_parallel_size),
         rotary_base=int(arch.rope_theta),
     )
     return model.to(compat.device())

@@ -14,7 +14,7 @@ from megatron.core.models.gpt import GPTModel
 
 from megatron_rl import compat
 from megatron_rl.config import Architecture
-from megatron_rl.models.builder import layer_spec, transformer_config
+from megatron_rl.models.builder import layer_spec, position_embedding_type, transformer_config
 
 
 class MegatronValueModel(GPTModel):
@@ -64,12 +64,12 @@ def build_value_model(
     config = config or transformer_config(arch, **config_kwargs)
     model = MegatronValueModel(
         config,
-        layer_spec(arch),
+        layer_spec(arch, config.context_parallel_size),
         vocab_size=arch.vocab_size,
         max_sequence_length=seq_len or arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        position_embedding_type="rope",
+        position_embedding_type=position_embedding_type(config.context_parallel_size),
         rotary_base=int(arch.rope_theta),
         head_init_std=head_init_std,
     )
