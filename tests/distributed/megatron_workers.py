@@ -455,3 +455,42 @@ def context_parallel_step(rank, world_size, arch, full, lengths, tp=1, cp=1, pad
         torch.distributed.all_reduce(total_loss, group=cp_group)
     core = type(model.decoder.layers[0].self_attention.core_attention).__name__
     return full_logits, total_loss, grads, core
+
+
+def lora_step(rank, world_size, arch, full, tp=1, value_model=False):
+    """LoRA (rank 4, alpha 8, B set to 0.01 so adapters matter) on a GPT or value model:
+    (output before the step, trainable names, changed names, replicated lora_a after an SGD step,
+    output after merging the stepped adapters, output of the stepped LoRA model)."""
+    from megatron_rl.models.lora import apply_lora, merge_lora
+    from megatron_rl.models.value_model import build_value_model
+
+    parallel.initialize_model_parallel(tp=tp)
+    model = build_value_model(arch, tp=tp, head_init_std=0.1) if value_model else build_gpt_model(arch, tp=tp)
+    reference = {k: v for k, v in full.items() if not k.startswith("value_head")}
+    load_full_state_dict(model, {**full_parameters(model), **reference})
+    apply_lora(model, rank=4, alpha=8.0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.fill_(0.01)
+    input_ids = tokens(vocab=arch.vocab_size)
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+
+    def output():
+        out = model(input_ids, positions, attention_mask=None)
+        return out if value_model else _gather_vocab(out)
+
+    before_step = output()
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    snapshot = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    before_step.float().pow(2).mean().backward()
+    optimizer.step()
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), snapshot[n])]
+    column_a = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("linear_qkv.lora_a")}
+    model.eval()
+    with torch.no_grad():
+        stepped = output()
+        merge_lora(model)
+        merged = output()
+    return before_step.detach(), trainable, changed, column_a, merged, stepped

@@ -1,0 +1,111 @@
+"""LoRA on megatron's tensor-parallel linear layers: y = W x + (alpha / rank) * B A x.
+
+Column-parallel layers (linear_qkv, linear_fc1: W is [out / tp, in]) keep A [rank, in]
+replicated and shard B [out / tp, rank] like W; the gradient reaching A is summed over TP so
+every rank's A stays identical. Row-parallel layers (linear_proj, linear_fc2: W is
+[out, in / tp]) shard A [rank, in / tp] like W and all-reduce A x before the replicated
+B [out, rank]. B starts at zero, so a fresh adapter leaves the model unchanged. `merge_lora`
+folds the adapters into W (per shard) for export.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
+ROW_PARALLEL = ("linear_proj", "linear_fc2")
+
+
+class LoRALinear(nn.Module):
+    """Wraps a megatron Column/RowParallelLinear; returns (output, bias) like the wrapped layer."""
+
+    def __init__(self, base: nn.Module, parallel_kind: str, rank: int, alpha: float, seed: int = 0):
+        super().__init__()
+        from megatron.core import parallel_state
+
+        self.base = base
+        self.parallel_kind = parallel_kind
+        self.scale = alpha / rank
+        out_local, in_local = base.weight.shape
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        generator = torch.Generator().manual_seed(seed)
+        if parallel_kind == "column":
+            # A is replicated: draw it identically on every TP rank.
+            a = torch.empty(rank, in_local)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+            b = torch.zeros(out_local, rank)
+        else:
+            full_a = torch.empty(rank, in_local * tp)
+            nn.init.kaiming_uniform_(full_a, a=math.sqrt(5), generator=generator)
+            a = full_a.chunk(tp, dim=1)[parallel_state.get_tensor_model_parallel_rank()].clone()
+            b = torch.zeros(out_local, rank)
+        self.lora_a = nn.Parameter(a.to(base.weight.dtype).to(base.weight.device))
+        self.lora_b = nn.Parameter(b.to(base.weight.dtype).to(base.weight.device))
+        if parallel_kind == "column":
+            self.lora_b.tensor_model_parallel, self.lora_b.partition_dim, self.lora_b.partition_stride = (
+                True,
+                0,
+                1,
+            )
+        else:
+            self.lora_a.tensor_model_parallel, self.lora_a.partition_dim, self.lora_a.partition_stride = (
+                True,
+                1,
+                1,
+            )
+
+    def forward(self, x, *args, **kwargs):
+        from megatron.core import tensor_parallel
+
+        output, bias = self.base(x, *args, **kwargs)
+        if self.parallel_kind == "column":
+            z = nn.functional.linear(x, self.lora_a)
+            # Each TP rank's B shard sends back part of dL/dz: sum it so A sees the full gradient.
+            z = tensor_parallel.copy_to_tensor_model_parallel_region(z)
+        else:
+            z = tensor_parallel.reduce_from_tensor_model_parallel_region(nn.functional.linear(x, self.lora_a))
+        return output + self.scale * nn.functional.linear(z, self.lora_b), bias
+
+    def merged_weight(self) -> torch.Tensor:
+        """W + scale * B A for this rank's shard."""
+        return self.base.weight + self.scale * (self.lora_b @ self.lora_a)
+
+
+def apply_lora(
+    model: nn.Module, rank: int, alpha: float, target_modules=COLUMN_PARALLEL + ROW_PARALLEL, seed: int = 0
+) -> list[str]:
+    """Wraps every target linear, freezes everything but the adapters (and a value head, if any).
+    Returns the wrapped module names."""
+    if model.config.sequence_parallel:
+        raise ValueError("LoRA with sequence parallel (MoE at TP > 1) is not supported yet")
+    unknown = set(target_modules) - set(COLUMN_PARALLEL + ROW_PARALLEL)
+    if unknown:
+        raise ValueError(
+            f"lora.target_modules: unknown {sorted(unknown)} (choose from {COLUMN_PARALLEL + ROW_PARALLEL})"
+        )
+    wrapped = []
+    targets = [
+        (name, module) for name, module in model.named_modules() if name.split(".")[-1] in target_modules
+    ]
+    for index, (name, module) in enumerate(targets):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        kind = "column" if child in COLUMN_PARALLEL else "row"
+        setattr(parent, child, LoRALinear(module, kind, rank, alpha, seed=seed + index))
+        wrapped.append(name)
+    for name, param in model.named_parameters():
+        param.requires_grad_(".lora_" in name or name.startswith("value_head."))
+    return wrapped
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> None:
+    """Folds every adapter into its base weight and unwraps it (export, inference)."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoRALinear):
+            module.base.weight.copy_(module.merged_weight())
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, module.base)
