@@ -494,3 +494,12 @@ def lora_step(rank, world_size, arch, full, tp=1, value_model=False):
         merge_lora(model)
         merged = output()
     return before_step.detach(), trainable, changed, column_a, merged, stepped
+
+
+def value_head_stages(rank, world_size, arch, pp):
+    """Which pipeline stages of a value model hold the value head."""
+    from megatron_rl.models.value_model import build_value_model
+
+    parallel.initialize_model_parallel(pp=pp)
+    model = build_value_model(arch, pp=pp)
+    return hasattr(model, "value_head"), hasattr(model, "output_layer"), len(model.decoder.layers)

@@ -26,15 +26,22 @@ def hf_logits(directory, input_ids):
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
 def test_logits_match_transformers(family, tiny_models):
+    """A right-padded batch: row 0 is full, row 1 has 14 tokens then padding; each row's real
+    tokens match transformers run on that row alone."""
     directory = tiny_models[family]
     arch = Architecture.from_hf_config(json.loads((directory / "config.json").read_text()), str(directory))
     full = hf_to_megatron(load_file(directory / "model.safetensors"), arch)
-    input_ids = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    reference = hf_logits(directory, input_ids)
-    assert reference.abs().mean() > 1e-2
+    input_ids = torch.randint(1, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    input_ids[1, 14:] = 0  # the tokenizer's pad id
+    row0 = hf_logits(directory, input_ids[:1])[0]
+    row1 = hf_logits(directory, input_ids[1:, :14])[0]
+    assert row0.abs().mean() > 1e-2
     for tp, ep in LAYOUTS[family]:
         for logits in run_ranks(w.logits, tp * ep, arch, full, tp, ep, input_ids):
-            torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0, msg=f"{family} tp={tp} ep={ep}")
+            torch.testing.assert_close(logits[0], row0, atol=1e-4, rtol=0, msg=f"{family} tp={tp} ep={ep}")
+            torch.testing.assert_close(
+                logits[1, :14], row1, atol=1e-4, rtol=0, msg=f"{family} tp={tp} ep={ep}"
+            )
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])

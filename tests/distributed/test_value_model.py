@@ -24,3 +24,10 @@ def test_freeze_attention_and_head_only_change_only_the_intended_parameters():
     _, trainable, changed = run_ranks(w.value_model_step, 1, arch, "head_only")[0]
     assert sorted(trainable) == ["value_head.bias", "value_head.weight"]
     assert sorted(changed) == ["value_head.bias", "value_head.weight"]
+
+
+def test_value_head_lives_on_the_last_pipeline_stage():
+    stages = run_ranks(w.value_head_stages, 2, w.DENSE, 2)
+    assert [s[0] for s in stages] == [False, True]
+    assert not any(s[1] for s in stages)  # no vocabulary projection anywhere
+    assert [s[2] for s in stages] == [2, 2]
