@@ -12,6 +12,21 @@ import re
 import torch
 
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
+# The TransformerEngine spec fuses the pre-attention / pre-MLP norms into the next linear layer.
+_TE_FUSED_NORMS = {
+    ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
+    ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
+}
+
+
+def canonical_name(name: str) -> str:
+    """The local-spec name of a parameter (TE's fused-norm names map to separate norms)."""
+    for te_suffix, local_suffix in _TE_FUSED_NORMS.items():
+        if name.endswith(te_suffix):
+            return name[: -len(te_suffix)] + local_suffix
+    return name
+
+
 _EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
 
 
@@ -20,7 +35,8 @@ def _is_gated_fc1(name: str, param: torch.nn.Parameter, gated: bool) -> bool:
 
 
 def local_to_global_name(name: str, layer_offset: int, expert_offset: int) -> str:
-    """Renames a rank-local parameter name to its name in the full model."""
+    """Renames a rank-local parameter name to its (local-spec) name in the full model."""
+    name = canonical_name(name)
     match = _LAYER.match(name)
     if match:
         name = f"{match[1]}{int(match[2]) + layer_offset}{match[3]}"
@@ -93,4 +109,4 @@ def load_full_state_dict(model, full: dict[str, torch.Tensor]) -> None:
 
 def full_parameters(model) -> dict[str, torch.Tensor]:
     """Parameters of a model built at TP=EP=PP=1, by name (detached clones)."""
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {canonical_name(name): p.detach().clone() for name, p in model.named_parameters()}
