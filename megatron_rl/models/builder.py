@@ -122,13 +122,17 @@ def position_embedding_type(context_parallel_size: int) -> str:
     return "rope" if context_parallel_size == 1 else "none"
 
 
-def build_gpt_model(arch: Architecture, config=None, seq_len: int | None = None, **config_kwargs):
-    """A megatron GPTModel for this pipeline stage (pre/post process from parallel_state)."""
+def build_gpt_model(
+    arch: Architecture, config=None, seq_len: int | None = None, model_class=None, **config_kwargs
+):
+    """A megatron GPTModel (or `model_class`, a GPTModel subclass such as the value model) for
+    this pipeline stage, pre/post process from parallel_state."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    model_class = model_class or GPTModel
     config = config or transformer_config(arch, **config_kwargs)
-    model = GPTModel(
+    model = model_class(
         config,
         layer_spec(arch, config.context_parallel_size),
         vocab_size=arch.vocab_size,

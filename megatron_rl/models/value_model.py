@@ -9,12 +9,13 @@ alignment"). On pipeline parallel the head lives on the last stage.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from megatron_rl import compat
 from megatron_rl.config import Architecture
-from megatron_rl.models.builder import layer_spec, position_embedding_type, transformer_config
+from megatron_rl.models.builder import build_gpt_model
 
 
 class MegatronValueModel(GPTModel):
@@ -59,21 +60,8 @@ def build_value_model(
     arch: Architecture, config=None, seq_len: int | None = None, head_init_std: float = 0.0, **config_kwargs
 ):
     """A value model for this pipeline stage (pre/post process from parallel_state)."""
-    from megatron.core import parallel_state
-
-    config = config or transformer_config(arch, **config_kwargs)
-    model = MegatronValueModel(
-        config,
-        layer_spec(arch, config.context_parallel_size),
-        vocab_size=arch.vocab_size,
-        max_sequence_length=seq_len or arch.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        position_embedding_type=position_embedding_type(config.context_parallel_size),
-        rotary_base=int(arch.rope_theta),
-        head_init_std=head_init_std,
-    )
-    return model.to(compat.device())
+    model_class = functools.partial(MegatronValueModel, head_init_std=head_init_std)
+    return build_gpt_model(arch, config, seq_len, model_class=model_class, **config_kwargs)
 
 
 def freeze_attention(model: torch.nn.Module) -> list[str]:
