@@ -110,3 +110,35 @@ def load_full_state_dict(model, full: dict[str, torch.Tensor]) -> None:
 def full_parameters(model) -> dict[str, torch.Tensor]:
     """Parameters of a model built at TP=EP=PP=1, by name (detached clones)."""
     return {canonical_name(name): p.detach().clone() for name, p in model.named_parameters()}
+
+
+def gather_full_parameters(model) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters on every rank, named as in the full model: TP shards are
+    all-gathered (gated linear_fc1 re-joined as [gate; up]), experts and pipeline layers keep
+    their global names. Each rank returns the tensors it can see: its own pipeline stage and
+    experts (experts are not gathered over EP)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    layer_offset, expert_offset = _offsets(model)
+    gated = model.config.gated_linear_unit
+    out = {}
+    for name, param in model.named_parameters():
+        tensor = param.detach()
+        if getattr(param, "tensor_model_parallel", False):
+            _, size = _tp_rank_and_size(name)
+            group = (
+                parallel_state.get_expert_tensor_parallel_group()
+                if ".experts." in name
+                else parallel_state.get_tensor_model_parallel_group()
+            )
+            if size > 1:
+                parts = [torch.empty_like(tensor) for _ in range(size)]
+                dist.all_gather(parts, tensor.contiguous(), group=group)
+                if _is_gated_fc1(name, param, gated):
+                    halves = [p.chunk(2, dim=0) for p in parts]
+                    tensor = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+                else:
+                    tensor = torch.cat(parts, dim=param.partition_dim)
+        out[local_to_global_name(name, layer_offset, expert_offset)] = tensor.clone()
+    return out

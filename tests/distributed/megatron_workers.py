@@ -503,3 +503,67 @@ def value_head_stages(rank, world_size, arch, pp):
     parallel.initialize_model_parallel(pp=pp)
     model = build_value_model(arch, pp=pp)
     return hasattr(model, "value_head"), hasattr(model, "output_layer"), len(model.decoder.layers)
+
+
+def training_samples(count: int, vocab: int, seed: int = 0):
+    """Random samples with prompts, action/observation spans, advantages, returns, old logprobs
+    near a uniform policy's (so importance ratios land inside and outside the clip bands)."""
+    import numpy as np
+
+    from megatron_rl.data.types import TrainingSample
+
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i in range(count):
+        n = int(rng.integers(6, 40))
+        mask = np.zeros(n, dtype=bool)
+        mask[3:] = rng.random(n - 3) < 0.75
+        samples.append(
+            TrainingSample(
+                token_ids=rng.integers(0, vocab, n),
+                loss_mask=mask,
+                inference_logprobs=np.where(mask, -np.log(vocab) + rng.uniform(-0.4, 0.4, n), 0.0),
+                reward=float(rng.normal()),
+                group_id=i,
+                values=rng.normal(size=n).astype(np.float32),
+                advantages=np.where(mask, rng.normal(size=n), 0.0).astype(np.float32),
+                returns=np.where(mask, rng.normal(size=n), 0.0).astype(np.float32),
+            )
+        )
+    return samples
+
+
+def one_training_step(rank, world_size, arch, full, tp, cp, algorithm_type, count=7, critic=False):
+    """Packs `count` samples for this layout, runs one train_step; returns (metrics, params)."""
+    from megatron.core import parallel_state
+
+    from megatron_rl.algorithms import InProcessScorer, make_algorithm
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.models.sharding import gather_full_parameters
+    from megatron_rl.models.value_model import build_value_model
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.step import policy_loss_func, train_step, value_loss_func
+
+    parallel.initialize_model_parallel(tp=tp, cp=cp)
+    if critic:
+        model = build_value_model(arch, tp=tp, cp=cp, head_init_std=0.1)
+    else:
+        model = build_gpt_model(arch, tp=tp, cp=cp)
+    reference = full_parameters(model) if critic else {}
+    load_full_state_dict(model, {**reference, **full})
+    # Adam's first step is lr * g / (|g| + eps): output-layer rows of unseen tokens have |g| near
+    # 1e-9, where summation-order noise (CP splits the sum differently) would be scaled up to a
+    # visible fraction of lr with the default eps 1e-8. Metrics and larger gradients agree to ~1e-7.
+    optimizer_config = OptimizerConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0, adam_eps=1e-6)
+    trainable = build_trainable(model, optimizer_config, total_steps=10)
+    dp = parallel_state.get_data_parallel_world_size()
+    grid = pack_into_grid(training_samples(count, arch.vocab_size), 64, dp, cp)
+    if critic:
+        loss_func = value_loss_func(value_clip=0.5)
+    else:
+        algorithm = make_algorithm(AlgorithmConfig(type=algorithm_type), InProcessScorer(lambda b: None))
+        loss_func = policy_loss_func(algorithm)
+    metrics = train_step(trainable, grid[parallel_state.get_data_parallel_rank()], loss_func)
+    dummies = sum(mb.is_dummy for row in grid for mb in row)
+    return metrics, gather_full_parameters(model), dummies

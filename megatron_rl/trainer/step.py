@@ -1,0 +1,124 @@
+"""One optimizer step over this rank's micro-batches, through megatron's forward-backward
+schedule (any PP size), with the loss normalised by the global action-token count.
+
+`loss_func(output, batch) -> (loss_sum, metrics)` returns the *sum* of per-token losses over
+the micro-batch's loss tokens; with `calculate_per_token_loss` megatron all-reduces the token
+count over DP x CP and divides every gradient by it, and DDP sums instead of averaging. Dummy
+micro-batches have no loss tokens and contribute exactly zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from megatron_rl.data.types import MicroBatch
+from megatron_rl.models.attention import packed_seq_params
+from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
+from megatron_rl.trainer.batches import RankBatch, rank_batch
+from megatron_rl.trainer.optimizer import Trainable
+
+LossFunc = Callable[[torch.Tensor, RankBatch], tuple[torch.Tensor, dict]]
+
+
+def train_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_func: LossFunc) -> dict:
+    """Forward/backward over every micro-batch, one optimizer and scheduler step.
+
+    Returns {"loss": global loss (sum / global token count), "num_tokens": global count,
+    "grad_norm", "update_successful", plus the loss functions' summed metrics}, identical on
+    every rank.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    cp_rank = parallel_state.get_context_parallel_rank()
+    cp_size = parallel_state.get_context_parallel_world_size()
+    batches = [rank_batch(mb, cp_rank, cp_size) for mb in micro_batches]
+    for chunk in trainable.model:
+        if not chunk.config.calculate_per_token_loss:
+            raise ValueError("train_step needs a model built by build_trainable (calculate_per_token_loss)")
+        chunk.zero_grad_buffer()
+    trainable.optimizer.zero_grad()
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(
+            batch.input_ids,
+            batch.position_ids,
+            attention_mask=None,
+            packed_seq_params=packed_seq_params(batch.cu_seqlens, batch.total_tokens),
+        )
+
+        def loss(output_tensor):
+            loss_sum, metrics = loss_func(output_tensor, batch)
+            num_tokens = batch.loss_mask.sum().to(torch.int)
+            return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().clone(), **metrics}
+
+        return output, loss
+
+    reported = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=trainable.model,
+        num_microbatches=len(batches),
+        seq_length=max(b.input_ids.shape[1] for b in batches),
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    update_successful, grad_norm, _ = trainable.optimizer.step()
+    trainable.scheduler.step(1)
+    return _reduce_metrics(reported, batches)
+
+
+def _reduce_metrics(reported: list[dict], batches: list[RankBatch]) -> dict:
+    """Sums the per-micro-batch statistics over this rank, then over DP x CP (and the last PP
+    stage's values are broadcast), so every rank returns the same numbers."""
+    from megatron.core import parallel_state
+
+    keys = sorted({k for r in reported for k in r if k.endswith("_sum") or k == "num_tokens"})
+    local_tokens = float(sum(int(b.loss_mask.sum()) for b in batches))
+    totals = torch.tensor(
+        [sum(float(r[k]) for r in reported) for k in keys] + [local_tokens], dtype=torch.float64
+    )
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        last = parallel_state.get_pipeline_model_parallel_last_rank()
+        torch.distributed.broadcast(
+            totals, src=last, group=parallel_state.get_pipeline_model_parallel_group()
+        )
+    torch.distributed.all_reduce(
+        totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+    )
+    metrics = dict(zip(keys, totals[:-1].tolist()))
+    count = totals[-1].item()
+    metrics["num_tokens"] = count
+    metrics["loss"] = metrics.pop("loss_sum") / max(count, 1.0)
+    return metrics
+
+
+def policy_loss_func(algorithm) -> LossFunc:
+    """The algorithm's policy loss on vocab-parallel log-probabilities of the next tokens."""
+
+    def loss(logits: torch.Tensor, batch: RankBatch):
+        logprobs, entropy = megatron_vocab_parallel_logprobs(logits[0], batch.targets)
+        loss_sum, metrics = algorithm.policy_loss(
+            logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, 1.0
+        )
+        metrics = {k: v for k, v in metrics.items() if k.endswith("_sum")}
+        metrics["entropy_sum"] = (entropy.detach() * batch.loss_mask).sum().to(torch.float64)
+        return loss_sum, metrics
+
+    return loss
+
+
+def value_loss_func(value_clip: float | None = None) -> LossFunc:
+    """0.5 * (V - returns)^2 on action tokens, optionally clipped around the old values."""
+    from megatron_rl.algorithms.losses import value_loss
+
+    def loss(values: torch.Tensor, batch: RankBatch):
+        loss_sum, metrics = value_loss(
+            values[0], batch.returns, batch.loss_mask, 1.0, batch.old_values, value_clip
+        )
+        return loss_sum, {k: v for k, v in metrics.items() if k.endswith("_sum")}
+
+    return loss
