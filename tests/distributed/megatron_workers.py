@@ -567,3 +567,35 @@ def one_training_step(rank, world_size, arch, full, tp, cp, algorithm_type, coun
     metrics = train_step(trainable, grid[parallel_state.get_data_parallel_rank()], loss_func)
     dummies = sum(mb.is_dummy for row in grid for mb in row)
     return metrics, gather_full_parameters(model), dummies
+
+
+def resumable_training(rank, world_size, arch, full, directory, steps, save_at=None, tp=1, keep_last=2):
+    """Runs `steps` (a range) of SAO train_step on per-step samples; loads the latest checkpoint in
+    `directory` first if there is one; saves after step `save_at`. Returns {step: loss}."""
+    from megatron.core import parallel_state
+
+    from megatron_rl.algorithms import InProcessScorer, make_algorithm
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.step import policy_loss_func, train_step
+
+    parallel.initialize_model_parallel(tp=tp)
+    model = build_gpt_model(arch, tp=tp)
+    load_full_state_dict(model, full)
+    trainable = build_trainable(
+        model, OptimizerConfig(lr=1e-3, warmup_steps=2, lr_decay_style="cosine"), total_steps=8
+    )
+    meta = load_checkpoint(directory, trainable)
+    if meta is not None:
+        assert meta["step"] == steps[0] - 1, (meta["step"], steps)
+    loss_func = policy_loss_func(make_algorithm(AlgorithmConfig(type="sao"), InProcessScorer(lambda b: None)))
+    dp = parallel_state.get_data_parallel_world_size()
+    losses = {}
+    for step in steps:
+        grid = pack_into_grid(training_samples(6, arch.vocab_size, seed=step), 64, dp)
+        losses[step] = train_step(trainable, grid[parallel_state.get_data_parallel_rank()], loss_func)["loss"]
+        if step == save_at:
+            save_checkpoint(directory, step, trainable, extra={"policy_version": step}, keep_last=keep_last)
+    return losses

@@ -1,0 +1,128 @@
+"""Atomic training checkpoints: model, distributed optimizer, scheduler, step, RNG, extras.
+
+Layout under the checkpoint directory:
+    step_00000012/        dist/ (megatron dist_checkpointing, optimizer in the reshardable
+                          `fully_reshardable` format), rng/rank00000.pt, meta.json
+    step_00000013.partial a save in progress (or interrupted): never read
+    latest                the name of the newest complete step directory (replaced atomically)
+
+A save writes `step_N.partial`, then rank 0 renames it to `step_N` and only then points
+`latest` at it, so an interrupted save leaves the previous checkpoint current and readable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.trainer.optimizer import Trainable
+
+LATEST = "latest"
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    return {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save_checkpoint(
+    directory: str | Path, step: int, trainable: Trainable, extra: dict | None = None, keep_last: int = 2
+) -> Path:
+    """Collective: every rank of the model calls it. Returns the complete step directory."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(directory)
+    final, partial = _step_dir(root, step), Path(f"{_step_dir(root, step)}.partial")
+    rank = dist.get_rank()
+    if rank == 0:
+        if partial.exists():
+            shutil.rmtree(partial)  # left over from an interrupted save of this step
+        (partial / "dist").mkdir(parents=True)
+        (partial / "rng").mkdir()
+    dist.barrier()
+    model = trainable.model[0].module
+    model_state = model.sharded_state_dict()
+    state = {
+        "model": model_state,
+        "optimizer": trainable.optimizer.sharded_state_dict(model_state, metadata=_OPTIMIZER_FORMAT),
+    }
+    dist_checkpointing.save(state, str(partial / "dist"))
+    torch.save(_rng_state(), partial / "rng" / f"rank{rank:05d}.pt")
+    dist.barrier()
+    if rank == 0:
+        meta = {
+            "step": step,
+            "world_size": dist.get_world_size(),
+            "scheduler": trainable.scheduler.state_dict(),
+            "extra": extra or {},
+        }
+        (partial / "meta.json").write_text(json.dumps(meta, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        pointer = root / f"{LATEST}.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, root / LATEST)
+        complete = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial"))
+        for old in complete[:-keep_last]:
+            if old != final:
+                shutil.rmtree(old)
+    dist.barrier()
+    return final
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest complete step directory, or None when there is none."""
+    root = Path(directory)
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    if not (path / "meta.json").is_file():
+        raise FileNotFoundError(f"{pointer} names {path}, which is not a complete checkpoint (no meta.json)")
+    return path
+
+
+def load_checkpoint(directory: str | Path, trainable: Trainable) -> dict | None:
+    """Collective: restores the latest checkpoint into `trainable`; returns its meta
+    ({"step", "extra", ...}) or None when the directory holds no checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    path = latest_checkpoint(directory)
+    if path is None:
+        return None
+    meta = json.loads((path / "meta.json").read_text())
+    model = trainable.model[0].module
+    model_state = model.sharded_state_dict()
+    template = {
+        "model": model_state,
+        "optimizer": trainable.optimizer.sharded_state_dict(
+            model_state, is_loading=True, metadata=_OPTIMIZER_FORMAT
+        ),
+    }
+    loaded = dist_checkpointing.load(template, str(path / "dist"))
+    model.load_state_dict(loaded["model"])
+    trainable.optimizer.load_state_dict(loaded["optimizer"])
+    trainable.scheduler.load_state_dict(meta["scheduler"])
+    rng_file = path / "rng" / f"rank{dist.get_rank():05d}.pt"
+    if meta["world_size"] == dist.get_world_size() and rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return meta
