@@ -172,19 +172,24 @@ def hf_to_megatron(
 
 
 def megatron_to_hf(
-    mg: dict[str, torch.Tensor], arch: Architecture, value_model: bool = False
+    mg: dict[str, torch.Tensor], arch: Architecture, value_model: bool = False, partial: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Full HF state dict (on-disk names) from a full megatron state dict."""
+    """HF state dict (on-disk names) from a full megatron state dict. With `partial`, tensors
+    absent from `mg` are skipped (one pipeline stage's or expert rank's share)."""
     mapping = family_mapping(arch, value_model)
     out: dict[str, torch.Tensor] = {}
     for hf_name, mg_name in mapping.renames.items():
         if mg_name not in mg:
+            if partial:
+                continue
             raise ConversionError(
                 f"megatron checkpoint has no tensor {mg_name!r} (needed for HF {hf_name!r})"
             )
         out[hf_name] = mg[mg_name]
     for mg_name, hf_names, _, split in mapping.fused:
         if mg_name not in mg:
+            if partial:
+                continue
             raise ConversionError(f"megatron checkpoint has no tensor {mg_name!r}")
         for name, tensor in zip(hf_names, split(mg[mg_name], arch)):
             out[name] = tensor.contiguous()
