@@ -22,6 +22,23 @@ def _check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_policy(args: argparse.Namespace) -> int:
+    import logging
+
+    import megatron_rl.compat  # noqa: F401  (before megatron-core)
+    from megatron_rl.config import load_resolved
+    from megatron_rl.trainer.policy import run_policy
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        resolved = load_resolved(args.config)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    run_policy(resolved)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -31,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config", help="a YAML config file")
     check.add_argument("--out", help="also write the resolved JSON here")
     check.set_defaults(func=_check_config)
+    policy = commands.add_parser(
+        "train-policy", help="the policy trainer (run under torchrun on the policy's ranks)"
+    )
+    policy.add_argument("--config", required=True, help="resolved config JSON (check-config --out)")
+    policy.set_defaults(func=_train_policy)
     return parser
 
 

@@ -67,8 +67,15 @@ def train_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_func:
         forward_only=False,
     )
     update_successful, grad_norm, _ = trainable.optimizer.step()
+    lr = trainable.optimizer.param_groups[0]["lr"]
     trainable.scheduler.step(1)
-    return _reduce_metrics(reported, batches)
+    metrics = _reduce_metrics(reported, batches)
+    metrics.update(
+        grad_norm=float(grad_norm) if grad_norm is not None else None,
+        update_successful=bool(update_successful),
+        lr=lr,
+    )
+    return metrics
 
 
 def _reduce_metrics(reported: list[dict], batches: list[RankBatch]) -> dict:

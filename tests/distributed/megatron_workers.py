@@ -613,3 +613,28 @@ def publish_weights(rank, world_size, arch, full, tp, ep, directory, step, hf_di
     with torch.no_grad():
         out = model(input_ids, torch.arange(input_ids.shape[1]).expand_as(input_ids), attention_mask=None)
     return _gather_vocab(out)
+
+
+def policy_reference_losses(rank, world_size, resolved_path, steps, samples_per_step):
+    """Single-process reference for the train-policy process: same config, weights and samples."""
+    from megatron_rl.algorithms import InProcessScorer, make_algorithm
+    from megatron_rl.config import load_resolved
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.policy import load_initial_weights
+    from megatron_rl.trainer.step import policy_loss_func, train_step
+
+    resolved = load_resolved(resolved_path)
+    parallel.initialize_model_parallel(seed=resolved.orchestrator.seed)
+    arch = resolved.layout.policy_architecture
+    model = build_gpt_model(arch, seq_len=resolved.model.seq_len)
+    load_initial_weights(model, resolved)
+    trainable = build_trainable(model, resolved.optimizer, total_steps=resolved.orchestrator.num_steps)
+    loss_func = policy_loss_func(make_algorithm(resolved.algorithm, InProcessScorer(lambda b: None)))
+    losses = []
+    for step in range(steps):
+        grid = pack_into_grid(
+            training_samples(samples_per_step, arch.vocab_size, seed=step), resolved.model.seq_len, 1
+        )
+        losses.append(train_step(trainable, grid[0], loss_func)["loss"])
+    return losses

@@ -31,8 +31,10 @@ def compare(weights, layouts, algorithm="sao", critic=False, count=7):
         ):
             saw_dummies |= dummies > 0
             assert metrics["num_tokens"] == ref_metrics["num_tokens"]
+            assert metrics["update_successful"] is True and ref_metrics["update_successful"] is True
             for key, value in ref_metrics.items():
-                assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (tp, cp, world, key)
+                if key != "update_successful":
+                    assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (tp, cp, world, key)
             for name, value in ref_params.items():
                 torch.testing.assert_close(
                     params[name], value, atol=1e-5, rtol=0, msg=f"{name} tp={tp} cp={cp}"

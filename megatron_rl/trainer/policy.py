@@ -1,0 +1,166 @@
+"""The policy trainer process: `megatron-rl train-policy --config RESOLVED.json` under torchrun.
+
+Each step: receive this rank's grid item from the policy ZMQ stream, one train_step with the
+configured algorithm's loss, publish the new weights (HF safetensors for vLLM `reload_weights`
+when `inference.weight_update` is `safetensors`), checkpoint every `checkpoint.save_interval`
+steps, and append one metrics line (JSON) per step to `logging.dir/policy_metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_rl import parallel
+from megatron_rl.config import ResolvedConfig
+
+log = logging.getLogger("megatron_rl.policy")
+
+
+def receiver_id_in_replica() -> int:
+    """This rank's index among the ranks of its data-parallel replica (TP x CP x PP)."""
+    from megatron.core import parallel_state as ps
+
+    tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank() + tp * (
+        ps.get_context_parallel_rank() + cp * ps.get_pipeline_model_parallel_rank()
+    )
+
+
+def load_initial_weights(model, resolved: ResolvedConfig) -> str:
+    """Loads `model.checkpoint`: a converted checkpoint (tools/convert_hf_to_megatron.py) or an
+    HF directory; random initialisation when it is unset. Returns what was loaded."""
+    source = resolved.model.checkpoint
+    if not source:
+        return "random initialisation"
+    path = Path(source)
+    if (path / "megatron_rl.json").is_file():
+        from megatron.core import dist_checkpointing
+
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(path / "model")))
+        return f"converted checkpoint {path}"
+    if (path / "config.json").is_file():
+        from megatron_rl.models.checkpoint_io import read_hf_state_dict
+        from megatron_rl.models.hf_mapping import hf_to_megatron
+        from megatron_rl.models.sharding import load_full_state_dict
+
+        load_full_state_dict(
+            model, hf_to_megatron(read_hf_state_dict(path), resolved.layout.policy_architecture)
+        )
+        return f"HF weights {path}"
+    raise FileNotFoundError(f"model.checkpoint: {path} is neither a converted checkpoint nor an HF directory")
+
+
+def run_policy(resolved: ResolvedConfig) -> None:
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.algorithms import make_algorithm
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.publish import publish_hf_weights
+    from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.transport import GridReceiver
+
+    layout = parallel.initialize_role(resolved, "policy", seed=resolved.orchestrator.seed)
+    arch = resolved.layout.policy_architecture
+    model = build_gpt_model(
+        arch,
+        tp=layout.tp,
+        cp=layout.cp,
+        pp=layout.pp,
+        ep=layout.ep,
+        dtype=resolved.model.dtype,
+        seq_len=resolved.model.seq_len,
+    )
+    loaded = load_initial_weights(model, resolved)
+    num_steps = resolved.orchestrator.num_steps
+    trainable = build_trainable(model, resolved.optimizer, total_steps=num_steps)
+    start = 0
+    if resolved.checkpoint.resume:
+        meta = load_checkpoint(resolved.checkpoint.dir, trainable)
+        if meta is not None:
+            start = meta["step"] + 1
+            loaded = f"checkpoint step {meta['step']} in {resolved.checkpoint.dir}"
+    is_rank0 = torch.distributed.get_rank() == 0
+    if is_rank0:
+        log.info("policy: %s, layout %s, steps %d..%d", loaded, layout.model_dump(), start, num_steps - 1)
+    # A scorer is not needed to train: advantages arrive with the grid.
+    loss_func = policy_loss_func(make_algorithm(resolved.algorithm, _NoScorer()))
+    receiver = GridReceiver(
+        resolved.transport.host,
+        resolved.transport.policy_port,
+        data_rank=ps.get_data_parallel_rank(),
+        receiver_id=receiver_id_in_replica(),
+        timeout_s=resolved.transport.receive_timeout_s,
+        handshake_timeout_s=resolved.transport.handshake_timeout_s,
+    )
+    # config.json and tokenizer files for the published versions (loadable by transformers/vLLM).
+    side_files = Path(resolved.model.hf_config) if resolved.model.hf_config else None
+    metrics_path = Path(resolved.logging.dir) / "policy_metrics.jsonl"
+    if is_rank0:
+        metrics_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        for step in range(start, num_steps):
+            began = time.perf_counter()
+            micro_batches = receiver.receive(step)
+            metrics = train_step(trainable, micro_batches, loss_func)
+            if resolved.inference.weight_update == "safetensors" and resolved.inference.publish_dir:
+                publish_hf_weights(
+                    model, arch, resolved.inference.publish_dir, step + 1, hf_side_files=side_files
+                )
+            interval = resolved.checkpoint.save_interval
+            if interval and ((step + 1) % interval == 0 or step + 1 == num_steps):
+                save_checkpoint(
+                    resolved.checkpoint.dir,
+                    step,
+                    trainable,
+                    extra={"policy_version": step + 1},
+                    keep_last=resolved.checkpoint.keep_last,
+                )
+            elapsed = time.perf_counter() - began
+            if is_rank0:
+                record = _summarise(step, metrics, elapsed)
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                if resolved.logging.console:
+                    print(_console_line(record), flush=True)
+    finally:
+        receiver.close()
+        parallel.destroy()
+
+
+class _NoScorer:
+    async def score(self, batched_token_ids):
+        raise RuntimeError("the policy trainer does not score sequences")
+
+
+def _summarise(step: int, metrics: dict, seconds: float) -> dict:
+    """One metrics line: means over the step's global action tokens."""
+    tokens = max(metrics["num_tokens"], 1.0)
+    return {
+        "step": step,
+        "policy_version": step + 1,
+        "loss": metrics["loss"],
+        "num_tokens": metrics["num_tokens"],
+        "clip_fraction": metrics.get("clipped_sum", 0.0) / tokens,
+        "ratio_mean": metrics.get("ratio_sum", 0.0) / tokens,
+        "approx_kl": metrics.get("approx_kl_sum", 0.0) / tokens,
+        "entropy": metrics.get("entropy_sum", 0.0) / tokens,
+        "grad_norm": metrics.get("grad_norm"),
+        "lr": metrics.get("lr"),
+        "seconds": seconds,
+        "tokens_per_s": metrics["num_tokens"] / seconds if seconds > 0 else None,
+    }
+
+
+def _console_line(record: dict) -> str:
+    return (
+        f"[policy] step {record['step']} loss {record['loss']:+.4f} clip {record['clip_fraction']:.3f} "
+        f"ratio {record['ratio_mean']:.3f} kl {record['approx_kl']:.2e} entropy {record['entropy']:.3f} "
+        f"grad_norm {record['grad_norm'] or 0:.3f} lr {record['lr']:.2e} {record['tokens_per_s'] or 0:.0f} tok/s"
+    )
