@@ -66,6 +66,16 @@ def run_policy(resolved: ResolvedConfig) -> None:
     from megatron_rl.trainer.step import policy_loss_func, train_step
     from megatron_rl.transport import GridReceiver
 
+    if resolved.algorithm.kl_coef > 0:
+        raise ValueError(
+            f"algorithm.kl_coef = {resolved.algorithm.kl_coef}: KL to a reference policy is not implemented in "
+            "train-policy yet; set it to 0"
+        )
+    if resolved.inference.weight_update == "nccl":
+        log.warning(
+            "inference.weight_update 'nccl': the trainer side of the NCCL broadcast is not wired into "
+            "train-policy yet; no weights are published"
+        )
     layout = parallel.initialize_role(resolved, "policy", seed=resolved.orchestrator.seed)
     arch = resolved.layout.policy_architecture
     model = build_gpt_model(
