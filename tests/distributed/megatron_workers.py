@@ -638,3 +638,43 @@ def policy_reference_losses(rank, world_size, resolved_path, steps, samples_per_
         )
         losses.append(train_step(trainable, grid[0], loss_func)["loss"])
     return losses
+
+
+def value_reference_weights(rank, world_size, arch, seed):
+    """Random full weights of a TP=1 value model (non-zero head)."""
+    from megatron_rl.models.value_model import build_value_model
+
+    parallel.initialize_model_parallel(seed=seed)
+    torch.manual_seed(seed)
+    return full_parameters(build_value_model(arch, head_init_std=0.5))
+
+
+def critic_scores(rank, world_size, arch, full, tp, cp, requests, seq_len=64):
+    """Scores each request (a list of token-id lists) with a value model at (tp, cp, dp = rest);
+    rank 0 returns its ScoreResults as plain lists, other ranks None."""
+    from megatron_rl.critic.scoring import score_sequences
+    from megatron_rl.models.value_model import build_value_model
+
+    parallel.initialize_model_parallel(tp=tp, cp=cp)
+    model = build_value_model(arch, tp=tp, cp=cp)
+    load_full_state_dict(model, full)
+    results = []
+    for request in requests:
+        result = score_sequences(model, request if rank == 0 else None, seq_len)
+        if result is not None:
+            results.append(([v.tolist() for v in result.values], result.bootstrap_values))
+    return results if rank == 0 else None
+
+
+def value_model_direct(rank, world_size, arch, full, batch):
+    """Head output per token for each sequence alone ([T] float32 each), TP=1, unpacked."""
+    from megatron_rl.models.value_model import build_value_model
+
+    parallel.initialize_model_parallel()
+    model = build_value_model(arch)
+    load_full_state_dict(model, full)
+    model.eval()
+    with torch.no_grad():
+        return [
+            model(torch.tensor([ids]), torch.arange(len(ids))[None], attention_mask=None)[0] for ids in batch
+        ]

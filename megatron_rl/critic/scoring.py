@@ -1,0 +1,103 @@
+"""Batched scoring across the critic's ranks (the collective behind `POST /score`).
+
+`score_sequences(model, request, seq_len)` is called by every critic rank; global rank 0 passes
+the request (a list of token-id lists), the others None. Rank 0 broadcasts it as int64 tensors
+(never pickle); every rank packs it identically with `pack_into_grid` (complete sequences up to
+the critic's seq_len, bins balanced across DP replicas, padded for CP and sequence parallel);
+each replica runs its bins (the same number of forwards on every replica, dummies included),
+CP ranks all-gather their slices, and an all-reduce over DP gives every rank all values.
+Rank 0 gets a ScoreResult in the request's order:
+    values[i][t] = V(state before token t) = head output at t - 1 (values[i][0] = 0.0)
+    bootstrap_values[i] = head output at the last token.
+Pipeline parallel is not supported here yet (a ValueError says so).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_rl.data.packing import pack_into_grid
+from megatron_rl.data.types import ScoreResult, TrainingSample
+from megatron_rl.models.attention import packed_seq_params
+
+
+def _broadcast_request(request: list[list[int]] | None) -> list[list[int]]:
+    """Global rank 0's request on every rank, as [count, lengths..., tokens...] int64."""
+    if dist.get_rank() == 0:
+        lengths = [len(ids) for ids in request]
+        flat = torch.tensor([len(request), *lengths, *(t for ids in request for t in ids)], dtype=torch.int64)
+        size = torch.tensor([flat.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0)
+    if dist.get_rank() != 0:
+        flat = torch.empty(int(size.item()), dtype=torch.int64)
+    dist.broadcast(flat, src=0)
+    count = int(flat[0])
+    lengths = flat[1 : 1 + count].tolist()
+    tokens = flat[1 + count :].tolist()
+    out, start = [], 0
+    for n in lengths:
+        out.append(tokens[start : start + n])
+        start += n
+    return out
+
+
+@torch.no_grad()
+def score_sequences(model, request: list[list[int]] | None, seq_len: int) -> ScoreResult | None:
+    """Collective over all critic ranks; returns the ScoreResult on global rank 0, None elsewhere."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError("critic scoring with pipeline parallel (value.model.pp > 1) is not supported yet")
+    sequences = _broadcast_request(request)
+    dp, cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
+    sp = ps.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
+    samples = [
+        TrainingSample(
+            token_ids=ids,
+            loss_mask=np.zeros(len(ids), bool),
+            inference_logprobs=np.zeros(len(ids)),
+            reward=0.0,
+        )
+        for ids in sequences
+    ]
+    grid = pack_into_grid(samples, seq_len, dp, cp, sequence_parallel_size=sp)
+    lengths = np.array([len(ids) for ids in sequences], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    head = torch.zeros(int(offsets[-1]), dtype=torch.float32)  # head output per token, all sequences
+    was_training = model.training
+    model.eval()
+    cp_rank, cp_group = ps.get_context_parallel_rank(), ps.get_context_parallel_group()
+    for mb in grid[ps.get_data_parallel_rank()]:
+        total = mb.num_tokens
+        local = slice(cp_rank * total // cp, (cp_rank + 1) * total // cp)
+        cu = torch.as_tensor(mb.cu_seqlens, dtype=torch.int32)
+        values = model(
+            torch.as_tensor(mb.input_ids[local])[None],
+            torch.as_tensor(mb.position_ids[local])[None],
+            attention_mask=None,
+            packed_seq_params=packed_seq_params(cu, total),
+        )[0].float()
+        if cp > 1:
+            parts = [torch.empty_like(values) for _ in range(cp)]
+            dist.all_gather(parts, values.contiguous(), group=cp_group)
+            values = torch.cat(parts)
+        if mb.is_dummy:
+            continue
+        for start, end in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:]):
+            index = int(mb.sample_index[start])
+            head[offsets[index] : offsets[index + 1]] = values[start:end]
+    model.train(was_training)
+    if dp > 1:  # every sample was scored by exactly one replica
+        dist.all_reduce(head, group=ps.get_data_parallel_group())
+    if dist.get_rank() != 0:
+        return None
+    values_out, bootstrap = [], []
+    for i in range(len(sequences)):
+        h = head[offsets[i] : offsets[i + 1]].numpy()
+        values_out.append(np.concatenate([[0.0], h[:-1]]).astype(np.float32))
+        bootstrap.append(float(h[-1]))
+    return ScoreResult(values=values_out, bootstrap_values=bootstrap)
