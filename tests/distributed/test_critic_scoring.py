@@ -39,7 +39,7 @@ def test_batched_scoring_equals_per_sequence_scoring(weights, tp, cp, world):
     for i, ((single_values,), (single_boot,)) in enumerate(per_sequence):
         torch.testing.assert_close(torch.tensor(values[i]), torch.tensor(single_values), atol=1e-5, rtol=0)
         assert boots[i] == pytest.approx(single_boot, abs=1e-5)
-    for i, (head, ids) in enumerate(zip(direct_values(weights, batch), batch)):
+    for i, head in enumerate(direct_values(weights, batch)):
         # values[t] is the head at t - 1; the bootstrap value is the head at the last token
         expected = torch.cat([torch.zeros(1), head[:-1]])
         torch.testing.assert_close(torch.tensor(values[i]), expected, atol=1e-5, rtol=0)
