@@ -13,16 +13,14 @@ A save writes `step_N.partial`, then rank 0 renames it to `step_N` and only then
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from megatron_rl.trainer import atomic_dir
 from megatron_rl.trainer.optimizer import Trainable
 
-LATEST = "latest"
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -50,12 +48,12 @@ def save_checkpoint(
     from megatron.core import dist_checkpointing
 
     root = Path(directory)
-    final, partial = _step_dir(root, step), Path(f"{_step_dir(root, step)}.partial")
+    final = _step_dir(root, step)
+    partial = root / f"{final.name}.partial"
     rank = dist.get_rank()
     if rank == 0:
-        if partial.exists():
-            shutil.rmtree(partial)  # left over from an interrupted save of this step
-        (partial / "dist").mkdir(parents=True)
+        atomic_dir.begin(root, final.name)
+        (partial / "dist").mkdir()
         (partial / "rng").mkdir()
     dist.barrier()
     model = trainable.model[0].module
@@ -75,30 +73,14 @@ def save_checkpoint(
             "extra": extra or {},
         }
         (partial / "meta.json").write_text(json.dumps(meta, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(partial, final)
-        pointer = root / f"{LATEST}.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, root / LATEST)
-        complete = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".partial"))
-        for old in complete[:-keep_last]:
-            if old != final:
-                shutil.rmtree(old)
+        atomic_dir.commit(root, partial, keep_last, "step_*")
     dist.barrier()
     return final
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
     """The newest complete step directory, or None when there is none."""
-    root = Path(directory)
-    pointer = root / LATEST
-    if not pointer.is_file():
-        return None
-    path = root / pointer.read_text().strip()
-    if not (path / "meta.json").is_file():
-        raise FileNotFoundError(f"{pointer} names {path}, which is not a complete checkpoint (no meta.json)")
-    return path
+    return atomic_dir.latest(Path(directory), "meta.json")
 
 
 def load_checkpoint(directory: str | Path, trainable: Trainable) -> dict | None:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch.distributed as dist
@@ -25,8 +23,7 @@ from megatron_rl.config import Architecture
 from megatron_rl.models.checkpoint_io import copy_hf_side_files
 from megatron_rl.models.hf_mapping import megatron_to_hf
 from megatron_rl.models.sharding import gather_full_parameters
-
-LATEST = "latest"
+from megatron_rl.trainer import atomic_dir
 
 
 def _writer_roles() -> tuple[bool, bool, str]:
@@ -60,11 +57,10 @@ def publish_hf_weights(
 ) -> Path:
     """Writes version `step` under `directory`; returns its path (on every rank)."""
     root = Path(directory)
-    final, partial = root / f"v{step:08d}", root / f"v{step:08d}.partial"
+    version = f"v{step:08d}"
+    partial = root / f"{version}.partial"
     if dist.get_rank() == 0:
-        if partial.exists():
-            shutil.rmtree(partial)
-        partial.mkdir(parents=True)
+        atomic_dir.begin(root, version)
     dist.barrier()
     full = gather_full_parameters(model)
     writes_dense, writes_experts, tag = _writer_roles()
@@ -98,29 +94,14 @@ def publish_hf_weights(
             "num_tensors": len(weight_map),
         }
         (partial / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(partial, final)
-        pointer = root / f"{LATEST}.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, root / LATEST)
-        versions = sorted(p for p in root.glob("v*") if p.is_dir() and not p.name.endswith(".partial"))
-        for old in versions[:-keep_last]:
-            if old != final:
-                shutil.rmtree(old)
+        atomic_dir.commit(root, partial, keep_last, "v*")
     dist.barrier()
-    return final
+    return root / version
 
 
 def latest_published(directory: str | Path) -> Path | None:
     """The newest complete published version, or None."""
-    pointer = Path(directory) / LATEST
-    if not pointer.is_file():
-        return None
-    path = Path(directory) / pointer.read_text().strip()
-    if not (path / "manifest.json").is_file():
-        raise FileNotFoundError(f"{pointer} names {path}, which has no manifest.json")
-    return path
+    return atomic_dir.latest(Path(directory), "manifest.json")
 
 
 def verify_published(path: str | Path) -> dict:

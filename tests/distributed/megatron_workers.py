@@ -602,17 +602,18 @@ def resumable_training(rank, world_size, arch, full, directory, steps, save_at=N
 
 
 def publish_weights(rank, world_size, arch, full, tp, ep, directory, step, hf_dir, input_ids):
-    """Publishes the model's weights as HF safetensors; returns its full-vocab logits."""
+    """Publishes the model's weights as HF safetensors; returns (full-vocab logits, the path
+    publish_hf_weights returned)."""
     from megatron_rl.trainer.publish import publish_hf_weights
 
     parallel.initialize_model_parallel(tp=tp, ep=ep)
     model = build_gpt_model(arch, tp=tp, ep=ep)
     load_full_state_dict(model, full)
-    publish_hf_weights(model, arch, directory, step, hf_side_files=hf_dir)
+    path = publish_hf_weights(model, arch, directory, step, hf_side_files=hf_dir)
     model.eval()
     with torch.no_grad():
         out = model(input_ids, torch.arange(input_ids.shape[1]).expand_as(input_ids), attention_mask=None)
-    return _gather_vocab(out)
+    return _gather_vocab(out), str(path)
 
 
 def policy_reference_losses(rank, world_size, resolved_path, steps, samples_per_step):

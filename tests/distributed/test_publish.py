@@ -30,11 +30,13 @@ def perturbed(directory):
 def test_published_weights_load_into_transformers(family, tp, ep, tiny_models, tmp_path):
     arch, full = perturbed(tiny_models[family])
     input_ids = torch.randint(0, arch.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
-    megatron = run_ranks(
+    ranks = run_ranks(
         w.publish_weights, tp * ep, arch, full, tp, ep, str(tmp_path), 5, tiny_models[family], input_ids
-    )[0]
+    )
+    megatron = ranks[0][0]
     version = latest_published(tmp_path)
     assert version.name == "v00000005"
+    assert all(path == str(version) for _, path in ranks)  # every rank is told the new version
     manifest = verify_published(version)
     assert manifest["step"] == 5 and manifest["num_tensors"] == len(
         load_file(tiny_models[family] / "model.safetensors")
@@ -48,7 +50,7 @@ def test_interrupted_publish_keeps_the_previous_version(tiny_models, tmp_path):
     input_ids = torch.randint(0, arch.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
     megatron = run_ranks(
         w.publish_weights, 1, arch, full, 1, 1, str(tmp_path), 1, tiny_models["llama"], input_ids
-    )[0]
+    )[0][0]
     # Version 2 died midway: half its files written, no manifest, `latest` not moved.
     partial = tmp_path / "v00000002.partial"
     shutil.copytree(tmp_path / "v00000001", partial)
