@@ -12,11 +12,10 @@ the step's time. Writes benchmarks/results/compat_overhead.json.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
+from _results import write_result  # benchmarks/ is on sys.path when run as a script
 
 from megatron_rl import parallel
 from megatron_rl.compat import patches
@@ -111,23 +110,14 @@ def main() -> None:
     print(
         f"step: {step_s * 1e3:.1f} ms, of which the mode ~{overhead_s * 1e3:.2f} ms ({100 * overhead_s / step_s:.2f}%)"
     )
-    out = Path(__file__).parent / "results" / "compat_overhead.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "figure": {"name": "step seconds (mode active)", "value": step_s},
-                "reference": {
-                    "name": "step seconds less the mode's estimated cost",
-                    "value": step_s - overhead_s,
-                },
-                "ratio": ratio,
-                "calls_per_step": calls,
-                "seconds_per_call": per_call,
-                "params": vars(args),
-            },
-            indent=2,
-        )
+    write_result(
+        "compat_overhead",
+        figure={"name": "step seconds (mode active)", "value": step_s},
+        reference={"name": "step seconds less the mode's estimated cost", "value": step_s - overhead_s},
+        ratio=ratio,
+        params=vars(args),
+        calls_per_step=calls,
+        seconds_per_call=per_call,
     )
     parallel.destroy()
 

@@ -10,11 +10,10 @@ same inputs; they must agree to 1e-9. Writes benchmarks/results/gae.json.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
+from _results import write_result  # benchmarks/ is on sys.path when run as a script
 
 from megatron_rl.algorithms.advantages import skip_observation_gae
 
@@ -113,21 +112,15 @@ def main() -> None:
     print(f"{'ours, compiled scan (CPU, default)':<34}{ours_s * 1e3:>20.1f}   {ratio:.1f}x")
     print(f"speed-up of the default path: {ratio:.1f}x   max |diff| vs the loop {max_diff:.2e}")
 
-    out = Path(__file__).parent / "results" / "gae.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "figure": {"name": "skip_observation_gae seconds", "value": ours_s},
-                "reference": {"name": "per-token loop seconds", "value": ref_s},
-                "ratio": ratio,
-                "max_abs_diff": max_diff,
-                "blockwise_seconds": block_s,
-                "blockwise_ratio": ref_s / block_s,
-                "params": vars(args) | {"threads": 1, "observation_fraction": observation_fraction},
-            },
-            indent=2,
-        )
+    write_result(
+        "gae",
+        figure={"name": "skip_observation_gae seconds", "value": ours_s},
+        reference={"name": "per-token loop seconds", "value": ref_s},
+        ratio=ratio,
+        params=vars(args) | {"threads": 1, "observation_fraction": observation_fraction},
+        max_abs_diff=max_diff,
+        blockwise_seconds=block_s,
+        blockwise_ratio=ref_s / block_s,
     )
 
 

@@ -10,11 +10,10 @@ order without balancing (bins dealt round-robin to ranks). Writes benchmarks/res
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import numpy as np
+from _results import write_result  # benchmarks/ is on sys.path when run as a script
 
 from megatron_rl.data.packing import _micro_batch, dummy_micro_batch, pack_into_grid, packing_stats
 from megatron_rl.data.types import TrainingSample
@@ -115,14 +114,7 @@ def main() -> None:
         f"goal: bins <= 1.03 x lower bound (ours {figure['max_bins_over_lower_bound']:.3f}), "
         f"DP imbalance <= 1.05 (ours {figure['max_dp_imbalance']:.4f}, first-fit {ref['max_dp_imbalance']:.4f})"
     )
-    out = Path(__file__).parent / "results" / "packing.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {"figure": figure, "reference": ref, "ratio": ratio, "params": vars(args), "runs": results},
-            indent=2,
-        )
-    )
+    write_result("packing", figure=figure, reference=ref, ratio=ratio, params=vars(args), runs=results)
 
 
 if __name__ == "__main__":

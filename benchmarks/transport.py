@@ -10,13 +10,12 @@ memory (numpy copy), in this process, in the same run. Writes benchmarks/results
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import socket
 import time
-from pathlib import Path
 
 import numpy as np
+from _results import write_result  # benchmarks/ is on sys.path when run as a script
 
 from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.data.types import TrainingSample
@@ -102,18 +101,12 @@ def main() -> None:
     print(f"{'in-process memory copy (numpy)':<44}{memcpy_rate / 1e6:>10.0f}")
     print(f"{'ZMQ loopback: encode+crc32+send+decode+ack':<44}{zmq_rate / 1e6:>10.0f}")
     print(f"ratio ZMQ / memory copy: {ratio:.3f}")
-    out = Path(__file__).parent / "results" / "transport.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "figure": {"name": "ZMQ loopback grid bytes/s", "value": zmq_rate},
-                "reference": {"name": "in-process memory copy bytes/s", "value": memcpy_rate},
-                "ratio": ratio,
-                "params": vars(args) | {"bytes": total},
-            },
-            indent=2,
-        )
+    write_result(
+        "transport",
+        figure={"name": "ZMQ loopback grid bytes/s", "value": zmq_rate},
+        reference={"name": "in-process memory copy bytes/s", "value": memcpy_rate},
+        ratio=ratio,
+        params=vars(args) | {"bytes": total},
     )
 
 
