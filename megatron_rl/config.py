@@ -171,11 +171,17 @@ class LoraConfig(_Strict):
 
 
 class SnapshotConfig(_Strict):
-    """Load the policy's backbone into the critic at these steps, then retune the head only."""
+    """Load the policy's backbone into the critic at these steps, then retune the head only.
+
+    Before policy step s - 1 ends, the policy exports its weights as snapshot version s into
+    `dir`; before training step s the critic waits for that version (up to `wait_timeout_s`),
+    loads its backbone (resharded to the critic's layout) and trains only the value head for
+    `head_only_retune_steps` steps. The critic's and the policy's architectures must match."""
 
     steps: list[int] = Field(default_factory=list)
-    policy_checkpoint_dir: str | None = None
+    dir: str | None = None  # default: <checkpoint.dir>/policy_snapshots
     head_only_retune_steps: int = Field(default=0, ge=0)
+    wait_timeout_s: float = Field(default=1800.0, gt=0)
 
 
 class ServiceConfig(_Strict):
@@ -194,8 +200,12 @@ class ValueConfig(_Strict):
     head_only_warmup_steps: int = Field(default=0, ge=0)
     freeze_attention: bool = False
     lora: LoraConfig | None = None
+    # Value pretraining before RL: `pretrain_steps` optimizer steps on batches of
+    # `pretrain_batch_size` samples from a JSONL file of {"token_ids", "loss_mask", "reward"}
+    # (Monte Carlo returns with algorithm.gamma) or {"token_ids", "loss_mask", "returns"}.
     pretrain_jsonl: str | None = None
     pretrain_steps: int = Field(default=0, ge=0)
+    pretrain_batch_size: int = Field(default=32, gt=0)
     snapshot: SnapshotConfig | None = None
     head_init_std: float = Field(default=0.0, ge=0)
     service: ServiceConfig = Field(default_factory=ServiceConfig)
@@ -422,6 +432,51 @@ def _model_layout(
     )
 
 
+def _check_value_options(
+    config: Config, policy_arch: Architecture | None, critic_arch: Architecture | None, errors: list[str]
+) -> None:
+    value = config.value
+    if bool(value.pretrain_jsonl) != bool(value.pretrain_steps):
+        errors.append(
+            "value.pretrain_jsonl / value.pretrain_steps: value pretraining needs both a JSONL file and a "
+            f"step count > 0 (got pretrain_jsonl={value.pretrain_jsonl!r}, pretrain_steps={value.pretrain_steps})"
+        )
+    snapshot = value.snapshot
+    if snapshot is None or not snapshot.steps:
+        return
+    num_steps = config.orchestrator.num_steps
+    bad = [s for s in snapshot.steps if not 1 <= s < num_steps]
+    if bad:
+        errors.append(
+            f"value.snapshot.steps: {bad} outside 1..{num_steps - 1} (step s loads the policy after its step s - 1; "
+            "at step 0 use value.model.checkpoint instead)"
+        )
+    if len(set(snapshot.steps)) != len(snapshot.steps):
+        errors.append(f"value.snapshot.steps: {snapshot.steps} has repeated steps")
+    if value.lora is not None:
+        errors.append("value.snapshot: a snapshot replaces the backbone that LoRA adapts; use one of them")
+    if policy_arch and critic_arch:
+        fields = (
+            "family",
+            "hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "num_experts",
+            "moe_intermediate_size",
+            "qk_norm",
+        )
+        differ = [f for f in fields if getattr(policy_arch, f) != getattr(critic_arch, f)]
+        if differ:
+            errors.append(
+                f"value.snapshot: the critic's architecture differs from the policy's in {differ}; a policy "
+                "snapshot can only load into a critic of the same architecture"
+            )
+
+
 def _value_gpus(config: Config, errors: list[str]) -> tuple[int, str]:
     deployment = config.deployment
     dedicated, shared = deployment.num_value_nodes, deployment.num_value_gpus_per_train_node
@@ -509,6 +564,9 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
             f"value.model: vocab_size ({critic_arch.vocab_size}) differs from the policy's ({policy_arch.vocab_size}); "
             "the critic scores the policy's token ids"
         )
+
+    if config.value is not None:
+        _check_value_options(config, policy_arch, critic_arch, errors)
 
     value_gpus, style = _value_gpus(config, errors)
     deployment = config.deployment

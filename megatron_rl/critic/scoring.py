@@ -23,18 +23,31 @@ from megatron_rl.data.types import ScoreResult, TrainingSample
 from megatron_rl.models.attention import packed_seq_params
 
 
+def collective_device() -> torch.device:
+    """Where tensors for collectives on the default group live (CUDA under NCCL, else CPU)."""
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
 def _broadcast_request(request: list[list[int]] | None) -> list[list[int]]:
     """Global rank 0's request on every rank, as [count, lengths..., tokens...] int64."""
+    device = collective_device()
     if dist.get_rank() == 0:
         lengths = [len(ids) for ids in request]
-        flat = torch.tensor([len(request), *lengths, *(t for ids in request for t in ids)], dtype=torch.int64)
-        size = torch.tensor([flat.numel()], dtype=torch.int64)
+        flat = torch.tensor(
+            [len(request), *lengths, *(t for ids in request for t in ids)], dtype=torch.int64, device=device
+        )
+        size = torch.tensor([flat.numel()], dtype=torch.int64, device=device)
     else:
-        size = torch.zeros(1, dtype=torch.int64)
+        size = torch.zeros(1, dtype=torch.int64, device=device)
     dist.broadcast(size, src=0)
     if dist.get_rank() != 0:
-        flat = torch.empty(int(size.item()), dtype=torch.int64)
+        flat = torch.empty(int(size.item()), dtype=torch.int64, device=device)
     dist.broadcast(flat, src=0)
+    flat = flat.cpu()
     count = int(flat[0])
     lengths = flat[1 : 1 + count].tolist()
     tokens = flat[1 + count :].tolist()
@@ -67,7 +80,8 @@ def score_sequences(model, request: list[list[int]] | None, seq_len: int) -> Sco
     grid = pack_into_grid(samples, seq_len, dp, cp, sequence_parallel_size=sp)
     lengths = np.array([len(ids) for ids in sequences], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    head = torch.zeros(int(offsets[-1]), dtype=torch.float32)  # head output per token, all sequences
+    device = collective_device()
+    head = torch.zeros(int(offsets[-1]), dtype=torch.float32, device=device)  # head output per token
     was_training = model.training
     model.eval()
     cp_rank, cp_group = ps.get_context_parallel_rank(), ps.get_context_parallel_group()
@@ -76,10 +90,10 @@ def score_sequences(model, request: list[list[int]] | None, seq_len: int) -> Sco
         local = slice(cp_rank * total // cp, (cp_rank + 1) * total // cp)
         cu = torch.as_tensor(mb.cu_seqlens, dtype=torch.int32)
         values = model(
-            torch.as_tensor(mb.input_ids[local])[None],
-            torch.as_tensor(mb.position_ids[local])[None],
+            torch.as_tensor(mb.input_ids[local], device=device)[None],
+            torch.as_tensor(mb.position_ids[local], device=device)[None],
             attention_mask=None,
-            packed_seq_params=packed_seq_params(cu, total),
+            packed_seq_params=packed_seq_params(cu.to(device), total),
         )[0].float()
         if cp > 1:
             parts = [torch.empty_like(values) for _ in range(cp)]
@@ -95,6 +109,7 @@ def score_sequences(model, request: list[list[int]] | None, seq_len: int) -> Sco
         dist.all_reduce(head, group=ps.get_data_parallel_group())
     if dist.get_rank() != 0:
         return None
+    head = head.cpu()
     values_out, bootstrap = [], []
     for i in range(len(sequences)):
         h = head[offsets[i] : offsets[i + 1]].numpy()

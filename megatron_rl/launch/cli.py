@@ -22,12 +22,11 @@ def _check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_policy(args: argparse.Namespace) -> int:
+def _run_role(args: argparse.Namespace, role: str) -> int:
     import logging
 
     import megatron_rl.compat  # noqa: F401  (before megatron-core)
     from megatron_rl.config import load_resolved
-    from megatron_rl.trainer.policy import run_policy
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
@@ -35,7 +34,20 @@ def _train_policy(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    run_policy(resolved)
+    if role == "policy":
+        from megatron_rl.trainer.policy import run_policy
+
+        run_policy(resolved)
+    else:
+        from megatron_rl.critic.worker import run_critic
+
+        if resolved.value is None:
+            print(
+                f"{args.config}: the config has no value section, so there is no critic to run",
+                file=sys.stderr,
+            )
+            return 2
+        run_critic(resolved)
     return 0
 
 
@@ -52,7 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
         "train-policy", help="the policy trainer (run under torchrun on the policy's ranks)"
     )
     policy.add_argument("--config", required=True, help="resolved config JSON (check-config --out)")
-    policy.set_defaults(func=_train_policy)
+    policy.set_defaults(func=lambda a: _run_role(a, "policy"))
+    critic = commands.add_parser(
+        "critic",
+        help="the critic: scoring service on rank 0 plus value training from ZMQ (run under torchrun on the "
+        "critic's ranks; stops on SIGTERM/SIGINT)",
+    )
+    critic.add_argument("--config", required=True, help="resolved config JSON (check-config --out)")
+    critic.set_defaults(func=lambda a: _run_role(a, "critic"))
     return parser
 
 

@@ -69,6 +69,24 @@ class LoRALinear(nn.Module):
             z = tensor_parallel.reduce_from_tensor_model_parallel_region(nn.functional.linear(x, self.lora_a))
         return output + self.scale * nn.functional.linear(z, self.lora_b), bias
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """The wrapped layer's tensors under the checkpoint keys it has without LoRA (so a
+        checkpoint of the plain model loads into the wrapped one and back), plus the adapters,
+        TP-sharded like the weight they adapt."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        base = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
+        state = {f"{prefix}base.{key[len(prefix) :]}": value for key, value in base.items()}
+        adapters = {"lora_a": self.lora_a, "lora_b": self.lora_b}
+        axis = {"lora_b": 0} if self.parallel_kind == "column" else {"lora_a": 1}
+        kwargs = {}
+        if metadata is not None and "dp_cp_group" in metadata:
+            kwargs["dp_cp_group"] = metadata["dp_cp_group"]
+        state.update(
+            make_sharded_tensors_for_checkpoint(adapters, f"{prefix}", axis, sharded_offsets, **kwargs)
+        )
+        return state
+
     def merged_weight(self) -> torch.Tensor:
         """W + scale * B A for this rank's shard."""
         return self.base.weight + self.scale * (self.lora_b @ self.lora_a)

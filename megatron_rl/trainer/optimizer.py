@@ -15,16 +15,27 @@ import torch
 
 from megatron_rl.config import OptimizerConfig
 
+# Optimizer parameter groups whose parameters match this pattern carry `{HEAD_GROUP_KEY: True}`;
+# with `Trainable.head_only` every other group gets learning rate 0 for the step.
+HEAD_GROUP_KEY = "megatron_rl_head"
+
 
 @dataclass
 class Trainable:
     model: list  # DDP-wrapped model chunks
     optimizer: object
     scheduler: object
+    head_only: bool = False  # train only the head groups this step (see set_head_only)
 
 
-def build_trainable(model: torch.nn.Module, config: OptimizerConfig, total_steps: int) -> Trainable:
-    """Wraps `model` in megatron DDP and builds its optimizer and scheduler."""
+def build_trainable(
+    model: torch.nn.Module, config: OptimizerConfig, total_steps: int, head_pattern: str | None = None
+) -> Trainable:
+    """Wraps `model` in megatron DDP and builds its optimizer and scheduler.
+
+    `head_pattern` (an fnmatch pattern on parameter names, e.g. "*value_head.*") puts the
+    matching parameters in their own optimizer groups so that `Trainable.head_only` can train
+    them alone."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -62,9 +73,12 @@ def build_trainable(model: torch.nn.Module, config: OptimizerConfig, total_steps
         fp16=transformer_config.fp16,
         params_dtype=transformer_config.params_dtype,
     )
-    optimizer = get_megatron_optimizer(
-        optimizer_config, [ddp], config_overrides=get_standard_config_overrides(optimizer_config)
-    )
+    overrides = get_standard_config_overrides(optimizer_config)
+    if head_pattern is not None:
+        from megatron.core.optimizer import ParamKey
+
+        overrides[ParamKey(name=head_pattern)] = {HEAD_GROUP_KEY: True}
+    optimizer = get_megatron_optimizer(optimizer_config, [ddp], config_overrides=overrides)
     decay_steps = max(total_steps, config.warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -80,3 +94,46 @@ def build_trainable(model: torch.nn.Module, config: OptimizerConfig, total_steps
         wd_incr_style="constant",
     )
     return Trainable([ddp], optimizer, scheduler)
+
+
+def torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside a megatron (possibly chained) optimizer."""
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [o.optimizer for o in inner]
+
+
+def freeze_non_head_groups(trainable: Trainable) -> None:
+    """Learning rate 0 for every group but the head's, for this step only (the scheduler sets
+    every group's rate again after the step). With AdamW, lr 0 leaves a parameter exactly
+    unchanged, weight decay included."""
+    for group in trainable.optimizer.param_groups:
+        if not group.get(HEAD_GROUP_KEY, False):
+            group["lr"] = 0.0
+
+
+@torch.no_grad()
+def restart_untouched_adam_state(trainable: Trainable, reset_moments: bool = False) -> int:
+    """Adam state of non-head parameters that never received a gradient (second moment all
+    zero) restarts at step 0, so their first real update gets the usual bias correction instead
+    of one shaped by the frozen steps. `reset_moments` zeroes every non-head parameter's moments
+    first (new weights from a snapshot: the old moments belong to other weights). Returns the
+    number of parameters restarted."""
+    count = 0
+    for opt in torch_optimizers(trainable.optimizer):
+        for group in opt.param_groups:
+            if group.get(HEAD_GROUP_KEY, False):
+                continue
+            for param in group["params"]:
+                state = opt.state.get(param)
+                if not state or "exp_avg_sq" not in state:
+                    continue
+                if reset_moments:
+                    state["exp_avg"].zero_()
+                    state["exp_avg_sq"].zero_()
+                if not state["exp_avg_sq"].any():
+                    if torch.is_tensor(state["step"]):
+                        state["step"] = torch.zeros_like(state["step"])
+                    else:
+                        state["step"] = 0
+                    count += 1
+    return count

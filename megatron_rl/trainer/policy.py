@@ -31,30 +31,6 @@ def receiver_id_in_replica() -> int:
     )
 
 
-def load_initial_weights(model, resolved: ResolvedConfig) -> str:
-    """Loads `model.checkpoint`: a converted checkpoint (tools/convert_hf_to_megatron.py) or an
-    HF directory; random initialisation when it is unset. Returns what was loaded."""
-    source = resolved.model.checkpoint
-    if not source:
-        return "random initialisation"
-    path = Path(source)
-    if (path / "megatron_rl.json").is_file():
-        from megatron.core import dist_checkpointing
-
-        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(path / "model")))
-        return f"converted checkpoint {path}"
-    if (path / "config.json").is_file():
-        from megatron_rl.models.checkpoint_io import read_hf_state_dict
-        from megatron_rl.models.hf_mapping import hf_to_megatron
-        from megatron_rl.models.sharding import load_full_state_dict
-
-        load_full_state_dict(
-            model, hf_to_megatron(read_hf_state_dict(path), resolved.layout.policy_architecture)
-        )
-        return f"HF weights {path}"
-    raise FileNotFoundError(f"model.checkpoint: {path} is neither a converted checkpoint nor an HF directory")
-
-
 def run_policy(resolved: ResolvedConfig) -> None:
     from megatron.core import parallel_state as ps
 
@@ -64,6 +40,7 @@ def run_policy(resolved: ResolvedConfig) -> None:
     from megatron_rl.trainer.optimizer import build_trainable
     from megatron_rl.trainer.publish import publish_hf_weights
     from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.trainer.weights import load_initial_weights
     from megatron_rl.transport import GridReceiver
 
     if resolved.algorithm.kl_coef > 0:
@@ -87,7 +64,7 @@ def run_policy(resolved: ResolvedConfig) -> None:
         dtype=resolved.model.dtype,
         seq_len=resolved.model.seq_len,
     )
-    loaded = load_initial_weights(model, resolved)
+    loaded = load_initial_weights(model, resolved.model.checkpoint, arch)
     num_steps = resolved.orchestrator.num_steps
     trainable = build_trainable(model, resolved.optimizer, total_steps=num_steps)
     start = 0

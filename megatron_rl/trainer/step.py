@@ -17,7 +17,7 @@ from megatron_rl.data.types import MicroBatch
 from megatron_rl.models.attention import packed_seq_params
 from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
 from megatron_rl.trainer.batches import RankBatch, rank_batch
-from megatron_rl.trainer.optimizer import Trainable
+from megatron_rl.trainer.optimizer import Trainable, freeze_non_head_groups
 
 LossFunc = Callable[[torch.Tensor, RankBatch], tuple[torch.Tensor, dict]]
 
@@ -66,6 +66,8 @@ def train_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_func:
         micro_batch_size=1,
         forward_only=False,
     )
+    if trainable.head_only:
+        freeze_non_head_groups(trainable)
     update_successful, grad_norm, _ = trainable.optimizer.step()
     lr = trainable.optimizer.param_groups[0]["lr"]
     trainable.scheduler.step(1)

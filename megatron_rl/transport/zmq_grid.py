@@ -222,8 +222,11 @@ class GridReceiver:
         data_rank: int,
         receiver_id: int = 0,
         timeout_s: float = 600.0,
-        handshake_timeout_s: float = 120.0,
+        handshake_timeout_s: float | None = 120.0,
     ):
+        """`handshake_timeout_s=None` does not wait for the sender here: the handshake then
+        completes inside the first `poll`/`receive` (a critic serves requests before the
+        orchestrator's sender exists)."""
         self.endpoint = f"tcp://{host}:{port}"
         self.data_rank = data_rank
         self.receiver_id = receiver_id
@@ -233,41 +236,79 @@ class GridReceiver:
         self._socket.setsockopt(zmq.LINGER, 2000)
         self._socket.connect(self.endpoint)
         self._who = {"data_rank": data_rank, "receiver_id": receiver_id}
-        try:
-            kind, payload, _ = self._request(b"HELLO", {}, handshake_timeout_s, "handshake")
-            if kind != b"WELCOME":
-                raise TransportError(f"{self.endpoint}: handshake refused: {payload.get('message', payload)}")
-        except BaseException:
-            self._socket.close(linger=0)  # drop the queued HELLO: this receiver gave up
-            raise
-        self.sender_name = payload["name"]
+        self.sender_name: str | None = None
+        self._pending_step: int | None = None  # a GET sent and not yet answered
+        self._socket.send_multipart([b"HELLO", _pack(self._who)])
+        if handshake_timeout_s is not None:
+            try:
+                if not self._finish_handshake(handshake_timeout_s):
+                    raise TransportTimeout(
+                        f"{self.endpoint}: no answer to handshake for data rank {self.data_rank} "
+                        f"within {handshake_timeout_s}s"
+                    )
+            except BaseException:
+                self._socket.close(linger=0)  # drop the queued HELLO: this receiver gave up
+                raise
 
-    def _request(self, kind: bytes, payload: dict, timeout_s: float, what: str):
-        self._socket.send_multipart([kind, _pack({**payload, **self._who})])
+    def _finish_handshake(self, timeout_s: float) -> bool:
+        """True once the sender's WELCOME arrived (waits up to `timeout_s`)."""
+        if self.sender_name is not None:
+            return True
         if not self._socket.poll(int(timeout_s * 1000)):
-            raise TransportTimeout(
-                f"{self.endpoint}: no answer to {what} for data rank {self.data_rank} within {timeout_s}s"
-            )
+            return False
         frames = self._socket.recv_multipart(copy=False)
         kind = frames[0].bytes
         try:
             payload = _unpack(frames[1].bytes) if len(frames) > 1 else {}
         except msgspec.DecodeError:
-            raise TransportError(f"{self.endpoint}: corrupt reply to {what}") from None
-        return kind, payload, frames[2:]
+            raise TransportError(f"{self.endpoint}: corrupt reply to the handshake") from None
+        if kind != b"WELCOME":
+            raise TransportError(f"{self.endpoint}: handshake refused: {payload.get('message', payload)}")
+        self.sender_name = payload["name"]
+        return True
 
     def receive(self, step: int, timeout_s: float | None = None) -> list[MicroBatch]:
         """This data rank's micro-batches for `step`. A decode error raises TransportError and
         sends no ACK, so the sender keeps the item and `receive(step)` can be called again."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        kind, payload, frames = self._request(b"GET", {"step": step}, timeout_s, f"step {step}")
+        micro_batches = self.poll(step, timeout_s)
+        if micro_batches is None:
+            raise TransportTimeout(
+                f"{self.endpoint}: no answer to step {step} for data rank {self.data_rank} within {timeout_s}s"
+            )
+        return micro_batches
+
+    def poll(self, step: int, timeout_s: float = 0.0) -> list[MicroBatch] | None:
+        """Like `receive`, but returns None when the step has not arrived within `timeout_s`.
+        The request stays open: a later `poll(step)` or `receive(step)` waits for the same
+        delivery (asking for a different step meanwhile is an error)."""
+        began = time.monotonic()
+        if not self._finish_handshake(timeout_s):
+            return None
+        timeout_s = max(0.0, timeout_s - (time.monotonic() - began))
+        if self._pending_step is None:
+            self._socket.send_multipart([b"GET", _pack({"step": step, **self._who})])
+            self._pending_step = step
+        elif self._pending_step != step:
+            raise TransportError(
+                f"{self.endpoint}: step {step} requested while step {self._pending_step} is still awaited"
+            )
+        if not self._socket.poll(int(timeout_s * 1000)):
+            return None
+        self._pending_step = None
+        frames = self._socket.recv_multipart(copy=False)
+        kind = frames[0].bytes
+        try:
+            payload = _unpack(frames[1].bytes) if len(frames) > 1 else {}
+        except msgspec.DecodeError:
+            raise TransportError(f"{self.endpoint}: corrupt reply to step {step}") from None
         if kind == b"ERROR":
             raise TransportError(
                 f"{self.endpoint}: step {step}, data rank {self.data_rank}: {payload.get('message')}"
             )
         if kind != b"DATA":
             raise TransportError(f"{self.endpoint}: step {step}: unexpected reply {kind!r}")
-        micro_batches = decode_grid_item([f.buffer for f in frames], self.endpoint, step, self.data_rank)
+        micro_batches = decode_grid_item([f.buffer for f in frames[2:]], self.endpoint, step, self.data_rank)
         self._socket.send_multipart([b"ACK", _pack({"step": step, **self._who})])
         return micro_batches
 

@@ -1,0 +1,149 @@
+"""HttpValueScorer: the ValueScorer the orchestrator uses, over the critic's HTTP service.
+
+`await scorer.score(batched_token_ids)` sends one `POST /score` and returns a ScoreResult in
+request order. Connection failures (critic still starting, restarting, or briefly unreachable)
+and 503 replies are retried with exponential backoff up to `retries` times; a request that
+takes longer than `timeout_s` raises CriticTimeout; a 400 raises CriticRequestError with the
+critic's message. Every error names the URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import numpy as np
+
+from megatron_rl.data.types import ScoreResult
+
+
+class CriticError(RuntimeError):
+    """The critic could not be reached or answered unexpectedly."""
+
+
+class CriticTimeout(CriticError):
+    pass
+
+
+class CriticRequestError(CriticError, ValueError):
+    """The critic refused the request (HTTP 400)."""
+
+
+class HttpValueScorer:
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        retries: int = 8,
+        backoff_s: float = 0.25,
+        max_backoff_s: float = 8.0,
+    ):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._session = None
+        self._session_loop = None
+
+    async def _client(self):
+        import aiohttp
+
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
+            )
+            self._session_loop = loop
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def _request(self, method: str, path: str, body: bytes | None = None) -> dict:
+        import aiohttp
+
+        url = f"{self.url}{path}"
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            session = await self._client()
+            try:
+                async with session.request(
+                    method, url, data=body, headers={"Content-Type": "application/json"} if body else None
+                ) as response:
+                    payload = await response.read()
+                    if response.status == 200:
+                        try:
+                            return msgspec.json.decode(payload)
+                        except msgspec.DecodeError:
+                            raise CriticError(f"{url}: reply is not JSON: {payload[:200]!r}") from None
+                    message = _error_message(payload)
+                    if response.status == 400:
+                        raise CriticRequestError(f"{url}: request refused (400): {message}")
+                    if response.status != 503 or attempt == self.retries:
+                        raise CriticError(f"{url}: HTTP {response.status}: {message}")
+            except (aiohttp.ClientConnectionError, ConnectionError) as exc:
+                if attempt == self.retries:
+                    raise CriticError(
+                        f"{url}: unreachable after {self.retries + 1} attempts: {type(exc).__name__}: {exc}"
+                    ) from exc
+            except TimeoutError:
+                raise CriticTimeout(f"{url}: no reply within {self.timeout_s}s") from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.max_backoff_s)
+        raise AssertionError("unreachable")
+
+    async def score(self, batched_token_ids: list[list[int]]) -> ScoreResult:
+        reply = await self._request(
+            "POST", "/score", msgspec.json.encode({"batched_token_ids": batched_token_ids})
+        )
+        try:
+            values = [np.asarray(v, dtype=np.float32) for v in reply["values"]]
+            bootstrap = [float(b) for b in reply["bootstrap_values"]]
+            step = int(reply["step"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CriticError(f"{self.url}/score: reply does not follow the contract: {exc}") from None
+        return ScoreResult(values=values, bootstrap_values=bootstrap, step=step)
+
+    async def status(self) -> dict:
+        return await self._request("GET", "/status")
+
+    async def health(self) -> bool:
+        try:
+            return bool((await self._request("GET", "/health")).get("ok"))
+        except CriticError:
+            return False
+
+    async def wait_trained(self, step: int, timeout_s: float = 3600.0, poll_s: float = 0.2) -> dict:
+        """Polls /status until the critic reports `step` trained; returns that status."""
+        return await self._wait(
+            lambda s: s["trained_step"] >= step, f"step {step} trained", timeout_s, poll_s
+        )
+
+    async def wait_ready(self, timeout_s: float = 3600.0, poll_s: float = 0.5) -> dict:
+        """Polls /status until value pretraining (if any) is over."""
+        return await self._wait(lambda s: s["phase"] in ("ready", "finished"), "ready", timeout_s, poll_s)
+
+    async def _wait(self, done, what: str, timeout_s: float, poll_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = await self.status()
+            if done(status):
+                return status
+            if time.monotonic() > deadline:
+                raise CriticTimeout(
+                    f"{self.url}/status: not {what} within {timeout_s}s (last status {status})"
+                )
+            await asyncio.sleep(poll_s)
+
+
+def _error_message(payload: bytes) -> str:
+    try:
+        return str(msgspec.json.decode(payload).get("error", payload[:500]))
+    except (msgspec.DecodeError, AttributeError):
+        return payload[:500].decode(errors="replace")

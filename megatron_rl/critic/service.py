@@ -1,0 +1,312 @@
+"""The critic's HTTP scoring service (aiohttp, on critic rank 0, in a background thread).
+
+Endpoints (DESIGN.md "Critic service"):
+    POST /score   {"batched_token_ids": [[int, ...], ...]}
+                  -> {"values": [[float, ...], ...], "bootstrap_values": [float, ...], "step": int}
+                  legacy {"token_ids": [int, ...]}
+                  -> {"values": [float, ...], "bootstrap_value": float, "step": int}
+    GET  /status  last trained step, busy flag, phase, counters, model and layout
+    GET  /health  {"ok": true}
+
+Requests are validated here, in the service thread, before anything reaches the critic ranks:
+a bad request gets 400 and a message and never touches the collective. Valid requests wait in a
+queue; the critic's main loop (worker.py) takes every queued request at once (up to
+`value.service.max_batch_sequences` sequences), scores them in one collective pass and answers
+each request with exactly its own rows, so concurrent requests may be merged but never mixed up.
+`step` in a reply is the last critic step trained when the request was scored (-1 before any).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from megatron_rl.data.types import ScoreResult
+
+log = logging.getLogger("megatron_rl.critic.service")
+
+
+class BadRequest(ValueError):
+    """A scoring request that does not satisfy the contract (answered with HTTP 400)."""
+
+
+def _token_list(value, what: str, vocab_size: int, seq_len: int) -> list[int]:
+    if not isinstance(value, list):
+        raise BadRequest(f"{what} must be a list of token ids, got {type(value).__name__}")
+    if not value:
+        raise BadRequest(f"{what} is empty")
+    if len(value) > seq_len:
+        raise BadRequest(f"{what} has {len(value)} tokens; the critic's seq_len is {seq_len}")
+    for t in value:
+        if type(t) is not int:  # bool and float are not token ids
+            raise BadRequest(f"{what} holds {t!r} ({type(t).__name__}); token ids are integers")
+    low, high = min(value), max(value)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise BadRequest(f"{what} holds token id {bad} outside the vocabulary 0..{vocab_size - 1}")
+    return value
+
+
+def parse_score_request(
+    body: bytes, vocab_size: int, seq_len: int, max_batch_sequences: int
+) -> tuple[list[list[int]], bool]:
+    """(sequences, legacy) of a /score body, or BadRequest naming what is wrong."""
+    try:
+        request = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"malformed JSON: {exc}") from None
+    if not isinstance(request, dict):
+        raise BadRequest(f"the body must be a JSON object, got {type(request).__name__}")
+    keys = set(request)
+    if keys == {"batched_token_ids"}:
+        batch = request["batched_token_ids"]
+        if not isinstance(batch, list):
+            raise BadRequest(f"batched_token_ids must be a list of lists, got {type(batch).__name__}")
+        if not batch:
+            raise BadRequest("batched_token_ids is empty")
+        if len(batch) > max_batch_sequences:
+            raise BadRequest(
+                f"batched_token_ids has {len(batch)} sequences; this critic takes at most "
+                f"{max_batch_sequences} per request (value.service.max_batch_sequences)"
+            )
+        return [
+            _token_list(ids, f"batched_token_ids[{i}]", vocab_size, seq_len) for i, ids in enumerate(batch)
+        ], False
+    if keys == {"token_ids"}:
+        return [_token_list(request["token_ids"], "token_ids", vocab_size, seq_len)], True
+    raise BadRequest(
+        f"expected exactly one key, 'batched_token_ids' or 'token_ids' (legacy); got {sorted(keys) or 'none'}"
+    )
+
+
+@dataclass
+class PendingRequest:
+    sequences: list[list[int]]
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    received: float = field(default_factory=time.monotonic)
+
+
+class ScoreQueue:
+    """Valid requests waiting for the critic ranks (thread-safe)."""
+
+    def __init__(self):
+        self._items: deque[PendingRequest] = deque()
+        self._ready = threading.Condition()
+
+    def submit(self, sequences: list[list[int]]) -> concurrent.futures.Future:
+        item = PendingRequest(sequences)
+        with self._ready:
+            self._items.append(item)
+            self._ready.notify_all()
+        return item.future
+
+    def __len__(self) -> int:
+        with self._ready:
+            return len(self._items)
+
+    def wait(self, timeout_s: float) -> bool:
+        """True when a request is waiting (returns at once if one is)."""
+        with self._ready:
+            return bool(self._items) or self._ready.wait_for(lambda: bool(self._items), timeout=timeout_s)
+
+    def take(self, max_sequences: int) -> list[PendingRequest]:
+        """The oldest waiting requests, as many as fit in `max_sequences` (at least one)."""
+        taken, total = [], 0
+        with self._ready:
+            while self._items and (not taken or total + len(self._items[0].sequences) <= max_sequences):
+                item = self._items.popleft()
+                if item.future.set_running_or_notify_cancel():
+                    taken.append(item)
+                    total += len(item.sequences)
+        return taken
+
+    def fail_all(self, exc: BaseException) -> None:
+        with self._ready:
+            items, self._items = list(self._items), deque()
+        for item in items:
+            if item.future.set_running_or_notify_cancel():
+                item.future.set_exception(exc)
+
+
+def answer(requests: list[PendingRequest], result: ScoreResult) -> None:
+    """Hands each request its own rows of a merged result, in its own order."""
+    start = 0
+    for item in requests:
+        end = start + len(item.sequences)
+        item.future.set_result(
+            ScoreResult(
+                values=result.values[start:end],
+                bootstrap_values=result.bootstrap_values[start:end],
+                step=result.step,
+            )
+        )
+        start = end
+
+
+class CriticState:
+    """What /status reports; written by the critic's main loop, read by the service thread."""
+
+    def __init__(self, info: dict):
+        self._lock = threading.Lock()
+        self._state = {
+            "trained_step": -1,
+            "busy": False,
+            "phase": "starting",
+            "pretrain_step": -1,
+            "requests_scored": 0,
+            "sequences_scored": 0,
+            "tokens_scored": 0,
+            **info,
+        }
+
+    def update(self, **changes) -> None:
+        with self._lock:
+            self._state.update(changes)
+
+    def add(self, **increments) -> None:
+        with self._lock:
+            for key, value in increments.items():
+                self._state[key] += value
+
+    def get(self, key):
+        with self._lock:
+            return self._state[key]
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self._state)
+
+
+class ScoringService:
+    """The aiohttp app in its own thread; `start()` returns once it listens."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        queue: ScoreQueue,
+        state: CriticState,
+        vocab_size: int,
+        seq_len: int,
+        max_batch_sequences: int,
+        request_timeout_s: float,
+    ):
+        self.host, self.port = host, port
+        self.queue, self.state = queue, state
+        self.vocab_size, self.seq_len = vocab_size, seq_len
+        self.max_batch_sequences = max_batch_sequences
+        self.request_timeout_s = request_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # -- handlers -------------------------------------------------------------------------------
+    async def _score(self, request):
+        from aiohttp import web
+
+        body = await request.read()
+        try:
+            sequences, legacy = parse_score_request(
+                body, self.vocab_size, self.seq_len, self.max_batch_sequences
+            )
+        except BadRequest as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        future = self.queue.submit(sequences)
+        try:
+            result = await asyncio.wait_for(asyncio.wrap_future(future), timeout=self.request_timeout_s)
+        except TimeoutError:
+            future.cancel()
+            return web.json_response(
+                {"error": f"not scored within {self.request_timeout_s}s (value.service.request_timeout_s)"},
+                status=504,
+            )
+        except Exception as exc:  # the critic failed or is shutting down
+            return web.json_response({"error": f"scoring failed: {exc}"}, status=503)
+        if legacy:
+            reply = {
+                "values": np.asarray(result.values[0]).tolist(),
+                "bootstrap_value": float(result.bootstrap_values[0]),
+                "step": result.step,
+            }
+        else:
+            reply = {
+                "values": [np.asarray(v).tolist() for v in result.values],
+                "bootstrap_values": [float(b) for b in result.bootstrap_values],
+                "step": result.step,
+            }
+        return web.Response(body=msgspec.json.encode(reply), content_type="application/json")
+
+    async def _status(self, request):
+        from aiohttp import web
+
+        state = self.state.snapshot()
+        state["queued_requests"] = len(self.queue)
+        return web.json_response(state)
+
+    async def _health(self, request):
+        from aiohttp import web
+
+        return web.json_response({"ok": True})
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def _app(self):
+        from aiohttp import web
+
+        # Room for the largest valid request: every token id up to 7 digits plus a separator.
+        max_body = self.max_batch_sequences * self.seq_len * 9 + (1 << 20)
+        app = web.Application(client_max_size=max_body)
+        app.router.add_post("/score", self._score)
+        app.router.add_get("/status", self._status)
+        app.router.add_get("/health", self._health)
+        return app
+
+    def _serve(self) -> None:
+        from aiohttp import web
+
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            self._runner = web.AppRunner(self._app(), access_log=None)
+            loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+            loop.run_until_complete(site.start())
+        except BaseException as exc:
+            self._error = exc
+            self._started.set()
+            return
+        self._started.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(self._runner.cleanup())
+            loop.close()
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self._thread = threading.Thread(target=self._serve, name="critic-service", daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout_s):
+            raise RuntimeError(f"critic service on {self.url} did not start within {timeout_s}s")
+        if self._error is not None:
+            raise RuntimeError(f"critic service cannot listen on {self.url}: {self._error}") from self._error
+        log.info("critic service listening on %s", self.url)
+
+    def stop(self) -> None:
+        self.queue.fail_all(RuntimeError("the critic is shutting down"))
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)

@@ -1,0 +1,183 @@
+"""The critic process: `megatron-rl critic --config RESOLVED.json` under torchrun.
+
+Every critic rank builds the CriticTrainer and runs the same loop. Global rank 0 also runs the
+HTTP service (service.py) and decides what all ranks do next; it broadcasts one command per
+iteration (four int64s):
+
+    IDLE                nothing to do (sent every `IDLE_WAIT_S` so no rank waits forever)
+    SCORE n             score the n sequences rank 0 broadcasts next (merged waiting requests)
+    PRETRAIN i          value pretraining step i
+    TRAIN s             every rank receives its grid item for step s from the critic's ZMQ
+                        stream and trains `value.epochs_per_step` epochs; /status then reports
+                        step s trained
+    STOP                leave the loop
+
+Rank 0 picks, in order: scoring (latency matters to the orchestrator), pretraining until done,
+then training once its own grid item for the next step has arrived (GridReceiver.poll), so the
+other ranks never block on ZMQ while requests wait. The loop ends after `orchestrator.num_steps`
+steps only when a signal says so: after the last step the critic keeps answering /score and
+/status (phase "finished") until SIGTERM or SIGINT, which rank 0 turns into STOP after the
+command in progress, so a step being trained is never cut short and every rank exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl import parallel
+from megatron_rl.config import ResolvedConfig
+
+log = logging.getLogger("megatron_rl.critic")
+
+IDLE, SCORE, PRETRAIN, TRAIN, STOP = range(5)
+IDLE_WAIT_S = 0.05
+
+
+def _broadcast_command(kind: int = IDLE, arg: int = 0) -> tuple[int, int]:
+    from megatron_rl.critic.scoring import collective_device
+
+    command = torch.tensor([kind, arg, 0, 0], dtype=torch.int64, device=collective_device())
+    dist.broadcast(command, src=0)
+    kind, arg = command[:2].tolist()
+    return int(kind), int(arg)
+
+
+def run_critic(resolved: ResolvedConfig) -> None:
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.critic.service import CriticState, ScoreQueue, ScoringService, answer
+    from megatron_rl.critic.trainer import CriticTrainer, write_metrics
+    from megatron_rl.trainer.policy import receiver_id_in_replica
+    from megatron_rl.transport import GridReceiver
+
+    trainer = CriticTrainer(resolved)
+    if resolved.checkpoint.resume:
+        meta = trainer.resume()
+        if meta is not None:
+            trainer.loaded = f"critic checkpoint step {meta['step']} in {resolved.checkpoint.dir}"
+    is_rank0 = dist.get_rank() == 0
+    value = resolved.value
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # every rank: leave on rank 0's STOP, not mid-step
+        signal.signal(sig, lambda *_: stop.set())
+    service = queue = state = None
+    metrics_path = Path(resolved.logging.dir) / "critic_metrics.jsonl"
+    if is_rank0:
+        metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        queue = ScoreQueue()
+        state = CriticState(trainer.info())
+        state.update(
+            trained_step=trainer.trained_step,
+            phase="pretraining" if trainer.pretraining_left > 0 else "ready",
+            pretrain_step=trainer.pretrain_steps_done - 1,
+        )
+        service = ScoringService(
+            value.service.host,
+            value.service.port,
+            queue,
+            state,
+            vocab_size=trainer.arch.vocab_size,
+            seq_len=value.model.seq_len,
+            max_batch_sequences=value.service.max_batch_sequences,
+            request_timeout_s=value.service.request_timeout_s,
+        )
+        service.start()
+        log.info(
+            "critic: %s, layout %s, steps %d..%d, service %s",
+            trainer.loaded,
+            trainer.layout.model_dump(),
+            trainer.trained_step + 1,
+            trainer.num_steps - 1,
+            service.url,
+        )
+    receiver = GridReceiver(
+        resolved.transport.host,
+        resolved.transport.critic_port,
+        data_rank=ps.get_data_parallel_rank(),
+        receiver_id=receiver_id_in_replica(),
+        timeout_s=resolved.transport.receive_timeout_s,
+        handshake_timeout_s=None,  # serve requests before the orchestrator's sender exists
+    )
+    prefetched = None  # rank 0's grid item for the next step, once it arrived
+    try:
+        while True:
+            kind, arg = IDLE, 0
+            taken = []
+            if is_rank0:
+                next_step = trainer.trained_step + 1
+                if stop.is_set():
+                    kind = STOP
+                elif len(queue):
+                    taken = queue.take(value.service.max_batch_sequences)
+                    if taken:
+                        kind, arg = SCORE, sum(len(t.sequences) for t in taken)
+                elif trainer.pretraining_left > 0:
+                    kind, arg = PRETRAIN, trainer.pretrain_steps_done
+                elif next_step >= trainer.num_steps:
+                    state.update(phase="finished")
+                    queue.wait(IDLE_WAIT_S)
+                else:
+                    if prefetched is None:
+                        prefetched = receiver.poll(next_step, timeout_s=0.0)
+                    if prefetched is None and not queue.wait(IDLE_WAIT_S):
+                        prefetched = receiver.poll(next_step, timeout_s=0.0)
+                    if prefetched is not None:
+                        kind, arg = TRAIN, next_step
+            kind, arg = _broadcast_command(kind, arg)
+            if kind == STOP:
+                break
+            if kind == IDLE:
+                continue
+            if is_rank0:
+                state.update(busy=True)
+            try:
+                if kind == SCORE:
+                    request = [ids for t in taken for ids in t.sequences] if is_rank0 else None
+                    try:
+                        result = trainer.score(request)
+                    except BaseException as exc:
+                        for t in taken:
+                            t.future.set_exception(exc)
+                        raise
+                    if is_rank0:
+                        answer(taken, result)
+                        state.add(
+                            requests_scored=len(taken),
+                            sequences_scored=len(request),
+                            tokens_scored=sum(len(ids) for ids in request),
+                        )
+                elif kind == PRETRAIN:
+                    record = trainer.pretrain_step(arg)
+                    if is_rank0:
+                        write_metrics(metrics_path, record, resolved.logging.console)
+                        state.update(
+                            pretrain_step=arg,
+                            phase="pretraining" if trainer.pretraining_left > 0 else "ready",
+                        )
+                elif kind == TRAIN:
+                    micro_batches = prefetched if is_rank0 else receiver.receive(arg)
+                    prefetched = None
+                    record = trainer.train(arg, micro_batches)
+                    if trainer.should_save(arg):
+                        trainer.save()
+                    if is_rank0:
+                        write_metrics(metrics_path, record, resolved.logging.console)
+                        state.update(
+                            trained_step=arg, last_loss=record["final_loss"], head_only=record["head_only"]
+                        )
+            finally:
+                if is_rank0:
+                    state.update(busy=False)
+    finally:
+        receiver.close()
+        if service is not None:
+            service.stop()
+        parallel.destroy()
+    if is_rank0:
+        log.info("critic: stopped after step %d", trainer.trained_step)

@@ -1,0 +1,61 @@
+"""Policy snapshots for the critic: the policy's weights in megatron's reshardable format.
+
+The policy exports version v (its weights after v optimizer steps) as
+    DIR/version_0000000v/dist/   megatron dist_checkpointing of the policy model
+    DIR/version_0000000v/meta.json {"version", "architecture", "layout"}
+written atomically (atomic_dir: a partial export is never visible). The critic waits for the
+version it needs and loads the backbone with `trainer.weights.load_backbone`, which reshards
+to the critic's own TP/EP (dist_checkpointing stores global shapes, so TP/CP/EP/GPU counts of the
+two models may differ).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_rl.trainer import atomic_dir
+
+
+def _version_dir(root: Path, version: int) -> Path:
+    return root / f"version_{version:08d}"
+
+
+def export_snapshot(
+    model, directory: str | Path, version: int, info: dict | None = None, keep_last: int = 2
+) -> Path:
+    """Collective over the model's ranks; returns the complete version directory."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(directory)
+    final = _version_dir(root, version)
+    partial = root / f"{final.name}.partial"
+    if dist.get_rank() == 0:
+        atomic_dir.begin(root, final.name)
+        (partial / "dist").mkdir()
+    dist.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), str(partial / "dist"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (partial / "meta.json").write_text(json.dumps({"version": version, **(info or {})}, indent=2))
+        atomic_dir.commit(root, partial, keep_last, "version_*")
+    dist.barrier()
+    return final
+
+
+def wait_for_snapshot(directory: str | Path, version: int, timeout_s: float, poll_s: float = 0.5) -> Path:
+    """The `dist/` directory of snapshot `version` once it is complete; TimeoutError naming the
+    directory when it does not appear within `timeout_s`."""
+    path = _version_dir(Path(directory), version)
+    deadline = time.monotonic() + timeout_s
+    while not (path / "meta.json").is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"policy snapshot version {version} did not appear in {directory} within {timeout_s}s "
+                "(value.snapshot.wait_timeout_s); is the policy trainer running with the same value.snapshot?"
+            )
+        time.sleep(poll_s)
+    return path / "dist"

@@ -1,0 +1,86 @@
+"""Initial weights for a trainer's model, and loading a backbone from a reshardable checkpoint.
+
+`load_initial_weights` takes `model.checkpoint` / `value.model.checkpoint`: a converted
+checkpoint (tools/convert_hf_to_megatron.py, with or without a value head) or an HF directory.
+`load_backbone` loads every tensor of the model except its value head and LoRA adapters from a
+megatron dist_checkpointing directory (a converted checkpoint, a training checkpoint's `dist/`,
+or a policy snapshot), resharding to this process's TP/EP layout; the critic uses it to start
+from a policy checkpoint and for policy snapshots.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_rl.config import Architecture
+
+
+def _is_own_tensor(key: str) -> bool:
+    """Tensors a backbone checkpoint cannot provide: the value head and LoRA adapters."""
+    return key.startswith("value_head.") or ".lora_a" in key or ".lora_b" in key
+
+
+def load_backbone(model: torch.nn.Module, dist_dir: str | Path, include_head: bool = False) -> list[str]:
+    """Collective over the model's ranks. Loads the backbone (and the value head when
+    `include_head`) from the dist_checkpointing directory `dist_dir`; returns the loaded keys."""
+    from megatron.core import dist_checkpointing
+
+    dist_dir = Path(dist_dir)
+    if not (dist_dir / "metadata.json").is_file():
+        raise FileNotFoundError(f"{dist_dir}: not a megatron dist_checkpointing directory (no metadata.json)")
+    template = {
+        key: value
+        for key, value in model.sharded_state_dict().items()
+        if not _is_own_tensor(key) or (include_head and key.startswith("value_head."))
+    }
+    try:
+        loaded = dist_checkpointing.load(template, str(dist_dir))
+    except Exception as exc:  # megatron's message lists keys; say which checkpoint and model
+        raise RuntimeError(
+            f"{dist_dir}: cannot load this model's backbone from it (architectures must match): {exc}"
+        ) from exc
+    missing, _ = model.load_state_dict(loaded, strict=False)
+    absent = [k for k in missing if k in template]
+    if absent:
+        raise RuntimeError(f"{dist_dir}: loaded state lacks {absent[:5]}")
+    return sorted(template)
+
+
+def load_initial_weights(
+    model: torch.nn.Module,
+    checkpoint: str | None,
+    arch: Architecture,
+    value_model: bool = False,
+    where: str = "model.checkpoint",
+) -> str:
+    """Loads `checkpoint` into `model`; returns a description of what was loaded. A value model
+    takes the backbone of a GPT checkpoint (its head keeps its initialisation) or all of a
+    converted value-model checkpoint; a GPT model cannot load a value-model checkpoint. Call it
+    before LoRA wraps the model."""
+    if not checkpoint:
+        return "random initialisation"
+    path = Path(checkpoint)
+    meta_file = path / "megatron_rl.json"
+    if meta_file.is_file():
+        saved_value_model = bool(json.loads(meta_file.read_text()).get("value_model", False))
+        if saved_value_model and not value_model:
+            raise ValueError(
+                f"{where}: {path} is a value-model checkpoint; the policy needs a GPT checkpoint"
+            )
+        load_backbone(model, path / "model", include_head=saved_value_model)
+        what = "value model" if saved_value_model else "GPT backbone"
+        return f"converted checkpoint {path} ({what})"
+    if (path / "config.json").is_file():
+        from megatron_rl.models.checkpoint_io import read_hf_state_dict
+        from megatron_rl.models.hf_mapping import hf_to_megatron
+        from megatron_rl.models.sharding import full_parameters, load_full_state_dict
+
+        full = hf_to_megatron(read_hf_state_dict(path), arch, value_model=value_model)
+        # Parameters an HF checkpoint does not hold (a value head) keep their initialisation.
+        current = {k: v for k, v in full_parameters(model).items() if _is_own_tensor(k)}
+        load_full_state_dict(model, {**current, **full})
+        return f"HF weights {path}"
+    raise FileNotFoundError(f"{where}: {path} is neither a converted checkpoint nor an HF directory")

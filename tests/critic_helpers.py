@@ -1,0 +1,94 @@
+"""Configs and a live critic (`megatron-rl critic` on local ranks) for the critic tests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import yaml
+
+from megatron_rl.config import load_config
+from megatron_rl.parallel import free_port
+from megatron_rl.testing.processes import RankProcesses
+
+
+def critic_config(tmp_path: Path, hf_dir: Path, world: int = 1, cp: int = 1, tp: int = 1, **value_options):
+    """(resolved, resolved_json_path) for a SAO run whose critic has `world` ranks."""
+    ports = [free_port() for _ in range(5)]
+    value = {
+        "model": {
+            "hf_config": str(hf_dir),
+            "checkpoint": str(hf_dir),
+            "seq_len": 64,
+            "dtype": "float32",
+            "cp": cp,
+            "tp": tp,
+        },
+        "optimizer": {"lr": 1e-3, "grad_clip": 1.0},
+        "head_init_std": 0.05,
+        "service": {"port": ports[4], "max_batch_sequences": 64},
+    }
+    num_steps = value_options.pop("num_steps", 4)
+    value.update(value_options)
+    config = {
+        "model": {"hf_config": str(hf_dir), "checkpoint": str(hf_dir), "seq_len": 64, "dtype": "float32"},
+        "value": value,
+        "algorithm": {"type": "sao"},
+        "orchestrator": {
+            "num_steps": num_steps,
+            "batch_size": 4,
+            "group_size": 1,
+            "max_prompt_tokens": 16,
+            "max_completion_tokens": 40,
+        },
+        "inference": {"backend": "vllm-cpu", "base_port": ports[2], "weight_broadcast_port": ports[3]},
+        "deployment": {
+            "device": "cpu",
+            "nodes": 1,
+            "gpus_per_node": 8,
+            "inference_gpus": 1,
+            "policy_gpus": 1,
+            "num_value_gpus_per_train_node": world,
+        },
+        "transport": {"policy_port": ports[0], "critic_port": ports[1], "receive_timeout_s": 120},
+        "checkpoint": {"dir": str(tmp_path / "checkpoints"), "save_interval": 1},
+        "logging": {"dir": str(tmp_path / "logs")},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    resolved = load_config(path)
+    out = tmp_path / "resolved.json"
+    out.write_text(resolved.to_json())
+    return resolved, out
+
+
+def critic_url(resolved) -> str:
+    return f"http://{resolved.value.service.host}:{resolved.value.service.port}"
+
+
+def start_critic(resolved, resolved_path: Path, log_dir: Path, timeout_s: float = 240.0) -> RankProcesses:
+    """Starts the critic on its ranks and waits until /health answers."""
+    from megatron_rl.critic.client import HttpValueScorer
+
+    world = resolved.layout.critic.world_size
+    ranks = RankProcesses(["critic", "--config", str(resolved_path)], world, log_dir)
+    scorer = HttpValueScorer(critic_url(resolved), retries=0, timeout_s=5)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not asyncio.run(_healthy(scorer)):
+            ranks.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"critic not healthy within {timeout_s}s:\n{ranks.output()[-3000:]}")
+            time.sleep(0.5)
+    except BaseException:
+        ranks.__exit__(None, None, None)
+        raise
+    return ranks
+
+
+async def _healthy(scorer) -> bool:
+    try:
+        return await scorer.health()
+    finally:
+        await scorer.close()

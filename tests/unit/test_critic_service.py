@@ -1,0 +1,83 @@
+"""Request validation and request merging of the critic's scoring service (no processes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_rl.critic.service import BadRequest, ScoreQueue, answer, parse_score_request
+from megatron_rl.data.types import ScoreResult
+
+VOCAB, SEQ_LEN, MAX_BATCH = 100, 16, 4
+
+
+def parse(body: bytes):
+    return parse_score_request(body, VOCAB, SEQ_LEN, MAX_BATCH)
+
+
+def test_batched_and_legacy_shapes():
+    assert parse(b'{"batched_token_ids": [[1, 2], [3]]}') == ([[1, 2], [3]], False)
+    assert parse(b'{"token_ids": [5, 6, 7]}') == ([[5, 6, 7]], True)
+    assert parse(b'{"batched_token_ids": [[99]]}') == ([[99]], False)
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        (b"{not json", "malformed JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b"{}", "expected exactly one key"),
+        (b'{"batched_token_ids": [[1]], "token_ids": [1]}', "expected exactly one key"),
+        (b'{"batched_tokens_ids": [[1]]}', "batched_tokens_ids"),
+        (b'{"batched_token_ids": []}', "batched_token_ids is empty"),
+        (b'{"batched_token_ids": [[1], []]}', "batched_token_ids[1] is empty"),
+        (b'{"batched_token_ids": [1, 2]}', "batched_token_ids[0] must be a list"),
+        (b'{"batched_token_ids": "abc"}', "must be a list of lists"),
+        (b'{"batched_token_ids": [[1, 2.5]]}', "2.5 (float)"),
+        (b'{"batched_token_ids": [[1, "7"]]}', "'7' (str)"),
+        (b'{"batched_token_ids": [[1, true]]}', "True (bool)"),
+        (b'{"batched_token_ids": [[1, null]]}', "None (NoneType)"),
+        (b'{"batched_token_ids": [[1, 100]]}', "token id 100 outside the vocabulary 0..99"),
+        (b'{"batched_token_ids": [[-1, 3]]}', "token id -1 outside"),
+        (b'{"batched_token_ids": [[1], [2], [3], [4], [5]]}', "at most 4 per request"),
+        (b'{"token_ids": []}', "token_ids is empty"),
+        (b'{"token_ids": [[1]]}', "token_ids holds [1] (list)"),
+        (b'{"token_ids": ' + str(list(range(17))).encode() + b"}", "17 tokens; the critic's seq_len is 16"),
+    ],
+)
+def test_bad_requests_name_the_problem(body, message):
+    with pytest.raises(BadRequest) as info:
+        parse(body)
+    assert message in str(info.value)
+
+
+def test_queue_merges_requests_and_answers_each_with_its_own_rows():
+    queue = ScoreQueue()
+    futures = [queue.submit([[i] * (i + 1)] * (i + 1)) for i in range(3)]  # 1, 2, 3 sequences
+    taken = queue.take(max_sequences=3)
+    assert [len(t.sequences) for t in taken] == [1, 2]  # the third would exceed 3 sequences
+    merged = [ids for t in taken for ids in t.sequences]
+    answer(
+        taken,
+        ScoreResult(
+            values=[np.full(len(ids), float(ids[0])) for ids in merged],
+            bootstrap_values=[float(ids[0]) for ids in merged],
+            step=7,
+        ),
+    )
+    first, second = futures[0].result(), futures[1].result()
+    assert first.bootstrap_values == [0.0] and first.step == 7
+    assert second.bootstrap_values == [1.0, 1.0] and [len(v) for v in second.values] == [2, 2]
+    assert len(queue) == 1
+    (third,) = queue.take(max_sequences=1)  # a request larger than the limit still goes alone
+    assert len(third.sequences) == 3
+    assert not queue.wait(0.01)
+
+
+def test_queue_fail_all_reaches_every_waiting_request():
+    queue = ScoreQueue()
+    futures = [queue.submit([[1]]) for _ in range(2)]
+    queue.fail_all(RuntimeError("shutting down"))
+    for future in futures:
+        with pytest.raises(RuntimeError, match="shutting down"):
+            future.result(timeout=1)
