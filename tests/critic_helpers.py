@@ -55,6 +55,7 @@ def critic_config(tmp_path: Path, hf_dir: Path, world: int = 1, cp: int = 1, tp:
         "checkpoint": {"dir": str(tmp_path / "checkpoints"), "save_interval": 1},
         "logging": {"dir": str(tmp_path / "logs")},
     }
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     resolved = load_config(path)

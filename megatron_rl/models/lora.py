@@ -73,17 +73,21 @@ class LoRALinear(nn.Module):
         """The wrapped layer's tensors under the checkpoint keys it has without LoRA (so a
         checkpoint of the plain model loads into the wrapped one and back), plus the adapters,
         TP-sharded like the weight they adapt."""
+        from megatron.core import parallel_state
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         base = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
         state = {f"{prefix}base.{key[len(prefix) :]}": value for key, value in base.items()}
         adapters = {"lora_a": self.lora_a, "lora_b": self.lora_b}
         axis = {"lora_b": 0} if self.parallel_kind == "column" else {"lora_a": 1}
-        kwargs = {}
-        if metadata is not None and "dp_cp_group" in metadata:
-            kwargs["dp_cp_group"] = metadata["dp_cp_group"]
+        dp_cp_group = (metadata or {}).get("dp_cp_group") or parallel_state.get_data_parallel_group(
+            with_context_parallel=True
+        )
+        tp_group = getattr(self.base, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
         state.update(
-            make_sharded_tensors_for_checkpoint(adapters, f"{prefix}", axis, sharded_offsets, **kwargs)
+            make_sharded_tensors_for_checkpoint(
+                adapters, prefix, axis, sharded_offsets, tp_group=tp_group, dp_cp_group=dp_cp_group
+            )
         )
         return state
 

@@ -1,0 +1,115 @@
+"""Rank functions for the critic training tests (run with megatron_rl.testing.spawn.run_ranks).
+
+`critic_plan` builds a CriticTrainer from a resolved config and runs a list of actions on it,
+recording after each what changed, so one spawn checks a whole scenario:
+    ("train", step, seed)         train `step` on 7 synthetic samples packed for this layout
+    ("train_grid", step, grid)    train `step` on grid[data_rank] (a grid built by the test)
+    ("pretrain",)                 one value-pretraining step
+    ("save",) / ("resume",)       critic checkpoint
+    ("load_backbone", dist_dir)   load a backbone from a dist checkpoint directory
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.config import load_resolved
+from tests.distributed.megatron_workers import training_samples
+
+
+def _named(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _adam_steps(trainer) -> dict[str, list[int]]:
+    """Adam step counts of the head groups and of the other groups."""
+    from megatron_rl.trainer.optimizer import HEAD_GROUP_KEY, torch_optimizers
+
+    steps = {"head": set(), "backbone": set()}
+    for opt in torch_optimizers(trainer.trainable.optimizer):
+        for group in opt.param_groups:
+            kind = "head" if group.get(HEAD_GROUP_KEY) else "backbone"
+            for p in group["params"]:
+                state = opt.state.get(p)
+                if state and "step" in state:
+                    steps[kind].add(int(state["step"]))
+    return {k: sorted(v) for k, v in steps.items()}
+
+
+def critic_plan(rank, world_size, resolved_path, plan):
+    from megatron_rl.critic.trainer import CriticTrainer
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.models.sharding import gather_full_parameters
+
+    resolved = load_resolved(resolved_path)
+    trainer = CriticTrainer(resolved)
+    vocab = trainer.arch.vocab_size
+    records = []
+    for action in plan:
+        before = _named(trainer.model)
+        record = {"action": action[0]}
+        if action[0] == "train":
+            _, step, seed = action
+            samples = training_samples(7, vocab, seed=seed)
+            grid = pack_into_grid(
+                samples,
+                trainer.value.model.seq_len,
+                trainer.dp,
+                trainer.cp,
+                sequence_parallel_size=trainer.sp,
+            )
+            record.update(trainer.train(step, grid[trainer.data_rank]))
+        elif action[0] == "train_grid":
+            _, step, grid = action
+            record.update(trainer.train(step, grid[trainer.data_rank]))
+        elif action[0] == "pretrain":
+            record.update(trainer.pretrain_step(trainer.pretrain_steps_done))
+        elif action[0] == "save":
+            trainer.save()
+        elif action[0] == "resume":
+            meta = trainer.resume()
+            record["step"] = None if meta is None else meta["step"]
+            record["trained_step"] = trainer.trained_step
+        elif action[0] == "load_backbone":
+            from megatron_rl.trainer.weights import load_backbone
+
+            load_backbone(trainer.model, action[1])
+        after = _named(trainer.model)
+        record["changed"] = sorted(n for n in after if not torch.equal(after[n], before[n]))
+        record["adam_steps"] = _adam_steps(trainer)
+        record["full"] = (
+            gather_full_parameters(trainer.model)
+            if action[0] in ("train", "train_grid", "load_backbone")
+            else None
+        )
+        records.append(record)
+    return records
+
+
+def policy_snapshot(rank, world_size, arch, tp, seed, snapshot_root, checkpoint_root):
+    """A policy GPT model at TP = tp with random weights: exports snapshot version 1 and a
+    training checkpoint; returns its full parameters."""
+    from megatron_rl import parallel
+    from megatron_rl.algorithms import make_algorithm
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.data.packing import dummy_micro_batch
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.sharding import gather_full_parameters
+    from megatron_rl.trainer.checkpoint import save_checkpoint
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.snapshot import export_snapshot
+    from megatron_rl.trainer.step import policy_loss_func, train_step
+
+    parallel.initialize_model_parallel(tp=tp, seed=seed)
+    torch.manual_seed(seed)
+    model = build_gpt_model(arch, tp=tp)
+    with torch.no_grad():
+        for p in model.parameters():  # distinct from the critic's HF initialisation
+            p.add_(0.01 * torch.randn_like(p))
+    trainable = build_trainable(model, OptimizerConfig(lr=1e-3), total_steps=1)
+    # One step on a dummy micro-batch: Adam state exists (a checkpoint needs it), weights unchanged.
+    loss = policy_loss_func(make_algorithm(AlgorithmConfig(type="grpo")))
+    train_step(trainable, [dummy_micro_batch()], loss)
+    export_snapshot(model, snapshot_root, version=1, info={"tp": tp})
+    save_checkpoint(checkpoint_root, 0, trainable)
+    return gather_full_parameters(model)

@@ -1,0 +1,139 @@
+"""The critic's training options on gloo ranks: head-only warmup, attention freezing, LoRA,
+value pretraining, dummy-only data ranks, policy snapshots across layouts, checkpoint resume."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_rl.data.packing import dummy_micro_batch, pack_into_grid
+from megatron_rl.testing.spawn import run_ranks
+from tests.critic_helpers import critic_config
+from tests.distributed import critic_workers as cw
+from tests.distributed.megatron_workers import training_samples
+
+HEAD = ("value_head.bias", "value_head.weight")
+
+
+def test_head_only_warmup_then_full_training_with_fresh_adam_state(tiny_models, tmp_path):
+    resolved, path = critic_config(
+        tmp_path, tiny_models["qwen3"], head_only_warmup_steps=2, epochs_per_step=2
+    )
+    warm0, warm1, full = run_ranks(
+        cw.critic_plan, 1, str(path), [("train", 0, 0), ("train", 1, 1), ("train", 2, 2)]
+    )[0]
+    for record in (warm0, warm1):
+        assert record["head_only"] and tuple(record["changed"]) == HEAD
+        assert len(record["epoch_losses"]) == 2 and record["epoch_losses"][1] < record["epoch_losses"][0]
+    assert warm1["adam_steps"] == {"head": [4], "backbone": [4]}  # frozen steps count in Adam...
+    assert not full["head_only"]
+    assert (
+        "decoder.layers.0.self_attention.linear_qkv.weight" in full["changed"] and len(full["changed"]) > 10
+    )
+    # ...and restart at 0 when the backbone starts training: 2 real steps now, the head 6
+    assert full["adam_steps"] == {"head": [6], "backbone": [2]}
+
+
+def test_freeze_attention_trains_everything_else(tiny_models, tmp_path):
+    resolved, path = critic_config(tmp_path, tiny_models["qwen3"], freeze_attention=True)
+    (record,) = run_ranks(cw.critic_plan, 1, str(path), [("train", 0, 0)])[0]
+    assert record["changed"] and not [n for n in record["changed"] if ".self_attention." in n]
+    assert set(HEAD) <= set(record["changed"])
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in record["changed"]
+
+
+def test_lora_at_tp2_trains_adapters_and_head_and_checkpoints(tiny_models, tmp_path):
+    lora = {"rank": 4, "alpha": 8.0}
+    resolved, path = critic_config(tmp_path, tiny_models["qwen3"], world=2, tp=2, lora=lora)
+    trained, _ = run_ranks(cw.critic_plan, 2, str(path), [("train", 0, 0), ("save",)])[0]
+    assert trained["changed"]
+    assert all(".lora_" in n or n in HEAD for n in trained["changed"])
+    # B starts at zero, so the first step moves B (and the head) but A's gradient is still zero
+    assert any(".lora_b" in n for n in trained["changed"]) and set(HEAD) <= set(trained["changed"])
+    resumed, reloaded = run_ranks(
+        cw.critic_plan, 2, str(path), [("resume",), ("load_backbone", _latest_dist(tmp_path))]
+    )[0]
+    assert resumed["trained_step"] == 0
+    # The plain checkpoint keys of the wrapped layers: reloading the backbone changes nothing.
+    assert reloaded["changed"] == []
+    for name, value in trained["full"].items():
+        torch.testing.assert_close(reloaded["full"][name], value, rtol=0, atol=0)
+
+
+def _latest_dist(tmp_path):
+    root = tmp_path / "checkpoints" / "critic"
+    return str(root / (root / "latest").read_text().strip() / "dist")
+
+
+def test_value_pretraining_from_jsonl_lowers_the_loss(tiny_models, tmp_path):
+    rng = np.random.default_rng(0)
+    with open(tmp_path / "values.jsonl", "w") as f:
+        for i in range(8):
+            n = int(rng.integers(8, 30))
+            mask = [0] * 4 + [1] * (n - 4)
+            record = {"token_ids": rng.integers(0, 500, n).tolist(), "loss_mask": mask}
+            record["reward" if i % 2 else "returns"] = 1.0 if i % 2 else [0.5] * n
+            f.write(json.dumps(record) + "\n")
+    resolved, path = critic_config(
+        tmp_path,
+        tiny_models["qwen3"],
+        pretrain_jsonl=str(tmp_path / "values.jsonl"),
+        pretrain_steps=8,
+        pretrain_batch_size=8,  # the whole file every step: each loss is on the same data
+    )
+    records = run_ranks(cw.critic_plan, 1, str(path), [("pretrain",)] * 8)[0]
+    losses = [r["loss"] for r in records]
+    assert [r["step"] for r in records] == list(range(8)) and records[0]["phase"] == "pretrain"
+    assert losses[-1] < 0.3 * losses[0], losses
+
+
+def test_dummy_only_data_rank_contributes_nothing(tiny_models, tmp_path):
+    resolved, path = critic_config(tmp_path / "dp2", tiny_models["qwen3"], world=2)
+    samples = training_samples(5, resolved.layout.critic_architecture.vocab_size, seed=4)
+    (real,) = pack_into_grid(samples, 64, 1)
+    grid = [real, [dummy_micro_batch()] * len(real)]
+    ranks = run_ranks(cw.critic_plan, 2, str(path), [("train_grid", 0, grid)])
+    resolved1, path1 = critic_config(tmp_path / "dp1", tiny_models["qwen3"], world=1)
+    (single,) = run_ranks(cw.critic_plan, 1, str(path1), [("train_grid", 0, [real])])[0]
+    (rank0,), (rank1,) = ranks
+    assert rank0["loss"] == pytest.approx(single["loss"], rel=1e-6)
+    for name, value in single["full"].items():
+        torch.testing.assert_close(rank0["full"][name], value, rtol=0, atol=2e-6)
+        torch.testing.assert_close(rank1["full"][name], rank0["full"][name], rtol=0, atol=0)
+
+
+def test_snapshot_from_policy_at_tp2_loads_into_critic_at_cp2_then_retunes_head(tiny_models, tmp_path):
+    snapshots, policy_checkpoints = tmp_path / "snapshots", tmp_path / "policy_checkpoints"
+    resolved, path = critic_config(
+        tmp_path,
+        tiny_models["qwen3"],
+        world=2,
+        cp=2,
+        snapshot={"steps": [1], "dir": str(snapshots), "head_only_retune_steps": 1, "wait_timeout_s": 60},
+    )
+    arch = resolved.layout.policy_architecture
+    policy = run_ranks(cw.policy_snapshot, 2, arch, 2, 11, str(snapshots), str(policy_checkpoints))[0]
+    step_dir = policy_checkpoints / (policy_checkpoints / "latest").read_text().strip()
+    plan = [("train", 0, 0), ("train", 1, 1), ("train", 2, 2), ("load_backbone", str(step_dir / "dist"))]
+    before, retuned, full, from_checkpoint = run_ranks(cw.critic_plan, 2, str(path), plan)[0]
+    assert not before["head_only"] and retuned["head_only"] and not full["head_only"]
+    backbone = [n for n in policy if n != "output_layer.weight"]
+    assert set(backbone) == {n for n in retuned["full"] if not n.startswith("value_head.")}
+    for name in backbone:  # the policy's weights, unchanged by the head-only retune step
+        torch.testing.assert_close(retuned["full"][name], policy[name], rtol=0, atol=0)
+    assert any(not torch.equal(retuned["full"][n], before["full"][n]) for n in HEAD)
+    assert len(full["changed"]) > 10  # full training again after the retune step
+    for name in backbone:  # a policy *training* checkpoint (TP=2) loads the same way
+        torch.testing.assert_close(from_checkpoint["full"][name], policy[name], rtol=0, atol=0)
+
+
+def test_resume_continues_with_identical_next_step_loss(tiny_models, tmp_path):
+    resolved, path = critic_config(tmp_path, tiny_models["qwen3"], world=2, epochs_per_step=2)
+    straight = run_ranks(cw.critic_plan, 2, str(path), [("train", s, s) for s in range(3)])[0]
+    run_ranks(cw.critic_plan, 2, str(path), [("train", 0, 0), ("train", 1, 1), ("save",)])
+    resumed, step2 = run_ranks(cw.critic_plan, 2, str(path), [("resume",), ("train", 2, 2)])[0]
+    assert resumed["trained_step"] == 1
+    assert step2["epoch_losses"] == straight[2]["epoch_losses"]  # exactly, on CPU
