@@ -31,13 +31,6 @@ log = logging.getLogger("megatron_rl.critic")
 HEAD_PREFIX = "value_head."
 
 
-def snapshot_dir(resolved: ResolvedConfig) -> Path:
-    snapshot = resolved.value.snapshot
-    if snapshot is not None and snapshot.dir:
-        return Path(snapshot.dir)
-    return Path(resolved.checkpoint.dir) / "policy_snapshots"
-
-
 def critic_checkpoint_dir(resolved: ResolvedConfig) -> Path:
     return Path(resolved.checkpoint.dir) / "critic"
 
@@ -201,7 +194,7 @@ class CriticTrainer:
         """Waits for policy snapshot version `step`, loads its backbone, restarts the backbone's
         Adam state (the old moments belong to other weights)."""
         from megatron_rl.trainer.optimizer import restart_untouched_adam_state
-        from megatron_rl.trainer.snapshot import wait_for_snapshot
+        from megatron_rl.trainer.snapshot import snapshot_dir, wait_for_snapshot
         from megatron_rl.trainer.weights import load_backbone
 
         path = wait_for_snapshot(snapshot_dir(self.resolved), step, self.value.snapshot.wait_timeout_s)

@@ -2,8 +2,10 @@
 
 Each step: receive this rank's grid item from the policy ZMQ stream, one train_step with the
 configured algorithm's loss, publish the new weights (HF safetensors for vLLM `reload_weights`
-when `inference.weight_update` is `safetensors`), checkpoint every `checkpoint.save_interval`
-steps, and append one metrics line (JSON) per step to `logging.dir/policy_metrics.jsonl`.
+when `inference.weight_update` is `safetensors`), export a policy snapshot for the critic when
+the next version is one of `value.snapshot.steps` (trainer/snapshot.py), checkpoint to
+`checkpoint.dir/policy` every `checkpoint.save_interval` steps, and append one metrics line
+(JSON) per step to `logging.dir/policy_metrics.jsonl`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ def receiver_id_in_replica() -> int:
     )
 
 
+def policy_checkpoint_dir(resolved: ResolvedConfig) -> Path:
+    return Path(resolved.checkpoint.dir) / "policy"
+
+
 def run_policy(resolved: ResolvedConfig) -> None:
     from megatron.core import parallel_state as ps
 
@@ -39,6 +45,7 @@ def run_policy(resolved: ResolvedConfig) -> None:
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.trainer.optimizer import build_trainable
     from megatron_rl.trainer.publish import publish_hf_weights
+    from megatron_rl.trainer.snapshot import export_snapshot, snapshot_dir, snapshot_versions
     from megatron_rl.trainer.step import policy_loss_func, train_step
     from megatron_rl.trainer.weights import load_initial_weights
     from megatron_rl.transport import GridReceiver
@@ -69,10 +76,10 @@ def run_policy(resolved: ResolvedConfig) -> None:
     trainable = build_trainable(model, resolved.optimizer, total_steps=num_steps)
     start = 0
     if resolved.checkpoint.resume:
-        meta = load_checkpoint(resolved.checkpoint.dir, trainable)
+        meta = load_checkpoint(policy_checkpoint_dir(resolved), trainable)
         if meta is not None:
             start = meta["step"] + 1
-            loaded = f"checkpoint step {meta['step']} in {resolved.checkpoint.dir}"
+            loaded = f"checkpoint step {meta['step']} in {policy_checkpoint_dir(resolved)}"
     is_rank0 = torch.distributed.get_rank() == 0
     if is_rank0:
         log.info("policy: %s, layout %s, steps %d..%d", loaded, layout.model_dump(), start, num_steps - 1)
@@ -100,10 +107,17 @@ def run_policy(resolved: ResolvedConfig) -> None:
                 publish_hf_weights(
                     model, arch, resolved.inference.publish_dir, step + 1, hf_side_files=side_files
                 )
+            if step + 1 in snapshot_versions(resolved):  # the critic loads this version at its step + 1
+                export_snapshot(
+                    model,
+                    snapshot_dir(resolved),
+                    step + 1,
+                    info={"architecture": arch.model_dump(), "layout": layout.model_dump()},
+                )
             interval = resolved.checkpoint.save_interval
             if interval and ((step + 1) % interval == 0 or step + 1 == num_steps):
                 save_checkpoint(
-                    resolved.checkpoint.dir,
+                    policy_checkpoint_dir(resolved),
                     step,
                     trainable,
                     extra={"policy_version": step + 1},

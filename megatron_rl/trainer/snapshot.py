@@ -17,7 +17,22 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_rl.config import ResolvedConfig
 from megatron_rl.trainer import atomic_dir
+
+
+def snapshot_dir(resolved: ResolvedConfig) -> Path:
+    """`value.snapshot.dir`, by default `<checkpoint.dir>/policy_snapshots`."""
+    snapshot = resolved.value.snapshot if resolved.value is not None else None
+    if snapshot is not None and snapshot.dir:
+        return Path(snapshot.dir)
+    return Path(resolved.checkpoint.dir) / "policy_snapshots"
+
+
+def snapshot_versions(resolved: ResolvedConfig) -> list[int]:
+    """The policy versions the critic will load (empty without value.snapshot)."""
+    snapshot = resolved.value.snapshot if resolved.value is not None else None
+    return sorted(snapshot.steps) if snapshot is not None else []
 
 
 def _version_dir(root: Path, version: int) -> Path:

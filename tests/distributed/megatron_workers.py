@@ -622,14 +622,14 @@ def policy_reference_losses(rank, world_size, resolved_path, steps, samples_per_
     from megatron_rl.config import load_resolved
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.trainer.optimizer import build_trainable
-    from megatron_rl.trainer.policy import load_initial_weights
+    from megatron_rl.trainer.weights import load_initial_weights
     from megatron_rl.trainer.step import policy_loss_func, train_step
 
     resolved = load_resolved(resolved_path)
     parallel.initialize_model_parallel(seed=resolved.orchestrator.seed)
     arch = resolved.layout.policy_architecture
     model = build_gpt_model(arch, seq_len=resolved.model.seq_len)
-    load_initial_weights(model, resolved)
+    load_initial_weights(model, resolved.model.checkpoint, arch)
     trainable = build_trainable(model, resolved.optimizer, total_steps=resolved.orchestrator.num_steps)
     loss_func = policy_loss_func(make_algorithm(resolved.algorithm, InProcessScorer(lambda b: None)))
     losses = []

@@ -11,7 +11,7 @@ import torch
 
 from megatron_rl.data.packing import dummy_micro_batch, pack_into_grid
 from megatron_rl.testing.spawn import run_ranks
-from tests.critic_helpers import critic_config
+from megatron_rl.testing.critic import critic_config
 from tests.distributed import critic_workers as cw
 from tests.distributed.megatron_workers import training_samples
 

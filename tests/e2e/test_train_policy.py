@@ -26,7 +26,10 @@ def write_config(tmp_path, hf_dir, num_steps, ports):
     config = {
         "model": {"hf_config": str(hf_dir), "checkpoint": str(hf_dir), "seq_len": 64, "dtype": "float32"},
         "optimizer": {"lr": 1e-3, "grad_clip": 1.0},
-        "value": {"model": {"hf_config": str(hf_dir), "seq_len": 64, "dtype": "float32"}},
+        "value": {
+            "model": {"hf_config": str(hf_dir), "seq_len": 64, "dtype": "float32"},
+            "snapshot": {"steps": [1]},
+        },
         "algorithm": {"type": "sao"},
         "orchestrator": {
             "num_steps": num_steps,
@@ -123,7 +126,11 @@ def test_train_policy_trains_publishes_checkpoints_and_resumes(tiny_models, tmp_
 
     ids = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(0))
     assert (hf_logits(published, ids) - hf_logits(hf_dir, ids)).abs().max() > 1e-4  # trained weights
-    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_00000001"
+    assert (tmp_path / "checkpoints" / "policy" / "latest").read_text() == "step_00000001"
+    # value.snapshot.steps [1]: the policy exported version 1 (after step 0) for the critic
+    snapshot = tmp_path / "checkpoints" / "policy_snapshots" / "version_00000001"
+    assert json.loads((snapshot / "meta.json").read_text())["version"] == 1
+    assert (snapshot / "dist" / "metadata.json").is_file()
 
     # New processes with num_steps 3 resume after step 1 and train only step 2.
     resolved3, resolved3_path = write_config(tmp_path, hf_dir, 3, ports)

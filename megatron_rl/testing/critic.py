@@ -1,4 +1,5 @@
-"""Configs and a live critic (`megatron-rl critic` on local ranks) for the critic tests."""
+"""A CPU SAO config around a local HF model and a live critic (`megatron-rl critic` on local
+gloo ranks), for the critic tests and benchmarks/scoring.py."""
 
 from __future__ import annotations
 
@@ -13,14 +14,17 @@ from megatron_rl.parallel import free_port
 from megatron_rl.testing.processes import RankProcesses
 
 
-def critic_config(tmp_path: Path, hf_dir: Path, world: int = 1, cp: int = 1, tp: int = 1, **value_options):
-    """(resolved, resolved_json_path) for a SAO run whose critic has `world` ranks."""
+def critic_config(
+    tmp_path: Path, hf_dir: Path, world: int = 1, cp: int = 1, tp: int = 1, seq_len: int = 64, **value_options
+):
+    """(resolved, resolved_json_path) for a SAO run whose critic has `world` ranks; keyword
+    arguments override the value section (plus `num_steps`)."""
     ports = [free_port() for _ in range(5)]
     value = {
         "model": {
             "hf_config": str(hf_dir),
             "checkpoint": str(hf_dir),
-            "seq_len": 64,
+            "seq_len": seq_len,
             "dtype": "float32",
             "cp": cp,
             "tp": tp,
@@ -32,15 +36,15 @@ def critic_config(tmp_path: Path, hf_dir: Path, world: int = 1, cp: int = 1, tp:
     num_steps = value_options.pop("num_steps", 4)
     value.update(value_options)
     config = {
-        "model": {"hf_config": str(hf_dir), "checkpoint": str(hf_dir), "seq_len": 64, "dtype": "float32"},
+        "model": {"hf_config": str(hf_dir), "checkpoint": str(hf_dir), "seq_len": seq_len, "dtype": "float32"},
         "value": value,
         "algorithm": {"type": "sao"},
         "orchestrator": {
             "num_steps": num_steps,
             "batch_size": 4,
             "group_size": 1,
-            "max_prompt_tokens": 16,
-            "max_completion_tokens": 40,
+            "max_prompt_tokens": seq_len // 4,
+            "max_completion_tokens": seq_len // 2,
         },
         "inference": {"backend": "vllm-cpu", "base_port": ports[2], "weight_broadcast_port": ports[3]},
         "deployment": {
