@@ -35,7 +35,9 @@ async def timed(scorer, requests) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -66,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        hf_dir = make_tiny_model("qwen3", tmp / "model", seed=0, hidden_size=args.hidden_size, layers=args.layers)
+        hf_dir = make_tiny_model(
+            "qwen3", tmp / "model", seed=0, hidden_size=args.hidden_size, layers=args.layers
+        )
         resolved, path = critic_config(
             tmp,
             hf_dir,

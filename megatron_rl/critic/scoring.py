@@ -4,12 +4,12 @@
 the request (a list of token-id lists), the others None. Rank 0 broadcasts it as int64 tensors
 (never pickle); every rank packs it identically with `pack_into_grid` (complete sequences up to
 the critic's seq_len, bins balanced across DP replicas, padded for CP and sequence parallel);
-each replica runs its bins (the same number of forwards on every replica, dummies included),
-CP ranks all-gather their slices, and an all-reduce over DP gives every rank all values.
+each replica runs its bins (the same number of forwards on every replica, dummies included;
+with pipeline parallel through megatron's forward-only schedule), CP ranks of the last stage
+all-gather their slices, and all-reduces over DP and then PP bring every value to global rank 0.
 Rank 0 gets a ScoreResult in the request's order:
     values[i][t] = V(state before token t) = head output at t - 1 (values[i][0] = 0.0)
     bootstrap_values[i] = head output at the last token.
-Pipeline parallel is not supported here yet (a ValueError says so).
 """
 
 from __future__ import annotations
@@ -65,8 +65,6 @@ def score_sequences(model, request: list[list[int]] | None, seq_len: int) -> Sco
     """Collective over all critic ranks; returns the ScoreResult on global rank 0, None elsewhere."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        raise ValueError("critic scoring with pipeline parallel (value.model.pp > 1) is not supported yet")
     sequences = _broadcast_request(request)
     dp, cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
     sp = ps.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
@@ -89,22 +87,9 @@ def score_sequences(model, request: list[list[int]] | None, seq_len: int) -> Sco
     toggle = model.training and (model.config.hidden_dropout > 0 or model.config.attention_dropout > 0)
     if toggle:
         model.eval()
-    cp_rank, cp_group = ps.get_context_parallel_rank(), ps.get_context_parallel_group()
-    for mb in grid[ps.get_data_parallel_rank()]:
-        total = mb.num_tokens
-        local = slice(cp_rank * total // cp, (cp_rank + 1) * total // cp)
-        cu = torch.as_tensor(mb.cu_seqlens, dtype=torch.int32)
-        values = model(
-            torch.as_tensor(mb.input_ids[local], device=device)[None],
-            torch.as_tensor(mb.position_ids[local], device=device)[None],
-            attention_mask=None,
-            packed_seq_params=packed_seq_params(cu.to(device), total),
-        )[0].float()
-        if cp > 1:
-            parts = [torch.empty_like(values) for _ in range(cp)]
-            dist.all_gather(parts, values.contiguous(), group=cp_group)
-            values = torch.cat(parts)
-        if mb.is_dummy:
+    micro_batches = grid[ps.get_data_parallel_rank()]
+    for mb, values in zip(micro_batches, _forward(model, micro_batches, device)):
+        if mb.is_dummy or values is None:  # values is None off the last pipeline stage
             continue
         for start, end in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:]):
             index = int(mb.sample_index[start])
@@ -113,6 +98,8 @@ def score_sequences(model, request: list[list[int]] | None, seq_len: int) -> Sco
         model.train()
     if dp > 1:  # every sample was scored by exactly one replica
         dist.all_reduce(head, group=ps.get_data_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # only the last stage holds values
+        dist.all_reduce(head, group=ps.get_pipeline_model_parallel_group())
     if dist.get_rank() != 0:
         return None
     head = head.cpu()
@@ -122,3 +109,54 @@ def score_sequences(model, request: list[list[int]] | None, seq_len: int) -> Sco
         values_out.append(np.concatenate([[0.0], h[:-1]]).astype(np.float32))
         bootstrap.append(float(h[-1]))
     return ScoreResult(values=values_out, bootstrap_values=bootstrap)
+
+
+def _forward(model, micro_batches, device) -> list[torch.Tensor | None]:
+    """The head output of every micro-batch over its whole packed row (CP slices gathered), on
+    the last pipeline stage; None on other stages."""
+    from megatron.core import parallel_state as ps
+
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    inputs = []
+    for mb in micro_batches:
+        total = mb.num_tokens
+        local = slice(cp_rank * total // cp, (cp_rank + 1) * total // cp)
+        cu = torch.as_tensor(mb.cu_seqlens, dtype=torch.int32, device=device)
+        inputs.append(
+            (
+                torch.as_tensor(mb.input_ids[local], device=device)[None],
+                torch.as_tensor(mb.position_ids[local], device=device)[None],
+                packed_seq_params(cu, total),
+            )
+        )
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        outputs = [model(ids, pos, attention_mask=None, packed_seq_params=psp) for ids, pos, psp in inputs]
+    else:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, chunk):
+            ids, pos, psp = next(data_iterator)
+            output = chunk(ids, pos, attention_mask=None, packed_seq_params=psp)
+            return output, lambda out, non_loss_data=True: out.detach()
+
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(inputs),
+            model=[model],
+            num_microbatches=len(inputs),
+            seq_length=max(x[0].shape[1] for x in inputs),
+            micro_batch_size=1,
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
+        if not ps.is_pipeline_last_stage():
+            return [None] * len(inputs)
+    gathered = []
+    for values in outputs:
+        values = values[0].float()
+        if cp > 1:
+            parts = [torch.empty_like(values) for _ in range(cp)]
+            dist.all_gather(parts, values.contiguous(), group=ps.get_context_parallel_group())
+            values = torch.cat(parts)
+        gathered.append(values)
+    return gathered

@@ -19,7 +19,6 @@ import logging
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from megatron_rl import parallel
@@ -56,6 +55,7 @@ class CriticTrainer:
             self.arch,
             seq_len=model_config.seq_len,
             head_init_std=self.value.head_init_std,
+            head_init_seed=resolved.orchestrator.seed,
             tp=layout.tp,
             cp=layout.cp,
             pp=layout.pp,
@@ -65,7 +65,6 @@ class CriticTrainer:
         self.loaded = load_initial_weights(
             model, model_config.checkpoint, self.arch, value_model=True, where="value.model.checkpoint"
         )
-        _sync_replicated_head(model)
         if self.value.lora is not None:
             lora = self.value.lora
             apply_lora(
@@ -266,24 +265,6 @@ def _summary(phase: str, step: int, results: list[dict], head_only: bool, second
         "head_only": head_only,
         "seconds": seconds,
     }
-
-
-def _sync_replicated_head(model: torch.nn.Module) -> None:
-    """The value head is replicated on every rank of the last pipeline stage: make every copy
-    equal to the first rank's (its random initialisation may differ between ranks)."""
-    from megatron.core import parallel_state as ps
-
-    head = [p for name, p in model.named_parameters() if name.startswith(HEAD_PREFIX)]
-    if not head:
-        return
-    groups = [ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(with_context_parallel=True)]
-    with torch.no_grad():
-        for group in groups:
-            if dist.get_world_size(group) == 1:
-                continue
-            source = dist.get_global_rank(group, 0)
-            for param in head:
-                dist.broadcast(param.data, src=source, group=group)
 
 
 def write_metrics(path: Path, record: dict, console: bool) -> None:

@@ -21,7 +21,7 @@ from megatron_rl.models.builder import build_gpt_model
 class MegatronValueModel(GPTModel):
     """GPTModel with `output_layer` replaced by a float32 `value_head`."""
 
-    def __init__(self, *args, head_init_std: float = 0.0, **kwargs):
+    def __init__(self, *args, head_init_std: float = 0.0, head_init_seed: int = 0, **kwargs):
         kwargs["share_embeddings_and_output_weights"] = False
         super().__init__(*args, **kwargs)
         if self.post_process:
@@ -30,7 +30,11 @@ class MegatronValueModel(GPTModel):
             self.value_head = torch.nn.Linear(in_features, 1, dtype=torch.float32)
             with torch.no_grad():
                 if head_init_std > 0:
-                    self.value_head.weight.normal_(0.0, head_init_std)
+                    # Its own generator: the same head on every rank and at every layout (the
+                    # global RNG has drawn differently by now on each pipeline stage).
+                    generator = torch.Generator().manual_seed(head_init_seed)
+                    weight = torch.randn(self.value_head.weight.shape, generator=generator) * head_init_std
+                    self.value_head.weight.copy_(weight)
                 else:
                     self.value_head.weight.zero_()
                 self.value_head.bias.zero_()
@@ -57,10 +61,17 @@ class MegatronValueModel(GPTModel):
 
 
 def build_value_model(
-    arch: Architecture, config=None, seq_len: int | None = None, head_init_std: float = 0.0, **config_kwargs
+    arch: Architecture,
+    config=None,
+    seq_len: int | None = None,
+    head_init_std: float = 0.0,
+    head_init_seed: int = 0,
+    **config_kwargs,
 ):
     """A value model for this pipeline stage (pre/post process from parallel_state)."""
-    model_class = functools.partial(MegatronValueModel, head_init_std=head_init_std)
+    model_class = functools.partial(
+        MegatronValueModel, head_init_std=head_init_std, head_init_seed=head_init_seed
+    )
     return build_gpt_model(arch, config, seq_len, model_class=model_class, **config_kwargs)
 
 

@@ -15,7 +15,14 @@ from megatron_rl.testing.processes import RankProcesses
 
 
 def critic_config(
-    tmp_path: Path, hf_dir: Path, world: int = 1, cp: int = 1, tp: int = 1, seq_len: int = 64, **value_options
+    tmp_path: Path,
+    hf_dir: Path,
+    world: int = 1,
+    cp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    seq_len: int = 64,
+    **value_options,
 ):
     """(resolved, resolved_json_path) for a SAO run whose critic has `world` ranks; keyword
     arguments override the value section (plus `num_steps`)."""
@@ -28,6 +35,7 @@ def critic_config(
             "dtype": "float32",
             "cp": cp,
             "tp": tp,
+            "pp": pp,
         },
         "optimizer": {"lr": 1e-3, "grad_clip": 1.0},
         "head_init_std": 0.05,
@@ -36,7 +44,12 @@ def critic_config(
     num_steps = value_options.pop("num_steps", 4)
     value.update(value_options)
     config = {
-        "model": {"hf_config": str(hf_dir), "checkpoint": str(hf_dir), "seq_len": seq_len, "dtype": "float32"},
+        "model": {
+            "hf_config": str(hf_dir),
+            "checkpoint": str(hf_dir),
+            "seq_len": seq_len,
+            "dtype": "float32",
+        },
         "value": value,
         "algorithm": {"type": "sao"},
         "orchestrator": {

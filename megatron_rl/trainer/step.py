@@ -86,15 +86,17 @@ def _reduce_metrics(reported: list[dict], batches: list[RankBatch]) -> dict:
     from megatron.core import parallel_state
 
     keys = sorted({k for r in reported for k in r if k.endswith("_sum") or k == "num_tokens"})
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        # Only the last stage computed losses: it sends the metric names, then the sums.
+        last = parallel_state.get_pipeline_model_parallel_last_rank()
+        group = parallel_state.get_pipeline_model_parallel_group()
+        keys = _broadcast_names(keys, last, group)
     local_tokens = float(sum(int(b.loss_mask.sum()) for b in batches))
     totals = torch.tensor(
         [sum(float(r[k]) for r in reported) for k in keys] + [local_tokens], dtype=torch.float64
     )
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        last = parallel_state.get_pipeline_model_parallel_last_rank()
-        torch.distributed.broadcast(
-            totals, src=last, group=parallel_state.get_pipeline_model_parallel_group()
-        )
+        torch.distributed.broadcast(totals, src=last, group=group)
     torch.distributed.all_reduce(
         totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
     )
@@ -103,6 +105,18 @@ def _reduce_metrics(reported: list[dict], batches: list[RankBatch]) -> dict:
     metrics["num_tokens"] = count
     metrics["loss"] = metrics.pop("loss_sum") / max(count, 1.0)
     return metrics
+
+
+def _broadcast_names(names: list[str], src: int, group) -> list[str]:
+    """`names` of rank `src` on every rank of `group`, as UTF-8 bytes in tensors (no pickle)."""
+    data = torch.tensor(list("\n".join(names).encode()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    torch.distributed.broadcast(size, src=src, group=group)
+    if torch.distributed.get_rank() != src:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    torch.distributed.broadcast(data, src=src, group=group)
+    text = bytes(data.tolist()).decode()
+    return text.split("\n") if text else []
 
 
 def policy_loss_func(algorithm) -> LossFunc:

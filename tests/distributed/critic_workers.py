@@ -7,6 +7,7 @@ recording after each what changed, so one spawn checks a whole scenario:
     ("pretrain",)                 one value-pretraining step
     ("save",) / ("resume",)       critic checkpoint
     ("load_backbone", dist_dir)   load a backbone from a dist checkpoint directory
+    ("params",)                   just record the full parameters
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def critic_plan(rank, world_size, resolved_path, plan):
             meta = trainer.resume()
             record["step"] = None if meta is None else meta["step"]
             record["trained_step"] = trainer.trained_step
+        elif action[0] == "params":
+            pass
         elif action[0] == "load_backbone":
             from megatron_rl.trainer.weights import load_backbone
 
@@ -79,7 +82,7 @@ def critic_plan(rank, world_size, resolved_path, plan):
         record["adam_steps"] = _adam_steps(trainer)
         record["full"] = (
             gather_full_parameters(trainer.model)
-            if action[0] in ("train", "train_grid", "load_backbone")
+            if action[0] in ("train", "train_grid", "load_backbone", "params")
             else None
         )
         records.append(record)
@@ -113,3 +116,10 @@ def policy_snapshot(rank, world_size, arch, tp, seed, snapshot_root, checkpoint_
     export_snapshot(model, snapshot_root, version=1, info={"tp": tp})
     save_checkpoint(checkpoint_root, 0, trainable)
     return gather_full_parameters(model)
+
+
+def converted_parameters(rank, world_size, checkpoint_dir):
+    """Full parameters of a converted checkpoint (tools/convert_hf_to_megatron.py)."""
+    from megatron_rl.models.convert import load_checkpoint_full
+
+    return load_checkpoint_full(checkpoint_dir)[2]

@@ -622,8 +622,8 @@ def policy_reference_losses(rank, world_size, resolved_path, steps, samples_per_
     from megatron_rl.config import load_resolved
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.trainer.optimizer import build_trainable
-    from megatron_rl.trainer.weights import load_initial_weights
     from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.trainer.weights import load_initial_weights
 
     resolved = load_resolved(resolved_path)
     parallel.initialize_model_parallel(seed=resolved.orchestrator.seed)
@@ -650,14 +650,14 @@ def value_reference_weights(rank, world_size, arch, seed):
     return full_parameters(build_value_model(arch, head_init_std=0.5))
 
 
-def critic_scores(rank, world_size, arch, full, tp, cp, requests, seq_len=64):
-    """Scores each request (a list of token-id lists) with a value model at (tp, cp, dp = rest);
-    rank 0 returns its ScoreResults as plain lists, other ranks None."""
+def critic_scores(rank, world_size, arch, full, tp, cp, requests, seq_len=64, pp=1):
+    """Scores each request (a list of token-id lists) with a value model at (tp, cp, pp,
+    dp = rest); rank 0 returns its ScoreResults as plain lists, other ranks None."""
     from megatron_rl.critic.scoring import score_sequences
     from megatron_rl.models.value_model import build_value_model
 
-    parallel.initialize_model_parallel(tp=tp, cp=cp)
-    model = build_value_model(arch, tp=tp, cp=cp)
+    parallel.initialize_model_parallel(tp=tp, cp=cp, pp=pp)
+    model = build_value_model(arch, tp=tp, cp=cp, pp=pp)
     load_full_state_dict(model, full)
     results = []
     for request in requests:

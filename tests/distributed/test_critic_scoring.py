@@ -30,10 +30,10 @@ def direct_values(weights, batch):
     return run_ranks(w.value_model_direct, 1, ARCH, weights, batch)[0]
 
 
-@pytest.mark.parametrize("tp,cp,world", [(1, 1, 2), (1, 2, 2)])
-def test_batched_scoring_equals_per_sequence_scoring(weights, tp, cp, world):
+@pytest.mark.parametrize("tp,cp,world,pp", [(1, 1, 2, 1), (1, 2, 2, 1), (1, 1, 2, 2)])
+def test_batched_scoring_equals_per_sequence_scoring(weights, tp, cp, world, pp):
     batch, singles = mixed_requests()
-    results = run_ranks(w.critic_scores, world, ARCH, weights, tp, cp, [batch, *singles])[0]
+    results = run_ranks(w.critic_scores, world, ARCH, weights, tp, cp, [batch, *singles], 64, pp)[0]
     (values, boots), per_sequence = results[0], results[1:]
     assert len(values) == len(batch) and [len(v) for v in values] == [len(ids) for ids in batch]
     for i, ((single_values,), (single_boot,)) in enumerate(per_sequence):
@@ -48,6 +48,8 @@ def test_batched_scoring_equals_per_sequence_scoring(weights, tp, cp, world):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,cp,world", [(1, 1, 4), (1, 2, 4), (1, 4, 4), (2, 1, 4)])
-def test_batched_scoring_on_four_ranks(weights, tp, cp, world):
-    test_batched_scoring_equals_per_sequence_scoring(weights, tp, cp, world)
+@pytest.mark.parametrize(
+    "tp,cp,world,pp", [(1, 1, 4, 1), (1, 2, 4, 1), (1, 4, 4, 1), (2, 1, 4, 1), (1, 2, 4, 2), (1, 1, 4, 2)]
+)
+def test_batched_scoring_on_four_ranks(weights, tp, cp, world, pp):
+    test_batched_scoring_equals_per_sequence_scoring(weights, tp, cp, world, pp)

@@ -15,8 +15,8 @@ import pytest
 from megatron_rl.critic.client import CriticError, CriticRequestError, HttpValueScorer
 from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.parallel import free_port
-from megatron_rl.transport import GridSender
 from megatron_rl.testing.critic import critic_config, critic_url, start_critic
+from megatron_rl.transport import GridSender
 from tests.distributed.megatron_workers import training_samples
 
 VOCAB = 512  # the tiny qwen3's vocabulary

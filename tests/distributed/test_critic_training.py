@@ -4,14 +4,17 @@ value pretraining, dummy-only data ranks, policy snapshots across layouts, check
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from megatron_rl.data.packing import dummy_micro_batch, pack_into_grid
-from megatron_rl.testing.spawn import run_ranks
 from megatron_rl.testing.critic import critic_config
+from megatron_rl.testing.spawn import run_ranks
 from tests.distributed import critic_workers as cw
 from tests.distributed.megatron_workers import training_samples
 
@@ -137,3 +140,56 @@ def test_resume_continues_with_identical_next_step_loss(tiny_models, tmp_path):
     resumed, step2 = run_ranks(cw.critic_plan, 2, str(path), [("resume",), ("train", 2, 2)])[0]
     assert resumed["trained_step"] == 1
     assert step2["epoch_losses"] == straight[2]["epoch_losses"]  # exactly, on CPU
+
+
+def test_pipeline_parallel_critic_trains_like_one_process(tiny_models, tmp_path):
+    resolved, path = critic_config(tmp_path / "pp2", tiny_models["qwen3"], world=2, pp=2, epochs_per_step=2)
+    assert resolved.layout.critic.pp == 2 and resolved.layout.critic.dp == 1
+    stages = run_ranks(cw.critic_plan, 2, str(path), [("train", 0, 0)])
+    _, path1 = critic_config(tmp_path / "pp1", tiny_models["qwen3"], world=1, epochs_per_step=2)
+    (single,) = run_ranks(cw.critic_plan, 1, str(path1), [("train", 0, 0)])[0]
+    (first,), (last,) = stages
+    assert first["epoch_losses"] == pytest.approx(single["epoch_losses"], rel=1e-5)
+    merged = {**first["full"], **last["full"]}  # each stage holds its own layers
+    assert set(merged) == set(single["full"])
+    for name, value in single["full"].items():
+        torch.testing.assert_close(merged[name], value, rtol=0, atol=2e-6)
+
+
+def test_critic_starts_from_hf_or_converted_checkpoints_at_tp2(tiny_models, tmp_path):
+    hf_dir = tiny_models["qwen3"]
+    convert = [
+        sys.executable,
+        str(Path(__file__).resolve().parents[2] / "tools" / "convert_hf_to_megatron.py"),
+    ]
+    subprocess.run(
+        [*convert, "--hf", str(hf_dir), "--out", str(tmp_path / "gpt")], check=True, capture_output=True
+    )
+    subprocess.run(
+        [
+            *convert,
+            "--hf",
+            str(hf_dir),
+            "--out",
+            str(tmp_path / "critic"),
+            "--value-model",
+            "--head-init-std",
+            "0.3",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    full = {}
+    for name, checkpoint in [("hf", hf_dir), ("gpt", tmp_path / "gpt"), ("critic", tmp_path / "critic")]:
+        _, path = critic_config(tmp_path / f"run_{name}", hf_dir, world=2, tp=2)
+        config = json.loads(path.read_text())
+        config["value"]["model"]["checkpoint"] = str(checkpoint)
+        path.write_text(json.dumps(config))
+        (record,) = run_ranks(cw.critic_plan, 2, str(path), [("params",)])[0]
+        full[name] = record["full"]
+    saved = run_ranks(cw.converted_parameters, 1, str(tmp_path / "critic"))[0]
+    for name, value in full["hf"].items():
+        torch.testing.assert_close(full["gpt"][name], value, rtol=0, atol=0)  # same backbone and head init
+        expected = saved[name]  # the converted critic: backbone and its own head
+        torch.testing.assert_close(full["critic"][name], expected, rtol=0, atol=0)
+    assert not torch.equal(full["critic"]["value_head.weight"], full["hf"]["value_head.weight"])
