@@ -125,3 +125,16 @@ def value_loss(
         "clipped_sum": clipped_frac,
     }
     return loss, metrics
+
+
+def reference_kl_loss(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, normalizer: float | torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL(pi_theta || pi_ref) per action token with the low-variance k3 estimator
+    exp(d) - d - 1, d = logp_ref - logp_theta (non-negative, zero and flat where the policies
+    agree; the GRPO paper's form), summed over masked tokens / normalizer."""
+    mask = mask.bool()
+    delta = ref_logprobs.to(logprobs.dtype) - logprobs
+    kl = torch.exp(delta) - delta - 1.0
+    loss = torch.where(mask, kl, 0.0).sum() / normalizer
+    return loss, {"kl_ref_sum": torch.where(mask, kl.detach(), 0.0).sum().to(torch.float64)}

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.data.types import ScoreResult, TrainingSample
-from megatron_rl.models.attention import packed_seq_params
+from megatron_rl.trainer.batches import rank_batch
+from megatron_rl.trainer.forward import forward_only
 
 
 def collective_device() -> torch.device:
@@ -117,46 +118,15 @@ def _forward(model, micro_batches, device) -> list[torch.Tensor | None]:
     from megatron.core import parallel_state as ps
 
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    inputs = []
-    for mb in micro_batches:
-        total = mb.num_tokens
-        local = slice(cp_rank * total // cp, (cp_rank + 1) * total // cp)
-        cu = torch.as_tensor(mb.cu_seqlens, dtype=torch.int32, device=device)
-        inputs.append(
-            (
-                torch.as_tensor(mb.input_ids[local], device=device)[None],
-                torch.as_tensor(mb.position_ids[local], device=device)[None],
-                packed_seq_params(cu, total),
-            )
-        )
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        outputs = [model(ids, pos, attention_mask=None, packed_seq_params=psp) for ids, pos, psp in inputs]
-    else:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        def forward_step(data_iterator, chunk):
-            ids, pos, psp = next(data_iterator)
-            output = chunk(ids, pos, attention_mask=None, packed_seq_params=psp)
-            return output, lambda out, non_loss_data=True: out.detach()
-
-        outputs = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(inputs),
-            model=[model],
-            num_microbatches=len(inputs),
-            seq_length=max(x[0].shape[1] for x in inputs),
-            micro_batch_size=1,
-            forward_only=True,
-            collect_non_loss_data=True,
-        )
-        if not ps.is_pipeline_last_stage():
-            return [None] * len(inputs)
-    gathered = []
-    for values in outputs:
-        values = values[0].float()
-        if cp > 1:
+    batches = [rank_batch(mb, cp_rank, cp, device=device) for mb in micro_batches]
+    outputs = forward_only(model, batches, lambda values, batch: values[0].float())
+    if outputs is None:
+        return [None] * len(batches)
+    if cp > 1:
+        gathered = []
+        for values in outputs:
             parts = [torch.empty_like(values) for _ in range(cp)]
             dist.all_gather(parts, values.contiguous(), group=ps.get_context_parallel_group())
-            values = torch.cat(parts)
-        gathered.append(values)
-    return gathered
+            gathered.append(torch.cat(parts))
+        outputs = gathered
+    return outputs

@@ -28,6 +28,7 @@ class RankBatch:
     returns: torch.Tensor
     old_values: torch.Tensor
     old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None  # the reference policy's, when KL is configured
 
 
 def _shift(array: np.ndarray, sequence_ends: np.ndarray, fill) -> np.ndarray:

@@ -50,11 +50,6 @@ def run_policy(resolved: ResolvedConfig) -> None:
     from megatron_rl.trainer.weights import load_initial_weights
     from megatron_rl.transport import GridReceiver
 
-    if resolved.algorithm.kl_coef > 0:
-        raise ValueError(
-            f"algorithm.kl_coef = {resolved.algorithm.kl_coef}: KL to a reference policy is not implemented in "
-            "train-policy yet; set it to 0"
-        )
     if resolved.inference.weight_update == "nccl":
         log.warning(
             "inference.weight_update 'nccl': the trainer side of the NCCL broadcast is not wired into "
@@ -72,6 +67,7 @@ def run_policy(resolved: ResolvedConfig) -> None:
         seq_len=resolved.model.seq_len,
     )
     loaded = load_initial_weights(model, resolved.model.checkpoint, arch)
+    reference = build_reference(model, arch, layout, resolved) if resolved.algorithm.kl_coef > 0 else None
     num_steps = resolved.orchestrator.num_steps
     trainable = build_trainable(model, resolved.optimizer, total_steps=num_steps)
     start = 0
@@ -84,7 +80,7 @@ def run_policy(resolved: ResolvedConfig) -> None:
     if is_rank0:
         log.info("policy: %s, layout %s, steps %d..%d", loaded, layout.model_dump(), start, num_steps - 1)
     # A scorer is not needed to train: advantages arrive with the grid.
-    loss_func = policy_loss_func(make_algorithm(resolved.algorithm, _NoScorer()))
+    loss_func = policy_loss_func(make_algorithm(resolved.algorithm, _NoScorer()), resolved.algorithm.kl_coef)
     receiver = GridReceiver(
         resolved.transport.host,
         resolved.transport.policy_port,
@@ -102,7 +98,7 @@ def run_policy(resolved: ResolvedConfig) -> None:
         for step in range(start, num_steps):
             began = time.perf_counter()
             micro_batches = receiver.receive(step)
-            metrics = train_step(trainable, micro_batches, loss_func)
+            metrics = train_step(trainable, micro_batches, loss_func, reference=reference)
             if resolved.inference.weight_update == "safetensors" and resolved.inference.publish_dir:
                 publish_hf_weights(
                     model, arch, resolved.inference.publish_dir, step + 1, hf_side_files=side_files
@@ -135,6 +131,26 @@ def run_policy(resolved: ResolvedConfig) -> None:
         parallel.destroy()
 
 
+def build_reference(model, arch, layout, resolved: ResolvedConfig):
+    """The frozen reference policy for `algorithm.kl_coef`: the initial weights (taken from the
+    freshly initialised `model` before any checkpoint is resumed, so a resumed run keeps the
+    same reference), same layout, no gradients, eval mode."""
+    from megatron_rl.models.builder import build_gpt_model
+
+    reference = build_gpt_model(
+        arch,
+        tp=layout.tp,
+        cp=layout.cp,
+        pp=layout.pp,
+        ep=layout.ep,
+        dtype=resolved.model.dtype,
+        seq_len=resolved.model.seq_len,
+    )
+    reference.load_state_dict(model.state_dict())
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
 class _NoScorer:
     async def score(self, batched_token_ids):
         raise RuntimeError("the policy trainer does not score sequences")
@@ -152,6 +168,7 @@ def _summarise(step: int, metrics: dict, seconds: float) -> dict:
         "ratio_mean": metrics.get("ratio_sum", 0.0) / tokens,
         "approx_kl": metrics.get("approx_kl_sum", 0.0) / tokens,
         "entropy": metrics.get("entropy_sum", 0.0) / tokens,
+        "kl_ref": metrics.get("kl_ref_sum", 0.0) / tokens,
         "grad_norm": metrics.get("grad_norm"),
         "lr": metrics.get("lr"),
         "seconds": seconds,
@@ -162,6 +179,6 @@ def _summarise(step: int, metrics: dict, seconds: float) -> dict:
 def _console_line(record: dict) -> str:
     return (
         f"[policy] step {record['step']} loss {record['loss']:+.4f} clip {record['clip_fraction']:.3f} "
-        f"ratio {record['ratio_mean']:.3f} kl {record['approx_kl']:.2e} entropy {record['entropy']:.3f} "
+        f"ratio {record['ratio_mean']:.3f} kl {record['approx_kl']:.2e} kl_ref {record['kl_ref']:.2e} entropy {record['entropy']:.3f} "
         f"grad_norm {record['grad_norm'] or 0:.3f} lr {record['lr']:.2e} {record['tokens_per_s'] or 0:.0f} tok/s"
     )

@@ -22,8 +22,13 @@ from megatron_rl.trainer.optimizer import Trainable, freeze_non_head_groups
 LossFunc = Callable[[torch.Tensor, RankBatch], tuple[torch.Tensor, dict]]
 
 
-def train_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_func: LossFunc) -> dict:
+def train_step(
+    trainable: Trainable, micro_batches: list[MicroBatch], loss_func: LossFunc, reference=None
+) -> dict:
     """Forward/backward over every micro-batch, one optimizer and scheduler step.
+
+    `reference` (a frozen GPT model with the same layout) first gets a forward-only pass that
+    sets `batch.ref_logprobs` (on the last pipeline stage) for a KL term in `loss_func`.
 
     Returns {"loss": global loss (sum / global token count), "num_tokens": global count,
     "grad_norm", "update_successful", plus the loss functions' summed metrics}, identical on
@@ -35,6 +40,8 @@ def train_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_func:
     cp_rank = parallel_state.get_context_parallel_rank()
     cp_size = parallel_state.get_context_parallel_world_size()
     batches = [rank_batch(mb, cp_rank, cp_size) for mb in micro_batches]
+    if reference is not None:
+        set_reference_logprobs(reference, batches)
     for chunk in trainable.model:
         if not chunk.config.calculate_per_token_loss:
             raise ValueError("train_step needs a model built by build_trainable (calculate_per_token_loss)")
@@ -119,8 +126,25 @@ def _broadcast_names(names: list[str], src: int, group) -> list[str]:
     return text.split("\n") if text else []
 
 
-def policy_loss_func(algorithm) -> LossFunc:
-    """The algorithm's policy loss on vocab-parallel log-probabilities of the next tokens."""
+def set_reference_logprobs(reference, batches: list[RankBatch]) -> None:
+    """Log-probabilities of the next tokens under the frozen `reference` model, into every
+    batch's `ref_logprobs` (last pipeline stage; the loss is only computed there)."""
+    from megatron_rl.trainer.forward import forward_only
+
+    outputs = forward_only(
+        reference,
+        batches,
+        lambda logits, batch: megatron_vocab_parallel_logprobs(logits[0], batch.targets)[0],
+    )
+    for batch, logprobs in zip(batches, outputs or []):
+        batch.ref_logprobs = logprobs.detach()
+
+
+def policy_loss_func(algorithm, kl_coef: float = 0.0) -> LossFunc:
+    """The algorithm's policy loss on vocab-parallel log-probabilities of the next tokens, plus
+    `kl_coef` * KL(policy || reference) per action token when the batch carries reference
+    log-probabilities (train_step with `reference`)."""
+    from megatron_rl.algorithms.losses import reference_kl_loss
 
     def loss(logits: torch.Tensor, batch: RankBatch):
         logprobs, entropy = megatron_vocab_parallel_logprobs(logits[0], batch.targets)
@@ -129,6 +153,14 @@ def policy_loss_func(algorithm) -> LossFunc:
         )
         metrics = {k: v for k, v in metrics.items() if k.endswith("_sum")}
         metrics["entropy_sum"] = (entropy.detach() * batch.loss_mask).sum().to(torch.float64)
+        if kl_coef > 0:
+            if batch.ref_logprobs is None:
+                raise ValueError(
+                    "policy loss: kl_coef > 0 needs reference log-probabilities (train_step reference=)"
+                )
+            kl_sum, kl_metrics = reference_kl_loss(logprobs, batch.ref_logprobs, batch.loss_mask, 1.0)
+            loss_sum = loss_sum + kl_coef * kl_sum
+            metrics.update(kl_metrics)
         return loss_sum, metrics
 
     return loss

@@ -679,3 +679,41 @@ def value_model_direct(rank, world_size, arch, full, batch):
         return [
             model(torch.tensor([ids]), torch.arange(len(ids))[None], attention_mask=None)[0] for ids in batch
         ]
+
+
+def kl_training_steps(rank, world_size, arch, full, tp, cp, kl_coef, steps=2):
+    """SAO steps with KL to a frozen reference (the initial weights); per-step metrics and the
+    final full parameters."""
+    from megatron.core import parallel_state
+
+    from megatron_rl.algorithms import InProcessScorer, make_algorithm
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.models.sharding import gather_full_parameters
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.step import policy_loss_func, train_step
+
+    parallel.initialize_model_parallel(tp=tp, cp=cp)
+    model = build_gpt_model(arch, tp=tp, cp=cp)
+    load_full_state_dict(model, full)
+    reference = build_gpt_model(arch, tp=tp, cp=cp)
+    load_full_state_dict(reference, full)
+    reference.requires_grad_(False)
+    trainable = build_trainable(model, OptimizerConfig(lr=1e-3, grad_clip=1.0, adam_eps=1e-6), total_steps=10)
+    dp = parallel_state.get_data_parallel_world_size()
+    algorithm = make_algorithm(AlgorithmConfig(type="sao", kl_coef=kl_coef), InProcessScorer(lambda b: None))
+    loss_func = policy_loss_func(algorithm, kl_coef)
+    records = []
+    for step in range(steps):
+        grid = pack_into_grid(training_samples(6, arch.vocab_size, seed=step), 64, dp, cp)
+        metrics = train_step(
+            trainable,
+            grid[parallel_state.get_data_parallel_rank()],
+            loss_func,
+            reference if kl_coef > 0 else None,
+        )
+        records.append(
+            {k: metrics[k] for k in ("loss", "num_tokens", "grad_norm")}
+            | {"kl_ref_sum": metrics.get("kl_ref_sum", 0.0)}
+        )
+    return records, gather_full_parameters(model)

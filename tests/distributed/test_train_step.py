@@ -60,3 +60,24 @@ def test_policy_step_tp2_cp2_and_cp2_dp2_equal_one_process(weights, algorithm):
 
 def test_critic_step_dp2_and_cp2_equal_one_process(weights):
     compare(weights, [(1, 1, 2), (1, 2, 2)], critic=True, count=5)
+
+
+def test_kl_to_reference_policy(weights):
+    ((plain, plain_params),) = run_ranks(w.kl_training_steps, 1, ARCH, weights, 1, 1, 0.0)
+    ((kl, kl_params),) = run_ranks(w.kl_training_steps, 1, ARCH, weights, 1, 1, 0.5)
+    # Step 0: policy = reference, so KL and its gradient are exactly zero.
+    assert kl[0]["kl_ref_sum"] == 0.0 and kl[0]["loss"] == plain[0]["loss"]
+    # Step 1: same weights as without KL; the loss adds 0.5 * mean KL over action tokens.
+    assert kl[1]["kl_ref_sum"] > 0
+    expected = plain[1]["loss"] + 0.5 * kl[1]["kl_ref_sum"] / kl[1]["num_tokens"]
+    assert kl[1]["loss"] == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    assert any(not torch.equal(kl_params[n], plain_params[n]) for n in plain_params)  # KL pulls back
+    for tp, cp, world in [(1, 1, 2), (2, 1, 2), (1, 2, 2)]:
+        for records, params in run_ranks(w.kl_training_steps, world, ARCH, weights, tp, cp, 0.5):
+            for got, ref in zip(records, kl):
+                for key, value in ref.items():
+                    assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (tp, cp, key)
+            for name, value in kl_params.items():
+                torch.testing.assert_close(
+                    params[name], value, atol=1e-5, rtol=0, msg=f"{name} tp={tp} cp={cp}"
+                )

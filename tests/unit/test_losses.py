@@ -124,3 +124,21 @@ def test_fully_masked_micro_batch_contributes_zero_loss_and_gradient():
         loss.backward()
         assert loss.item() == 0.0 and (logprobs.grad == 0).all() and metrics["num_tokens"] == 0
         logprobs.grad = None
+
+
+def test_reference_kl_loss_is_k3_zero_at_the_reference_with_zero_gradient():
+    from megatron_rl.algorithms.losses import reference_kl_loss
+
+    logprobs = torch.tensor([-1.0, -2.0, -0.5, -3.0], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([-1.0, -1.5, -0.7, -9.0], dtype=torch.float64)
+    mask = torch.tensor([True, True, True, False])
+    loss, metrics = reference_kl_loss(logprobs, ref, mask, normalizer=4.0)
+    d = ref - logprobs.detach()
+    per_token = torch.exp(d) - d - 1
+    assert per_token[0] == 0 and (per_token[:3] >= 0).all()
+    assert loss.item() == pytest.approx(per_token[:3].sum().item() / 4.0)
+    assert metrics["kl_ref_sum"].item() == pytest.approx(per_token[:3].sum().item())
+    loss.backward()
+    # d/dlogp (e^d - d - 1) = 1 - e^d: zero where the policies agree, none on masked tokens
+    expected = torch.where(mask, 1 - torch.exp(d), 0.0) / 4.0
+    torch.testing.assert_close(logprobs.grad, expected)
