@@ -282,6 +282,10 @@ class InferenceConfig(_Strict):
     base_port: int = Field(default=8000, gt=0, lt=65536)
     weight_update: Literal["nccl", "safetensors"] = "nccl"
     weight_broadcast_port: int = Field(default=29600, gt=0, lt=65536)
+    # Address of policy rank 0 that inference workers connect to for path (b); default: the
+    # policy group's MASTER_ADDR.
+    weight_broadcast_host: str | None = None
+    weight_bucket_mb: int = Field(default=256, gt=0)
     publish_dir: str | None = None
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     extra_args: list[str] = Field(default_factory=list)

@@ -50,11 +50,6 @@ def run_policy(resolved: ResolvedConfig) -> None:
     from megatron_rl.trainer.weights import load_initial_weights
     from megatron_rl.transport import GridReceiver
 
-    if resolved.inference.weight_update == "nccl":
-        log.warning(
-            "inference.weight_update 'nccl': the trainer side of the NCCL broadcast is not wired into "
-            "train-policy yet; no weights are published"
-        )
     layout = parallel.initialize_role(resolved, "policy", seed=resolved.orchestrator.seed)
     arch = resolved.layout.policy_architecture
     model = build_gpt_model(
@@ -89,6 +84,9 @@ def run_policy(resolved: ResolvedConfig) -> None:
         timeout_s=resolved.transport.receive_timeout_s,
         handshake_timeout_s=resolved.transport.handshake_timeout_s,
     )
+    broadcaster = make_broadcaster(resolved) if resolved.inference.weight_update == "nccl" else None
+    if broadcaster is not None and is_rank0:
+        broadcaster.connect()
     # config.json and tokenizer files for the published versions (loadable by transformers/vLLM).
     side_files = Path(resolved.model.hf_config) if resolved.model.hf_config else None
     metrics_path = Path(resolved.logging.dir) / "policy_metrics.jsonl"
@@ -99,7 +97,9 @@ def run_policy(resolved: ResolvedConfig) -> None:
             began = time.perf_counter()
             micro_batches = receiver.receive(step)
             metrics = train_step(trainable, micro_batches, loss_func, reference=reference)
-            if resolved.inference.weight_update == "safetensors" and resolved.inference.publish_dir:
+            if broadcaster is not None:
+                broadcaster.publish(model, arch, step + 1)
+            elif resolved.inference.publish_dir:
                 publish_hf_weights(
                     model, arch, resolved.inference.publish_dir, step + 1, hf_side_files=side_files
                 )
@@ -129,6 +129,25 @@ def run_policy(resolved: ResolvedConfig) -> None:
     finally:
         receiver.close()
         parallel.destroy()
+
+
+def make_broadcaster(resolved: ResolvedConfig):
+    """Path (b): BroadcastPublisher to every configured inference server's workers."""
+    import os
+
+    from megatron_rl.trainer.publish import BroadcastPublisher
+    from megatron_rl.transport.vllm_control import VllmControl
+
+    inference = resolved.inference
+    controls = [VllmControl(f"http://{inference.host}:{port}") for port in resolved.layout.inference_ports]
+    host = inference.weight_broadcast_host or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    return BroadcastPublisher(
+        controls,
+        host,
+        inference.weight_broadcast_port,
+        workers_per_server=inference.tp,
+        bucket_bytes=inference.weight_bucket_mb << 20,
+    )
 
 
 def build_reference(model, arch, layout, resolved: ResolvedConfig):

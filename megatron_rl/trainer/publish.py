@@ -1,6 +1,11 @@
-"""Publishing the policy's weights for inference, path (a): HF safetensors + manifest.
+"""Publishing the policy's weights for inference, behind one interface (`make_publisher`):
 
-Collective over the policy's ranks. TP shards are gathered; then one rank per pipeline stage
+path (a), `inference.weight_update: safetensors`: HF safetensors + manifest in a directory that
+vLLM loads with `collective_rpc reload_weights` (`publish_hf_weights`);
+path (b), `inference.weight_update: nccl`: a broadcast from policy rank 0 to every inference
+worker in a WeightUpdateGroup (NCCL on GPU, gloo on CPU) (`BroadcastPublisher`).
+
+Path (a) is collective over the policy's ranks. TP shards are gathered; then one rank per pipeline stage
 writes that stage's non-expert tensors, and one rank per (stage, expert-parallel rank) writes its
 experts, each into its own safetensors file, so nothing else crosses processes. Global rank 0
 then writes the safetensors index, config/tokenizer files and `manifest.json` (step, files,
@@ -39,6 +44,20 @@ def _writer_roles() -> tuple[bool, bool, str]:
     return dense, experts, f"pp{stage:03d}-ep{ps.get_expert_model_parallel_rank():03d}"
 
 
+def owned_hf_tensors(model, arch: Architecture) -> dict:
+    """Collective: the HF-named tensors this rank is responsible for publishing (TP shards
+    gathered; one rank per pipeline stage owns its non-expert tensors, one rank per (stage,
+    expert-parallel rank) its experts); empty on other ranks."""
+    full = gather_full_parameters(model)
+    writes_dense, writes_experts, _ = _writer_roles()
+    mine = {
+        k: v
+        for k, v in full.items()
+        if (".experts." in k and writes_experts) or (".experts." not in k and writes_dense)
+    }
+    return megatron_to_hf(mine, arch, partial=True)
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -62,14 +81,8 @@ def publish_hf_weights(
     if dist.get_rank() == 0:
         atomic_dir.begin(root, version)
     dist.barrier()
-    full = gather_full_parameters(model)
-    writes_dense, writes_experts, tag = _writer_roles()
-    mine = {
-        k: v
-        for k, v in full.items()
-        if (".experts." in k and writes_experts) or (".experts." not in k and writes_dense)
-    }
-    hf = megatron_to_hf(mine, arch, partial=True)
+    hf = owned_hf_tensors(model, arch)
+    _, _, tag = _writer_roles()
     if hf:
         save_file(
             {k: v.contiguous() for k, v in hf.items()},
@@ -112,3 +125,133 @@ def verify_published(path: str | Path) -> dict:
         if _sha256(path / name) != digest:
             raise ValueError(f"{path / name}: sha256 does not match manifest.json")
     return manifest
+
+
+class BroadcastPublisher:
+    """Path (b): policy global rank 0 and every inference worker in one WeightUpdateGroup.
+
+    `controls` are the inference servers (transport.vllm_control.VllmControl, one per server,
+    each running `workers_per_server` workers with megatron_rl.inference.vllm_extension.
+    WeightReceiverExtension). `connect()` (policy rank 0) asks every worker to join the group
+    (ranks 1.. in server order) while rank 0 hosts it. `publish(model, arch, version)` is
+    collective over the policy's ranks: rank 0 pauses the servers and starts their
+    `receive_weights`, broadcasts its own tensors, relays every other owning rank's tensors
+    (sent to it point to point, bucket by bucket), ends the stream, then resets the prefix cache
+    and resumes the servers. Metadata travels as msgpack bytes in tensors, never pickle.
+    """
+
+    def __init__(
+        self,
+        controls: list,
+        host: str,
+        port: int,
+        workers_per_server: int = 1,
+        backend: str | None = None,
+        bucket_bytes: int = 256 << 20,
+        timeout_s: float = 600.0,
+    ):
+        import torch
+
+        self.controls = controls
+        self.host, self.port = host, port
+        self.workers_per_server = workers_per_server
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.backend == "nccl"
+            else torch.device("cpu")
+        )
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.group = None
+
+    @property
+    def world_size(self) -> int:
+        return 1 + len(self.controls) * self.workers_per_server
+
+    def _on_every_server(self, call) -> tuple[list, list, list]:
+        """Starts `call(index, control)` for every server in a thread: (threads, results,
+        errors); `_join` waits and re-raises the first error."""
+        import threading
+
+        results, errors = [None] * len(self.controls), []
+
+        def run(i, control):
+            try:
+                results[i] = call(i, control)
+            except BaseException as exc:  # surfaced below, naming the server
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=run, args=(i, c), daemon=True) for i, c in enumerate(self.controls)
+        ]
+        for t in threads:
+            t.start()
+        return threads, results, errors
+
+    @staticmethod
+    def _join(threads, errors, timeout_s):
+        for t in threads:
+            t.join(timeout_s)
+        if errors:
+            raise errors[0]
+        if any(t.is_alive() for t in threads):
+            raise TimeoutError(f"inference servers did not answer within {timeout_s}s")
+
+    def connect(self) -> None:
+        """Policy rank 0: forms the group with every inference worker."""
+        from megatron_rl.transport.weight_buckets import WeightUpdateGroup
+
+        kwargs = {
+            "host": self.host,
+            "port": self.port,
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "timeout_s": self.timeout_s,
+        }
+        threads, _, errors = self._on_every_server(
+            lambda i, c: c.collective_rpc(
+                "init_weight_update_group", {**kwargs, "rank_offset": 1 + i * self.workers_per_server}
+            )
+        )
+        self.group = WeightUpdateGroup(
+            self.host, self.port, 0, self.world_size, self.backend, self.timeout_s, device=self.device
+        )
+        self._join(threads, errors, self.timeout_s)
+
+    def publish(self, model, arch: Architecture, version: int) -> int:
+        """Collective over the policy's ranks; returns the number of tensors sent (rank 0)."""
+        import torch
+
+        from megatron_rl.transport import weight_buckets as wb
+
+        owned = owned_hf_tensors(model, arch)
+        flags = torch.tensor([1 if owned else 0], dtype=torch.int64, device=self.device)
+        everyone = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, flags)
+        owners = [r for r, f in enumerate(everyone) if int(f.item())]
+        rank = dist.get_rank()
+        sent = 0
+        if rank == 0:
+            if self.group is None:
+                raise RuntimeError("BroadcastPublisher.publish before connect()")
+            for control in self.controls:
+                control.pause()
+            threads, _, errors = self._on_every_server(
+                lambda i, c: c.collective_rpc("receive_weights", {"version": version})
+            )
+            for owner in owners:
+                if owner == 0:
+                    wb.broadcast_weights(owned, self.group, 0, self.bucket_bytes, self.device)
+                    sent += len(owned)
+                else:
+                    sent += wb.relay_weights_p2p(owner, self.group, 0, self.device)
+            wb.broadcast_end(self.group, 0, self.device)
+            self._join(threads, errors, self.timeout_s)
+            for control in self.controls:
+                control.reset_prefix_cache()
+                control.resume()
+        elif owned:
+            wb.send_weights_p2p(owned, 0, self.bucket_bytes, self.device)
+        dist.barrier()
+        return sent

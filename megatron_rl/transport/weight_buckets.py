@@ -1,15 +1,19 @@
 """Weight broadcast in dtype buckets, with metadata as msgpack bytes (never pickle).
 
 Path (b) of weight publishing: policy rank 0 and the inference workers share one process group
-(NCCL on GPU; gloo works the same on CPU). The sender broadcasts the plan (names, dtypes,
-shapes, offsets per bucket) as a uint8 tensor preceded by its length, then each bucket as one
-flat tensor of a single dtype. Receivers rebuild (name, tensor) pairs from views into the
-buckets. A tensor larger than the bucket size travels in a bucket of its own.
+(NCCL on GPU; gloo works the same on CPU), a `WeightUpdateGroup` of its own outside either
+side's torch.distributed world. The sender broadcasts the plan (names, dtypes, shapes, offsets
+per bucket) as a uint8 tensor preceded by its length, then each bucket as one flat tensor of a
+single dtype. Receivers rebuild (name, tensor) pairs from views into the buckets. A tensor
+larger than the bucket size travels in a bucket of its own. One weight update is a stream of
+such plans (one per policy rank that owns tensors, relayed through policy rank 0) ended by an
+empty plan (`broadcast_end`), read with `receive_weight_stream`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from datetime import timedelta
 
 import msgspec
 import torch
@@ -104,32 +108,128 @@ def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, tor
         yield entry.name, flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
 
 
+class WeightUpdateGroup:
+    """A process group of its own: a TCPStore at (host, port) hosted by rank 0, and an NCCL
+    (GPU) or gloo (CPU) backend built directly on it, independent of torch.distributed's default
+    world on either side (the trainer's ranks and the vLLM workers each have their own)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str = "nccl",
+        timeout_s: float = 600.0,
+        device=None,
+    ):
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"weight update group: backend must be 'nccl' or 'gloo', got {backend!r}")
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.device = torch.device(device) if device is not None else None
+        timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(
+            host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=True
+        )
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size, options)
+        else:
+            self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        options.rootTensor = 0
+        self.pg.broadcast([tensor], options).wait()
+
+
+def _broadcast(tensor: torch.Tensor, group, src: int) -> None:
+    if isinstance(group, WeightUpdateGroup):
+        group.broadcast(tensor, src)
+    else:
+        dist.broadcast(tensor, src=src, group=group)
+
+
 def broadcast_weights(
     tensors: dict[str, torch.Tensor], group, src: int, bucket_bytes: int = 256 << 20, device=None
 ) -> Plan:
-    """Sender side (global rank `src`): plan, then one broadcast per bucket."""
+    """Sender side (rank `src` of `group`: a WeightUpdateGroup, or a torch.distributed group
+    with `src` a global rank): plan, then one broadcast per bucket."""
     plan = plan_buckets(((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()), bucket_bytes)
     _broadcast_bytes(encode_plan(plan), group, src, device)
     for bucket in plan.buckets:
-        dist.broadcast(pack_bucket(bucket, tensors, device), src=src, group=group)
+        _broadcast(pack_bucket(bucket, tensors, device), group, src)
     return plan
 
 
+def broadcast_end(group, src: int, device=None) -> None:
+    """Ends a weight-update stream: an empty plan."""
+    _broadcast_bytes(encode_plan(Plan(version=PLAN_VERSION, buckets=[])), group, src, device)
+
+
 def receive_weights(group, src: int, device=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Receiver side: yields (name, tensor) as each bucket arrives (views into the bucket)."""
+    """Receiver side of one `broadcast_weights`: yields (name, tensor) as each bucket arrives
+    (views into the bucket)."""
     plan = decode_plan(_broadcast_bytes(None, group, src, device))
     for bucket in plan.buckets:
+        yield from _receive_bucket(bucket, group, src, device)
+
+
+def receive_weight_stream(group, src: int, device=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Receiver side of a whole update: one list of (name, tensor) per bucket, over every plan
+    until the empty plan that ends the stream."""
+    while True:
+        plan = decode_plan(_broadcast_bytes(None, group, src, device))
+        if not plan.buckets:
+            return
+        for bucket in plan.buckets:
+            yield list(_receive_bucket(bucket, group, src, device))
+
+
+def _receive_bucket(bucket: Bucket, group, src: int, device) -> Iterator[tuple[str, torch.Tensor]]:
+    flat = torch.empty(bucket.numel, dtype=_DTYPES[bucket.dtype], device=device)
+    _broadcast(flat, group, src)
+    yield from unpack_bucket(bucket, flat)
+
+
+def send_weights_p2p(
+    tensors: dict[str, torch.Tensor], dst: int, bucket_bytes: int = 256 << 20, device=None
+) -> None:
+    """Sends a plan and its buckets to global rank `dst` of the default world (point to point):
+    how a policy rank that owns tensors hands them to policy rank 0 for relaying."""
+    plan = plan_buckets(((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()), bucket_bytes)
+    data = encode_plan(plan)
+    dist.send(torch.tensor([len(data)], dtype=torch.int64, device=device), dst=dst)
+    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), dst=dst)
+    for bucket in plan.buckets:
+        dist.send(pack_bucket(bucket, tensors, device), dst=dst)
+
+
+def relay_weights_p2p(src: int, group, root: int, device=None) -> int:
+    """On the relaying rank: receives what global rank `src` sends with `send_weights_p2p` and
+    broadcasts it, bucket by bucket, as rank `root` of `group`. Returns the tensor count."""
+    length = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(length, src=src)
+    payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    dist.recv(payload, src=src)
+    data = bytes(payload.cpu().numpy().tobytes())
+    plan = decode_plan(data)
+    _broadcast_bytes(data, group, root, device)
+    for bucket in plan.buckets:
         flat = torch.empty(bucket.numel, dtype=_DTYPES[bucket.dtype], device=device)
-        dist.broadcast(flat, src=src, group=group)
-        yield from unpack_bucket(bucket, flat)
+        dist.recv(flat, src=src)
+        _broadcast(flat, group, root)
+    return sum(len(b.entries) for b in plan.buckets)
 
 
 def _broadcast_bytes(data: bytes | None, group, src: int, device=None) -> bytes:
     length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
-    dist.broadcast(length, src=src, group=group)
+    _broadcast(length, group, src)
     if data is not None:
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     else:
         payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(payload, src=src, group=group)
+    _broadcast(payload, group, src)
     return bytes(payload.cpu().numpy().tobytes())

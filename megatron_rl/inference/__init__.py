@@ -1,0 +1,1 @@
+"""Inference side: the vLLM worker extension that receives broadcast weights (path (b))."""

@@ -1,0 +1,65 @@
+"""The vLLM worker extension for weight publishing path (b).
+
+Start vLLM with `--worker-extension-cls megatron_rl.inference.vllm_extension.WeightReceiverExtension`
+(and `VLLM_SERVER_DEV_MODE=1` for `/collective_rpc`). The policy's BroadcastPublisher then calls,
+through `POST /collective_rpc` on every server:
+
+    init_weight_update_group(host, port, rank_offset, world_size, backend, timeout_s)
+        joins the WeightUpdateGroup hosted by policy rank 0, as rank `rank_offset` + this
+        worker's rank within its vLLM instance;
+    receive_weights(version)
+        receives one update (plans and buckets until the empty plan) and loads each bucket's
+        HF-named tensors with the model's own `load_weights`, returns the tensor count.
+
+The class is mixed into vLLM's worker, so `self.model_runner` and `self.device` are vLLM's; it
+uses nothing else of vLLM except the worker's rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl.transport.weight_buckets import WeightUpdateGroup, receive_weight_stream
+
+
+def _worker_rank(worker) -> int:
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return get_world_group().rank
+    except (ImportError, AssertionError, AttributeError):  # outside a vLLM worker
+        return int(getattr(worker, "rank", 0))
+
+
+class WeightReceiverExtension:
+    _weight_group: WeightUpdateGroup | None = None
+    weights_version: int = 0
+
+    def init_weight_update_group(
+        self,
+        host: str,
+        port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "nccl",
+        timeout_s: float = 600.0,
+    ) -> int:
+        rank = rank_offset + _worker_rank(self)
+        device = getattr(self, "device", None) if backend == "nccl" else torch.device("cpu")
+        self._weight_group = WeightUpdateGroup(
+            host, port, rank, world_size, backend, timeout_s, device=device
+        )
+        return rank
+
+    def receive_weights(self, version: int) -> int:
+        if self._weight_group is None:
+            raise RuntimeError("receive_weights before init_weight_update_group")
+        group = self._weight_group
+        device = group.device if group.backend == "nccl" else torch.device("cpu")
+        count = 0
+        model = self.model_runner.model
+        for bucket in receive_weight_stream(group, src=0, device=device):
+            model.load_weights(weights=bucket)
+            count += len(bucket)
+        self.weights_version = version
+        return count
