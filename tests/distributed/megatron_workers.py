@@ -622,6 +622,7 @@ def policy_reference_losses(rank, world_size, resolved_path, steps, samples_per_
     from megatron_rl.config import load_resolved
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.policy import build_reference
     from megatron_rl.trainer.step import policy_loss_func, train_step
     from megatron_rl.trainer.weights import load_initial_weights
 
@@ -630,14 +631,16 @@ def policy_reference_losses(rank, world_size, resolved_path, steps, samples_per_
     arch = resolved.layout.policy_architecture
     model = build_gpt_model(arch, seq_len=resolved.model.seq_len)
     load_initial_weights(model, resolved.model.checkpoint, arch)
+    kl_coef = resolved.algorithm.kl_coef
+    reference = build_reference(model, arch, resolved.layout.policy, resolved) if kl_coef > 0 else None
     trainable = build_trainable(model, resolved.optimizer, total_steps=resolved.orchestrator.num_steps)
-    loss_func = policy_loss_func(make_algorithm(resolved.algorithm, InProcessScorer(lambda b: None)))
+    loss_func = policy_loss_func(make_algorithm(resolved.algorithm, InProcessScorer(lambda b: None)), kl_coef)
     losses = []
     for step in range(steps):
         grid = pack_into_grid(
             training_samples(samples_per_step, arch.vocab_size, seed=step), resolved.model.seq_len, 1
         )
-        losses.append(train_step(trainable, grid[0], loss_func)["loss"])
+        losses.append(train_step(trainable, grid[0], loss_func, reference=reference)["loss"])
     return losses
 
 

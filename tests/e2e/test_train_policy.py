@@ -30,7 +30,7 @@ def write_config(tmp_path, hf_dir, num_steps, ports):
             "model": {"hf_config": str(hf_dir), "seq_len": 64, "dtype": "float32"},
             "snapshot": {"steps": [1]},
         },
-        "algorithm": {"type": "sao"},
+        "algorithm": {"type": "sao", "kl_coef": 0.1},
         "orchestrator": {
             "num_steps": num_steps,
             "batch_size": 6,
@@ -140,4 +140,6 @@ def test_train_policy_trains_publishes_checkpoints_and_resumes(tiny_models, tmp_
     ]
     assert [r["step"] for r in lines] == [0, 1, 2]
     # The reference ran 3 steps with num_steps 3 in its schedule; the constant LR makes them agree.
+    # ...and with algorithm.kl_coef 0.1 the resumed process kept the initial weights as reference
     assert lines[2]["loss"] == pytest.approx(reference[2], rel=1e-5, abs=1e-6)
+    assert lines[0]["kl_ref"] == 0.0 and lines[1]["kl_ref"] > 0 and lines[2]["kl_ref"] > 0

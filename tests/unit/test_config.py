@@ -300,3 +300,25 @@ def test_check_config_cli(tmp_path):
     assert done.returncode == 2
     assert "value: algorithm.type 'sao' needs a value section" in done.stderr
     assert str(bad) in done.stderr
+
+
+def test_value_pretraining_and_snapshot_rules():
+    config = base()
+    config["value"]["pretrain_jsonl"] = "values.jsonl"
+    assert "value.pretrain_jsonl / value.pretrain_steps" in errors_of(config)
+    config = base()
+    config["orchestrator"]["num_steps"] = 10
+    config["value"]["snapshot"] = {"steps": [0, 4, 4, 10]}
+    message = errors_of(config)
+    assert "value.snapshot.steps: [0, 10] outside 1..9" in message and "repeated steps" in message
+    config = base()
+    config["orchestrator"]["num_steps"] = 10
+    config["value"]["snapshot"] = {"steps": [3]}
+    config["value"]["model"]["architecture"]["num_layers"] = 2
+    assert "differs from the policy's in ['num_layers']" in errors_of(config)
+    config["value"]["model"]["architecture"]["num_layers"] = 4
+    config["value"]["lora"] = {"rank": 4}
+    assert "a snapshot replaces the backbone that LoRA adapts" in errors_of(config)
+    del config["value"]["lora"]
+    resolved = parse_config(config, source="test.yaml")
+    assert resolved.value.snapshot.steps == [3] and resolved.value.snapshot.head_only_retune_steps == 0
