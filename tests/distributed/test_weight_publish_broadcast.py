@@ -1,8 +1,8 @@
 """Weight publishing path (b) on CPU: policy ranks (PP=2, so rank 1 owns half the tensors and
 policy rank 0 relays them) broadcast to an inference worker through a WeightUpdateGroup over
 gloo. The worker is the real WeightReceiverExtension; in place of vLLM's dev-mode HTTP endpoints
-a small threaded server dispatches /collective_rpc to it, and its `model_runner.model` loads
-HF-named tensors into a `transformers` model, as vLLM's `load_weights` does."""
+a small threaded server dispatches /collective_rpc to it, and its `reload_weights` (vLLM's
+worker method, with vLLM's signature) loads HF-named tensors into a `transformers` model."""
 
 from __future__ import annotations
 
@@ -40,7 +40,10 @@ def inference_worker(hf_dir: str, http_port: int, out_path: str) -> None:
             self.rank = 0
             self.device = torch.device("cpu")
             self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-            self.model_runner = type("Runner", (), {"model": _HFLoader(self.model)})()
+            self.loader = _HFLoader(self.model)
+
+        def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+            self.loader.load_weights(weights_iterator)
 
     worker, calls = Worker(), []
 
@@ -60,7 +63,7 @@ def inference_worker(hf_dir: str, http_port: int, out_path: str) -> None:
                     torch.save(
                         {
                             "state": {k: v.detach().clone() for k, v in worker.model.state_dict().items()},
-                            "loaded": worker.model_runner.model.loaded,
+                            "loaded": worker.loader.loaded,
                             "version": worker.weights_version,
                         },
                         out_path,
