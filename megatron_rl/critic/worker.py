@@ -49,12 +49,10 @@ def _broadcast_command(kind: int = IDLE, arg: int = 0) -> tuple[int, int]:
 
 
 def run_critic(resolved: ResolvedConfig) -> None:
-    from megatron.core import parallel_state as ps
 
     from megatron_rl.critic.service import CriticState, ScoreQueue, ScoringService, answer
     from megatron_rl.critic.trainer import CriticTrainer, write_metrics
-    from megatron_rl.trainer.policy import receiver_id_in_replica
-    from megatron_rl.transport import GridReceiver
+    from megatron_rl.trainer.receive import grid_receiver
 
     trainer = CriticTrainer(resolved)
     if resolved.checkpoint.resume:
@@ -96,14 +94,8 @@ def run_critic(resolved: ResolvedConfig) -> None:
             trainer.num_steps - 1,
             service.url,
         )
-    receiver = GridReceiver(
-        resolved.transport.host,
-        resolved.transport.critic_port,
-        data_rank=ps.get_data_parallel_rank(),
-        receiver_id=receiver_id_in_replica(),
-        timeout_s=resolved.transport.receive_timeout_s,
-        handshake_timeout_s=None,  # serve requests before the orchestrator's sender exists
-    )
+    # No waiting for the orchestrator's sender: requests are served before it exists.
+    receiver = grid_receiver(resolved, resolved.transport.critic_port, wait_for_sender=False)
     prefetched = None  # rank 0's grid item for the next step, once it arrived
     try:
         while True:

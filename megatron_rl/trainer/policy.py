@@ -23,13 +23,17 @@ from megatron_rl.config import ResolvedConfig
 log = logging.getLogger("megatron_rl.policy")
 
 
-def receiver_id_in_replica() -> int:
-    """This rank's index among the ranks of its data-parallel replica (TP x CP x PP)."""
-    from megatron.core import parallel_state as ps
+def build_policy_model(resolved: ResolvedConfig, layout):
+    from megatron_rl.models.builder import build_gpt_model
 
-    tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
-    return ps.get_tensor_model_parallel_rank() + tp * (
-        ps.get_context_parallel_rank() + cp * ps.get_pipeline_model_parallel_rank()
+    return build_gpt_model(
+        resolved.layout.policy_architecture,
+        tp=layout.tp,
+        cp=layout.cp,
+        pp=layout.pp,
+        ep=layout.ep,
+        dtype=resolved.model.dtype,
+        seq_len=resolved.model.seq_len,
     )
 
 
@@ -38,31 +42,20 @@ def policy_checkpoint_dir(resolved: ResolvedConfig) -> Path:
 
 
 def run_policy(resolved: ResolvedConfig) -> None:
-    from megatron.core import parallel_state as ps
-
     from megatron_rl.algorithms import make_algorithm
-    from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.trainer.optimizer import build_trainable
     from megatron_rl.trainer.publish import publish_hf_weights
+    from megatron_rl.trainer.receive import grid_receiver
     from megatron_rl.trainer.snapshot import export_snapshot, snapshot_dir, snapshot_versions
     from megatron_rl.trainer.step import policy_loss_func, train_step
     from megatron_rl.trainer.weights import load_initial_weights
-    from megatron_rl.transport import GridReceiver
 
     layout = parallel.initialize_role(resolved, "policy", seed=resolved.orchestrator.seed)
     arch = resolved.layout.policy_architecture
-    model = build_gpt_model(
-        arch,
-        tp=layout.tp,
-        cp=layout.cp,
-        pp=layout.pp,
-        ep=layout.ep,
-        dtype=resolved.model.dtype,
-        seq_len=resolved.model.seq_len,
-    )
+    model = build_policy_model(resolved, layout)
     loaded = load_initial_weights(model, resolved.model.checkpoint, arch)
-    reference = build_reference(model, arch, layout, resolved) if resolved.algorithm.kl_coef > 0 else None
+    reference = build_reference(model, layout, resolved) if resolved.algorithm.kl_coef > 0 else None
     num_steps = resolved.orchestrator.num_steps
     trainable = build_trainable(model, resolved.optimizer, total_steps=num_steps)
     start = 0
@@ -76,14 +69,7 @@ def run_policy(resolved: ResolvedConfig) -> None:
         log.info("policy: %s, layout %s, steps %d..%d", loaded, layout.model_dump(), start, num_steps - 1)
     # A scorer is not needed to train: advantages arrive with the grid.
     loss_func = policy_loss_func(make_algorithm(resolved.algorithm, _NoScorer()), resolved.algorithm.kl_coef)
-    receiver = GridReceiver(
-        resolved.transport.host,
-        resolved.transport.policy_port,
-        data_rank=ps.get_data_parallel_rank(),
-        receiver_id=receiver_id_in_replica(),
-        timeout_s=resolved.transport.receive_timeout_s,
-        handshake_timeout_s=resolved.transport.handshake_timeout_s,
-    )
+    receiver = grid_receiver(resolved, resolved.transport.policy_port)
     broadcaster = make_broadcaster(resolved) if resolved.inference.weight_update == "nccl" else None
     if broadcaster is not None and is_rank0:
         broadcaster.connect()
@@ -150,21 +136,11 @@ def make_broadcaster(resolved: ResolvedConfig):
     )
 
 
-def build_reference(model, arch, layout, resolved: ResolvedConfig):
+def build_reference(model, layout, resolved: ResolvedConfig):
     """The frozen reference policy for `algorithm.kl_coef`: the initial weights (taken from the
     freshly initialised `model` before any checkpoint is resumed, so a resumed run keeps the
     same reference), same layout, no gradients, eval mode."""
-    from megatron_rl.models.builder import build_gpt_model
-
-    reference = build_gpt_model(
-        arch,
-        tp=layout.tp,
-        cp=layout.cp,
-        pp=layout.pp,
-        ep=layout.ep,
-        dtype=resolved.model.dtype,
-        seq_len=resolved.model.seq_len,
-    )
+    reference = build_policy_model(resolved, layout)
     reference.load_state_dict(model.state_dict())
     reference.requires_grad_(False)
     return reference.eval()

@@ -256,16 +256,20 @@ class GridReceiver:
             return True
         if not self._socket.poll(int(timeout_s * 1000)):
             return False
-        frames = self._socket.recv_multipart(copy=False)
-        kind = frames[0].bytes
-        try:
-            payload = _unpack(frames[1].bytes) if len(frames) > 1 else {}
-        except msgspec.DecodeError:
-            raise TransportError(f"{self.endpoint}: corrupt reply to the handshake") from None
+        kind, payload, _ = self._read_reply("the handshake")
         if kind != b"WELCOME":
             raise TransportError(f"{self.endpoint}: handshake refused: {payload.get('message', payload)}")
         self.sender_name = payload["name"]
         return True
+
+    def _read_reply(self, what: str):
+        """(kind, payload, data frames) of the waiting reply."""
+        frames = self._socket.recv_multipart(copy=False)
+        try:
+            payload = _unpack(frames[1].bytes) if len(frames) > 1 else {}
+        except msgspec.DecodeError:
+            raise TransportError(f"{self.endpoint}: corrupt reply to {what}") from None
+        return frames[0].bytes, payload, frames[2:]
 
     def receive(self, step: int, timeout_s: float | None = None) -> list[MicroBatch]:
         """This data rank's micro-batches for `step`. A decode error raises TransportError and
@@ -296,19 +300,14 @@ class GridReceiver:
         if not self._socket.poll(int(timeout_s * 1000)):
             return None
         self._pending_step = None
-        frames = self._socket.recv_multipart(copy=False)
-        kind = frames[0].bytes
-        try:
-            payload = _unpack(frames[1].bytes) if len(frames) > 1 else {}
-        except msgspec.DecodeError:
-            raise TransportError(f"{self.endpoint}: corrupt reply to step {step}") from None
+        kind, payload, frames = self._read_reply(f"step {step}")
         if kind == b"ERROR":
             raise TransportError(
                 f"{self.endpoint}: step {step}, data rank {self.data_rank}: {payload.get('message')}"
             )
         if kind != b"DATA":
             raise TransportError(f"{self.endpoint}: step {step}: unexpected reply {kind!r}")
-        micro_batches = decode_grid_item([f.buffer for f in frames[2:]], self.endpoint, step, self.data_rank)
+        micro_batches = decode_grid_item([f.buffer for f in frames], self.endpoint, step, self.data_rank)
         self._socket.send_multipart([b"ACK", _pack({"step": step, **self._who})])
         return micro_batches
 

@@ -632,7 +632,7 @@ def policy_reference_losses(rank, world_size, resolved_path, steps, samples_per_
     model = build_gpt_model(arch, seq_len=resolved.model.seq_len)
     load_initial_weights(model, resolved.model.checkpoint, arch)
     kl_coef = resolved.algorithm.kl_coef
-    reference = build_reference(model, arch, resolved.layout.policy, resolved) if kl_coef > 0 else None
+    reference = build_reference(model, resolved.layout.policy, resolved) if kl_coef > 0 else None
     trainable = build_trainable(model, resolved.optimizer, total_steps=resolved.orchestrator.num_steps)
     loss_func = policy_loss_func(make_algorithm(resolved.algorithm, InProcessScorer(lambda b: None)), kl_coef)
     losses = []
