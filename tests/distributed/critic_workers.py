@@ -89,9 +89,9 @@ def critic_plan(rank, world_size, resolved_path, plan):
     return records
 
 
-def policy_snapshot(rank, world_size, arch, tp, seed, snapshot_root, checkpoint_root):
-    """A policy GPT model at TP = tp with random weights: exports snapshot version 1 and a
-    training checkpoint; returns its full parameters."""
+def policy_snapshot(rank, world_size, arch, tp, seed, snapshot_root, checkpoint_root, ep=1):
+    """A policy GPT model at TP = tp (EP = ep) with random weights: exports snapshot version 1
+    and a training checkpoint; returns its full parameters (this rank's experts)."""
     from megatron_rl import parallel
     from megatron_rl.algorithms import make_algorithm
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
@@ -103,9 +103,9 @@ def policy_snapshot(rank, world_size, arch, tp, seed, snapshot_root, checkpoint_
     from megatron_rl.trainer.snapshot import export_snapshot
     from megatron_rl.trainer.step import policy_loss_func, train_step
 
-    parallel.initialize_model_parallel(tp=tp, seed=seed)
+    parallel.initialize_model_parallel(tp=tp, ep=ep, seed=seed)
     torch.manual_seed(seed)
-    model = build_gpt_model(arch, tp=tp)
+    model = build_gpt_model(arch, tp=tp, ep=ep)
     with torch.no_grad():
         for p in model.parameters():  # distinct from the critic's HF initialisation
             p.add_(0.01 * torch.randn_like(p))

@@ -193,3 +193,28 @@ def test_critic_starts_from_hf_or_converted_checkpoints_at_tp2(tiny_models, tmp_
         expected = saved[name]  # the converted critic: backbone and its own head
         torch.testing.assert_close(full["critic"][name], expected, rtol=0, atol=0)
     assert not torch.equal(full["critic"]["value_head.weight"], full["hf"]["value_head.weight"])
+
+
+def test_snapshot_from_a_moe_policy_at_ep2_loads_into_a_one_rank_critic(tiny_models, tmp_path):
+    snapshots = tmp_path / "snapshots"
+    resolved, path = critic_config(
+        tmp_path,
+        tiny_models["qwen3_moe"],
+        world=1,
+        snapshot={"steps": [1], "dir": str(snapshots), "wait_timeout_s": 60},
+    )
+    arch = resolved.layout.policy_architecture
+    assert arch.num_experts > 1
+    ranks = run_ranks(cw.policy_snapshot, 2, arch, 1, 5, str(snapshots), str(tmp_path / "policy_ckpt"), 2)
+    policy = {**ranks[0], **ranks[1]}  # each EP rank holds its own experts
+    _, loaded = run_ranks(
+        cw.critic_plan,
+        1,
+        str(path),
+        [("train", 0, 0), ("load_backbone", str(snapshots / "version_00000001" / "dist"))],
+    )[0]
+    backbone = [n for n in policy if n != "output_layer.weight"]
+    assert any(".experts." in n for n in backbone)
+    assert set(backbone) == {n for n in loaded["full"] if not n.startswith("value_head.")}
+    for name in backbone:
+        torch.testing.assert_close(loaded["full"][name], policy[name], rtol=0, atol=0)
