@@ -49,16 +49,15 @@ def _broadcast_command(kind: int = IDLE, arg: int = 0) -> tuple[int, int]:
 
 
 def run_critic(resolved: ResolvedConfig) -> None:
-
     from megatron_rl.critic.service import CriticState, ScoreQueue, ScoringService, answer
-    from megatron_rl.critic.trainer import CriticTrainer, write_metrics
+    from megatron_rl.critic.trainer import CriticTrainer, critic_checkpoint_dir, write_metrics
     from megatron_rl.trainer.receive import grid_receiver
 
     trainer = CriticTrainer(resolved)
     if resolved.checkpoint.resume:
         meta = trainer.resume()
         if meta is not None:
-            trainer.loaded = f"critic checkpoint step {meta['step']} in {resolved.checkpoint.dir}"
+            trainer.loaded = f"critic checkpoint step {meta['step']} in {critic_checkpoint_dir(resolved)}"
     is_rank0 = dist.get_rank() == 0
     value = resolved.value
     stop = threading.Event()
