@@ -22,7 +22,6 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -91,7 +90,6 @@ def parse_score_request(
 class PendingRequest:
     sequences: list[list[int]]
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    received: float = field(default_factory=time.monotonic)
 
 
 class ScoreQueue:
@@ -175,10 +173,6 @@ class CriticState:
         with self._lock:
             for key, value in increments.items():
                 self._state[key] += value
-
-    def get(self, key):
-        with self._lock:
-            return self._state[key]
 
     def snapshot(self) -> dict:
         with self._lock:
