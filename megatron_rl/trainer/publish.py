@@ -130,7 +130,7 @@ def verify_published(path: str | Path) -> dict:
 class BroadcastPublisher:
     """Path (b): policy global rank 0 and every inference worker in one WeightUpdateGroup.
 
-    `controls` are the inference servers (transport.vllm_control.VllmControl, one per server,
+    `controls` are the inference servers (inference.vllm_control.VllmControl, one per server,
     each running `workers_per_server` workers with megatron_rl.inference.vllm_extension.
     WeightReceiverExtension). `connect()` (policy rank 0) asks every worker to join the group
     (ranks 1.. in server order) while rank 0 hosts it. `publish(model, arch, version)` is
@@ -237,20 +237,23 @@ class BroadcastPublisher:
                 raise RuntimeError("BroadcastPublisher.publish before connect()")
             for control in self.controls:
                 control.pause()
-            threads, _, errors = self._on_every_server(
-                lambda i, c: c.collective_rpc("receive_weights", {"version": version})
-            )
-            for owner in owners:
-                if owner == 0:
-                    wb.broadcast_weights(owned, self.group, 0, self.bucket_bytes, self.device)
-                    sent += len(owned)
-                else:
-                    sent += wb.relay_weights_p2p(owner, self.group, 0, self.device)
-            wb.broadcast_end(self.group, 0, self.device)
-            self._join(threads, errors, self.timeout_s)
-            for control in self.controls:
-                control.reset_prefix_cache()
-                control.resume()
+            try:
+                threads, _, errors = self._on_every_server(
+                    lambda i, c: c.collective_rpc("receive_weights", {"version": version})
+                )
+                for owner in owners:
+                    if owner == 0:
+                        wb.broadcast_weights(owned, self.group, 0, self.bucket_bytes, self.device)
+                        sent += len(owned)
+                    else:
+                        sent += wb.relay_weights_p2p(owner, self.group, 0, self.device)
+                wb.broadcast_end(self.group, 0, self.device)
+                self._join(threads, errors, self.timeout_s)
+                for control in self.controls:
+                    control.reset_prefix_cache()
+            finally:  # never leave the servers paused, whatever failed above
+                for control in self.controls:
+                    control.resume()
         elif owned:
             wb.send_weights_p2p(owned, 0, self.bucket_bytes, self.device)
         dist.barrier()

@@ -87,7 +87,7 @@ def policy_publish(rank, world_size, hf_dir, http_port, group_port):
     from megatron_rl.models.sharding import gather_full_parameters
     from megatron_rl.trainer.publish import BroadcastPublisher
     from megatron_rl.trainer.weights import load_initial_weights
-    from megatron_rl.transport.vllm_control import VllmControl
+    from megatron_rl.inference.vllm_control import VllmControl
 
     parallel.initialize_model_parallel(pp=2)
     arch = read_architecture(hf_dir)
@@ -142,7 +142,7 @@ def test_policy_ranks_broadcast_to_an_inference_worker(tiny_models, tmp_path):
     assert calls[1:] == [  # after the readiness probe: join, pause, update, reset, resume
         "/collective_rpc",
         "init_weight_update_group",
-        "/pause",
+        "/pause?mode=keep",
         "/collective_rpc",
         "receive_weights",
         "/reset_prefix_cache",

@@ -98,7 +98,7 @@ def publish_broadcast(rank, world_size, hf_dir, url, group_port):
     from megatron_rl.models.hf_mapping import megatron_to_hf
     from megatron_rl.models.sharding import gather_full_parameters
     from megatron_rl.trainer.publish import BroadcastPublisher
-    from megatron_rl.transport.vllm_control import VllmControl
+    from megatron_rl.inference.vllm_control import VllmControl
 
     model, arch = _trained_policy(hf_dir, 2, seed=2)
     publisher = BroadcastPublisher([VllmControl(url, timeout_s=120)], "127.0.0.1", group_port, backend="gloo",
@@ -110,7 +110,7 @@ def publish_broadcast(rank, world_size, hf_dir, url, group_port):
 
 
 def test_path_a_safetensors_reload(vllm):
-    from megatron_rl.transport.vllm_control import VllmControl
+    from megatron_rl.inference.vllm_control import VllmControl
 
     server, model, tmp = vllm
     before = complete(server, model)

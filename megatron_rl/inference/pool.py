@@ -1,0 +1,331 @@
+"""The inference pool: N vLLM servers behind one vllm-router, and their weight versions.
+
+`InferencePool.start(servers, router_port, log_dir, ...)` starts every server (each on its own
+device list, with its own log), waits until every one answers `GET /v1/models` with the
+expected model name (a server that exits while starting fails the pool with its name and the
+last lines of its log; the others are stopped), and only then starts vllm-router over all of
+them. `InferencePool.from_config(resolved, devices, log_dir)` builds the server specs from the
+resolved config (`inference.*`, the devices it is given: never assumed to be 0..N-1).
+
+Rollout traffic goes to `pool.router_url`; admin traffic (pause, reload, collective_rpc, reset)
+goes straight to each server through `pool.controls`.
+
+`WeightSync` (pool.sync) knows which policy version each server runs, asking the servers
+themselves (our worker extension records it), and moves them to a new version:
+
+- path (a), `update(version, weights_dir)`: on every server at once, pause in mode `keep`
+  (requests in flight are held, never aborted) -> load the published directory -> reset the
+  prefix cache -> resume, the resume in a `finally`; admin calls retry with backoff;
+- path (b): policy rank 0 broadcasts into the servers itself; `refresh()` learns the version it
+  installed.
+
+A server whose version is behind the pool's version is removed from the router, so it gets no
+rollout traffic (a restarted server with initial weights must not serve), and is added back
+once it has been brought up to date (`restart_server` does both for path (a)).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_rl.inference.router import RouterSettings, VllmRouter
+from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
+from megatron_rl.inference.vllm_server import ServerStartError, VllmServer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerSpec:
+    """One vLLM server: where it listens and which devices it uses."""
+
+    port: int
+    devices: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+class WeightSync:
+    def __init__(self, controls: list[VllmControl], router: VllmRouter | None, version: int = 0):
+        self.controls = controls
+        self.router = router
+        self.version = version  # the newest version installed on every in-service server
+        self.server_versions = {c.base_url: version for c in controls}
+        self.out_of_service: set[str] = set()
+        self.last_update_s: float | None = None
+
+    def _on_each(self, call) -> dict[str, object]:
+        """Runs `call(control)` for every server concurrently; raises naming every failed server."""
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(self.controls))) as pool:
+            futures = {c.base_url: pool.submit(call, c) for c in self.controls}
+        errors = {url: f.exception() for url, f in futures.items() if f.exception() is not None}
+        if errors:
+            raise WeightSyncError("; ".join(f"{url}: {exc}" for url, exc in errors.items()))
+        return {url: f.result() for url, f in futures.items()}
+
+    def _load_one(self, control: VllmControl, version: int, weights_dir: str) -> int:
+        control.pause(mode="keep")
+        try:
+            control.load_version(weights_dir, version)
+            control.reset_prefix_cache()
+        finally:
+            control.resume()
+        return version
+
+    def update(self, version: int, weights_dir: str | Path) -> float:
+        """Path (a): every server loads `weights_dir` as `version`; returns the seconds taken.
+        On failure the servers keep serving (resumed) and the error names each failed server."""
+        began = time.perf_counter()
+        self._on_each(lambda c: self._load_one(c, version, str(weights_dir)))
+        self.server_versions = dict.fromkeys(self.server_versions, version)
+        self.version = version
+        self._reconcile()
+        self.last_update_s = time.perf_counter() - began
+        return self.last_update_s
+
+    def refresh(self) -> dict[str, int]:
+        """Asks every server which version it runs (path (b), and after restarts); takes servers
+        that are behind out of the router and puts up-to-date ones back."""
+        self.server_versions = {
+            url: int(v) for url, v in self._on_each(lambda c: c.weights_version()).items()
+        }
+        self.version = max(self.server_versions.values())
+        self._reconcile()
+        return dict(self.server_versions)
+
+    def _reconcile(self) -> None:
+        for url, version in self.server_versions.items():
+            behind = version < self.version
+            if behind and url not in self.out_of_service:
+                log.warning(
+                    "inference server %s runs version %d < %d: no rollouts until updated",
+                    url,
+                    version,
+                    self.version,
+                )
+                if self.router is not None:
+                    self.router.remove_worker(url)
+                self.out_of_service.add(url)
+            elif not behind and url in self.out_of_service:
+                if self.router is not None:
+                    self.router.add_worker(url)
+                self.out_of_service.discard(url)
+
+    def bring_up_to_date(self, control: VllmControl, weights_dir: str | Path | None) -> None:
+        """Loads the pool's version into one server (path (a)) and returns it to service."""
+        if self.server_versions[control.base_url] < self.version:
+            if weights_dir is None:
+                raise WeightSyncError(
+                    f"{control.base_url} runs version {self.server_versions[control.base_url]} < {self.version} "
+                    "and no published directory was given to load"
+                )
+            self._load_one(control, self.version, str(weights_dir))
+            self.server_versions[control.base_url] = self.version
+        self._reconcile()
+
+
+class InferencePool:
+    def __init__(self, servers: list[VllmServer], router: VllmRouter, version: int = 0):
+        self.servers = servers
+        self.router = router
+        self.controls = [s.control for s in servers]
+        self.sync = WeightSync(self.controls, router, version)
+
+    @property
+    def router_url(self) -> str:
+        return self.router.url
+
+    @property
+    def worker_urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    @property
+    def model_name(self) -> str:
+        return self.servers[0].served_model_name
+
+    @classmethod
+    def launch(
+        cls,
+        servers: list[VllmServer],
+        router_port: int,
+        log_dir: str | Path,
+        router_host: str = "127.0.0.1",
+        startup_timeout_s: float = 1800.0,
+        router_settings: RouterSettings | None = None,
+        weights_version: int = 0,
+    ) -> InferencePool:
+        """Waits for every (started) server, then starts the router; on any failure stops all."""
+        try:
+            _wait_all_ready(servers, startup_timeout_s)
+            router = VllmRouter(
+                [s.url for s in servers], router_port, Path(log_dir) / "router.log", host=router_host,
+                settings=router_settings,
+            )  # fmt: skip
+            try:
+                router.wait_ready()
+            except BaseException:
+                router.stop()
+                raise
+        except BaseException:
+            for server in servers:
+                server.stop()
+            raise
+        return cls(servers, router, weights_version)
+
+    @classmethod
+    def start(
+        cls,
+        model_dir: str | Path,
+        specs: list[ServerSpec],
+        router_port: int,
+        log_dir: str | Path,
+        router_host: str = "127.0.0.1",
+        startup_timeout_s: float = 1800.0,
+        router_settings: RouterSettings | None = None,
+        weights_version: int = 0,
+        **server_kwargs,
+    ) -> InferencePool:
+        """Starts one vLLM server per spec (log `inference_{i}.log` in `log_dir`), then the router."""
+        servers: list[VllmServer] = []
+        try:
+            for i, spec in enumerate(specs):
+                servers.append(
+                    VllmServer(
+                        model_dir,
+                        spec.port,
+                        Path(log_dir) / f"inference_{i}.log",
+                        host=spec.host,
+                        devices=spec.devices,
+                        name=f"inference server {i} ({spec.url})",
+                        weights_version=weights_version,
+                        **server_kwargs,
+                    )  # fmt: skip
+                )
+        except BaseException:
+            for server in servers:
+                server.stop()
+            raise
+        return cls.launch(
+            servers, router_port, log_dir, router_host, startup_timeout_s, router_settings, weights_version
+        )
+
+    @classmethod
+    def from_config(cls, resolved, devices: list[list[str]], log_dir: str | Path, model_dir=None):
+        """The pool of `resolved.inference`: one server per entry of `devices` (each a list of
+        `inference.tp` device ids), on the layout's inference ports."""
+        inference = resolved.inference
+        if len(devices) != inference.num_servers:
+            raise ValueError(
+                f"inference.num_servers is {inference.num_servers} but {len(devices)} device sets were given"
+            )
+        specs = [
+            ServerSpec(port, list(devs), inference.host)
+            for port, devs in zip(resolved.layout.inference_ports, devices, strict=True)
+        ]
+        return cls.start(
+            model_dir or resolved.model.hf_config,
+            specs,
+            inference.router_port,
+            log_dir,
+            router_host=inference.host,
+            startup_timeout_s=inference.startup_timeout_s,
+            router_settings=router_settings(resolved),
+            device="cpu" if resolved.deployment.device == "cpu" else "cuda",
+            served_model_name=inference.served_model_name,
+            tp=inference.tp,
+            max_model_len=resolved.model.seq_len,
+            gpu_memory_utilization=inference.gpu_memory_utilization,
+            kv_cache_gib=inference.cpu_kv_cache_gib,
+            seed=resolved.orchestrator.seed,
+            extra_args=inference.extra_args,
+        )
+
+    def restart_server(self, index: int, weights_dir: str | Path | None, timeout_s: float = 1800.0) -> None:
+        """Restarts server `index` (e.g. after a crash): out of the router until it runs the
+        pool's version again (loaded from `weights_dir`, path (a))."""
+        server = self.servers[index]
+        self.sync.server_versions[server.url] = -1  # unknown until it answers
+        self.sync._reconcile()
+        server.stop()
+        server.start()
+        server.wait_ready(timeout_s)
+        self.sync.server_versions[server.url] = server.control.weights_version()
+        self.sync.bring_up_to_date(server.control, weights_dir)
+
+    def check_alive(self) -> None:
+        """Raises naming the first server (or the router) whose process has exited."""
+        for server in self.servers:
+            if not server.alive():
+                raise ServerStartError(
+                    f"{server.name} exited with code {server.process.returncode}; last lines of "
+                    f"{server.log_path}:\n{server.log_tail()}"
+                )
+        if not self.router.alive():
+            raise ServerStartError(
+                f"vllm-router on {self.router.url} exited with code {self.router.process.returncode}"
+            )
+
+    def stop(self) -> None:
+        self.router.stop()
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> InferencePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def router_settings(resolved) -> RouterSettings:
+    """Router timeouts and queue sized from the config: every rollout of the batches that may be
+    in flight at once fits in the queue, and no timeout is shorter than the longest rollout."""
+    inference, orchestrator = resolved.inference, resolved.orchestrator
+    in_flight = orchestrator.batch_size * orchestrator.group_size * (orchestrator.max_async_level + 1)
+    return RouterSettings(
+        policy=inference.router_policy,
+        request_timeout_s=int(inference.request_timeout_s),
+        health_check_timeout_s=30,
+        health_failure_threshold=inference.router_health_failure_threshold,
+        worker_startup_timeout_s=int(inference.startup_timeout_s),
+        max_concurrent_requests=max(256, 2 * in_flight),
+        queue_size=max(1024, 4 * in_flight),
+        queue_timeout_s=int(inference.request_timeout_s),
+    )
+
+
+def _wait_all_ready(servers: list[VllmServer], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(servers)
+    while pending:
+        pending = [s for s in pending if not s.poll_ready()]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(s.name for s in pending)
+            raise ServerStartError(
+                f"not ready within {timeout_s:.0f}s (inference.startup_timeout_s): {names}; last lines of "
+                f"{pending[0].log_path}:\n{pending[0].log_tail()}"
+            )
+        time.sleep(1.0)
+
+
+__all__ = [
+    "InferencePool",
+    "ServerSpec",
+    "WeightSync",
+    "WeightSyncError",
+    "VllmControlError",
+    "router_settings",
+]

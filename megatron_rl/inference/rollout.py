@@ -1,0 +1,247 @@
+"""Token-in/token-out rollouts through the router (async, httpx).
+
+`await client.complete(prompt_ids, sampling, session_id)` sends one `POST /v1/completions` with
+the prompt as token ids (the chat template was applied once, by our tokenizer) and
+`return_token_ids` + `logprobs`, and returns a `Completion`: the generated token ids, the
+sampler's log-probability of each sampled token, the finish reason (`stop` / `length`) and the
+policy version the pool ran when the request was sent (a lower bound on the versions that
+produced its tokens: a weight update in mode `keep` may land mid-request). Text is never
+re-tokenised: a multi-turn rollout (`TokenTrajectory`) extends the exact token sequence it holds.
+
+Every request carries the `x-session-id` header, so the router's consistent hash sends every
+turn of one session to the same worker. A request the router could not deliver (HTTP 5xx: the
+worker died or refused before answering) is retried once, straight on another worker of the pool,
+and the session stays there for its later turns; otherwise the error names the worker (the
+router's message carries its URL) or the router.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+import msgspec
+
+from megatron_rl.inference.router import SESSION_HEADER
+
+
+class RolloutError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    seed: int | None = None
+
+    @classmethod
+    def from_config(cls, orchestrator) -> SamplingParams:
+        return cls(
+            temperature=orchestrator.temperature,
+            top_p=orchestrator.top_p,
+            max_tokens=orchestrator.max_completion_tokens,
+            seed=orchestrator.seed,
+        )
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]  # the sampler's log-probability of each token in token_ids
+    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    policy_version: int
+    worker: str  # the worker that answered, or the router's URL when the router chose it
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+class _Logprobs(msgspec.Struct):
+    token_logprobs: list[float | None]
+
+
+class _Choice(msgspec.Struct):
+    token_ids: list[int] | None = None
+    logprobs: _Logprobs | None = None
+    finish_reason: str | None = None
+
+
+class _CompletionReply(msgspec.Struct):
+    choices: list[_Choice]
+
+
+_WORKER_URL = re.compile(r"https?://[\w.\-\[\]:]+")
+
+
+class RolloutClient:
+    def __init__(
+        self,
+        router_url: str,
+        model: str,
+        worker_urls: list[str] | tuple[str, ...] = (),
+        timeout_s: float = 3600.0,
+        api_key: str | None = None,
+        version_source: Callable[[], int] | None = None,
+        on_worker_failure: Callable[[str], None] | None = None,
+    ):
+        self.router_url = router_url.rstrip("/")
+        self.model = model
+        self.worker_urls = [u.rstrip("/") for u in worker_urls]
+        self.version_source = version_source or (lambda: 0)
+        self.on_worker_failure = on_worker_failure
+        self.session_workers: dict[str, str] = {}  # sessions moved off a failed worker
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=30.0),
+            headers=headers,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        self.retries = 0  # requests that were retried on another worker
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _body(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int | None, seed) -> dict:
+        body = {
+            "model": self.model,
+            "prompt": [int(t) for t in prompt_ids],
+            "max_tokens": int(max_tokens if max_tokens is not None else sampling.max_tokens),
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "logprobs": 1,
+            "return_token_ids": True,
+        }
+        seed = sampling.seed if seed is None else seed
+        if seed is not None:
+            body["seed"] = int(seed)
+        return body
+
+    async def _post(self, base_url: str, body: dict, session_id: str) -> httpx.Response:
+        try:
+            return await self._http.post(
+                f"{base_url}/v1/completions", json=body, headers={SESSION_HEADER: session_id}
+            )
+        except httpx.HTTPError as exc:
+            raise RolloutError(f"{base_url}/v1/completions: {type(exc).__name__}: {exc}") from None
+
+    async def complete(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        session_id: str,
+        max_tokens: int | None = None,
+        seed: int | None = None,
+    ) -> Completion:
+        """One completion of `prompt_ids` (token ids); `max_tokens` overrides the sampling's
+        (a multi-turn rollout's remaining budget)."""
+        version = self.version_source()
+        body = self._body(prompt_ids, sampling, max_tokens, seed)
+        target = self.session_workers.get(session_id, self.router_url)
+        response = await self._post(target, body, session_id)
+        if response.status_code >= 500 and self.worker_urls:
+            failed = self._failed_worker(response.text, target)
+            alternative = self._another_worker(session_id, failed)
+            if alternative is not None:
+                if failed and self.on_worker_failure is not None:
+                    self.on_worker_failure(failed)
+                self.retries += 1
+                self.session_workers[session_id] = alternative
+                target = alternative
+                response = await self._post(alternative, body, session_id)
+        if response.status_code != 200:
+            who = self._failed_worker(response.text, target) or target
+            raise RolloutError(
+                f"completion for session {session_id!r} failed on {who}: HTTP {response.status_code}: "
+                f"{response.text[:500]}"
+            )
+        return self._parse(response.content, version, target)
+
+    def _failed_worker(self, message: str, target: str) -> str | None:
+        if target != self.router_url:
+            return target
+        for url in _WORKER_URL.findall(message):
+            base = url.rstrip("/")
+            for worker in self.worker_urls:
+                if base.startswith(worker):
+                    return worker
+        return None
+
+    def _another_worker(self, session_id: str, failed: str | None) -> str | None:
+        candidates = [w for w in self.worker_urls if w != failed]
+        if not candidates:
+            return None
+        return candidates[zlib.crc32(session_id.encode()) % len(candidates)]
+
+    def _parse(self, payload: bytes, version: int, target: str) -> Completion:
+        try:
+            reply = msgspec.json.decode(payload, type=_CompletionReply)
+        except msgspec.ValidationError as exc:
+            raise RolloutError(f"{target}: unexpected completion reply ({exc}): {payload[:300]!r}") from None
+        if len(reply.choices) != 1:
+            raise RolloutError(f"{target}: expected one choice, got {len(reply.choices)}")
+        choice = reply.choices[0]
+        if choice.token_ids is None or choice.logprobs is None:
+            raise RolloutError(
+                f"{target}: the reply has no token_ids/logprobs (the server must support return_token_ids)"
+            )
+        logprobs = [float("nan") if lp is None else float(lp) for lp in choice.logprobs.token_logprobs]
+        if len(logprobs) != len(choice.token_ids):
+            raise RolloutError(
+                f"{target}: {len(choice.token_ids)} token ids but {len(logprobs)} log-probabilities"
+            )
+        return Completion(
+            token_ids=list(choice.token_ids),
+            logprobs=logprobs,
+            finish_reason=choice.finish_reason or "stop",
+            policy_version=version,
+            worker=target,
+        )
+
+
+@dataclass
+class TokenTrajectory:
+    """The exact token sequence of one (multi-turn) rollout: prompt, then completions and
+    observations in order. `loss_mask` is True on completion tokens only; `logprobs` holds the
+    sampler's log-probability on completion tokens and 0 elsewhere."""
+
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+            self.loss_mask = [False] * len(self.prompt_ids)
+            self.logprobs = [0.0] * len(self.prompt_ids)
+
+    def add_completion(self, completion: Completion) -> None:
+        self.token_ids += completion.token_ids
+        self.loss_mask += [True] * len(completion.token_ids)
+        self.logprobs += completion.logprobs
+        self.policy_versions.append(completion.policy_version)
+        self.finish_reason = completion.finish_reason
+
+    def add_observation(self, token_ids: list[int]) -> None:
+        self.token_ids += [int(t) for t in token_ids]
+        self.loss_mask += [False] * len(token_ids)
+        self.logprobs += [0.0] * len(token_ids)
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest version that produced any of its tokens."""
+        return min(self.policy_versions) if self.policy_versions else -1
