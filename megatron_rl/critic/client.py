@@ -2,7 +2,7 @@
 
 `await scorer.score(batched_token_ids)` sends one `POST /score` and returns a ScoreResult in
 request order. Connection failures (critic still starting, restarting, or briefly unreachable)
-and 503 replies are retried with exponential backoff up to `retries` times; a request that
+and 503 replies are retried (httpx, the package's one HTTP client library) with exponential backoff up to `retries` times; a request that
 takes longer than `timeout_s` raises CriticTimeout; a 400 raises CriticRequestError with the
 critic's message. Every error names the URL.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import msgspec
 import numpy as np
 
@@ -46,54 +47,51 @@ class HttpValueScorer:
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
-        self._session = None
-        self._session_loop = None
+        self._http = None
+        self._http_loop = None
 
-    async def _client(self):
-        import aiohttp
-
+    def _client(self):
+        """One httpx.AsyncClient per event loop (a client cannot cross loops)."""
         loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._session_loop is not loop:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
+        if self._http is None or self._http.is_closed or self._http_loop is not loop:
+            self._http = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s)
             )
-            self._session_loop = loop
-        return self._session
+            self._http_loop = loop
+        return self._http
 
     async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-        self._session = None
+        if self._http is not None and not self._http.is_closed:
+            await self._http.aclose()
+        self._http = None
 
     async def _request(self, method: str, path: str, body: bytes | None = None) -> dict:
-        import aiohttp
-
         url = f"{self.url}{path}"
         delay = self.backoff_s
         for attempt in range(self.retries + 1):
-            session = await self._client()
             try:
-                async with session.request(
-                    method, url, data=body, headers={"Content-Type": "application/json"} if body else None
-                ) as response:
-                    payload = await response.read()
-                    if response.status == 200:
-                        try:
-                            return msgspec.json.decode(payload)
-                        except msgspec.DecodeError:
-                            raise CriticError(f"{url}: reply is not JSON: {payload[:200]!r}") from None
-                    message = _error_message(payload)
-                    if response.status == 400:
-                        raise CriticRequestError(f"{url}: request refused (400): {message}")
-                    if response.status != 503 or attempt == self.retries:
-                        raise CriticError(f"{url}: HTTP {response.status}: {message}")
-            except (aiohttp.ClientConnectionError, ConnectionError) as exc:
+                response = await self._client().request(
+                    method, url, content=body, headers={"Content-Type": "application/json"} if body else None
+                )
+            except httpx.TimeoutException:
+                raise CriticTimeout(f"{url}: no reply within {self.timeout_s}s") from None
+            except httpx.TransportError as exc:
                 if attempt == self.retries:
                     raise CriticError(
                         f"{url}: unreachable after {self.retries + 1} attempts: {type(exc).__name__}: {exc}"
                     ) from exc
-            except TimeoutError:
-                raise CriticTimeout(f"{url}: no reply within {self.timeout_s}s") from None
+            else:
+                payload = response.content
+                if response.status_code == 200:
+                    try:
+                        return msgspec.json.decode(payload)
+                    except msgspec.DecodeError:
+                        raise CriticError(f"{url}: reply is not JSON: {payload[:200]!r}") from None
+                message = _error_message(payload)
+                if response.status_code == 400:
+                    raise CriticRequestError(f"{url}: request refused (400): {message}")
+                if response.status_code != 503 or attempt == self.retries:
+                    raise CriticError(f"{url}: HTTP {response.status_code}: {message}")
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_backoff_s)
         raise AssertionError("unreachable")

@@ -221,35 +221,49 @@ class InferencePool:
         )
 
     @classmethod
-    def from_config(cls, resolved, devices: list[list[str]], log_dir: str | Path, model_dir=None):
+    def from_config(
+        cls, resolved, devices: list[list[str]], log_dir: str | Path, model_dir=None, launch=True
+    ):
         """The pool of `resolved.inference`: one server per entry of `devices` (each a list of
-        `inference.tp` device ids), on the layout's inference ports."""
+        `inference.tp` device ids), on the layout's inference ports. With `launch=False` it
+        returns the (unstarted) servers, for a dry run."""
         inference = resolved.inference
         if len(devices) != inference.num_servers:
             raise ValueError(
                 f"inference.num_servers is {inference.num_servers} but {len(devices)} device sets were given"
             )
-        specs = [
-            ServerSpec(port, list(devs), inference.host)
-            for port, devs in zip(resolved.layout.inference_ports, devices, strict=True)
-        ]
-        return cls.start(
-            model_dir or resolved.model.hf_config,
-            specs,
-            inference.router_port,
-            log_dir,
-            router_host=inference.host,
-            startup_timeout_s=inference.startup_timeout_s,
-            router_settings=router_settings(resolved),
-            device="cpu" if resolved.deployment.device == "cpu" else "cuda",
-            served_model_name=inference.served_model_name,
-            tp=inference.tp,
-            max_model_len=resolved.model.seq_len,
-            gpu_memory_utilization=inference.gpu_memory_utilization,
-            kv_cache_gib=inference.cpu_kv_cache_gib,
-            seed=resolved.orchestrator.seed,
-            extra_args=inference.extra_args,
-        )
+        servers = []
+        for i, (port, devs) in enumerate(zip(resolved.layout.inference_ports, devices, strict=True)):
+            if len(devs) != inference.tp:
+                raise ValueError(
+                    f"inference server {i}: {len(devs)} devices {devs} for inference.tp = {inference.tp}"
+                )
+            spec = ServerSpec(port, list(devs), inference.host)
+            servers.append(
+                VllmServer(
+                    model_dir or resolved.model.hf_config,
+                    spec.port,
+                    Path(log_dir) / f"inference_{i}.log",
+                    host=spec.host,
+                    devices=spec.devices,
+                    name=f"inference server {i} ({spec.url})",
+                    device="cpu" if resolved.deployment.device == "cpu" else "cuda",
+                    served_model_name=inference.served_model_name,
+                    tp=inference.tp,
+                    max_model_len=resolved.model.seq_len,
+                    gpu_memory_utilization=inference.gpu_memory_utilization,
+                    kv_cache_gib=inference.cpu_kv_cache_gib,
+                    seed=resolved.orchestrator.seed,
+                    extra_args=inference.extra_args,
+                    launch=launch,
+                )  # fmt: skip
+            )
+        if not launch:
+            return servers
+        return cls.launch(
+            servers, inference.router_port, log_dir, router_host=inference.host,
+            startup_timeout_s=inference.startup_timeout_s, router_settings=router_settings(resolved),
+        )  # fmt: skip
 
     def restart_server(self, index: int, weights_dir: str | Path | None, timeout_s: float = 1800.0) -> None:
         """Restarts server `index` (e.g. after a crash): out of the router until it runs the

@@ -59,8 +59,10 @@ class VllmServer:
         env: dict | None = None,
         name: str | None = None,
         command: list[str] | None = None,
+        launch: bool = True,
     ):
-        """`command` replaces the vLLM command line (a stand-in server for tests)."""
+        """`command` replaces the vLLM command line (a stand-in server for tests); with
+        `launch=False` nothing starts until `start()` (a dry run reads `command` and `env`)."""
         self.model_dir, self.host, self.port = str(model_dir), host, port
         self.url = f"http://{host}:{port}"
         self.name = name or f"vLLM server {self.url}"
@@ -94,17 +96,19 @@ class VllmServer:
         server_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, server_env.get("PYTHONPATH")) if p)
         server_env.update(env or {})
         self.command = list(command) if command else vllm_command + list(extra_args or [])
-        self._env = server_env
+        self.env = server_env
         self.control = VllmControl(self.url, api_key=api_key)
         self.process: subprocess.Popen | None = None
-        self.start()
+        self._log = None
+        if launch:
+            self.start()
 
     def start(self) -> None:
         """Starts (or restarts) the process; the log file is appended to."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "a")
         self.process = subprocess.Popen(
-            self.command, env=self._env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            self.command, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
     def log_tail(self, lines: int = 40) -> str:
@@ -150,7 +154,8 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 _signal_group(self.process, signal.SIGKILL)
                 self.process.wait()
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
 
     def kill(self) -> None:
         """SIGKILL to the whole server (a crash, for tests and fault handling)."""
