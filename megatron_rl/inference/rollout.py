@@ -113,7 +113,7 @@ class RolloutClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    def _body(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int | None, seed) -> dict:
+    def _body(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int | None, seed, stop) -> dict:
         body = {
             "model": self.model,
             "prompt": [int(t) for t in prompt_ids],
@@ -126,6 +126,9 @@ class RolloutClient:
         seed = sampling.seed if seed is None else seed
         if seed is not None:
             body["seed"] = int(seed)
+        if stop:  # e.g. the end of a tool call; the stop string stays in the tokens
+            body["stop"] = list(stop)
+            body["include_stop_str_in_output"] = True
         return body
 
     async def _post(self, base_url: str, body: dict, session_id: str) -> httpx.Response:
@@ -143,11 +146,13 @@ class RolloutClient:
         session_id: str,
         max_tokens: int | None = None,
         seed: int | None = None,
+        stop: list[str] | None = None,
     ) -> Completion:
         """One completion of `prompt_ids` (token ids); `max_tokens` overrides the sampling's
-        (a multi-turn rollout's remaining budget)."""
+        (a multi-turn rollout's remaining budget), `seed` its seed, `stop` ends the turn at a
+        string (kept in the output)."""
         version = self.version_source()
-        body = self._body(prompt_ids, sampling, max_tokens, seed)
+        body = self._body(prompt_ids, sampling, max_tokens, seed, stop)
         target = self.session_workers.get(session_id, self.router_url)
         response = await self._post(target, body, session_id)
         if response.status_code >= 500 and self.worker_urls:

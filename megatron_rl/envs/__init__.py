@@ -1,0 +1,33 @@
+"""Environments and datasets, behind one small interface and a registry.
+
+An `Environment` turns a dataset row into a prompt (text: the orchestrator applies the chat
+template once, with our tokenizer) and, for each turn, takes the completions so far (text,
+decoded from the exact token ids) and answers with a `Turn`: a reward, and for a multi-turn
+environment an observation to append (tokenised once, as new tokens with loss mask 0) and
+whether the rollout is done. Rows come from `row(index)`: deterministic in (seed, index), so a
+resumed run sees the same prompts from the same cursor.
+
+    make_environment("procedural", dataset="reverse", seed=0)   # tiny-model tasks, no download
+    make_environment("math", dataset="data/math.jsonl")         # {"prompt", "answer"}, math-verify
+    make_environment("calculator", dataset=None, seed=0)        # multi-turn tool use
+"""
+
+from __future__ import annotations
+
+from megatron_rl.envs.base import Environment, Turn
+from megatron_rl.envs.calculator import CalculatorEnvironment
+from megatron_rl.envs.math import MathEnvironment
+from megatron_rl.envs.procedural import ProceduralTask
+
+ENVIRONMENTS = {"procedural": ProceduralTask, "math": MathEnvironment, "calculator": CalculatorEnvironment}
+
+
+def make_environment(name: str, dataset: str | None = None, seed: int = 0) -> Environment:
+    if name not in ENVIRONMENTS:
+        raise ValueError(
+            f"orchestrator.environment: unknown environment {name!r} (known: {sorted(ENVIRONMENTS)})"
+        )
+    return ENVIRONMENTS[name](dataset=dataset, seed=seed)
+
+
+__all__ = ["ENVIRONMENTS", "Environment", "Turn", "make_environment"]

@@ -1,0 +1,36 @@
+"""The environment interface (see megatron_rl.envs)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass
+class Turn:
+    reward: float = 0.0
+    observation: str | None = None  # text the environment appends before the next turn
+    done: bool = True
+    passed: bool | None = None  # for environments with a pass/fail notion (pass rate, eval accuracy)
+
+
+class Environment(ABC):
+    """One task family. `max_turns` > 1 makes it multi-turn; `stop` strings end a turn."""
+
+    max_turns: int = 1
+    stop: tuple[str, ...] = ()
+
+    @abstractmethod
+    def row(self, index: int) -> dict:
+        """Dataset row `index` (deterministic)."""
+
+    def __len__(self) -> int | None:  # None: endless (procedural)
+        return None
+
+    @abstractmethod
+    def prompt(self, row: dict) -> str:
+        """The user message of the prompt."""
+
+    @abstractmethod
+    def step(self, row: dict, completions: list[str]) -> Turn:
+        """After turn len(completions): the reward when done, or an observation to continue."""

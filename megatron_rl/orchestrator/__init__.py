@@ -1,0 +1,1 @@
+"""The orchestrator (megatron-rl orchestrate): environments -> rollouts -> TrainSink -> scoring -> two grids -> weights."""

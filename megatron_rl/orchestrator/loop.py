@@ -1,0 +1,142 @@
+"""The orchestrator's step loop: one training step of DESIGN.md's data flow (steps 1 to 7).
+
+For step n: the dispatcher hands over `batch_size` admitted groups (generation of later batches
+goes on meanwhile, within the lead gate) -> PPO/SAO: `prepare_group` per group (one `/score`
+request with every branch, skip-observation GAE); GRPO: group advantages, no critic -> pack
+twice (critic layout, policy layout) -> critic grid -> wait until the critic's `/status` says
+step n trained -> policy grid -> the next step (the weights follower moves the inference
+servers to each version the policy publishes; the lead gate waits for it). After
+`max_empty_steps` consecutive steps with no admitted group the run stops saying why. Every
+wait has a timeout whose error names what it waited for.
+
+The collaborators are small protocols, so tests drive the loop with in-process fakes:
+`weights` (`version()`, `wait_for(version, timeout_s)`), `critic` (`scorer`, `wait_trained(step,
+timeout_s)`, `send(step, grid)`), `send_policy(step, grid)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from megatron_rl.algorithms import make_algorithm
+from megatron_rl.data.packing import pack_into_grid
+from megatron_rl.orchestrator.dispatcher import Dispatcher
+from megatron_rl.orchestrator.metrics import step_metrics
+from megatron_rl.orchestrator.rollouts import PromptEncoder, run_group
+from megatron_rl.orchestrator.sink import TrainSink
+from megatron_rl.orchestrator.state import OrchestratorState
+
+log = logging.getLogger(__name__)
+
+
+class OrchestratorError(RuntimeError):
+    pass
+
+
+@dataclass
+class Timeouts:
+    batch_s: float = 3600.0  # generating one batch
+    critic_s: float = 3600.0  # the critic training a step
+    weights_s: float = 3600.0  # a new policy version going live
+
+
+class Orchestrator:
+    def __init__(self, resolved, env, encoder: PromptEncoder, client, weights, critic, send_policy,
+                 state: OrchestratorState, record_metrics, timeouts: Timeouts | None = None):  # fmt: skip
+        self.resolved = resolved
+        self.env, self.encoder, self.client = env, encoder, client
+        self.weights, self.critic, self.send_policy = weights, critic, send_policy
+        self.state = state
+        self.record_metrics = record_metrics
+        self.timeouts = timeouts or Timeouts()
+        o = resolved.orchestrator
+        self.algorithm = make_algorithm(resolved.algorithm, critic.scorer if critic is not None else None)
+        if self.algorithm.needs_critic and critic is None:
+            raise OrchestratorError(
+                f"algorithm.type {resolved.algorithm.type} needs the critic (a value section)"
+            )
+        self.sink = TrainSink(o.admission)
+        self.shipped_log: list = []  # (step, TrainingSample) of every shipped sample
+        from megatron_rl.inference.rollout import SamplingParams
+
+        self.sampling = SamplingParams.from_config(o)
+        self.dispatcher = Dispatcher(
+            self._start_group, self.sink.admit, o.batch_size, o.max_async_level, o.max_off_policy_steps,
+            weights.version, next_group_id=state.group_for_step(state.step), shipped_batches=state.step,
+        )  # fmt: skip
+
+    async def _start_group(self, group_id: int, row_index: int):
+        o = self.resolved.orchestrator
+        return await run_group(self.env, self.env.row(row_index), group_id, o.group_size, self.client,
+                               self.encoder, self.sampling, o.max_completion_tokens)  # fmt: skip
+
+    async def run(self) -> int:
+        """Runs the remaining steps; returns the number of steps run."""
+        o = self.resolved.orchestrator
+        empty_steps, ran = 0, 0
+        follower = asyncio.ensure_future(self._follow_versions())
+        try:
+            for step in range(self.state.step, o.num_steps):
+                record = await self.run_step(step)
+                ran += 1
+                empty_steps = empty_steps + 1 if record["groups_admitted"] == 0 else 0
+                if empty_steps >= o.max_empty_steps:
+                    raise OrchestratorError(
+                        f"stopping: {empty_steps} consecutive steps admitted no group "
+                        f"(rejected by rule: {dict(self.sink.counters.rejected_groups)}; check orchestrator.admission)"
+                    )
+        finally:
+            follower.cancel()
+            self.dispatcher.cancel()
+        return ran
+
+    async def _follow_versions(self) -> None:
+        last = self.weights.version()
+        while True:
+            await asyncio.sleep(0.05)
+            if self.weights.version() != last:
+                last = self.weights.version()
+                self.dispatcher.notify()
+
+    async def run_step(self, step: int) -> dict:
+        o, times = self.resolved.orchestrator, {}
+        began = time.perf_counter()
+        # The lead gate: batch n ships only once version >= n - max_async_level is live.
+        await self.weights.wait_for(step - o.max_async_level, self.timeouts.weights_s)
+        times["wait_weights"] = time.perf_counter() - began
+        mark = time.perf_counter()
+        first_group = self.dispatcher.next_to_ship
+        self.sink.counters.reset()
+        stale_before = self.dispatcher.stale_dropped
+        batch = await self.dispatcher.next_batch(step, self.timeouts.batch_s)
+        times["generate"] = time.perf_counter() - mark
+        samples = [s for _, group_samples in batch for s in group_samples]
+        self.shipped_log += [(step, s) for s in samples]
+        mark = time.perf_counter()
+        await asyncio.gather(*[self.algorithm.prepare_group(group_samples) for _, group_samples in batch])
+        times["score"] = time.perf_counter() - mark
+        layout = self.resolved.layout
+        if self.critic is not None:
+            mark = time.perf_counter()
+            critic_grid = pack_into_grid(samples, self.resolved.value.model.seq_len, layout.critic.dp,
+                                         layout.critic.cp)  # fmt: skip
+            await self.critic.send(step, critic_grid)
+            status = await self.critic.wait_trained(step, self.timeouts.critic_s)
+            times["critic_train"] = time.perf_counter() - mark
+        else:
+            status = None
+        mark = time.perf_counter()
+        policy_grid = pack_into_grid(samples, self.resolved.model.seq_len, layout.policy.dp, layout.policy.cp)
+        await self.send_policy(step, policy_grid)
+        times["policy_send"] = time.perf_counter() - mark
+        times["total"] = time.perf_counter() - began
+        self.state.advance(step, first_group, self.dispatcher.next_to_ship)
+        record = step_metrics(
+            step, batch, samples, self.sink.counters, self.dispatcher, stale_before, times, status,
+            live_version=self.weights.version(),
+        )  # fmt: skip
+        self.record_metrics(record)
+        return record

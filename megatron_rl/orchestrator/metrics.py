@@ -1,0 +1,109 @@
+"""One JSON line of orchestrator metrics per step (`logging.dir/orchestrator_metrics.jsonl`)
+and a console line: rewards, pass rate, lengths, truncation, admission counts by rule, stale
+drops, the off-policy lag histogram, advantages, the critic's values and explained variance of
+the returns, the train-inference mismatch KL reported by the policy, and the step's time split."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def explained_variance(values: np.ndarray, returns: np.ndarray) -> float | None:
+    """1 - Var(returns - values) / Var(returns) over action tokens; None when undefined."""
+    if len(returns) < 2 or float(np.var(returns)) == 0.0:
+        return None
+    return float(1.0 - np.var(returns - values) / np.var(returns))
+
+
+def _stats(prefix: str, values) -> dict:
+    values = np.asarray(values, dtype=np.float64)
+    if values.size == 0:
+        return {f"{prefix}_mean": None, f"{prefix}_std": None, f"{prefix}_min": None, f"{prefix}_max": None}
+    return {f"{prefix}_mean": float(values.mean()), f"{prefix}_std": float(values.std()),
+            f"{prefix}_min": float(values.min()), f"{prefix}_max": float(values.max())}  # fmt: skip
+
+
+def step_metrics(
+    step, batch, samples, counters, dispatcher, stale_before, times, critic_status, live_version
+) -> dict:
+    members = [m for group, _ in batch for m in group.members if m.status == "finished"]
+    passed = [m.passed for m in members if m.passed is not None]
+    mask = [s.loss_mask for s in samples]
+    advantages = np.concatenate([s.advantages[s.loss_mask] for s in samples]) if samples else np.zeros(0)
+    record = {
+        "step": step,
+        **_stats("reward", [s.reward for s in samples]),
+        "pass_rate": float(np.mean(passed)) if passed else None,
+        "completion_tokens_mean": float(np.mean([m.sum() for m in mask])) if samples else None,
+        "sequence_tokens_mean": float(np.mean([len(s) for s in samples])) if samples else None,
+        "truncation_rate": float(np.mean([s.truncated for s in samples])) if samples else None,
+        "groups_admitted": len(batch),
+        "samples": len(samples),
+        "groups_rejected": dict(counters.rejected_groups),
+        "members_dropped": dict(counters.dropped_members),
+        "stale_dropped": dispatcher.stale_dropped - stale_before,
+        "off_policy_lag": {str(k): v for k, v in sorted(dispatcher.lag_histogram.items())},
+        "advantage_mean": float(advantages.mean()) if advantages.size else None,
+        "advantage_std": float(advantages.std()) if advantages.size else None,
+        "live_version": live_version,
+        "time": {k: round(v, 4) for k, v in times.items()},
+    }
+    if samples and samples[0].values is not None:
+        values = np.concatenate([s.values[s.loss_mask] for s in samples])
+        returns = np.concatenate([s.returns[s.loss_mask] for s in samples])
+        record["value_mean"] = float(values.mean()) if values.size else None
+        record["explained_variance"] = explained_variance(values, returns)
+        record["critic_trained_step"] = critic_status.get("trained_step") if critic_status else None
+    dispatcher.lag_histogram.clear()
+    return record
+
+
+class MetricsWriter:
+    """Appends records to the JSONL file, adds the policy's mismatch KL for the newest step it
+    has reported (`policy_metrics.jsonl`: `approx_kl`, KL between the sampler's and the
+    trainer's log-probs on the same tokens before the update), prints a console line."""
+
+    def __init__(self, log_dir: str | Path, console: bool = True, num_steps: int | None = None):
+        self.dir = Path(log_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "orchestrator_metrics.jsonl"
+        self.console, self.num_steps = console, num_steps
+        self.began = None
+
+    def policy_mismatch(self) -> tuple[int | None, float | None]:
+        path = self.dir / "policy_metrics.jsonl"
+        if not path.is_file():
+            return None, None
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        if not lines:
+            return None, None
+        last = json.loads(lines[-1])
+        return last.get("step"), last.get("approx_kl")
+
+    def __call__(self, record: dict) -> None:
+        import time
+
+        policy_step, mismatch = self.policy_mismatch()
+        record = {**record, "mismatch_kl": mismatch, "mismatch_kl_policy_step": policy_step}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.began is None:
+            self.began = time.monotonic() - record["time"]["total"]
+        if self.console:
+            elapsed = time.monotonic() - self.began
+            left = ""
+            if self.num_steps:
+                per_step = elapsed / (record["step"] + 1)
+                left = f" | left ~{per_step * (self.num_steps - record['step'] - 1):.0f}s"
+            reward = record["reward_mean"]
+            ev = record.get("explained_variance")
+            print(
+                f"[orchestrator] step {record['step']} reward {reward if reward is None else round(reward, 4)} "
+                f"groups {record['groups_admitted']} stale {record['stale_dropped']} "
+                f"ev {ev if ev is None else round(ev, 3)} mismatch_kl {mismatch} "
+                f"{record['time']['total']:.2f}s{left}",
+                flush=True,
+            )

@@ -1,0 +1,141 @@
+"""In-process fakes for driving the orchestrator's loop in tests: a rollout client, a policy
+that publishes a new version some time after each grid, and a critic that counts score calls.
+They record the order of events so tests can check the data flow."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import numpy as np
+
+from megatron_rl.algorithms import InProcessScorer
+from megatron_rl.data.types import ScoreResult
+from megatron_rl.inference.rollout import Completion
+
+
+class FakeClient:
+    """Completions of random tokens (seeded by session and turn); `fail` maps (group, branch)
+    to an exception raised for that member; `script` gives fixed completions per turn."""
+
+    def __init__(self, weights, vocab: int = 500, eos: int | None = None, delay_s: float = 0.0,
+                 fail=None, script: list[list[int]] | None = None):  # fmt: skip
+        self.weights, self.vocab, self.eos, self.delay_s = weights, vocab, eos, delay_s
+        self.fail = fail or {}
+        self.script = script
+        self.calls: list[dict] = []
+
+    async def complete(self, prompt_ids, sampling, session_id, max_tokens=None, seed=None, stop=None):
+        version = self.weights.version()
+        turn = sum(1 for c in self.calls if c["session"] == session_id)
+        self.calls.append({"session": session_id, "prompt": list(prompt_ids), "version": version})
+        group, branch = (int(x.removeprefix("group").removeprefix("branch")) for x in session_id.split("-"))
+        if (group, branch) in self.fail:
+            raise self.fail[(group, branch)]
+        rng = random.Random(f"{session_id}:{turn}")
+        await asyncio.sleep(self.delay_s * rng.random())
+        limit = max_tokens or sampling.max_tokens
+        if self.script is not None:
+            tokens = list(self.script[turn])[:limit]
+        else:
+            tokens = [rng.randrange(1, self.vocab) for _ in range(rng.randint(1, limit))]
+        finish = "stop" if len(tokens) < limit else "length"
+        logprobs = [-rng.random() * 3 for _ in tokens]
+        return Completion(tokens, logprobs, finish, policy_version=version, worker="fake")
+
+
+class FakeWeights:
+    def __init__(self, version: int = 0):
+        self.current = version
+
+    def version(self) -> int:
+        return self.current
+
+    async def wait_for(self, version: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.current < version:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"policy version {version} not live within {timeout_s}s")
+            await asyncio.sleep(0.005)
+
+
+class FakePolicy:
+    """Receives policy grids; 'trains' for `train_s`, then publishes version step + 1."""
+
+    def __init__(self, weights: FakeWeights, events: list, train_s: float = 0.0):
+        self.weights, self.events, self.train_s = weights, events, train_s
+        self.grids: dict[int, list] = {}
+        self.version_at_ship: dict[int, int] = {}
+        self._tasks = []
+
+    async def send(self, step: int, grid) -> None:
+        self.events.append(("policy_grid", step))
+        self.grids[step] = grid
+        self.version_at_ship[step] = self.weights.current
+
+        async def train():
+            await asyncio.sleep(self.train_s)
+            self.weights.current = max(self.weights.current, step + 1)
+
+        self._tasks.append(asyncio.ensure_future(train()))
+
+
+class FakeCritic:
+    """A counting in-process scorer (values from a seeded generator) and a critic that trains a
+    step the moment its grid arrives."""
+
+    def __init__(self, events: list, seed: int = 0):
+        self.events = events
+        generator = np.random.default_rng(seed)
+
+        def score(batched):
+            return ScoreResult(
+                values=[generator.normal(size=len(t)).astype(np.float32) for t in batched],
+                bootstrap_values=[float(generator.normal()) for _ in batched],
+            )
+
+        self.scorer = InProcessScorer(score)
+        self.grids: dict[int, list] = {}
+        self.trained = -1
+
+    async def send(self, step: int, grid) -> None:
+        self.events.append(("critic_grid", step))
+        self.grids[step] = grid
+        self.trained = step
+
+    async def wait_trained(self, step: int, timeout_s: float) -> dict:
+        assert self.trained >= step, f"critic asked for step {step} before its grid"
+        self.events.append(("critic_trained", step))
+        return {"trained_step": step}
+
+
+def orchestrator_config(algorithm: str = "sao", **orchestrator):
+    """A resolved config for driving the orchestrator in-process (policy DP 2, critic DP 2)."""
+    from megatron_rl.config import parse_config
+
+    arch = {"family": "qwen3", "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512}  # fmt: skip
+    data = {
+        "model": {"architecture": arch, "seq_len": 256},
+        "algorithm": {"type": algorithm},
+        "orchestrator": {
+            "batch_size": 4,
+            "group_size": 2,
+            "max_prompt_tokens": 64,
+            "max_completion_tokens": 24,
+            "num_steps": 4,
+            **orchestrator,
+        },  # fmt: skip
+        "deployment": {
+            "device": "cpu",
+            "nodes": 1,
+            "gpus_per_node": 8,
+            "inference_gpus": 1,
+            "policy_gpus": 2,
+        },
+    }
+    if algorithm != "grpo":
+        data["value"] = {"model": {"architecture": arch, "seq_len": 256}}
+        data["deployment"]["num_value_gpus_per_train_node"] = 2
+    return parse_config(data)
