@@ -22,8 +22,10 @@ def _ratio_metrics(
 ) -> dict[str, torch.Tensor]:
     ratio = ratio.detach()
     masked = ratio[mask]
-    # k3 estimator of KL(old || new): E[(r - 1) - log r], non-negative per token.
-    approx_kl = (ratio - 1.0) - log_ratio.detach()
+    # k3 estimator of KL(old || new): E[(r - 1) - log r], non-negative per token; in float64 with
+    # expm1, so a train-inference mismatch of 1e-7 per token is not rounded to 0.
+    log_ratio64 = log_ratio.detach().double()
+    approx_kl = torch.expm1(log_ratio64) - log_ratio64
     return {
         "num_tokens": mask.sum().to(torch.float64),
         "ratio_sum": masked.sum().to(torch.float64),

@@ -136,11 +136,21 @@ class WeightSync:
 
 
 class InferencePool:
-    def __init__(self, servers: list[VllmServer], router: VllmRouter, version: int = 0):
+    def __init__(self, servers: list[VllmServer], router: VllmRouter, version: int = 0,
+                 controls: list[VllmControl] | None = None, model_name: str | None = None):  # fmt: skip
+        """`servers` are the processes this pool owns (none when attached to running ones)."""
         self.servers = servers
         self.router = router
-        self.controls = [s.control for s in servers]
+        self.controls = controls if controls is not None else [s.control for s in servers]
+        self.model_name = model_name or servers[0].served_model_name
         self.sync = WeightSync(self.controls, router, version)
+
+    @classmethod
+    def attach(cls, controls: list[VllmControl], router: VllmRouter, model_name: str) -> InferencePool:
+        """A pool over servers and a router started elsewhere (the launcher); stops nothing."""
+        pool = cls([], router, controls=controls, model_name=model_name)
+        pool.sync.refresh()
+        return pool
 
     @property
     def router_url(self) -> str:
@@ -148,11 +158,7 @@ class InferencePool:
 
     @property
     def worker_urls(self) -> list[str]:
-        return [s.url for s in self.servers]
-
-    @property
-    def model_name(self) -> str:
-        return self.servers[0].served_model_name
+        return [c.base_url for c in self.controls]
 
     @classmethod
     def launch(

@@ -113,7 +113,9 @@ class RolloutClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    def _body(self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int | None, seed, stop) -> dict:
+    def _body(
+        self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int | None, seed, stop
+    ) -> dict:
         body = {
             "model": self.model,
             "prompt": [int(t) for t in prompt_ids],

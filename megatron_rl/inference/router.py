@@ -121,8 +121,19 @@ class VllmRouter:
             self.command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
+    @classmethod
+    def attach(cls, url: str, api_key: str | None = None) -> VllmRouter:
+        """A handle on a router started elsewhere (its worker API only; `stop` does nothing)."""
+        router = cls.__new__(cls)
+        router.settings = RouterSettings(api_key=api_key)
+        router.url = url.rstrip("/")
+        router.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        router.process = None
+        router._log = None
+        return router
+
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return self.process is None or self.process.poll() is None
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Until the router answers `GET /list_workers` (it listens once its workers are healthy)."""
@@ -167,6 +178,8 @@ class VllmRouter:
         self._change("remove_worker", url)
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process is None:
+            return
         if self.alive():
             try:
                 os.killpg(self.process.pid, signal.SIGTERM)

@@ -51,6 +51,41 @@ def _run_role(args: argparse.Namespace, role: str) -> int:
     return 0
 
 
+def _orchestrate(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from megatron_rl.config import load_resolved
+
+    try:
+        resolved = load_resolved(args.config)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    logging.basicConfig(level=resolved.logging.level, format="%(asctime)s %(name)s %(message)s")
+    from megatron_rl.inference.pool import InferencePool
+    from megatron_rl.orchestrator.loop import OrchestratorError
+    from megatron_rl.orchestrator.run import attach_pool, orchestrate
+
+    if args.start_inference:
+        inference = resolved.inference
+        if args.inference_devices:
+            devices = [group.split(",") for group in args.inference_devices.split(";")]
+        else:  # on CPU a "GPU" is a process
+            devices = [["cpu"] * inference.tp for _ in range(inference.num_servers)]
+        pool = InferencePool.from_config(resolved, devices, f"{resolved.logging.dir}/logs")
+    else:
+        pool = attach_pool(resolved)
+    try:
+        asyncio.run(orchestrate(resolved, pool))
+    except OrchestratorError as exc:
+        print(f"orchestrator: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        pool.stop()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     critic.add_argument("--config", required=True, help="resolved config JSON (check-config --out)")
     critic.set_defaults(func=lambda a: _run_role(a, "critic"))
+    orchestrate = commands.add_parser(
+        "orchestrate",
+        help="the orchestrator: rollouts through the inference pool, TrainSink, scoring, the critic and policy "
+        "grids, weight sync (one process, asyncio)",
+    )
+    orchestrate.add_argument("--config", required=True, help="resolved config JSON (check-config --out)")
+    orchestrate.add_argument(
+        "--start-inference", action="store_true",
+        help="start the vLLM servers and the router here (default: attach to running ones)",
+    )  # fmt: skip
+    orchestrate.add_argument(
+        "--inference-devices", default=None,
+        help="device ids per server, e.g. '2,5;7,0' (GPU; default on CPU: one process per server)",
+    )  # fmt: skip
+    orchestrate.set_defaults(func=_orchestrate)
     return parser
 
 

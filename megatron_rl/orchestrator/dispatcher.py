@@ -47,6 +47,7 @@ class Dispatcher:
         self.next_to_ship = next_group_id
         self.stale_dropped = 0
         self.lag_histogram: Counter = Counter()
+        self._in_batch = 0
         self._changed = asyncio.Event()
         self._error: BaseException | None = None
 
@@ -56,8 +57,10 @@ class Dispatcher:
         return max(0, self.batch_size * allowed_batches)
 
     def occupancy(self) -> int:
+        """Groups counted against the gate: running, admitted and waiting, and those already
+        taken into the batch being assembled."""
         admitted_waiting = sum(1 for samples in self.done.values() if samples is not None)
-        return len(self.running) + admitted_waiting
+        return len(self.running) + admitted_waiting + self._in_batch
 
     def fill(self) -> None:
         """Starts groups while the lead gate allows."""
@@ -106,6 +109,7 @@ class Dispatcher:
                     continue
                 self.lag_histogram[lag] += 1
                 batch.append((group, samples))
+                self._in_batch = len(batch)
                 continue
             self.fill()
             self._changed.clear()
@@ -123,6 +127,7 @@ class Dispatcher:
                         f"({len(self.running)} running)"
                     ) from None
         self.shipped_batches = step + 1
+        self._in_batch = 0
         self.fill()  # the next batch may start generating now
         return batch
 

@@ -41,6 +41,7 @@ def step_metrics(
         "sequence_tokens_mean": float(np.mean([len(s) for s in samples])) if samples else None,
         "truncation_rate": float(np.mean([s.truncated for s in samples])) if samples else None,
         "groups_admitted": len(batch),
+        "group_ids": [group.group_id for group, _ in batch],
         "samples": len(samples),
         "groups_rejected": dict(counters.rejected_groups),
         "members_dropped": dict(counters.dropped_members),

@@ -83,13 +83,17 @@ def test_staleness_and_lead_gate_bounds_hold(encoder, max_off_policy, lead):
                                    max_async_level=lead, max_off_policy_steps=max_off_policy)  # fmt: skip
     orchestrator, _, _, _, policy, records = build(resolved, encoder, {"delay_s": 0.01}, train_s=0.03)
     asyncio.run(orchestrator.run())
-    for step, grid in policy.grids.items():
-        assert policy.version_at_ship[step] >= step - lead  # the lead gate
+    for step in policy.grids:
+        assert policy.version_at_ship[step] >= step - lead  # the lead gate, at shipping...
     # no shipped sample's (training step - generating version) exceeds the bound, queue time included
     for record in records:
         assert all(int(lag) <= max_off_policy for lag in record["off_policy_lag"])
     assert orchestrator.shipped_log
     assert all(step - s.policy_version <= max_off_policy for step, s in orchestrator.shipped_log)
+    # ...and at generation: batch n's rollouts started only once version >= n - lead was live
+    assert all(s.policy_version >= step - lead for step, s in orchestrator.shipped_log)
+    if lead <= max_off_policy:  # nothing can go stale
+        assert sum(r["stale_dropped"] for r in records) == 0
 
 
 def test_a_failed_or_cancelled_member_never_hangs_its_group(encoder):

@@ -1,0 +1,179 @@
+"""`megatron-rl orchestrate --config RESOLVED.json`: the orchestrator process, built from the
+resolved config with the real collaborators:
+
+- the inference pool: started here (`--start-inference`, on the devices given) or attached to
+  servers already running at `inference.host` : the layout's inference ports, behind the router
+  at `inference.router_port`;
+- `VersionFollower`: keeps the servers on the newest policy version. Path (a): watches
+  `inference.publish_dir` and loads each new complete version with WeightSync (pause keep ->
+  load -> reset -> resume); path (b): the policy broadcasts, and the follower asks the servers
+  which version they run;
+- `CriticLink`: the critic's HTTP service (`HttpValueScorer`: one `/score` per group, `/status`
+  polled until the step is trained) and its ZMQ GridSender;
+- the policy's GridSender.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from megatron_rl.critic.client import HttpValueScorer
+from megatron_rl.envs import make_environment
+from megatron_rl.inference.pool import InferencePool, WeightSync
+from megatron_rl.inference.rollout import RolloutClient
+from megatron_rl.inference.router import VllmRouter
+from megatron_rl.inference.vllm_control import VllmControl
+from megatron_rl.orchestrator.loop import Orchestrator, OrchestratorError, Timeouts
+from megatron_rl.orchestrator.metrics import MetricsWriter
+from megatron_rl.orchestrator.rollouts import PromptEncoder
+from megatron_rl.orchestrator.state import OrchestratorState
+from megatron_rl.trainer.atomic_dir import latest
+from megatron_rl.transport import GridSender
+
+log = logging.getLogger(__name__)
+
+
+class VersionFollower:
+    """The policy version live on the inference servers, moved forward as the policy publishes."""
+
+    def __init__(self, sync: WeightSync, publish_dir: str | None, poll_s: float = 0.1):
+        self.sync, self.publish_dir, self.poll_s = sync, publish_dir, poll_s
+        self.error: BaseException | None = None
+        self.sync_seconds: list[float] = []
+        self._task = None
+
+    def version(self) -> int:
+        return self.sync.version
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._follow())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _follow(self) -> None:
+        try:
+            while True:
+                if self.publish_dir is not None:  # path (a)
+                    newest = latest(Path(self.publish_dir), "manifest.json")
+                    if newest is not None:
+                        version = int(newest.name.lstrip("v").split(".")[0])
+                        if version > self.sync.version:
+                            self.sync_seconds.append(
+                                await asyncio.to_thread(self.sync.update, version, newest)
+                            )
+                else:  # path (b): the policy installs; learn the version from the servers
+                    await asyncio.to_thread(self.sync.refresh)
+                await asyncio.sleep(self.poll_s)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # surfaced by wait_for
+            self.error = exc
+
+    async def wait_for(self, version: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.sync.version < version:
+            if self.error is not None:
+                raise OrchestratorError(f"weight sync failed: {self.error}") from self.error
+            if time.monotonic() > deadline:
+                where = self.publish_dir or "the inference servers (path (b))"
+                raise OrchestratorError(
+                    f"policy version {version} did not go live within {timeout_s:.0f}s (live: {self.sync.version}; "
+                    f"watching {where}): is the policy trainer running?"
+                )
+            await asyncio.sleep(0.02)
+
+
+class CriticLink:
+    def __init__(self, resolved, timeout_s: float):
+        service, layout = resolved.value.service, resolved.layout.critic
+        self.url = f"http://{service.host}:{service.port}"
+        self.scorer = HttpValueScorer(self.url, timeout_s=timeout_s)
+        self.sender = GridSender(resolved.transport.host, resolved.transport.critic_port, layout.dp,
+                                 receivers_per_data_rank=layout.tp * layout.cp * layout.pp, name="critic")  # fmt: skip
+        self.timeout_s = timeout_s
+
+    async def send(self, step: int, grid) -> None:
+        await asyncio.to_thread(self.sender.publish, step, grid, self.timeout_s)
+
+    async def wait_trained(self, step: int, timeout_s: float) -> dict:
+        return await self.scorer.wait_trained(step, timeout_s=timeout_s)
+
+    async def close(self) -> None:
+        await self.scorer.close()
+        self.sender.close()
+
+
+def attach_pool(resolved, api_key: str | None = None) -> InferencePool:
+    """The running servers and router of `resolved.inference` (started by the launcher)."""
+    inference = resolved.inference
+    controls = [
+        VllmControl(f"http://{inference.host}:{p}", api_key=api_key) for p in resolved.layout.inference_ports
+    ]
+    router = VllmRouter.attach(f"http://{inference.host}:{inference.router_port}")
+    return InferencePool.attach(controls, router, inference.served_model_name)
+
+
+async def orchestrate(resolved, pool: InferencePool, tokenizer=None) -> int:
+    """Runs the configured steps against `pool`; returns the number of steps run."""
+    from transformers import AutoTokenizer
+
+    o, layout = resolved.orchestrator, resolved.layout
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(resolved.model.hf_config)
+    encoder = PromptEncoder(tokenizer, o.chat_template)
+    timeouts = Timeouts(batch_s=resolved.inference.request_timeout_s, critic_s=resolved.transport.receive_timeout_s,
+                        weights_s=resolved.transport.receive_timeout_s)  # fmt: skip
+    state = OrchestratorState(Path(resolved.checkpoint.dir) / "orchestrator" / "state.json", o.seed)
+    resume_step = trainer_resume_step(resolved)
+    if resume_step < state.step:
+        state.resume_at(resume_step)
+    publish_dir = (
+        resolved.inference.publish_dir if resolved.inference.weight_update == "safetensors" else None
+    )
+    follower = VersionFollower(pool.sync, publish_dir)
+    if publish_dir is None:
+        pool.sync.refresh()
+    critic = CriticLink(resolved, timeouts.critic_s) if resolved.value is not None else None
+    policy_sender = GridSender(resolved.transport.host, resolved.transport.policy_port, layout.policy.dp,
+                               receivers_per_data_rank=layout.policy.tp * layout.policy.cp * layout.policy.pp,
+                               name="policy")  # fmt: skip
+
+    async def send_policy(step, grid):
+        await asyncio.to_thread(policy_sender.publish, step, grid, timeouts.weights_s)
+
+    metrics = MetricsWriter(resolved.logging.dir, resolved.logging.console, o.num_steps)
+    client = RolloutClient(pool.router_url, pool.model_name, pool.worker_urls,
+                           timeout_s=resolved.inference.request_timeout_s, version_source=follower.version,
+                           on_worker_failure=lambda url: log.warning("inference server %s failed a request", url))  # fmt: skip
+    orchestrator = Orchestrator(resolved, make_environment(o.environment, o.dataset, o.seed), encoder, client,
+                                follower, critic, send_policy, state, metrics, timeouts)  # fmt: skip
+    follower.start()
+    try:
+        if critic is not None:
+            await critic.scorer.wait_ready(timeout_s=timeouts.critic_s)
+        ran = await orchestrator.run()
+        # The last version goes live before we report done (the next run starts from it).
+        await follower.wait_for(o.num_steps, timeouts.weights_s)
+        return ran
+    finally:
+        follower.stop()
+        await client.close()
+        if critic is not None:
+            await critic.close()
+        await asyncio.to_thread(policy_sender.close)
+
+
+def trainer_resume_step(resolved) -> int:
+    """The step the trainers resume at: one past the policy's (and critic's) latest checkpoint."""
+    steps = []
+    for role in ("policy", "critic") if resolved.value is not None else ("policy",):
+        pointer = Path(resolved.checkpoint.dir) / role / "latest"
+        if not resolved.checkpoint.resume or not pointer.is_file():
+            steps.append(0)
+        else:
+            steps.append(int(pointer.read_text().strip().split("_")[-1]) + 1)
+    return min(steps)
