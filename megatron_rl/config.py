@@ -259,6 +259,21 @@ class AdmissionConfig(_Strict):
     drop_truncated: bool = False
 
 
+class EvalConfig(_Strict):
+    """A held-out evaluation set: run at step 0 and every `interval` steps, never trained on."""
+
+    name: str
+    environment: Literal["procedural", "math", "calculator"] = "procedural"
+    dataset: str | None = None
+    num_examples: int = Field(default=64, gt=0)
+    samples_per_example: int = Field(default=1, gt=0)  # k of pass@k
+    temperature: float = Field(default=0.0, ge=0)  # 0: greedy
+    max_completion_tokens: int | None = Field(default=None, gt=0)
+    interval: int = Field(default=10, ge=1)
+    # Rows come from this seed (procedural tasks: a seed other than orchestrator.seed is held out).
+    seed: int = 1_000_003
+
+
 class OrchestratorConfig(_Strict):
     num_steps: int = Field(default=1, ge=1)
     batch_size: int = Field(gt=0, description="groups per training step")
@@ -280,6 +295,7 @@ class OrchestratorConfig(_Strict):
     dataset: str | None = None
     # Apply the tokenizer's chat template to prompts (once, when the tokenizer has one).
     chat_template: bool = True
+    eval: list[EvalConfig] = Field(default_factory=list)
 
 
 class InferenceConfig(_Strict):

@@ -48,6 +48,8 @@ class Dispatcher:
         self.stale_dropped = 0
         self.lag_histogram: Counter = Counter()
         self._in_batch = 0
+        self.failed_streak = 0  # consecutive groups whose every member failed
+        self.max_failed_streak = max(8, 2 * batch_size)
         self._changed = asyncio.Event()
         self._error: BaseException | None = None
 
@@ -81,6 +83,12 @@ class Dispatcher:
             group = task.result()
             self.groups[group_id] = group
             self.done[group_id] = self.admit(group)
+            errors = [m.error for m in group.members if m.status == "failed"]
+            self.failed_streak = self.failed_streak + 1 if len(errors) == len(group.members) else 0
+            if self.failed_streak >= self.max_failed_streak:  # inference unreachable: say so, stop
+                self._error = RuntimeError(
+                    f"{self.failed_streak} consecutive groups failed every rollout; last error: {errors[-1]}"
+                )
         self._changed.set()
 
     def notify(self) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from megatron_rl.algorithms import make_algorithm
 from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.orchestrator.dispatcher import Dispatcher
+from megatron_rl.orchestrator.evaluation import Evaluator
 from megatron_rl.orchestrator.metrics import step_metrics
 from megatron_rl.orchestrator.rollouts import PromptEncoder, run_group
 from megatron_rl.orchestrator.sink import TrainSink
@@ -63,6 +64,9 @@ class Orchestrator:
         from megatron_rl.inference.rollout import SamplingParams
 
         self.sampling = SamplingParams.from_config(o)
+        self.evaluator = (
+            Evaluator(o.eval, client, encoder, o.max_completion_tokens, o.seed) if o.eval else None
+        )
         self.dispatcher = Dispatcher(
             self._start_group, self.sink.admit, o.batch_size, o.max_async_level, o.max_off_policy_steps,
             weights.version, next_group_id=state.group_for_step(state.step), shipped_batches=state.step,
@@ -107,6 +111,11 @@ class Orchestrator:
         # The lead gate: batch n ships only once version >= n - max_async_level is live.
         await self.weights.wait_for(step - o.max_async_level, self.timeouts.weights_s)
         times["wait_weights"] = time.perf_counter() - began
+        evaluation = {}
+        if self.evaluator is not None and self.evaluator.due(step):
+            mark = time.perf_counter()
+            evaluation = await self.evaluator.run(step)
+            times["eval"] = time.perf_counter() - mark
         mark = time.perf_counter()
         first_group = self.dispatcher.next_to_ship
         self.sink.counters.reset()
@@ -132,11 +141,15 @@ class Orchestrator:
         policy_grid = pack_into_grid(samples, self.resolved.model.seq_len, layout.policy.dp, layout.policy.cp)
         await self.send_policy(step, policy_grid)
         times["policy_send"] = time.perf_counter() - mark
+        sync_seconds = getattr(self.weights, "sync_seconds", None)
+        if sync_seconds:  # the newest path (a) weight sync (pause, load, reset, resume)
+            times["weight_sync"] = sync_seconds[-1]
         times["total"] = time.perf_counter() - began
         self.state.advance(step, first_group, self.dispatcher.next_to_ship)
         record = step_metrics(
             step, batch, samples, self.sink.counters, self.dispatcher, stale_before, times, status,
             live_version=self.weights.version(),
         )  # fmt: skip
+        record.update(evaluation)
         self.record_metrics(record)
         return record

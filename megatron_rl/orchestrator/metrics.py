@@ -73,6 +73,9 @@ class MetricsWriter:
         self.path = self.dir / "orchestrator_metrics.jsonl"
         self.console, self.num_steps = console, num_steps
         self.began = None
+        self.first_step = 0
+        self._progress = None
+        self._task = None
 
     def policy_mismatch(self) -> tuple[int | None, float | None]:
         path = self.dir / "policy_metrics.jsonl"
@@ -84,7 +87,22 @@ class MetricsWriter:
         last = json.loads(lines[-1])
         return last.get("step"), last.get("approx_kl")
 
+    def _line(self, record: dict, left_s: float | None) -> str:
+        reward, ev, kl = record["reward_mean"], record.get("explained_variance"), record.get("mismatch_kl")
+        parts = [
+            f"step {record['step']}",
+            f"reward {reward:.4f}" if reward is not None else "reward -",
+            f"groups {record['groups_admitted']}",
+            f"stale {record['stale_dropped']}",
+            f"ev {ev:.3f}" if ev is not None else "",
+            f"mismatch_kl {kl:.2e}" if kl is not None else "",
+            f"{record['time']['total']:.2f}s",
+            f"left ~{left_s:.0f}s" if left_s is not None else "",
+        ]
+        return " | ".join(p for p in parts if p)
+
     def __call__(self, record: dict) -> None:
+        import sys
         import time
 
         policy_step, mismatch = self.policy_mismatch()
@@ -93,18 +111,27 @@ class MetricsWriter:
             f.write(json.dumps(record) + "\n")
         if self.began is None:
             self.began = time.monotonic() - record["time"]["total"]
-        if self.console:
-            elapsed = time.monotonic() - self.began
-            left = ""
-            if self.num_steps:
-                per_step = elapsed / (record["step"] + 1)
-                left = f" | left ~{per_step * (self.num_steps - record['step'] - 1):.0f}s"
-            reward = record["reward_mean"]
-            ev = record.get("explained_variance")
-            print(
-                f"[orchestrator] step {record['step']} reward {reward if reward is None else round(reward, 4)} "
-                f"groups {record['groups_admitted']} stale {record['stale_dropped']} "
-                f"ev {ev if ev is None else round(ev, 3)} mismatch_kl {mismatch} "
-                f"{record['time']['total']:.2f}s{left}",
-                flush=True,
-            )
+            self.first_step = record["step"]
+        if not self.console:
+            return
+        done = record["step"] - self.first_step + 1
+        left = None
+        if self.num_steps:
+            left = (time.monotonic() - self.began) / done * (self.num_steps - record["step"] - 1)
+        line = self._line(record, left)
+        if sys.stdout.isatty():  # a live progress bar; a plain line per step in logs
+            self._progress_update(record, line)
+        else:
+            print(f"[orchestrator] {line}", flush=True)
+
+    def _progress_update(self, record: dict, line: str) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        if self._progress is None:
+            self._progress = Progress(TextColumn("[bold]RL[/bold]"), BarColumn(), TextColumn("{task.description}"),
+                                      TimeRemainingColumn())  # fmt: skip
+            self._progress.start()
+            self._task = self._progress.add_task(line, total=self.num_steps, completed=record["step"])
+        self._progress.update(self._task, completed=record["step"] + 1, description=line)
+        if self.num_steps and record["step"] + 1 >= self.num_steps:
+            self._progress.stop()

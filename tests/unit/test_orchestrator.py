@@ -165,3 +165,82 @@ def test_resume_continues_with_the_same_prompts(encoder, tmp_path):
     assert [r[:2] for r in resumed] == [r[:2] for r in full if r[0] >= 2]
     # Same rows -> same prompts (the fake's completions are seeded by session, so tokens match too).
     assert resumed == [r for r in full if r[0] >= 2]
+
+
+def test_unreachable_inference_stops_the_run_naming_it(encoder):
+    from megatron_rl.inference.rollout import RolloutError
+
+    class Down:
+        def __contains__(self, key):
+            return True
+
+        def __getitem__(self, key):
+            return RolloutError("completion failed on http://10.1.2.3:8000: ConnectError")
+
+    resolved = orchestrator_config("grpo", num_steps=2, batch_size=2, group_size=2)
+    orchestrator, *_ = build(resolved, encoder, {"fail": Down()})
+    with pytest.raises(RuntimeError, match=r"consecutive groups failed every rollout.*http://10.1.2.3:8000"):
+        asyncio.run(asyncio.wait_for(orchestrator.run(), 30))
+
+
+def test_unreachable_critic_stops_the_run_naming_it(encoder):
+    from megatron_rl.critic.client import HttpValueScorer
+
+    resolved = orchestrator_config("sao", num_steps=1, batch_size=1, group_size=1)
+    orchestrator, *_ = build(resolved, encoder)
+    from megatron_rl.parallel import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    orchestrator.algorithm.scorer = HttpValueScorer(url, retries=1, backoff_s=0.01)
+    with pytest.raises(RuntimeError, match=f"{url}/score: unreachable"):
+        asyncio.run(asyncio.wait_for(orchestrator.run(), 30))
+
+
+def test_evaluation_runs_held_out_rows_at_step_zero_and_every_interval(encoder):
+    from megatron_rl.config import EvalConfig
+
+    resolved = orchestrator_config("grpo", num_steps=3, batch_size=2, group_size=2)
+    resolved.orchestrator.eval = [EvalConfig(name="copy", dataset="copy", num_examples=5, samples_per_example=2,
+                                             interval=2)]  # fmt: skip
+    orchestrator, _, client, _, _, records = build(resolved, encoder)
+    asyncio.run(orchestrator.run())
+    assert [("eval/copy/pass@2" in r) for r in records] == [True, False, True]
+    assert all(r["eval/copy/errors"] == 0 for r in records if "eval/copy/errors" in r)
+    eval_sessions = {c["session"] for c in client.calls if int(c["session"].split("-")[0][5:]) >= 1 << 40}
+    assert len(eval_sessions) == 2 * 5 * 2  # two evaluations of 5 rows x 2 samples
+    trained = {s.group_id for _, s in orchestrator.shipped_log}
+    assert all(g < 1 << 40 for g in trained)  # never trained on
+
+
+def test_version_follower_loads_each_new_published_version_and_names_what_it_waits_for(tmp_path):
+    from megatron_rl.orchestrator.loop import OrchestratorError
+    from megatron_rl.orchestrator.run import VersionFollower
+    from megatron_rl.trainer import atomic_dir
+
+    class Sync:
+        version, loaded = 0, []
+
+        def update(self, version, path):
+            self.loaded.append((version, path.name))
+            self.version = version
+            return 0.01
+
+    def publish(version):
+        partial = atomic_dir.begin(tmp_path, f"v{version:08d}")
+        (partial / "manifest.json").write_text("{}")
+        atomic_dir.commit(tmp_path, partial, 2, "v*")
+
+    async def run():
+        sync = Sync()
+        follower = VersionFollower(sync, str(tmp_path), poll_s=0.01)
+        follower.start()
+        publish(1)
+        await follower.wait_for(1, 5)
+        publish(2)
+        await follower.wait_for(2, 5)
+        with pytest.raises(OrchestratorError, match=f"policy version 3 did not go live.*{tmp_path}"):
+            await follower.wait_for(3, 0.2)
+        follower.stop()
+        return sync.loaded
+
+    assert asyncio.run(run()) == [(1, "v00000001"), (2, "v00000002")]

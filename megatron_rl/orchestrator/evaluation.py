@@ -1,0 +1,78 @@
+"""Held-out evaluation through the same inference pool (`orchestrator.eval`).
+
+Each set runs `num_examples` rows of its environment (rows from its own seed: never the
+training rows) with its own sampling (`temperature` 0 is greedy; `samples_per_example` k gives
+pass@k), at step 0 and every `interval` steps. Results are metrics only, never trained on. An
+error (a failed rollout, or the set itself failing) is counted and reported per set and does
+not stop training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from megatron_rl.envs import make_environment
+from megatron_rl.inference.rollout import SamplingParams
+from megatron_rl.orchestrator.rollouts import run_member
+
+EVAL_GROUP_OFFSET = 1 << 40  # session ids of evaluation rollouts never collide with training's
+
+
+class Evaluator:
+    def __init__(self, eval_configs, client, encoder, default_max_tokens: int, seed: int):
+        self.sets = []
+        for config in eval_configs:
+            env = make_environment(config.environment, config.dataset, config.seed)
+            sampling = SamplingParams(temperature=config.temperature, top_p=1.0,
+                                      max_tokens=config.max_completion_tokens or default_max_tokens, seed=seed)  # fmt: skip
+            self.sets.append((config, env, sampling))
+        self.client, self.encoder = client, encoder
+
+    def due(self, step: int) -> bool:
+        return any(step == 0 or step % config.interval == 0 for config, _, _ in self.sets)
+
+    async def run(self, step: int) -> dict:
+        results = {}
+        for config, env, sampling in self.sets:
+            if not (step == 0 or step % config.interval == 0):
+                continue
+            try:
+                results.update(await self._run_set(config, env, sampling, step))
+            except Exception as exc:  # reported, never fatal
+                results[f"eval/{config.name}/error"] = f"{type(exc).__name__}: {exc}"
+        return results
+
+    async def _run_set(self, config, env, sampling, step: int) -> dict:
+        k = config.samples_per_example
+        tasks = [
+            run_member(
+                env,
+                env.row(i),
+                self.client,
+                self.encoder,
+                sampling,
+                EVAL_GROUP_OFFSET + step * 1_000_000 + i,
+                branch,
+                sampling.max_tokens,
+            )  # fmt: skip
+            for i in range(config.num_examples)
+            for branch in range(k)
+        ]
+        members = await asyncio.gather(*tasks, return_exceptions=True)
+        passed = np.zeros((config.num_examples, k), dtype=bool)
+        rewards, errors = [], 0
+        for index, member in enumerate(members):
+            example, branch = divmod(index, k)
+            if isinstance(member, BaseException):
+                errors += 1
+                continue
+            rewards.append(member.reward)
+            passed[example, branch] = bool(member.passed)
+        name = f"eval/{config.name}"
+        return {
+            f"{name}/pass@{k}": float(passed.any(axis=1).mean()),
+            f"{name}/reward_mean": float(np.mean(rewards)) if rewards else None,
+            f"{name}/errors": errors,
+        }
