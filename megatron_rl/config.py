@@ -335,6 +335,8 @@ class DeploymentConfig(_Strict):
     policy_gpus: int = Field(ge=1)
     num_value_nodes: int = Field(default=0, ge=0)  # dedicated critic nodes
     num_value_gpus_per_train_node: int = Field(default=0, ge=0)  # critic shares policy nodes
+    # On a failure or Ctrl-C: SIGTERM, then SIGKILL after this long (a checkpoint in progress finishes).
+    stop_grace_s: float = Field(default=60.0, gt=0)
 
 
 class TransportConfig(_Strict):

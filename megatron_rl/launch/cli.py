@@ -63,6 +63,7 @@ def _orchestrate(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return 2
     logging.basicConfig(level=resolved.logging.level, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     from megatron_rl.inference.pool import InferencePool
     from megatron_rl.orchestrator.loop import OrchestratorError
     from megatron_rl.orchestrator.run import attach_pool, orchestrate
@@ -84,6 +85,16 @@ def _orchestrate(args: argparse.Namespace) -> int:
     finally:
         pool.stop()
     return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from megatron_rl.launch.local import LaunchError, run_local
+
+    try:
+        return run_local(args.config, dry_run=args.dry_run)
+    except (ConfigError, LaunchError) as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,6 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="device ids per server, e.g. '2,5;7,0' (GPU; default on CPU: one process per server)",
     )  # fmt: skip
     orchestrate.set_defaults(func=_orchestrate)
+    run = commands.add_parser(
+        "run",
+        help="the whole system on one machine: inference servers and router, critic, policy, orchestrator "
+        "(first failure stops all; Ctrl-C is clean)",
+    )
+    run.add_argument("config", help="a YAML config file")
+    run.add_argument(
+        "--dry-run", action="store_true", help="print every command, device set, port and log path"
+    )
+    run.set_defaults(func=_run)
     return parser
 
 

@@ -6,6 +6,7 @@ the returns, the train-inference mismatch KL reported by the policy, and the ste
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,7 @@ def step_metrics(
         "advantage_mean": float(advantages.mean()) if advantages.size else None,
         "advantage_std": float(advantages.std()) if advantages.size else None,
         "live_version": live_version,
+        "finished_at": time.time(),
         "time": {k: round(v, 4) for k, v in times.items()},
     }
     if samples and samples[0].values is not None:
@@ -103,7 +105,6 @@ class MetricsWriter:
 
     def __call__(self, record: dict) -> None:
         import sys
-        import time
 
         policy_step, mismatch = self.policy_mismatch()
         record = {**record, "mismatch_kl": mismatch, "mismatch_kl_policy_step": policy_step}

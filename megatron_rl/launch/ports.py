@@ -1,0 +1,86 @@
+"""Rendezvous port probing on the binding node.
+
+`probe_ports(count, hosts, exclude)` returns `count` distinct ports that were free a moment ago
+on **every** address in `hosts` (the target host address and loopback), none of them in
+`exclude` (the configured broadcast, service, ZMQ and inference ports). A port is tested by
+binding each address itself, never `0.0.0.0`, and candidates are drawn at random from a range
+above the usual fixed ports, so two launches at the same moment do not pick the same ports
+(torch's fixed 29500 collides between concurrent jobs). All ports one node needs (policy and
+critic rendezvous on a shared node) are chosen in one call, so they cannot collide with each
+other. A port lost between probe and bind is the caller's to retry with a new probe
+(`retry_on_address_in_use`).
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import socket
+from collections.abc import Callable, Iterable
+
+PORT_RANGE = (20000, 60000)
+ADDRESS_IN_USE_MARKERS = ("Address already in use", "EADDRINUSE", "errno: 98", "address already in use")
+
+
+class PortProbeError(RuntimeError):
+    pass
+
+
+def _free_on(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise PortProbeError(
+                    f"cannot probe ports on {host}: the address is not on this machine"
+                ) from None
+            raise
+    return True
+
+
+def probe_ports(
+    count: int,
+    hosts: Iterable[str] = ("127.0.0.1",),
+    exclude: Iterable[int] = (),
+    rng: random.Random | None = None,
+    attempts: int = 2000,
+) -> list[int]:
+    hosts = list(dict.fromkeys(hosts))  # target address and loopback, once each
+    if "0.0.0.0" in hosts or "::" in hosts:
+        raise PortProbeError(
+            "ports are probed on the host's own address and loopback, never on all interfaces"
+        )
+    excluded = set(exclude)
+    rng = rng or random.SystemRandom()
+    chosen: list[int] = []
+    for _ in range(attempts):
+        if len(chosen) == count:
+            return chosen
+        port = rng.randrange(*PORT_RANGE)
+        if port in excluded or port in chosen:
+            continue
+        if all(_free_on(host, port) for host in hosts):
+            chosen.append(port)
+    if len(chosen) == count:
+        return chosen
+    raise PortProbeError(f"found only {len(chosen)} of {count} free ports on {hosts} in {attempts} tries")
+
+
+def lost_port(log_text: str) -> bool:
+    """Whether a component's log says its port was taken between probe and bind."""
+    return any(marker in log_text for marker in ADDRESS_IN_USE_MARKERS)
+
+
+def retry_on_address_in_use(start: Callable[[list[int]], object], probe: Callable[[], list[int]],
+                            failed_with_lost_port: Callable[[object], bool], tries: int = 3):  # fmt: skip
+    """`start(ports)` with freshly probed ports; again (new probe) while it fails because a port
+    was taken in between, up to `tries` times."""
+    for attempt in range(tries):
+        result = start(probe())
+        if not failed_with_lost_port(result) or attempt == tries - 1:
+            return result
+    raise AssertionError("unreachable")
