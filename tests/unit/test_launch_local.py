@@ -1,0 +1,168 @@
+"""The local launcher's plan and supervision, and port probing: devices from what is visible,
+disjoint per group; a dry run names every command, device set, port and log; probes never bind
+all interfaces and skip ports taken on either address; concurrent launches get distinct ports;
+a component killed with SIGKILL stops everything, naming it."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import random
+import signal
+import socket
+import sys
+import time
+
+import pytest
+
+from megatron_rl.launch.local import (
+    Component,
+    LaunchError,
+    Supervisor,
+    assign_devices,
+    run_local,
+    visible_devices,
+)
+from megatron_rl.launch.ports import PortProbeError, probe_ports
+from megatron_rl.testing.orchestrator import orchestrator_config
+
+
+def gpu_config():
+    resolved = orchestrator_config("sao")  # inference 1, critic 2, policy 2 GPUs
+    resolved.deployment.device = "cuda"
+    return resolved
+
+
+def test_devices_come_from_those_visible_and_are_disjoint(monkeypatch):
+    resolved = gpu_config()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5,7,3,6")
+    assigned = assign_devices(resolved, visible_devices(resolved))
+    assert assigned == {"inference_0": ["2"], "critic": ["5", "7"], "policy": ["3", "6"]}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    with pytest.raises(LaunchError, match=r"needs 5 devices .* but 2 are visible: \['2', '5'\]"):
+        assign_devices(resolved, visible_devices(resolved))
+
+
+def test_dry_run_prints_every_command_device_port_and_log(tmp_path, tiny_models, monkeypatch):
+    config = tmp_path / "run.yaml"
+    model = tiny_models["qwen3"]
+    config.write_text(f"""
+model: {{hf_config: {model}, seq_len: 128}}
+algorithm: {{type: sao}}
+value: {{model: {{hf_config: {model}, seq_len: 128}}}}
+orchestrator: {{num_steps: 2, batch_size: 4, group_size: 1, max_prompt_tokens: 32, max_completion_tokens: 16}}
+inference: {{num_servers: 2, tp: 2, weight_update: safetensors, publish_dir: {tmp_path}/published}}
+deployment: {{nodes: 1, gpus_per_node: 8, inference_gpus: 4, policy_gpus: 2, num_value_gpus_per_train_node: 2}}
+logging: {{dir: {tmp_path}/run}}
+""")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,6,5,4,3,2,1,0")
+    out = io.StringIO()
+    assert run_local(str(config), dry_run=True, out=out) == 0
+    text = out.getvalue()
+    for name in ["inference_0", "inference_1", "router", "critic", "policy", "orchestrator"]:
+        assert f"[{name}]" in text and f"{tmp_path}/run/logs/{name}.log" in text
+    assert (
+        "devices: 7,6" in text
+        and "devices: 5,4" in text
+        and "devices: 3,2" in text
+        and "devices: 1,0" in text
+    )
+    assert "CUDA_VISIBLE_DEVICES=7,6" in text and "--tensor-parallel-size 2" in text
+    assert "--nproc_per_node 2" in text and "rendezvous=" in text and "service=8100" in text
+    assert not (tmp_path / "run").exists()  # a dry run starts and writes nothing
+
+
+def test_probe_never_binds_all_interfaces_and_skips_ports_taken_on_either_address(monkeypatch):
+    bound = []
+    real_bind = socket.socket.bind
+
+    def recording_bind(self, address):
+        bound.append(address[0])
+        return real_bind(self, address)
+
+    with socket.socket() as on_host, socket.socket() as on_loopback:
+        on_host.bind(("127.0.0.2", 0))  # another loopback address stands in for the host address
+        on_loopback.bind(("127.0.0.1", 0))
+        taken = [on_host.getsockname()[1], on_loopback.getsockname()[1]]
+
+        class Proposals(random.Random):
+            def __init__(self):
+                super().__init__(0)
+                self.queue = [*taken, 45001, 45002]
+
+            def randrange(self, *args):
+                return self.queue.pop(0) if self.queue else super().randrange(*args)
+
+        monkeypatch.setattr(socket.socket, "bind", recording_bind)
+        ports = probe_ports(2, ["127.0.0.2", "127.0.0.1"], exclude={45001}, rng=Proposals())
+    assert not set(ports) & set(taken) and 45001 not in ports and 45002 in ports
+    assert set(bound) == {"127.0.0.1", "127.0.0.2"}  # never 0.0.0.0
+    with pytest.raises(PortProbeError, match="never on all interfaces"):
+        probe_ports(1, ["0.0.0.0"])
+
+
+def _probe_and_bind(barrier, results):
+    from torch.distributed import TCPStore
+
+    barrier.wait()
+    try:
+        ports = probe_ports(3, ["127.0.0.1"])
+        stores = [TCPStore("127.0.0.1", p, 1, True, wait_for_workers=False) for p in ports]
+        results.put(("ok", ports))
+        time.sleep(0.5)
+        del stores
+    except Exception as exc:  # reported to the test
+        results.put(("error", repr(exc)))
+
+
+def test_concurrent_launches_get_distinct_free_ports():
+    context = mp.get_context("spawn")
+    for _ in range(2):
+        barrier, results = context.Barrier(4), context.Queue()
+        workers = [context.Process(target=_probe_and_bind, args=(barrier, results)) for _ in range(4)]
+        for w in workers:
+            w.start()
+        outcomes = [results.get(timeout=60) for _ in workers]
+        for w in workers:
+            w.join(30)
+        assert all(kind == "ok" for kind, _ in outcomes), outcomes  # no EADDRINUSE
+        chosen = [p for _, ports in outcomes for p in ports]
+        assert len(set(chosen)) == len(chosen)
+
+
+def sleeper(tmp_path, name, seconds=60, code=0, may_finish=False):
+    command = [
+        sys.executable,
+        "-c",
+        f"import time; print('{name} up', flush=True); time.sleep({seconds}); raise SystemExit({code})",
+    ]
+    return Component(name, command, tmp_path / f"{name}.log", may_finish=may_finish)
+
+
+@pytest.mark.parametrize("victim", ["critic", "policy", "router"])
+def test_a_component_killed_stops_everything_naming_it(tmp_path, victim):
+    components = [sleeper(tmp_path, "router"), sleeper(tmp_path, "critic"),
+                  sleeper(tmp_path, "policy", may_finish=True), sleeper(tmp_path, "orchestrator", may_finish=True)]  # fmt: skip
+    out = io.StringIO()
+    supervisor = Supervisor(components, grace_s=5, out=out)
+    import threading
+
+    def kill_soon():
+        time.sleep(2)
+        next(c for c in components if c.name == victim).signal(signal.SIGKILL)
+
+    threading.Thread(target=kill_soon, daemon=True).start()
+    began = time.monotonic()
+    assert supervisor.run("fake", 10) == 1
+    assert time.monotonic() - began < 15
+    assert f"component '{victim}' exited with code -9" in out.getvalue() and f"{victim} up" in out.getvalue()
+    assert all(c.process.poll() is not None for c in components)
+
+
+def test_the_orchestrator_finishing_stops_everything_with_exit_zero(tmp_path):
+    components = [sleeper(tmp_path, "critic"), sleeper(tmp_path, "policy", 1, may_finish=True),
+                  sleeper(tmp_path, "orchestrator", 2, may_finish=True)]  # fmt: skip
+    out = io.StringIO()
+    assert Supervisor(components, grace_s=5, out=out).run("fake", 10) == 0
+    assert "the orchestrator finished its steps" in out.getvalue()
+    assert components[0].process.returncode == -signal.SIGTERM
