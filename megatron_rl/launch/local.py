@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_rl.inference.pool import InferencePool, router_settings
+from megatron_rl.inference.pool import InferencePool, router_settings, served_model_dir
 from megatron_rl.inference.router import router_command
 from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
 from megatron_rl.inference.vllm_server import log_tail
@@ -145,8 +145,10 @@ def plan_local(
     `critic_rendezvous` (with a value section), `router_metrics`."""
     logs = Path(resolved.logging.dir) / "logs"
     inference, layout = resolved.inference, resolved.layout
-    if not resolved.model.hf_config:
-        raise LaunchError("model.hf_config: the inference servers need the policy as an HF model directory")
+    try:
+        served_model_dir(resolved)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
     cpu = resolved.deployment.device == "cpu"
     servers = InferencePool.from_config(
         resolved, [devices[f"inference_{i}"] for i in range(inference.num_servers)], logs, launch=False

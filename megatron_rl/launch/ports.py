@@ -84,3 +84,19 @@ def retry_on_address_in_use(start: Callable[[list[int]], object], probe: Callabl
         if not failed_with_lost_port(result) or attempt == tries - 1:
             return result
     raise AssertionError("unreachable")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="print free rendezvous ports (SLURM job steps use it)")
+    parser.add_argument("--count", type=int, required=True)
+    parser.add_argument("--hosts", nargs="+", default=["127.0.0.1"])
+    parser.add_argument("--exclude", nargs="*", type=int, default=[])
+    args = parser.parse_args(argv)
+    print(" ".join(str(p) for p in probe_ports(args.count, args.hosts, args.exclude)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from megatron_rl.critic.client import HttpValueScorer
 from megatron_rl.envs import make_environment
-from megatron_rl.inference.pool import InferencePool, WeightSync
+from megatron_rl.inference.pool import InferencePool, WeightSync, served_model_dir
 from megatron_rl.inference.rollout import RolloutClient
 from megatron_rl.inference.router import VllmRouter
 from megatron_rl.inference.vllm_control import VllmControl
@@ -109,11 +109,10 @@ class CriticLink:
 
 
 def attach_pool(resolved, api_key: str | None = None) -> InferencePool:
-    """The running servers and router of `resolved.inference` (started by the launcher)."""
+    """The running servers (`layout.inference_urls`) and router (`inference.host`:`router_port`)
+    of `resolved.inference`, started by the launcher."""
     inference = resolved.inference
-    controls = [
-        VllmControl(f"http://{inference.host}:{p}", api_key=api_key) for p in resolved.layout.inference_ports
-    ]
+    controls = [VllmControl(url, api_key=api_key) for url in resolved.layout.inference_urls]
     router = VllmRouter.attach(f"http://{inference.host}:{inference.router_port}")
     return InferencePool.attach(controls, router, inference.served_model_name)
 
@@ -123,7 +122,7 @@ async def orchestrate(resolved, pool: InferencePool, tokenizer=None) -> int:
     from transformers import AutoTokenizer
 
     o, layout = resolved.orchestrator, resolved.layout
-    tokenizer = tokenizer or AutoTokenizer.from_pretrained(resolved.model.hf_config)
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(served_model_dir(resolved))
     encoder = PromptEncoder(tokenizer, o.chat_template)
     timeouts = Timeouts(batch_s=resolved.inference.request_timeout_s, critic_s=resolved.transport.receive_timeout_s,
                         weights_s=resolved.transport.receive_timeout_s)  # fmt: skip

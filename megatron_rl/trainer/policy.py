@@ -125,7 +125,7 @@ def make_broadcaster(resolved: ResolvedConfig):
     from megatron_rl.trainer.publish import BroadcastPublisher
 
     inference = resolved.inference
-    controls = [VllmControl(f"http://{inference.host}:{port}") for port in resolved.layout.inference_ports]
+    controls = [VllmControl(url) for url in resolved.layout.inference_urls]
     host = inference.weight_broadcast_host or os.environ.get("MASTER_ADDR", "127.0.0.1")
     return BroadcastPublisher(
         controls,

@@ -1,0 +1,109 @@
+"""Commands that one SLURM job step runs (the rendered sbatch script calls them):
+
+    megatron-rl check-config CONFIG --set KEY=VALUE ... --out JOB.json   # node addresses in
+    megatron-rl inference-server --config JOB.json --index I           # becomes vLLM (exec)
+    megatron-rl wait-inference --config JOB.json                         # every server ready?
+    megatron-rl router --config JOB.json                                 # becomes vllm-router
+    python -m megatron_rl.launch.ports --count N --hosts ADDR 127.0.0.1 --exclude P ...
+
+`inference-server` and `router` replace their own process with the server's (os.execve), so
+the signals srun sends reach vLLM and the router directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import yaml
+
+from megatron_rl.config import ConfigError, parse_config
+
+
+def apply_overrides(data: dict, assignments: list[str]) -> dict:
+    """`a.b.c=VALUE` (VALUE as YAML: numbers, lists, strings) into a copy of `data`."""
+    data = json.loads(json.dumps(data))
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key:
+            raise ConfigError("--set", [f"{assignment!r}: expected KEY=VALUE (e.g. transport.host=10.0.0.5)"])
+        node = data
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError("--set", [f"{key}: {part} is not a section"])
+        node[last] = yaml.safe_load(raw)
+    return data
+
+
+def load_config_with_overrides(path: str, assignments: list[str]):
+    from pathlib import Path
+
+    source = Path(path)
+    if not source.is_file():
+        raise ConfigError(str(source), ["file not found"])
+    try:
+        data = yaml.safe_load(source.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(source), [f"not valid YAML: {exc}"]) from None
+    return parse_config(apply_overrides(data, assignments), source=str(source), base_dir=source.parent)
+
+
+def _servers(resolved, devices_env: str | None = None):
+    from megatron_rl.inference.pool import InferencePool
+
+    inference = resolved.inference
+    # Inside a SLURM step the step's GPUs are CUDA_VISIBLE_DEVICES already.
+    devices = [["0"] * inference.tp for _ in range(inference.num_servers)]
+    return InferencePool.from_config(resolved, devices, f"{resolved.logging.dir}/logs", launch=False)
+
+
+def exec_inference_server(resolved, index: int) -> None:
+    server = _servers(resolved)[index]
+    env = dict(server.env)
+    if "SLURM_STEP_GPUS" in os.environ or "CUDA_VISIBLE_DEVICES" in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    print(f"inference server {index}: {' '.join(server.command)}", flush=True)
+    os.execve(server.command[0], server.command, env)
+
+
+def exec_router(resolved) -> None:
+    from megatron_rl.inference.pool import router_settings
+    from megatron_rl.inference.router import _free_loopback_port, router_command
+
+    command = router_command(resolved.layout.inference_urls, resolved.inference.host, resolved.inference.router_port,
+                             _free_loopback_port(), router_settings(resolved))  # fmt: skip
+    print(f"router: {' '.join(command)}", flush=True)
+    os.execv(command[0], command)
+
+
+def wait_inference(resolved) -> int:
+    from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
+
+    inference = resolved.inference
+    deadline = time.monotonic() + inference.startup_timeout_s
+    pending = list(resolved.layout.inference_urls)
+    while pending:
+        still = []
+        for url in pending:
+            try:
+                if inference.served_model_name not in VllmControl(url).models(timeout_s=2):
+                    still.append(url)
+            except VllmControlError:
+                still.append(url)
+        pending = still
+        if pending and time.monotonic() > deadline:
+            print(
+                f"inference servers not ready within {inference.startup_timeout_s:.0f}s: {pending}",
+                file=sys.stderr,
+            )
+            return 1
+        if pending:
+            time.sleep(1.0)
+    print(
+        f"all {len(resolved.layout.inference_urls)} inference servers serve {inference.served_model_name!r}"
+    )
+    return 0

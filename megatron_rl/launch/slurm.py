@@ -1,0 +1,159 @@
+"""`megatron-rl slurm CONFIG [--out FILE] [--submit]`: one sbatch script for the config's layout.
+
+Placement (`place`), per node of the allocation:
+
+- inference servers first, `inference.tp` GPUs each, filling nodes in order;
+- **shared** (`deployment.num_value_gpus_per_train_node` = c): every training node gives c GPUs
+  to the critic (its own torchrun group) and the rest, up to what the policy still needs, to the
+  policy; the policy must get the same GPU count on each of its nodes (torchrun);
+- **dedicated** (`deployment.num_value_nodes`): the last nodes run only the critic;
+- **none** (GRPO): only the policy;
+- the orchestrator (no GPU) runs on the policy's first node.
+
+The script (a Jinja2 template, `templates/job.sbatch.j2`) runs with `set -euo pipefail`; every
+component is its own `srun --exact --kill-on-bad-exit=1` step with explicit `--gpus-per-node`
+(steps on disjoint GPUs of a node run concurrently; SLURM sets each step's
+CUDA_VISIBLE_DEVICES); hosts are the nodes' own addresses (never `localhost` across nodes), put
+into the job's resolved config with `check-config --set`; inference steps first, vllm-router on
+the first inference node only after every server answers `/v1/models`; rendezvous ports probed
+on each group's first node (both groups together on a shared node). Then `wait -n`: the
+orchestrator finishing ends the job with 0; any other step ending first (the policy's exit 0
+excepted) ends the job with its code, naming the step. Stopping sends SIGTERM to the job's own
+steps only (no broad pkill: critic GPUs may share nodes) and SIGKILL after the grace period.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+
+from megatron_rl.config import load_config
+
+
+class SlurmError(RuntimeError):
+    pass
+
+
+@dataclass
+class StepPlacement:
+    name: str
+    nodes: list[int]  # indices into the job's node list
+    gpus_per_node: int
+    extra: dict = field(default_factory=dict)
+
+
+def place(resolved) -> dict[str, StepPlacement | list[StepPlacement]]:
+    deployment, inference, layout = resolved.deployment, resolved.inference, resolved.layout
+    g, nodes = deployment.gpus_per_node, deployment.nodes
+    free = [g] * nodes
+    servers = []
+    for i in range(inference.num_servers):
+        node = next((n for n in range(nodes) if free[n] >= inference.tp), None)
+        if node is None:
+            raise SlurmError(
+                f"inference server {i} (tp {inference.tp}) does not fit on any of {nodes} nodes of {g} GPUs"
+            )
+        free[node] -= inference.tp
+        servers.append(StepPlacement(f"inference_{i}", [node], inference.tp))
+    critic_nodes: list[int] = []
+    style = layout.deployment_style
+    if style == "dedicated":
+        critic_nodes = list(range(nodes - deployment.num_value_nodes, nodes))
+        if any(free[n] != g for n in critic_nodes):
+            raise SlurmError(f"deployment.num_value_nodes: critic nodes {critic_nodes} must be whole nodes; "
+                             f"inference servers use some of them")  # fmt: skip
+        for n in critic_nodes:
+            free[n] = 0
+    reserve = deployment.num_value_gpus_per_train_node if style == "shared" else 0
+    policy_left, policy_nodes, per_node = deployment.policy_gpus, [], []
+    for n in range(nodes):
+        if policy_left == 0:
+            break
+        if n in critic_nodes or free[n] <= reserve:
+            continue
+        take = min(free[n] - reserve, policy_left)
+        policy_nodes.append(n)
+        per_node.append(take)
+        free[n] -= take + reserve
+        policy_left -= take
+    if policy_left:
+        raise SlurmError(f"deployment: {policy_left} of {deployment.policy_gpus} policy GPUs do not fit after the "
+                         f"inference servers and the critic on {nodes} nodes of {g} GPUs")  # fmt: skip
+    if len(set(per_node)) > 1:
+        raise SlurmError(f"deployment: the policy would get {per_node} GPUs on nodes {policy_nodes}; torchrun needs "
+                         "the same count on every node (change policy_gpus or inference_gpus)")  # fmt: skip
+    out: dict = {"inference": servers, "policy": StepPlacement("policy", policy_nodes, per_node[0])}
+    if style == "shared":
+        out["critic"] = StepPlacement("critic", policy_nodes, reserve)
+    elif style == "dedicated":
+        out["critic"] = StepPlacement("critic", critic_nodes, g)
+    if "critic" in out:
+        critic = out["critic"]
+        if critic.gpus_per_node * len(critic.nodes) != layout.value_gpus:
+            raise SlurmError(f"the critic would get {critic.gpus_per_node} x {len(critic.nodes)} GPUs, "
+                             f"the layout has {layout.value_gpus}")  # fmt: skip
+    out["orchestrator"] = StepPlacement("orchestrator", [policy_nodes[0]], 0)
+    return out
+
+
+def gpu_use_per_node(placement) -> list[dict[str, int]]:
+    """For each node, GPUs per step (the rendered script asks SLURM for exactly these)."""
+    steps = [
+        *placement["inference"],
+        placement["policy"],
+        *([placement["critic"]] if "critic" in placement else []),
+    ]
+    nodes = max(n for s in steps for n in s.nodes) + 1
+    use = [{} for _ in range(nodes)]
+    for step in steps:
+        for n in step.nodes:
+            use[n][step.name] = use[n].get(step.name, 0) + step.gpus_per_node
+    return use
+
+
+def render(resolved, config_path: Path, partition: str | None = None, time_limit: str | None = None,
+           python: str | None = None) -> str:  # fmt: skip
+    placement = place(resolved)
+    templates = Environment(loader=FileSystemLoader(Path(__file__).parent / "templates"), undefined=StrictUndefined,
+                            keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
+                            comment_start_string="<#", comment_end_string="#>")  # bash uses {#  # fmt: skip
+    templates.filters["q"] = lambda value: shlex.quote(str(value))
+    run_dir = Path(resolved.logging.dir).resolve()
+    steps_per_node = 2 + len(placement["inference"]) + 3  # every step of a node, plus probes and the router
+    return templates.get_template("job.sbatch.j2").render(
+        job_name=f"megatron-rl-{resolved.algorithm.type}",
+        nodes=resolved.deployment.nodes,
+        gpus_per_node=resolved.deployment.gpus_per_node,
+        tasks_per_node=steps_per_node,
+        partition=partition,
+        time_limit=time_limit,
+        python=python or sys.executable,
+        config=str(config_path.resolve()),
+        run_dir=str(run_dir),
+        inference=placement["inference"],
+        policy=placement["policy"],
+        critic=placement.get("critic"),
+        orchestrator=placement["orchestrator"],
+        fixed_ports=" ".join(str(p) for p in sorted(set(resolved.layout.ports.values()))),
+        grace_s=int(resolved.deployment.stop_grace_s),
+        style=resolved.layout.deployment_style,
+    )
+
+
+def render_and_submit(config: str, out: str | None, submit: bool, partition=None, time_limit=None) -> int:
+    resolved = load_config(config)
+    script = render(resolved, Path(config), partition, time_limit)
+    path = Path(out) if out else Path(resolved.logging.dir) / "job.sbatch"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(script)
+    print(f"wrote {path} ({resolved.layout.deployment_style} layout, {resolved.deployment.nodes} node(s))")
+    if submit:
+        result = subprocess.run(["sbatch", str(path)], capture_output=True, text=True)
+        print(result.stdout.strip() or result.stderr.strip())
+        return result.returncode
+    return 0
