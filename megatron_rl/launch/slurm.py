@@ -151,6 +151,7 @@ def render_and_submit(config: str, out: str | None, submit: bool, partition=None
     path = Path(out) if out else Path(resolved.logging.dir) / "job.sbatch"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
+    (Path(resolved.logging.dir) / "logs").mkdir(parents=True, exist_ok=True)  # sbatch --output opens it first
     print(f"wrote {path} ({resolved.layout.deployment_style} layout, {resolved.deployment.nodes} node(s))")
     if submit:
         result = subprocess.run(["sbatch", str(path)], capture_output=True, text=True)

@@ -1,0 +1,102 @@
+"""Rendered sbatch scripts for the shared, dedicated and no-critic layouts on 1, 2 and 4 nodes:
+they pass `bash -n` and shellcheck, and the GPUs asked per node are disjoint per step and cover
+what the config asks."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import parse_config
+from megatron_rl.launch.slurm import SlurmError, gpu_use_per_node, place, render
+from megatron_rl.testing.slurm_cluster import install
+
+ARCH = {"family": "qwen3", "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512}  # fmt: skip
+LAYOUTS = {  # (nodes, style): deployment
+    (1, "shared"): {"inference_gpus": 4, "policy_gpus": 2, "num_value_gpus_per_train_node": 2},
+    (1, "none"): {"inference_gpus": 6, "policy_gpus": 2},
+    (2, "shared"): {"inference_gpus": 8, "policy_gpus": 6, "num_value_gpus_per_train_node": 2},
+    (2, "dedicated"): {"inference_gpus": 4, "policy_gpus": 4, "num_value_nodes": 1},
+    (2, "none"): {"inference_gpus": 8, "policy_gpus": 8},
+    (4, "shared"): {"inference_gpus": 8, "policy_gpus": 18, "num_value_gpus_per_train_node": 2},
+    (4, "dedicated"): {"inference_gpus": 8, "policy_gpus": 16, "num_value_nodes": 1},
+    (4, "none"): {"inference_gpus": 16, "policy_gpus": 16},
+}
+
+
+def config_for(nodes: int, style: str, tmp_path: Path):
+    deployment = {"nodes": nodes, "gpus_per_node": 8, **LAYOUTS[(nodes, style)]}
+    data = {
+        "model": {"architecture": ARCH, "seq_len": 256},
+        "algorithm": {"type": "grpo" if style == "none" else "sao"},
+        "orchestrator": {
+            "batch_size": 4,
+            "group_size": 2,
+            "max_prompt_tokens": 64,
+            "max_completion_tokens": 64,
+        },
+        "inference": {"num_servers": deployment["inference_gpus"] // 2, "tp": 2, "model_dir": "/models/hf"},
+        "deployment": deployment,
+        "logging": {"dir": str(tmp_path / "run")},
+    }
+    if style != "none":
+        data["value"] = {"model": {"architecture": ARCH, "seq_len": 256}}
+    return parse_config(data)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shellcheck_installed():
+    install()
+
+
+@pytest.mark.parametrize(("nodes", "style"), sorted(LAYOUTS))
+def test_rendered_script_passes_bash_n_and_shellcheck_and_gpus_add_up(tmp_path, nodes, style):
+    resolved = config_for(nodes, style, tmp_path)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(resolved, tmp_path / "run.yaml"))
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    lint = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout
+    text = script.read_text()
+    assert f"#SBATCH --nodes={nodes}" in text and "set -euo pipefail" in text and "wait -n" in text
+    assert (
+        "--kill-on-bad-exit=1" in text and not re.search(r"^\s*pkill", text, re.M) and "localhost" not in text
+    )
+    placement = place(resolved)
+    use = gpu_use_per_node(placement)
+    assert all(sum(steps.values()) <= 8 for steps in use)  # disjoint: never more than the node has
+    totals = {}
+    for steps in use:
+        for name, count in steps.items():
+            totals[name.split("_")[0]] = totals.get(name.split("_")[0], 0) + count
+    assert totals["inference"] == resolved.deployment.inference_gpus
+    assert totals["policy"] == resolved.deployment.policy_gpus
+    assert totals.get("critic", 0) == resolved.layout.value_gpus
+    if style == "dedicated":
+        assert placement["critic"].nodes == [nodes - 1] and nodes - 1 not in placement["policy"].nodes
+    if style == "shared":
+        assert placement["critic"].nodes == placement["policy"].nodes
+
+
+def test_a_layout_that_cannot_be_placed_says_why(tmp_path):
+    data = {
+        "model": {"architecture": ARCH, "seq_len": 256},
+        "algorithm": {"type": "grpo"},
+        "orchestrator": {
+            "batch_size": 4,
+            "group_size": 2,
+            "max_prompt_tokens": 64,
+            "max_completion_tokens": 64,
+        },
+        "inference": {"num_servers": 2, "tp": 2},
+        "deployment": {"nodes": 2, "gpus_per_node": 8, "inference_gpus": 4, "policy_gpus": 6},
+    }
+    with pytest.raises(
+        SlurmError,
+        match=r"the policy would get \[4, 2\] GPUs on nodes \[0, 1\]; torchrun needs the same count",
+    ):
+        place(parse_config(data))
