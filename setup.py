@@ -26,6 +26,8 @@ setup(
         # The compiled GAE scan (megatron_rl/algorithms/_gae_kernel.py).
         "numba",
         "rich",
+        # Figures of runs (megatron-rl plot, the demo).
+        "matplotlib",
         # Grading of the math environment (offline).
         "math-verify",
         # dist_checkpointing.save starts a multiprocessing Manager that needs psutil.

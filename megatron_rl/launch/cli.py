@@ -178,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="print every command, device set, port and log path"
     )
     run.set_defaults(func=_run)
+    plot = commands.add_parser(
+        "plot", help="figure and summary of one or several runs (overlaid)", add_help=False
+    )
+    plot.add_argument("rest", nargs=argparse.REMAINDER)
+    plot.set_defaults(func=lambda a: __import__("megatron_rl.launch.plot", fromlist=["main"]).main(a.rest))
     slurm = commands.add_parser("slurm", help="render (and optionally submit) the sbatch script of a config")
     slurm.add_argument("config", help="a YAML config file")
     slurm.add_argument("--out", help="write the script here (default: LOGGING_DIR/job.sbatch)")

@@ -196,8 +196,11 @@ def probe_launch_ports(resolved) -> dict[str, int]:
 class Supervisor:
     """Starts components in order and stops them all when one fails or the run finishes."""
 
-    def __init__(self, components: list[Component], grace_s: float = 60.0, out=None, reprobe=None):
+    def __init__(
+        self, components: list[Component], grace_s: float = 60.0, out=None, reprobe=None, on_tick=None
+    ):
         self.components, self.grace_s = components, grace_s
+        self.on_tick = on_tick  # called twice a second while the run is up (a progress display)
         self.out = out or sys.stdout
         self.reprobe = reprobe  # component -> new command after a lost rendezvous port
         self.interrupted = False
@@ -290,6 +293,8 @@ class Supervisor:
                     running.append(component)
                 while problem is None and not self.interrupted:
                     problem = self.check(running)
+                    if self.on_tick is not None:
+                        self.on_tick()
                     time.sleep(0.5)
             if self.interrupted:
                 self.say("interrupted: stopping every component")
@@ -309,7 +314,7 @@ class Supervisor:
         self.interrupted = True
 
 
-def run_local(config_path: str, dry_run: bool = False, out=None) -> int:
+def run_local(config_path: str, dry_run: bool = False, out=None, on_tick=None) -> int:
     from megatron_rl.config import load_config
 
     out = out or sys.stdout
@@ -336,5 +341,5 @@ def run_local(config_path: str, dry_run: bool = False, out=None) -> int:
         component.ports["rendezvous"] = new_port
         return command
 
-    supervisor = Supervisor(components, resolved.deployment.stop_grace_s, out, reprobe)
+    supervisor = Supervisor(components, resolved.deployment.stop_grace_s, out, reprobe, on_tick)
     return supervisor.run(resolved.inference.served_model_name, resolved.inference.startup_timeout_s)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.trainer import atomic_dir
-from megatron_rl.trainer.optimizer import Trainable
+from megatron_rl.trainer.optimizer import Trainable, unify_adam_steps
 
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -56,6 +56,7 @@ def save_checkpoint(
         (partial / "dist").mkdir()
         (partial / "rng").mkdir()
     dist.barrier()
+    unify_adam_steps(trainable)  # one step count per optimizer, as megatron checkpoints it
     model = trainable.model[0].module
     model_state = model.sharded_state_dict()
     state = {
@@ -92,6 +93,7 @@ def load_checkpoint(directory: str | Path, trainable: Trainable) -> dict | None:
     if path is None:
         return None
     meta = json.loads((path / "meta.json").read_text())
+    unify_adam_steps(trainable)  # one step count per optimizer, as megatron checkpoints it
     model = trainable.model[0].module
     model_state = model.sharded_state_dict()
     template = {

@@ -137,3 +137,29 @@ def restart_untouched_adam_state(trainable: Trainable, reset_moments: bool = Fal
                         state["step"] = 0
                     count += 1
     return count
+
+
+@torch.no_grad()
+def unify_adam_steps(trainable: Trainable) -> int | None:
+    """Gives every parameter's Adam state the largest step count and returns it (None when the
+    counts already agree). Megatron's distributed optimizer checkpoints one step count for all
+    parameters (as fused Adam keeps it), so parameters restarted after head-only steps
+    (`restart_untouched_adam_state`) must share it before a checkpoint; unifying in memory too
+    keeps a resumed run identical to an uninterrupted one. Their first updates after this use
+    the global bias correction."""
+    states = [
+        state
+        for opt in torch_optimizers(trainable.optimizer)
+        for state in opt.state.values()
+        if state and "step" in state
+    ]
+    steps = {float(state["step"]) for state in states}
+    if len(steps) <= 1:
+        return None
+    top = max(steps)
+    for state in states:
+        if torch.is_tensor(state["step"]):
+            state["step"].fill_(top)
+        else:
+            state["step"] = type(state["step"])(top)
+    return int(top)

@@ -25,8 +25,8 @@ def test_head_only_warmup_then_full_training_with_fresh_adam_state(tiny_models, 
     resolved, path = critic_config(
         tmp_path, tiny_models["qwen3"], head_only_warmup_steps=2, epochs_per_step=2
     )
-    warm0, warm1, full = run_ranks(
-        cw.critic_plan, 1, str(path), [("train", 0, 0), ("train", 1, 1), ("train", 2, 2)]
+    warm0, warm1, full, saved = run_ranks(
+        cw.critic_plan, 1, str(path), [("train", 0, 0), ("train", 1, 1), ("train", 2, 2), ("save",)]
     )[0]
     for record in (warm0, warm1):
         assert record["head_only"] and tuple(record["changed"]) == HEAD
@@ -38,6 +38,9 @@ def test_head_only_warmup_then_full_training_with_fresh_adam_state(tiny_models, 
     )
     # ...and restart at 0 when the backbone starts training: 2 real steps now, the head 6
     assert full["adam_steps"] == {"head": [6], "backbone": [2]}
+    # A checkpoint needs one step count (megatron's distributed optimizer stores one): unified.
+    # (Saving failed here before, inside megatron's DistributedOptimizer.state_dict.)
+    assert saved["adam_steps"] == {"head": [6], "backbone": [6]}
 
 
 def test_freeze_attention_trains_everything_else(tiny_models, tmp_path):

