@@ -29,11 +29,10 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-TASK = "copy"
 
 
 def demo_config(
-    out: Path, algo: str, steps: int, seed: int, policy_ckpt: Path, value_ckpt: Path, model: Path
+    out: Path, algo: str, steps: int, seed: int, policy_ckpt: Path, value_ckpt: Path, model: Path, task: str = "copy"
 ) -> dict:
     group = 1 if algo == "sao" else 4
     config = {
@@ -54,7 +53,7 @@ def demo_config(
             "max_async_level": 0,
             "max_off_policy_steps": 0,
             "environment": "procedural",
-            "dataset": TASK,
+            "dataset": task,
             "seed": seed,
         },  # fmt: skip
         "inference": {
@@ -122,7 +121,7 @@ class ProgressLines:
         self.seen = len(lines)
 
 
-def prepare(out: Path, seed: int, sft_steps: int, log=print) -> tuple[Path, Path, Path]:
+def prepare(out: Path, seed: int, sft_steps: int, task: str = "copy", log=print) -> tuple[Path, Path, Path]:
     """The tiny model (warm-started) and its policy and value-model Megatron checkpoints."""
     sys.path.insert(0, str(ROOT / "tools"))
     from make_tiny_model import make_tiny_model
@@ -132,7 +131,12 @@ def prepare(out: Path, seed: int, sft_steps: int, log=print) -> tuple[Path, Path
     if not (model / "config.json").is_file():
         random_model = make_tiny_model("qwen3", out / "model-random", seed=seed, hidden_size=128)
         log(f"[demo] built a random tiny qwen3 (hidden 128, 2 layers, vocab 512) in {random_model}")
-        warm_start(random_model, model, TASK, steps=sft_steps, log=log)
+        if sft_steps > 0:
+            warm_start(random_model, model, task, steps=sft_steps, log=log)
+        else:
+            import shutil
+
+            shutil.copytree(random_model, model)
     converted = []
     for name, extra in (
         ("megatron-policy", []),
@@ -146,17 +150,17 @@ def prepare(out: Path, seed: int, sft_steps: int, log=print) -> tuple[Path, Path
     return model, converted[0], converted[1]
 
 
-def run_demo(algo: str, steps: int, out: Path, seed: int, sft_steps: int) -> int:
+def run_demo(algo: str, steps: int, out: Path, seed: int, sft_steps: int, task: str = "copy") -> int:
     from megatron_rl.launch.local import run_local
     from megatron_rl.launch.plot import plot_runs, summary_table
 
     out.mkdir(parents=True, exist_ok=True)
-    model, policy_ckpt, value_ckpt = prepare(out, seed, sft_steps)
+    model, policy_ckpt, value_ckpt = prepare(out, seed, sft_steps, task)
     config_path = out / "config.yaml"
     config_path.write_text(
-        yaml.safe_dump(demo_config(out, algo, steps, seed, policy_ckpt, value_ckpt, model))
+        yaml.safe_dump(demo_config(out, algo, steps, seed, policy_ckpt, value_ckpt, model, task))
     )
-    print(f"[demo] {algo.upper()} for {steps} steps on the '{TASK}' task; run directory {out}", flush=True)
+    print(f"[demo] {algo.upper()} for {steps} steps on the '{task}' task; run directory {out}", flush=True)
     code = run_local(str(config_path), on_tick=ProgressLines(out, steps))
     if (out / "orchestrator_metrics.jsonl").is_file():
         print(f"[demo] figure: {plot_runs([out], out / 'metrics.png')}")
@@ -173,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="run directory (default runs/demo-ALGO)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft-steps", type=int, default=60, help="supervised warm-start steps (0: none)")
+    parser.add_argument("--task", default="copy", choices=["copy", "reverse", "count"], help="the procedural task")
     parser.add_argument("--compare", action="store_true", help="run SAO, PPO and GRPO and overlay them")
     args = parser.parse_args(argv)
     if not args.compare:
@@ -184,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for algo in ("sao", "ppo", "grpo"):
         out = (args.out or Path("runs")) / f"demo-{algo}"
-        code = run_demo(algo, args.steps, out, args.seed, args.sft_steps)
+        code = run_demo(algo, args.steps, out, args.seed, args.sft_steps, args.task)
         if code != 0:
             return code
         runs.append(out)

@@ -74,7 +74,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
             )
         steps, kl = _series(run["policy"], "approx_kl")
         if steps:
-            kl_ax.plot(steps, [max(k, 1e-12) for k in kl], color=line.get_color(), label=run["name"])
+            kl_ax.plot(steps, [max(k, 1e-18) for k in kl], color=line.get_color(), label=run["name"])
         records = run["orchestrator"]
         if len(runs) == 1 and records:
             bottom = [0.0] * len(records)
