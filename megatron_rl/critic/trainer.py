@@ -230,11 +230,21 @@ class CriticTrainer:
             keep_last=self.resolved.checkpoint.keep_last,
         )
 
-    def resume(self) -> dict | None:
-        """Restores the latest critic checkpoint (model, optimizer, scheduler, RNG, step)."""
-        from megatron_rl.trainer.checkpoint import load_checkpoint
+    def resume(self, together: bool = True) -> dict | None:
+        """Restores the critic checkpoint of the run's common resume step (model, optimizer,
+        scheduler, RNG, step; see `run_resume_step`), or before any training step the newest
+        value-pretraining checkpoint. `together=False`: the critic's own latest checkpoint (a
+        critic trained on its own, without a policy)."""
+        from megatron_rl.trainer.checkpoint import complete_steps, load_checkpoint, run_resume_step
 
-        meta = load_checkpoint(critic_checkpoint_dir(self.resolved), self.trainable)
+        steps = complete_steps(critic_checkpoint_dir(self.resolved))
+        step = run_resume_step(self.resolved) if together else (steps[-1] if steps else None)
+        if step is None:
+            pretraining = [s for s in steps if s < 0]
+            step = pretraining[-1] if pretraining else None
+            if step is None:
+                return None
+        meta = load_checkpoint(critic_checkpoint_dir(self.resolved), self.trainable, step)
         if meta is None:
             return None
         extra = meta["extra"]

@@ -167,12 +167,10 @@ async def orchestrate(resolved, pool: InferencePool, tokenizer=None) -> int:
 
 
 def trainer_resume_step(resolved) -> int:
-    """The step the trainers resume at: one past the policy's (and critic's) latest checkpoint."""
-    steps = []
-    for role in ("policy", "critic") if resolved.value is not None else ("policy",):
-        pointer = Path(resolved.checkpoint.dir) / role / "latest"
-        if not resolved.checkpoint.resume or not pointer.is_file():
-            steps.append(0)
-        else:
-            steps.append(int(pointer.read_text().strip().split("_")[-1]) + 1)
-    return min(steps)
+    """The step the trainers resume at: one past the step every role has checkpointed."""
+    from megatron_rl.trainer.checkpoint import run_resume_step
+
+    if not resolved.checkpoint.resume:
+        return 0
+    common = run_resume_step(resolved)
+    return 0 if common is None else common + 1

@@ -88,17 +88,40 @@ def reset_pool(pool, model_dir):
     assert pool.sync.version == 0
 
 
-def run_stack(tmp_path, resolved, resolved_path, pool):
-    """Critic and policy processes plus the orchestrator in this process; returns the records."""
+def run_stack(tmp_path, resolved, resolved_path, pool, kill_when=None):
+    """Critic and policy processes plus the orchestrator in this process; returns the records.
+    `kill_when()`, polled while the run is up: once true, the critic and policy ranks get
+    SIGKILL and the orchestrator is cancelled (the whole run dies mid-step)."""
     roles = [("policy", ["train-policy", "--config", str(resolved_path)])]
     if resolved.value is not None:
         roles.append(("critic", ["critic", "--config", str(resolved_path)]))
     processes = {name: RankProcesses(argv, 1, tmp_path / "logs" / name) for name, argv in roles}
+
+    async def run() -> bool:
+        task = asyncio.ensure_future(orchestrate(resolved, pool))
+        while not task.done():
+            if kill_when is not None and kill_when():
+                for group in processes.values():
+                    for process in group.processes:
+                        process.kill()
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+                return True
+            await asyncio.sleep(0.1)
+        await task
+        return False
+
     try:
-        asyncio.run(asyncio.wait_for(orchestrate(resolved, pool), 600))
-        code = processes["policy"].processes[0].wait(120)
-        if code != 0:
-            raise RuntimeError(f"train-policy exited with {code}:\n{processes['policy'].output()[-3000:]}")
+        killed = asyncio.run(asyncio.wait_for(run(), 600))
+        if not killed:
+            code = processes["policy"].processes[0].wait(120)
+            if code != 0:
+                raise RuntimeError(
+                    f"train-policy exited with {code}:\n{processes['policy'].output()[-3000:]}"
+                )
     finally:
         for group in processes.values():
             group.stop()

@@ -84,12 +84,55 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return atomic_dir.latest(Path(directory), "meta.json")
 
 
-def load_checkpoint(directory: str | Path, trainable: Trainable) -> dict | None:
-    """Collective: restores the latest checkpoint into `trainable`; returns its meta
-    ({"step", "extra", ...}) or None when the directory holds no checkpoint."""
+class CheckpointMismatch(RuntimeError):
+    """The roles of a run have no checkpointed step in common."""
+
+
+def complete_steps(directory: str | Path) -> list[int]:
+    """The steps with a complete checkpoint under `directory` (partial ones excluded), sorted."""
+    root = Path(directory)
+    steps = []
+    for path in root.glob("step_*"):
+        if path.name.endswith(".partial") or not (path / "meta.json").is_file():
+            continue
+        steps.append(int(path.name.removeprefix("step_")))
+    return sorted(steps)
+
+
+def run_resume_step(resolved) -> int | None:
+    """The training step the roles of a run resume from together: the policy's newest
+    checkpointed step that the critic (when there is one with checkpoints) has checkpointed too;
+    None while the policy has none (training starts afresh). The critic trains each step before
+    the policy, so a killed run's critic is often one checkpoint ahead: it goes back and redoes
+    that step with the same data (`checkpoint.keep_last` >= 2 keeps the common step). Steps
+    below 0 (the critic's value pretraining) belong to the critic alone."""
+    root = Path(resolved.checkpoint.dir)
+    policy = {s for s in complete_steps(root / "policy") if s >= 0}
+    if not policy:
+        return None
+    critic = {s for s in complete_steps(root / "critic") if s >= 0} if resolved.value is not None else set()
+    if not critic:  # no critic, or one without training checkpoints (a policy trained alone)
+        return max(policy)
+    common = policy & critic
+    if not common:
+        raise CheckpointMismatch(
+            f"{root}: the policy has checkpoints of steps {sorted(policy)} and the critic of {sorted(critic)}, "
+            "none in common: cannot resume them together (checkpoint.keep_last >= 2 keeps a common step)"
+        )
+    return max(common)
+
+
+def load_checkpoint(directory: str | Path, trainable: Trainable, step: int | None = None) -> dict | None:
+    """Collective: restores checkpoint `step` (default: the latest) into `trainable`; returns
+    its meta ({"step", "extra", ...}) or None when there is none."""
     from megatron.core import dist_checkpointing
 
-    path = latest_checkpoint(directory)
+    if step is None:
+        path = latest_checkpoint(directory)
+    else:
+        path = _step_dir(Path(directory), step)
+        if not (path / "meta.json").is_file():
+            raise FileNotFoundError(f"{path}: no complete checkpoint of step {step}")
     if path is None:
         return None
     meta = json.loads((path / "meta.json").read_text())

@@ -43,7 +43,7 @@ def policy_checkpoint_dir(resolved: ResolvedConfig) -> Path:
 
 def run_policy(resolved: ResolvedConfig) -> None:
     from megatron_rl.algorithms import make_algorithm
-    from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_rl.trainer.checkpoint import load_checkpoint, run_resume_step, save_checkpoint
     from megatron_rl.trainer.optimizer import build_trainable
     from megatron_rl.trainer.publish import publish_hf_weights
     from megatron_rl.trainer.receive import grid_receiver
@@ -60,7 +60,8 @@ def run_policy(resolved: ResolvedConfig) -> None:
     trainable = build_trainable(model, resolved.optimizer, total_steps=num_steps)
     start = 0
     if resolved.checkpoint.resume:
-        meta = load_checkpoint(policy_checkpoint_dir(resolved), trainable)
+        common = run_resume_step(resolved)  # with the critic, the step both roles checkpointed
+        meta = None if common is None else load_checkpoint(policy_checkpoint_dir(resolved), trainable, common)
         if meta is not None:
             start = meta["step"] + 1
             loaded = f"checkpoint step {meta['step']} in {policy_checkpoint_dir(resolved)}"

@@ -68,7 +68,7 @@ def critic_plan(rank, world_size, resolved_path, plan):
         elif action[0] == "save":
             trainer.save()
         elif action[0] == "resume":
-            meta = trainer.resume()
+            meta = trainer.resume(together=False)  # a critic trained without a policy
             record["step"] = None if meta is None else meta["step"]
             record["trained_step"] = trainer.trained_step
         elif action[0] == "params":

@@ -34,22 +34,27 @@ def test_steps_complete_with_weight_sync_every_step(vllm_pool, tmp_path, algorit
 
 
 def test_sao_run_killed_and_restarted_resumes_with_the_same_prompts(vllm_pool, tmp_path):
+    from megatron_rl.trainer.checkpoint import run_resume_step
+
     pool, model_dir, _ = vllm_pool
     reset_pool(pool, model_dir)
-    resolved, resolved_path = stack_config(tmp_path, model_dir, "sao", 2, pool)
-    records = run_stack(tmp_path, resolved, resolved_path, pool)  # steps 0 and 1, checkpointed
-    assert [r["step"] for r in records] == [0, 1]
+    resolved, resolved_path = stack_config(tmp_path, model_dir, "sao", 4, pool)
+    policy_step1 = tmp_path / "checkpoints" / "policy" / "step_00000001" / "meta.json"
+    # Kill -9 the whole run once the policy has checkpointed step 1 (the critic is then ahead).
+    records = run_stack(tmp_path, resolved, resolved_path, pool, kill_when=policy_step1.is_file)
+    assert [r["step"] for r in records][:2] == [0, 1] and len(records) < 4
+    common = run_resume_step(resolved)  # the step both roles checkpointed
+    assert common is not None and common >= 1
     state = OrchestratorState(tmp_path / "checkpoints" / "orchestrator" / "state.json")
-    assert state.step == 2
-    next_group = state.group_for_step(2)
+    next_group = state.group_for_step(common + 1)
 
-    # The whole run restarts (fresh inference weights included) and continues with step 2.
+    # The whole run restarts (fresh inference weights included) and continues after `common`.
     reset_pool(pool, model_dir)
-    resolved3, resolved3_path = stack_config(tmp_path, model_dir, "sao", 3, pool)
-    records = run_stack(tmp_path, resolved3, resolved3_path, pool)
-    assert [r["step"] for r in records] == [0, 1, 2]  # the metrics file holds both runs' lines
-    assert records[2]["group_ids"][0] == next_group  # the prompts it would have used (rows by group id)
+    records = run_stack(tmp_path, resolved, resolved_path, pool)
+    resumed = [r for r in records[len(records) - (4 - common - 1) :]]
+    assert [r["step"] for r in resumed] == list(range(common + 1, 4))
+    assert resumed[0]["group_ids"][0] == next_group  # the prompts it would have used (rows by group id)
     policy = policy_records(tmp_path)
-    assert [r["step"] for r in policy] == [0, 1, 2]
+    assert [r["step"] for r in policy][-(4 - common - 1) :] == list(range(common + 1, 4))
     assert all(0 <= r["approx_kl"] < 1e-3 for r in policy)
-    assert pool.sync.version == 3
+    assert pool.sync.version == 4
