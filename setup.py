@@ -28,6 +28,8 @@ setup(
         "rich",
         # Figures of runs (megatron-rl plot, the demo).
         "matplotlib",
+        # SLURM job scripts are rendered from a template (megatron-rl slurm).
+        "jinja2",
         # Grading of the math environment (offline).
         "math-verify",
         # dist_checkpointing.save starts a multiprocessing Manager that needs psutil.
