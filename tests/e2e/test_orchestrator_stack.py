@@ -26,7 +26,8 @@ def test_steps_complete_with_weight_sync_every_step(vllm_pool, tmp_path, algorit
     policy = policy_records(tmp_path)
     assert [r["step"] for r in policy] == [0, 1]
     assert all(0 <= r["approx_kl"] < 1e-3 for r in policy)  # train-inference mismatch, float32
-    assert records[-1]["mismatch_kl"] is not None and records[-1]["mismatch_kl"] < 1e-3
+    # the orchestrator's copy: the policy's newest figure when the step's line was written (if any yet)
+    assert all(r["mismatch_kl"] is None or r["mismatch_kl"] < 1e-3 for r in records)
     if algorithm == "ppo":
         assert all(
             r["explained_variance"] is not None and r["critic_trained_step"] == r["step"] for r in records
