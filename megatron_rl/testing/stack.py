@@ -38,6 +38,7 @@ def stack_config(tmp_path, model_dir, algorithm: str, num_steps: int, pool, **or
             "environment": "procedural",
             "dataset": "reverse",
             "seed": 1,
+            **orchestrator,
         },  # fmt: skip
         "inference": {
             "backend": "vllm-cpu",
