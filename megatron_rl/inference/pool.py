@@ -240,7 +240,9 @@ class InferencePool:
             )
         servers = []
         hosts = inference.server_hosts or [inference.host] * inference.num_servers
-        for i, (port, host, devs) in enumerate(zip(resolved.layout.inference_ports, hosts, devices, strict=True)):
+        for i, (port, host, devs) in enumerate(
+            zip(resolved.layout.inference_ports, hosts, devices, strict=True)
+        ):
             if len(devs) != inference.tp:
                 raise ValueError(
                     f"inference server {i}: {len(devs)} devices {devs} for inference.tp = {inference.tp}"

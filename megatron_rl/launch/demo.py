@@ -32,7 +32,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def demo_config(
-    out: Path, algo: str, steps: int, seed: int, policy_ckpt: Path, value_ckpt: Path, model: Path, task: str = "copy"
+    out: Path,
+    algo: str,
+    steps: int,
+    seed: int,
+    policy_ckpt: Path,
+    value_ckpt: Path,
+    model: Path,
+    task: str = "copy",
 ) -> dict:
     group = 1 if algo == "sao" else 4
     config = {
@@ -177,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="run directory (default runs/demo-ALGO)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft-steps", type=int, default=60, help="supervised warm-start steps (0: none)")
-    parser.add_argument("--task", default="copy", choices=["copy", "reverse", "count"], help="the procedural task")
+    parser.add_argument(
+        "--task", default="copy", choices=["copy", "reverse", "count"], help="the procedural task"
+    )
     parser.add_argument("--compare", action="store_true", help="run SAO, PPO and GRPO and overlay them")
     args = parser.parse_args(argv)
     if not args.compare:
