@@ -698,8 +698,26 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path = Path(".")
     return resolve(config, base_dir=base_dir, source=source)
 
 
-def load_config(path: str | Path) -> ResolvedConfig:
-    """Reads a user's YAML config; relative paths in it are relative to the file's directory."""
+def apply_overrides(data: dict, assignments: list[str]) -> dict:
+    """`a.b.c=VALUE` (VALUE read as YAML: numbers, lists, strings) into a copy of `data`."""
+    data = json.loads(json.dumps(data))
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key:
+            raise ConfigError("--set", [f"{assignment!r}: expected KEY=VALUE (e.g. transport.host=10.0.0.5)"])
+        node = data
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError("--set", [f"{key}: {part} is not a section"])
+        node[last] = yaml.safe_load(raw)
+    return data
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> ResolvedConfig:
+    """Reads a user's YAML config, with `KEY=VALUE` overrides; relative paths in it are
+    relative to the file's directory."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(str(path), ["file not found"])
@@ -707,6 +725,8 @@ def load_config(path: str | Path) -> ResolvedConfig:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), [f"not valid YAML: {exc}"]) from None
+    if overrides:
+        data = apply_overrides(data if isinstance(data, dict) else {}, list(overrides))
     return parse_config(data, source=str(path), base_dir=path.parent)
 
 

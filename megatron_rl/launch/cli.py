@@ -9,10 +9,8 @@ from megatron_rl.config import ConfigError, load_config
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    from megatron_rl.launch.job_steps import load_config_with_overrides
-
     try:
-        resolved = load_config_with_overrides(args.config, args.set) if args.set else load_config(args.config)
+        resolved = load_config(args.config, args.set)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2

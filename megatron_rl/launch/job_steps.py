@@ -12,44 +12,9 @@ the signals srun sends reach vLLM and the router directly.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-
-import yaml
-
-from megatron_rl.config import ConfigError, parse_config
-
-
-def apply_overrides(data: dict, assignments: list[str]) -> dict:
-    """`a.b.c=VALUE` (VALUE as YAML: numbers, lists, strings) into a copy of `data`."""
-    data = json.loads(json.dumps(data))
-    for assignment in assignments:
-        key, sep, raw = assignment.partition("=")
-        if not sep or not key:
-            raise ConfigError("--set", [f"{assignment!r}: expected KEY=VALUE (e.g. transport.host=10.0.0.5)"])
-        node = data
-        *parents, last = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError("--set", [f"{key}: {part} is not a section"])
-        node[last] = yaml.safe_load(raw)
-    return data
-
-
-def load_config_with_overrides(path: str, assignments: list[str]):
-    from pathlib import Path
-
-    source = Path(path)
-    if not source.is_file():
-        raise ConfigError(str(source), ["file not found"])
-    try:
-        data = yaml.safe_load(source.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(str(source), [f"not valid YAML: {exc}"]) from None
-    return parse_config(apply_overrides(data, assignments), source=str(source), base_dir=source.parent)
 
 
 def _servers(resolved, devices_env: str | None = None):
