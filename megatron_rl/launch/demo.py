@@ -191,7 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.compare:
         return run_demo(
-            args.algo, args.steps, args.out or Path("runs") / f"demo-{args.algo}", args.seed, args.sft_steps
+            args.algo,
+            args.steps,
+            args.out or Path("runs") / f"demo-{args.algo}",
+            args.seed,
+            args.sft_steps,
+            args.task,
         )
     from megatron_rl.launch.plot import plot_runs, summary_table
 
