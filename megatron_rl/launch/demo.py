@@ -109,6 +109,8 @@ class ProgressLines:
         if not path.is_file():
             return
         lines = path.read_text().splitlines()
+        if len(lines) == self.seen:  # nothing new: skip the critic's file too
+            return
         critic = {}
         critic_path = self.run_dir / "critic_metrics.jsonl"
         if critic_path.is_file():

@@ -17,20 +17,17 @@ import sys
 import time
 
 
-def _servers(resolved, devices_env: str | None = None):
+def exec_inference_server(resolved, index: int) -> None:
+    """Becomes server `index`; its devices are the ones SLURM gave this step."""
     from megatron_rl.inference.pool import InferencePool
 
-    inference = resolved.inference
-    # Inside a SLURM step the step's GPUs are CUDA_VISIBLE_DEVICES already.
-    devices = [["0"] * inference.tp for _ in range(inference.num_servers)]
-    return InferencePool.from_config(resolved, devices, f"{resolved.logging.dir}/logs", launch=False)
-
-
-def exec_inference_server(resolved, index: int) -> None:
-    server = _servers(resolved)[index]
-    env = dict(server.env)
-    if "SLURM_STEP_GPUS" in os.environ or "CUDA_VISIBLE_DEVICES" in os.environ:
-        env["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    placeholder = [["0"] * resolved.inference.tp for _ in range(resolved.inference.num_servers)]
+    server = InferencePool.from_config(resolved, placeholder, f"{resolved.logging.dir}/logs", launch=False)[
+        index
+    ]
+    env = {k: v for k, v in server.env.items() if k != "CUDA_VISIBLE_DEVICES"}
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
     print(f"inference server {index}: {' '.join(server.command)}", flush=True)
     os.execve(server.command[0], server.command, env)
 

@@ -83,7 +83,9 @@ class MetricsWriter:
         path = self.dir / "policy_metrics.jsonl"
         if not path.is_file():
             return None, None
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        with open(path, "rb") as f:  # only the last line: the file grows every step
+            f.seek(max(0, f.seek(0, 2) - 65536))
+            lines = [line for line in f.read().splitlines() if line.strip()]
         if not lines:
             return None, None
         last = json.loads(lines[-1])

@@ -68,7 +68,8 @@ class VersionFollower:
                             )
                 else:  # path (b): the policy installs; learn the version from the servers
                     await asyncio.to_thread(self.sync.refresh)
-                await asyncio.sleep(self.poll_s)
+                # path (b) asks every server over HTTP: once a second, not at the file-poll rate
+                await asyncio.sleep(self.poll_s if self.publish_dir is not None else max(self.poll_s, 1.0))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # surfaced by wait_for
