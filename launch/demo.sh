@@ -6,6 +6,5 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/ensure_venv.sh" --cpu
-cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$root/.venv/bin/python" -m megatron_rl.launch.demo "$@"

@@ -163,6 +163,7 @@ def run_demo(algo: str, steps: int, out: Path, seed: int, sft_steps: int, task: 
     from megatron_rl.launch.local import run_local
     from megatron_rl.launch.plot import plot_runs, summary_table
 
+    out = out.resolve()  # the config's paths are read relative to the config's own directory
     out.mkdir(parents=True, exist_ok=True)
     model, policy_ckpt, value_ckpt = prepare(out, seed, sft_steps, task)
     config_path = out / "config.yaml"

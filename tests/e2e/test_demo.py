@@ -22,9 +22,9 @@ def lines(path: Path) -> list[dict]:
 def test_demo_runs_each_algorithm(tmp_path, algo):
     out = tmp_path / f"demo-{algo}"
     result = subprocess.run(
-        ["bash", str(ROOT / "launch" / "demo.sh"), "--algo", algo, "--steps", "3", "--out", str(out),
-         "--sft-steps", "5", "--seed", "3"],
-        capture_output=True, text=True, timeout=900,
+        ["bash", str(ROOT / "launch" / "demo.sh"), "--algo", algo, "--steps", "3", "--out", out.name,
+         "--sft-steps", "5", "--seed", "3"],  # a relative --out, as a user types it
+        capture_output=True, text=True, timeout=900, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[demo] step   2/3" in result.stdout and "reward first 5" in result.stdout
