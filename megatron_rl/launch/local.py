@@ -300,6 +300,7 @@ class Supervisor:
                 self.say("interrupted: stopping every component")
                 return 130
             if problem == "done":
+                self._let_finish(running)
                 self.say("the orchestrator finished its steps: stopping every component")
                 return 0
             self.say(problem)
@@ -309,6 +310,16 @@ class Supervisor:
             self.stop_all()
             signal.signal(signal.SIGINT, previous)
             signal.signal(signal.SIGTERM, previous_term)
+
+    def _let_finish(self, running: list[Component]) -> None:
+        """The policy ends its last step (metrics, checkpoint) by itself: wait for it, up to the grace period."""
+        deadline = time.monotonic() + self.grace_s
+        for component in running:
+            if component.may_finish and component.process.poll() is None:
+                try:
+                    component.process.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
 
     def _interrupt(self, *_):
         self.interrupted = True
