@@ -21,7 +21,7 @@ themselves (our worker extension records it), and moves them to a new version:
 
 A server whose version is behind the pool's version is removed from the router, so it gets no
 rollout traffic (a restarted server with initial weights must not serve), and is added back
-once it has been brought up to date (`restart_server` does both for path (a)).
+once it has been brought up to date (`bring_up_to_date`, path (a)).
 """
 
 from __future__ import annotations
@@ -273,31 +273,6 @@ class InferencePool:
             servers, inference.router_port, log_dir, router_host=inference.host,
             startup_timeout_s=inference.startup_timeout_s, router_settings=router_settings(resolved),
         )  # fmt: skip
-
-    def restart_server(self, index: int, weights_dir: str | Path | None, timeout_s: float = 1800.0) -> None:
-        """Restarts server `index` (e.g. after a crash): out of the router until it runs the
-        pool's version again (loaded from `weights_dir`, path (a))."""
-        server = self.servers[index]
-        self.sync.server_versions[server.url] = -1  # unknown until it answers
-        self.sync._reconcile()
-        server.stop()
-        server.start()
-        server.wait_ready(timeout_s)
-        self.sync.server_versions[server.url] = server.control.weights_version()
-        self.sync.bring_up_to_date(server.control, weights_dir)
-
-    def check_alive(self) -> None:
-        """Raises naming the first server (or the router) whose process has exited."""
-        for server in self.servers:
-            if not server.alive():
-                raise ServerStartError(
-                    f"{server.name} exited with code {server.process.returncode}; last lines of "
-                    f"{server.log_path}:\n{server.log_tail()}"
-                )
-        if not self.router.alive():
-            raise ServerStartError(
-                f"vllm-router on {self.router.url} exited with code {self.router.process.returncode}"
-            )
 
     def stop(self) -> None:
         self.router.stop()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
@@ -44,7 +44,6 @@ class StepPlacement:
     name: str
     nodes: list[int]  # indices into the job's node list
     gpus_per_node: int
-    extra: dict = field(default_factory=dict)
 
 
 def place(resolved) -> dict[str, StepPlacement | list[StepPlacement]]:
