@@ -122,7 +122,7 @@ class PPOAlgorithm(Algorithm):
             values=_pad([s.values for s in samples], torch.float64),
             loss_mask=_pad([s.loss_mask for s in samples], torch.bool, False),
             bootstrap_values=torch.tensor([s.bootstrap_value for s in samples], dtype=torch.float64),
-            truncated=torch.tensor([s.truncated for s in samples]),
+            truncated=torch.tensor([s.truncated and not s.episode_done for s in samples]),  # bootstrap the tail
             gamma=c.gamma,
             policy_lambda=c.policy_lambda,
             value_lambda=c.value_lambda,

@@ -19,6 +19,13 @@ class TrainingSample:
     sampler's log-probability per token (0 where not an action). Annotated later: `values`
     (per token, the value of the state before that token), `bootstrap_value`, `advantages`,
     `returns` (per token, 0 off the action tokens).
+
+    `truncated`: ended without EOS. `episode_done`: the environment ended the episode, so its
+    reward is final and the value after the last token is 0. GAE bootstraps the tail with the
+    critic's value only when a sample is truncated and its episode is not done (a multi-turn
+    rollout cut off by its token budget). A single-turn answer cut off at the length limit and
+    graded is done: bootstrapping it would add V to a terminal reward, which at gamma 1 grows
+    the values without bound.
     """
 
     token_ids: np.ndarray  # [T] int64
@@ -26,6 +33,7 @@ class TrainingSample:
     inference_logprobs: np.ndarray  # [T] float32
     reward: float
     truncated: bool = False
+    episode_done: bool = False
     group_id: int = 0
     branch_index: int = 0
     policy_version: int = 0

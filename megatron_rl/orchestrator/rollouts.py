@@ -48,7 +48,8 @@ class Member:
     trajectory: TokenTrajectory | None = None
     reward: float = 0.0
     passed: bool | None = None
-    truncated: bool = False  # ended without EOS: the tail is bootstrapped
+    truncated: bool = False  # ended without EOS (the length limit or the token budget)
+    episode_done: bool = False  # the environment ended the episode (its reward is final)
     error: str | None = None
 
     @property
@@ -102,6 +103,7 @@ async def run_member(
         branch_index=branch, status="finished", trajectory=trajectory,
         reward=turn_result.reward if turn_result is not None and turn_result.done else 0.0,
         passed=turn_result.passed if turn_result is not None else None, truncated=truncated,
+        episode_done=turn_result is not None and turn_result.done,
     )  # fmt: skip
 
 

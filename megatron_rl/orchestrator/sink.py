@@ -61,6 +61,7 @@ class TrainSink:
                 inference_logprobs=np.asarray(m.trajectory.logprobs, dtype=np.float32),
                 reward=float(m.reward),
                 truncated=m.truncated,
+                episode_done=m.episode_done,
                 group_id=group.group_id,
                 branch_index=m.branch_index,
                 policy_version=m.trajectory.policy_version,

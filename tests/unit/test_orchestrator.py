@@ -142,9 +142,42 @@ def test_multi_turn_tool_rollout_tokens_masks_and_gae(encoder):
     assert sample.loss_mask.tolist() == expected_mask
     assert sample.inference_logprobs[~sample.loss_mask].tolist() == [0.0] * (len(prompt) + len(observation))
     a = resolved.algorithm
-    reference = per_token_gae(sample.reward, sample.values.astype(np.float64), expected_mask,
-                              sample.bootstrap_value, sample.truncated, a.gamma, a.policy_lambda)  # fmt: skip
+    reference = per_token_gae(sample.reward, sample.values.astype(np.float64), expected_mask, sample.bootstrap_value,
+                              sample.truncated and not sample.episode_done, a.gamma, a.policy_lambda)  # fmt: skip
     assert sample.advantages == pytest.approx(reference, abs=1e-5)
+
+
+def test_only_an_unfinished_episode_bootstraps_its_tail(encoder):
+    """A single-turn answer cut off at the length limit is graded: its episode is done, the value
+    after its last token is 0 (a bootstrap would add V to a final reward: at gamma 1 the values
+    grew from 0 to 6 in 24 demo steps with rewards <= 1). A multi-turn rollout that runs out of
+    its token budget before the environment finished is bootstrapped with the critic's value."""
+    tok = encoder.tokenizer
+    resolved = orchestrator_config("ppo", num_steps=1, batch_size=1, group_size=1, max_completion_tokens=4,
+                                   seed=0)  # fmt: skip
+    long_answer = tok.encode("xxxxxxxx", add_special_tokens=False)
+    orchestrator, *_ = build(resolved, encoder, {"script": [long_answer]}, dataset="count")
+    asyncio.run(orchestrator.run())
+    graded = orchestrator.shipped_log[0][1]
+    assert graded.truncated and graded.episode_done and graded.bootstrap_value != 0.0
+    a, mask = resolved.algorithm, graded.loss_mask.tolist()
+    values = graded.values.astype(np.float64)
+    last = max(t for t in range(len(mask)) if mask[t])
+    assert graded.returns[last] == pytest.approx(graded.reward, abs=1e-6)  # no V added to the final reward
+    reference = per_token_gae(graded.reward, values, mask, graded.bootstrap_value, False, a.gamma, a.policy_lambda)
+    assert graded.advantages == pytest.approx(reference, abs=1e-5)
+
+    call = tok.encode("<calc>2*3</calc>", add_special_tokens=False)
+    resolved = orchestrator_config("ppo", num_steps=1, batch_size=1, group_size=1,
+                                   max_completion_tokens=len(call) + 2, seed=0)  # fmt: skip
+    orchestrator, *_ = build(resolved, encoder, {"script": [call, call]}, env="calculator")
+    asyncio.run(orchestrator.run())
+    cut = orchestrator.shipped_log[0][1]
+    assert cut.truncated and not cut.episode_done and cut.reward == 0.0
+    mask = cut.loss_mask.tolist()
+    reference = per_token_gae(0.0, cut.values.astype(np.float64), mask, cut.bootstrap_value, True, a.gamma,
+                              a.policy_lambda)  # fmt: skip
+    assert cut.advantages == pytest.approx(reference, abs=1e-5)
 
 
 def test_resume_continues_with_the_same_prompts(encoder, tmp_path):
