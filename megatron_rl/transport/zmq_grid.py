@@ -22,6 +22,15 @@ from megatron_rl.transport.codec import TransportError, TransportTimeout, decode
 
 log = logging.getLogger(__name__)
 _pack, _unpack = msgspec.msgpack.encode, msgspec.msgpack.decode
+MAX_REQUEST_BYTES = 64 * 1024  # requests are a few small integers; ZMQ drops larger messages
+
+
+class _Request(msgspec.Struct, forbid_unknown_fields=True):
+    """A receiver's HELLO / GET / ACK payload (GET and ACK name a step)."""
+
+    data_rank: int
+    receiver_id: int
+    step: int | None = None
 
 
 class GridSender:
@@ -45,6 +54,7 @@ class GridSender:
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         self._socket.bind(self.endpoint)
         self._inbox: queue.Queue = queue.Queue()
         self._state = threading.Condition()
@@ -139,7 +149,12 @@ class GridSender:
                 while not self._inbox.empty():
                     self._serve_waiting(self._inbox.get())
                 if poller.poll(20):
-                    self._handle(self._socket.recv_multipart(copy=True))
+                    message = self._socket.recv_multipart(copy=True)
+                    try:
+                        self._handle(message)
+                    except Exception as exc:  # one bad request never ends the sender
+                        peer = message[0].hex() if message else "?"
+                        log.warning("%s (%s): request from peer %s dropped: %r", self.endpoint, self.name, peer, exc)
         except BaseException as exc:  # surfaced to callers by _raise_if_failed
             self._error = exc
             with self._state:
@@ -170,12 +185,21 @@ class GridSender:
             )
             return
         identity, kind, payload = message
-        try:
-            request = _unpack(payload)
-            data_rank, receiver = int(request["data_rank"]), int(request["receiver_id"])
-        except (msgspec.DecodeError, KeyError, TypeError, ValueError):
-            self._reply(identity, b"ERROR", {"message": "malformed request"})
+        if kind not in (b"HELLO", b"GET", b"ACK"):
+            log.warning("%s (%s): unknown request kind %r from peer %s", self.endpoint, self.name, kind[:32],
+                        identity.hex())  # fmt: skip
+            self._reply(identity, b"ERROR", {"message": f"unknown request kind {kind[:32]!r}"})
             return
+        try:
+            request = _unpack(payload, type=_Request)
+            if kind != b"HELLO" and request.step is None:
+                raise ValueError(f"{kind.decode()} without a step")
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            log.warning("%s (%s): malformed %s request from peer %s: %s", self.endpoint, self.name, kind.decode(),
+                        identity.hex(), exc)  # fmt: skip
+            self._reply(identity, b"ERROR", {"message": f"malformed {kind.decode()} request: {exc}"})
+            return
+        data_rank, receiver, step = request.data_rank, request.receiver_id, request.step
         if not (0 <= data_rank < self.dp and 0 <= receiver < self.receivers_per_data_rank):
             self._reply(
                 identity,
@@ -192,7 +216,6 @@ class GridSender:
                 self._state.notify_all()
             self._reply(identity, b"WELCOME", {"name": self.name, "data_parallel_size": self.dp})
         elif kind == b"GET":
-            step = int(request["step"])
             with self._state:
                 published = step in self._items or step in self._released
             if published:
@@ -200,7 +223,6 @@ class GridSender:
             else:
                 self._waiting.setdefault(step, []).append((identity, data_rank))
         elif kind == b"ACK":
-            step = int(request["step"])
             with self._state:
                 if step in self._acks:
                     self._acks[step].add((data_rank, receiver))
@@ -208,8 +230,6 @@ class GridSender:
                         del self._items[step], self._acks[step]
                         self._released.add(step)
                 self._state.notify_all()
-        else:
-            self._reply(identity, b"ERROR", {"message": f"unknown request kind {kind!r}"})
 
 
 class GridReceiver:

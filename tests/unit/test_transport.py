@@ -201,3 +201,50 @@ def test_handshake_timeout_and_layout_errors_name_the_endpoint():
             sender.publish(0, make_grid(0, 1))
         with pytest.raises(TransportTimeout, match="0 of 2 receivers connected"):
             sender.wait_for_receivers(timeout_s=0.2)
+
+
+def test_sender_survives_malformed_requests_and_keeps_serving(caplog):
+    """Missing / non-integer / boolean step, undecodable payload, unknown fields and kinds, wrong
+    frame count and an oversized message: each is answered with ERROR or dropped, logged with the
+    peer, and the sender still delivers to a well-behaved receiver afterwards."""
+    port = free_port()
+    pack = msgspec.msgpack.encode
+    who = {"data_rank": 0, "receiver_id": 0}
+    bad = [
+        [b"GET", pack(who)],  # no step
+        [b"ACK", pack({**who, "step": "five"})],
+        [b"GET", pack({**who, "step": True})],
+        [b"GET", pack({**who, "step": 1.5})],
+        [b"GET", b"\xc1 not msgpack"],
+        [b"GET", pack([1, 2, 3])],
+        [b"GET", pack({**who, "step": 5, "extra": 1})],
+        [b"HELLO", pack({"data_rank": "zero", "receiver_id": 0})],
+        [b"STEAL", pack({**who, "step": 5})],
+        [b"GET"],  # one frame short
+        [b"GET", pack({**who, "step": 5}), b"surplus"],
+    ]
+    with GridSender("127.0.0.1", port, data_parallel_size=1) as sender:
+        grid = make_grid(5, 1)
+        sender.publish(5, grid)
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.connect(f"tcp://127.0.0.1:{port}")
+        errors = 0
+        with caplog.at_level("WARNING"):
+            for message in bad:
+                raw.send_multipart(message)
+                if raw.poll(300):
+                    kind, payload = raw.recv_multipart()
+                    assert kind == b"ERROR", kind
+                    errors += 1
+            huge = zmq.Context.instance().socket(zmq.DEALER)  # over MAX_REQUEST_BYTES: ZMQ drops the peer
+            huge.connect(f"tcp://127.0.0.1:{port}")
+            huge.send_multipart([b"GET", b"x" * (2 * 1024 * 1024)])
+            assert not huge.poll(300)
+            huge.close(linger=0)
+        assert errors == 9  # the two wrong-frame-count messages are dropped without a reply
+        assert "malformed GET request from peer" in caplog.text and "unknown request kind" in caplog.text
+        raw.close(linger=0)
+        with GridReceiver("127.0.0.1", port, data_rank=0, timeout_s=10) as receiver:
+            assert_same_micro_batches(receiver.receive(5), grid[0])
+        sender.wait_delivered(5, timeout_s=10)
+        sender.publish(6, make_grid(6, 1))  # the sender thread is alive and accepts more
