@@ -11,10 +11,21 @@ from __future__ import annotations
 
 import torch
 
+# |log pi - log pi_old| above this is clamped before exp (SAO's reference clamps at 20): in float32
+# exp overflows at 88.7, and a masked inf ratio still sends 0 * inf = NaN back through torch.where.
+# Beyond the clamp the token's gradient is 0; its ratio metrics see e^20.
+LOG_RATIO_CLAMP = 20.0
+
+
+def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw log-ratio, ratio = exp(log-ratio clamped to +-LOG_RATIO_CLAMP))."""
+    log_ratio = logprobs - old_logprobs
+    return log_ratio, torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
 
 def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
-    """r_t = exp(logp_theta - logp_old)."""
-    return torch.exp(logprobs - old_logprobs)
+    """r_t = exp(logp_theta - logp_old), the log-ratio clamped to +-LOG_RATIO_CLAMP."""
+    return _log_ratio(logprobs, old_logprobs)[1]
 
 
 def _ratio_metrics(
@@ -24,7 +35,7 @@ def _ratio_metrics(
     masked = ratio[mask]
     # k3 estimator of KL(old || new): E[(r - 1) - log r], non-negative per token; in float64 with
     # expm1, so a train-inference mismatch of 1e-7 per token is not rounded to 0.
-    log_ratio64 = log_ratio.detach().double()
+    log_ratio64 = torch.clamp(log_ratio.detach().double(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     approx_kl = torch.expm1(log_ratio64) - log_ratio64
     return {
         "num_tokens": mask.sum().to(torch.float64),
@@ -50,8 +61,7 @@ def ppo_clip_loss(
     With `dual_clip` c > 1, tokens with A_t < 0 are further bounded: loss_t = min(loss_t, -c A_t).
     """
     mask = mask.bool()
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
+    log_ratio, ratio = _log_ratio(logprobs, old_logprobs)
     unclipped = -ratio * advantages
     clipped = -torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
     per_token = torch.maximum(unclipped, clipped)
@@ -82,8 +92,7 @@ def sao_dis_loss(
     masked-out tokens stay in the denominator (the normalizer counts them).
     """
     mask = mask.bool()
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
+    log_ratio, ratio = _log_ratio(logprobs, old_logprobs)
     with torch.no_grad():
         inside = (ratio > 1.0 - eps_low) & (ratio < 1.0 + eps_high)
     per_token = -ratio * advantages

@@ -271,6 +271,8 @@ def _summary(phase: str, step: int, results: list[dict], head_only: bool, second
         "value_mean": results[-1].get("value_sum", 0.0) / tokens,
         "clip_fraction": results[-1].get("clipped_sum", 0.0) / tokens,
         "grad_norm": results[-1]["grad_norm"],
+        "update_skipped": sum(not r.get("update_successful", True) for r in results),  # epochs skipped
+        "skipped_steps": results[-1].get("skipped_steps", 0),
         "lr": results[-1]["lr"],
         "head_only": head_only,
         "seconds": seconds,
@@ -284,6 +286,8 @@ def write_metrics(path: Path, record: dict, console: bool) -> None:
         print(
             f"[critic] {record['phase']} step {record['step']} loss {record['loss']:.4f} -> {record['final_loss']:.4f} "
             f"({len(record['epoch_losses'])} epochs) value {record['value_mean']:+.3f} grad_norm {record['grad_norm'] or 0:.3f} "
-            f"lr {record['lr']:.2e}{' head-only' if record['head_only'] else ''} {record['seconds']:.2f}s",
+            f"lr {record['lr']:.2e}{' head-only' if record['head_only'] else ''} {record['seconds']:.2f}s"
+            + (f" | {record['update_skipped']} optimizer step(s) SKIPPED: non-finite loss or gradients "
+               f"({record['skipped_steps']} skipped so far)" if record.get("update_skipped") else ""),  # fmt: skip
             flush=True,
         )

@@ -31,7 +31,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 # Chosen by measurement (README "The demo", benchmarks/demo_learning.py): `count` rises from the
 # random initialisation for all three algorithms at 64 rollouts a step with a character vocabulary.
-DEFAULTS = {"steps": 50, "task": "count", "sft_steps": 0, "rollouts": 64, "lr": 1.0e-3}
+DEFAULTS = {"steps": 50, "task": "count", "sft_steps": 0, "rollouts": 64, "lr": 3.0e-3}
 
 
 def demo_config(

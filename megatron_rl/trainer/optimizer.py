@@ -26,6 +26,7 @@ class Trainable:
     optimizer: object
     scheduler: object
     head_only: bool = False  # train only the head groups this step (see set_head_only)
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
 
 
 def build_trainable(

@@ -166,6 +166,8 @@ def _summarise(step: int, metrics: dict, seconds: float) -> dict:
         "entropy": metrics.get("entropy_sum", 0.0) / tokens,
         "kl_ref": metrics.get("kl_ref_sum", 0.0) / tokens,
         "grad_norm": metrics.get("grad_norm"),
+        "update_skipped": not metrics.get("update_successful", True),
+        "skipped_steps": metrics.get("skipped_steps", 0),
         "lr": metrics.get("lr"),
         "seconds": seconds,
         "tokens_per_s": metrics["num_tokens"] / seconds if seconds > 0 else None,
@@ -177,4 +179,6 @@ def _console_line(record: dict) -> str:
         f"[policy] step {record['step']} loss {record['loss']:+.4f} clip {record['clip_fraction']:.3f} "
         f"ratio {record['ratio_mean']:.3f} kl {record['approx_kl']:.2e} kl_ref {record['kl_ref']:.2e} entropy {record['entropy']:.3f} "
         f"grad_norm {record['grad_norm'] or 0:.3f} lr {record['lr']:.2e} {record['tokens_per_s'] or 0:.0f} tok/s"
-    )
+        + (f" | optimizer step SKIPPED: non-finite loss or gradients ({record['skipped_steps']} skipped so far)"
+           if record.get("update_skipped") else "")
+    )  # fmt: skip

@@ -75,16 +75,41 @@ def train_step(
     )
     if trainable.head_only:
         freeze_non_head_groups(trainable)
-    update_successful, grad_norm, _ = trainable.optimizer.step()
     lr = trainable.optimizer.param_groups[0]["lr"]
-    trainable.scheduler.step(1)
+    if all_finite(trainable, reported):
+        update_successful, grad_norm, _ = trainable.optimizer.step()
+        trainable.scheduler.step(1)
+    else:  # never write NaN/inf into the weights: drop this step's gradients, keep the weights
+        trainable.optimizer.zero_grad()
+        for chunk in trainable.model:
+            chunk.zero_grad_buffer()
+        trainable.skipped_steps += 1
+        update_successful, grad_norm = False, None
     metrics = _reduce_metrics(reported, batches)
     metrics.update(
         grad_norm=float(grad_norm) if grad_norm is not None else None,
         update_successful=bool(update_successful),
+        skipped_steps=trainable.skipped_steps,
         lr=lr,
     )
     return metrics
+
+
+def all_finite(trainable: Trainable, reported: list[dict]) -> bool:
+    """Whether this step's loss and every gradient are finite on every rank of the role (one
+    all-reduce of a flag). Checks megatron's contiguous gradient buffers, so it costs one pass
+    over the gradients; a non-finite gradient anywhere makes the reduced gradients non-finite."""
+    finite = all(bool(torch.isfinite(torch.as_tensor(r["loss_sum"])).all()) for r in reported if "loss_sum" in r)
+    for chunk in trainable.model:
+        buffers = [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]
+        grads = [b.grad_data for b in buffers] if buffers else [
+            getattr(p, "main_grad", p.grad) for p in chunk.parameters() if p.requires_grad
+        ]  # fmt: skip
+        finite = finite and all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+    flag = torch.tensor([0.0 if finite else 1.0])
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return flag.item() == 0.0
 
 
 def _reduce_metrics(reported: list[dict], batches: list[RankBatch]) -> dict:

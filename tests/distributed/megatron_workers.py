@@ -720,3 +720,35 @@ def kl_training_steps(rank, world_size, arch, full, tp, cp, kl_coef, steps=2):
             | {"kl_ref_sum": metrics.get("kl_ref_sum", 0.0)}
         )
     return records, gather_full_parameters(model)
+
+
+def poisoned_then_clean_steps(rank, world_size, arch, full, poison_rank):
+    """A step whose loss is NaN on `poison_rank` only, then a clean step. Returns (metrics of
+    both, parameters before, after the poisoned step, after the clean step)."""
+    from megatron.core import parallel_state
+
+    from megatron_rl.algorithms import InProcessScorer, make_algorithm
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.models.sharding import gather_full_parameters
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.step import policy_loss_func, train_step
+
+    parallel.initialize_model_parallel(tp=1, cp=1)
+    model = build_gpt_model(arch, tp=1, cp=1)
+    load_full_state_dict(model, full)
+    trainable = build_trainable(model, OptimizerConfig(lr=1e-3, grad_clip=1.0), total_steps=10)
+    dp = parallel_state.get_data_parallel_world_size()
+    grid = pack_into_grid(training_samples(6, arch.vocab_size), 64, dp, 1)
+    clean = policy_loss_func(make_algorithm(AlgorithmConfig(type="sao"), InProcessScorer(lambda b: None)))
+
+    def poisoned(output, batch):
+        loss, metrics = clean(output, batch)
+        return (loss * float("nan") if rank == poison_rank else loss), metrics
+
+    before = gather_full_parameters(model)
+    rows = grid[parallel_state.get_data_parallel_rank()]
+    first = train_step(trainable, rows, poisoned)
+    after_poison = gather_full_parameters(model)
+    second = train_step(trainable, rows, clean)
+    return first, second, before, after_poison, gather_full_parameters(model)

@@ -81,3 +81,18 @@ def test_kl_to_reference_policy(weights):
                 torch.testing.assert_close(
                     params[name], value, atol=1e-5, rtol=0, msg=f"{name} tp={tp} cp={cp}"
                 )
+
+
+def test_a_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(weights):
+    """NaN loss on DP rank 1 only: no rank writes NaN into its weights, every rank reports the
+    skipped step, and the next clean step trains normally."""
+    for first, second, before, after_poison, after_clean in run_ranks(
+        w.poisoned_then_clean_steps, 2, ARCH, weights, 1
+    ):
+        assert first["update_successful"] is False and first["skipped_steps"] == 1
+        assert first["grad_norm"] is None
+        for name, value in before.items():
+            assert torch.equal(after_poison[name], value), name
+        assert second["update_successful"] is True and second["skipped_steps"] == 1
+        assert all(torch.isfinite(v).all() for v in after_clean.values())
+        assert max(float((after_clean[k] - before[k]).abs().max()) for k in before) > 1e-5
