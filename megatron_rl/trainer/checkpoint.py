@@ -41,6 +41,15 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def load_rng_file(path: Path) -> dict:
+    """A rank's RNG state: tensors in dicts only (`weights_only=True`: a checkpoint from someone
+    else never runs code here)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as exc:
+        raise ValueError(f"{path}: not a plain-tensor RNG state, refusing to load it ({exc})") from exc
+
+
 def save_checkpoint(
     directory: str | Path, step: int, trainable: Trainable, extra: dict | None = None, keep_last: int = 2
 ) -> Path:
@@ -151,5 +160,5 @@ def load_checkpoint(directory: str | Path, trainable: Trainable, step: int | Non
     trainable.scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / "rng" / f"rank{dist.get_rank():05d}.pt"
     if meta["world_size"] == dist.get_world_size() and rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(load_rng_file(rng_file))
     return meta
