@@ -205,6 +205,11 @@ class ScoringService:
         self._error: BaseException | None = None
 
     @property
+    def max_body_bytes(self) -> int:
+        """Room for the largest valid request: every token id up to 7 digits plus ", ", and 1 MiB."""
+        return self.max_batch_sequences * self.seq_len * 9 + (1 << 20)
+
+    @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
@@ -212,7 +217,15 @@ class ScoringService:
     async def _score(self, request):
         from aiohttp import web
 
-        body = await request.read()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return web.json_response(
+                {"error": f"request body of {request.content_length} bytes is over this critic's limit of "
+                 f"{self.max_body_bytes} bytes (room for value.service.max_batch_sequences "
+                 f"{self.max_batch_sequences} sequences of seq_len {self.seq_len} tokens): split it"},
+                status=413,
+            )  # fmt: skip
         try:
             sequences, legacy = parse_score_request(
                 body, self.vocab_size, self.seq_len, self.max_batch_sequences
@@ -260,9 +273,7 @@ class ScoringService:
     def _app(self):
         from aiohttp import web
 
-        # Room for the largest valid request: every token id up to 7 digits plus a separator.
-        max_body = self.max_batch_sequences * self.seq_len * 9 + (1 << 20)
-        app = web.Application(client_max_size=max_body)
+        app = web.Application(client_max_size=self.max_body_bytes)
         app.router.add_post("/score", self._score)
         app.router.add_get("/status", self._status)
         app.router.add_get("/health", self._health)

@@ -81,3 +81,46 @@ def test_queue_fail_all_reaches_every_waiting_request():
     for future in futures:
         with pytest.raises(RuntimeError, match="shutting down"):
             future.result(timeout=1)
+
+
+def test_the_largest_valid_request_is_scored_and_a_larger_one_gets_413():
+    """At 64 x 4,096 tokens of 6-digit ids the largest valid body is ~2.1 MB, over aiohttp's 1 MiB
+    default; it is scored. A body over the service's limit is answered 413 with a message."""
+    import socket
+    import threading
+
+    import httpx
+
+    from megatron_rl.critic.service import CriticState, ScoringService
+
+    vocab, seq_len, max_batch = 151_936, 4096, 64
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = ScoreQueue()
+    service = ScoringService("127.0.0.1", port, queue, CriticState({}), vocab, seq_len, max_batch, 60.0)
+    service.start()
+    stop = threading.Event()
+
+    def scorer():  # the critic's main loop, reduced to answering with zeros
+        while not stop.is_set():
+            if queue.wait(0.05):
+                taken = queue.take(max_batch)
+                merged = [ids for t in taken for ids in t.sequences]
+                answer(taken, ScoreResult([np.zeros(len(ids)) for ids in merged], [0.0] * len(merged), 3))
+
+    thread = threading.Thread(target=scorer, daemon=True)
+    thread.start()
+    try:
+        largest = b'{"batched_token_ids": [' + b", ".join([b"[" + b", ".join([b"151935"] * seq_len) + b"]"] * max_batch) + b"]}"
+        assert len(largest) > 2_000_000
+        reply = httpx.post(f"{service.url}/score", content=largest, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert len(reply.json()["values"]) == max_batch and reply.json()["step"] == 3
+        too_big = b'{"batched_token_ids": [[' + b"1, " * (service.max_body_bytes // 3) + b"1]]}"
+        reply = httpx.post(f"{service.url}/score", content=too_big, timeout=60)
+        assert reply.status_code == 413
+        assert "over this critic's limit" in reply.json()["error"] and "max_batch_sequences" in reply.json()["error"]
+    finally:
+        stop.set()
+        service.stop()
