@@ -236,7 +236,6 @@ class AlgorithmConfig(_Strict):
     value_clip: float | None = Field(default=None, gt=0)
     kl_coef: float = Field(default=0.0, ge=0)
     normalize_advantage_std: bool = True  # GRPO: divide by the group's std
-    recompute_old_logprobs: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -463,6 +462,14 @@ def _model_layout(
             errors.append(
                 f"{where}.ep: num_experts ({arch.num_experts}) must be divisible by ep ({model.ep})"
             )
+    # Every packed row is split over CP ranks, and over TP ranks too under sequence parallel
+    # (the builder turns it on for MoE models at tp > 1): seq_len must divide evenly.
+    sequence_parallel = model.tp if model.tp > 1 and arch is not None and arch.num_experts else 1
+    if model.seq_len % (model.cp * sequence_parallel):
+        errors.append(
+            f"{where}.seq_len ({model.seq_len}) must be a multiple of cp ({model.cp})"
+            + (f" x tp ({model.tp}, sequence parallel for MoE)" if sequence_parallel > 1 else "")
+        )
     # Experts are sharded over the data-parallel ranks (times CP): ep must divide dp*cp.
     if (dp * model.cp) % model.ep:
         errors.append(f"{where}.ep: ep ({model.ep}) must divide dp*cp ({dp}*{model.cp})")
@@ -667,6 +674,9 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
         critic_architecture=critic_arch,
     )
     data = config.model_dump()
+    if data["inference"]["weight_update"] == "safetensors" and not data["inference"]["publish_dir"]:
+        # Path (a) needs a directory: without one the policy would publish nothing.
+        data["inference"]["publish_dir"] = str(Path(data["checkpoint"]["dir"]) / "published")
     # Every process reads the resolved file from its own working directory: make paths absolute.
     for section in (data["model"], data["value"]["model"] if data["value"] else None):
         if section and section["hf_config"] and not Path(section["hf_config"]).is_absolute():

@@ -322,3 +322,36 @@ def test_value_pretraining_and_snapshot_rules():
     del config["value"]["lora"]
     resolved = parse_config(config, source="test.yaml")
     assert resolved.value.snapshot.steps == [3] and resolved.value.snapshot.head_only_retune_steps == 0
+
+
+def test_seq_len_must_split_over_cp_and_sequence_parallel_tp():
+    """A valid score request must never make the critic's packing fail: seq_len divides by cp
+    (and by tp where the builder turns on sequence parallel: MoE at tp > 1), for both models."""
+    data = base()
+    data["orchestrator"]["max_completion_tokens"] = 100
+    data["model"].update(seq_len=251, cp=2)
+    assert "model.seq_len (251) must be a multiple of cp (2)" in errors_of(data)
+    data = base()
+    data["orchestrator"]["max_completion_tokens"] = 100
+    data["value"]["model"] = {"architecture": dict(MOE_ARCH), "seq_len": 255, "tp": 2}
+    assert "value.model.seq_len (255) must be a multiple of cp (1) x tp (2, sequence parallel for MoE)" in errors_of(data)
+    data["value"]["model"]["seq_len"] = 256
+    parse_config(data)
+
+
+def test_safetensors_weight_update_publishes_under_checkpoint_dir_by_default():
+    data = base()
+    data["inference"]["weight_update"] = "safetensors"
+    data["checkpoint"] = {"dir": "/runs/x/checkpoints"}
+    assert parse_config(data).inference.publish_dir == "/runs/x/checkpoints/published"
+    data["inference"]["publish_dir"] = "/elsewhere"
+    assert parse_config(data).inference.publish_dir == "/elsewhere"
+    data = base()  # path (b) needs none
+    assert parse_config(data).inference.publish_dir is None
+
+
+def test_recompute_old_logprobs_is_not_a_key():
+    """It was accepted and never read; the sampler's log-probabilities are the ratio's denominator."""
+    data = base()
+    data["algorithm"]["recompute_old_logprobs"] = True
+    assert "algorithm.recompute_old_logprobs: unknown key" in errors_of(data)
