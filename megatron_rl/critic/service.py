@@ -149,6 +149,11 @@ def answer(requests: list[PendingRequest], result: ScoreResult) -> None:
         start = end
 
 
+class ScoringFailed(RuntimeError):
+    """Scoring a merged batch raised on some critic rank: its requests get HTTP 500 (the ranks
+    agreed on it and keep serving)."""
+
+
 class CriticState:
     """What /status reports; written by the critic's main loop, read by the service thread."""
 
@@ -241,7 +246,10 @@ class ScoringService:
                 {"error": f"not scored within {self.request_timeout_s}s (value.service.request_timeout_s)"},
                 status=504,
             )
-        except Exception as exc:  # the critic failed or is shutting down
+        except Exception as exc:
+            if isinstance(exc, ScoringFailed):  # this request's batch raised: not worth a retry
+                return web.json_response({"error": str(exc)}, status=500)
+            # the critic failed or is shutting down
             return web.json_response({"error": f"scoring failed: {exc}"}, status=503)
         if legacy:
             reply = {

@@ -18,6 +18,11 @@ other ranks never block on ZMQ while requests wait. The loop ends after `orchest
 steps only when a signal says so: after the last step the critic keeps answering /score and
 /status (phase "finished") until SIGTERM or SIGINT, which rank 0 turns into STOP after the
 command in progress, so a step being trained is never cut short and every rank exits 0.
+
+A SCORE command that raises on any rank (every rank all-reduces a failure flag after it) answers
+just the merged requests of that command with HTTP 500 naming the cause, and every rank keeps
+serving. An exception while training or pretraining ends the critic: the cause is in its log
+and the process exits non-zero.
 """
 
 from __future__ import annotations
@@ -39,6 +44,17 @@ IDLE, SCORE, PRETRAIN, TRAIN, STOP = range(5)
 IDLE_WAIT_S = 0.05
 
 
+def _any_rank_failed(failed: bool) -> bool:
+    """One all-reduce after every scoring command: every rank learns whether any failed, so all
+    skip the answer together and stay in lockstep. (A failure that leaves one rank inside a
+    collective the others never enter cannot be caught here; the process-group timeout ends it.)"""
+    from megatron_rl.critic.scoring import collective_device
+
+    flag = torch.tensor([1.0 if failed else 0.0], device=collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def _broadcast_command(kind: int = IDLE, arg: int = 0) -> tuple[int, int]:
     from megatron_rl.critic.scoring import collective_device
 
@@ -49,7 +65,7 @@ def _broadcast_command(kind: int = IDLE, arg: int = 0) -> tuple[int, int]:
 
 
 def run_critic(resolved: ResolvedConfig) -> None:
-    from megatron_rl.critic.service import CriticState, ScoreQueue, ScoringService, answer
+    from megatron_rl.critic.service import CriticState, ScoreQueue, ScoringFailed, ScoringService, answer
     from megatron_rl.critic.trainer import CriticTrainer, critic_checkpoint_dir, write_metrics
     from megatron_rl.trainer.receive import grid_receiver
 
@@ -130,12 +146,23 @@ def run_critic(resolved: ResolvedConfig) -> None:
             try:
                 if kind == SCORE:
                     request = [ids for t in taken for ids in t.sequences] if is_rank0 else None
+                    error = None
                     try:
                         result = trainer.score(request)
+                    except Exception as exc:  # answered below; the ranks agree first
+                        log.exception("critic: scoring %d merged sequences failed on this rank", arg)
+                        error = exc
                     except BaseException as exc:
                         for t in taken:
                             t.future.set_exception(exc)
                         raise
+                    if _any_rank_failed(error is not None):
+                        if is_rank0:
+                            cause = f"{type(error).__name__}: {error}" if error else "another rank failed (see its log)"
+                            failure = ScoringFailed(f"scoring {arg} merged sequences failed: {cause}")
+                            for t in taken:
+                                t.future.set_exception(failure)
+                        continue
                     if is_rank0:
                         answer(taken, result)
                         state.add(

@@ -123,3 +123,61 @@ def converted_parameters(rank, world_size, checkpoint_dir):
     from megatron_rl.models.convert import load_checkpoint_full
 
     return load_checkpoint_full(checkpoint_dir)[2]
+
+
+def critic_with_failing_scores(rank, world_size, resolved_path):
+    """`run_critic` on every rank, with scoring made to fail twice: on every rank while packing a
+    batch that holds a 13-token sequence (a deterministic failure), and on rank 1 only after
+    the collectives of the third scoring call. Rank 0 also runs the client in a thread and
+    returns [(status, reply)] for its requests; afterwards it stops the critic with SIGTERM."""
+    import json
+    import os
+    import signal
+    import threading
+    import time
+
+    import httpx
+
+    from megatron_rl.critic import scoring, worker
+    from megatron_rl.critic.trainer import CriticTrainer
+    from megatron_rl.data.packing import PackingError
+
+    original_pack, original_score = scoring.pack_into_grid, CriticTrainer.score
+    calls = {"n": 0}
+
+    def pack(samples, *args, **kwargs):
+        if any(len(s.token_ids) == 13 for s in samples):
+            raise PackingError("injected: a 13-token sequence")
+        return original_pack(samples, *args, **kwargs)
+
+    def score(self, request):
+        result = original_score(self, request)
+        calls["n"] += 1
+        if calls["n"] == 2 and rank == 1:  # the third request (the second was refused while packing)
+            raise RuntimeError("injected: rank 1 fails after its collectives")
+        return result
+
+    scoring.pack_into_grid, CriticTrainer.score = pack, score
+    resolved = load_resolved(resolved_path)
+    url = f"http://{resolved.value.service.host}:{resolved.value.service.port}"
+    replies = []
+
+    def client():
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        for batch in ([[1, 2, 3]], [[5] * 13, [6]], [[7, 8]], [[9, 10, 11]]):
+            reply = httpx.post(f"{url}/score", content=json.dumps({"batched_token_ids": batch}), timeout=60)
+            replies.append((reply.status_code, reply.json()))
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=client, daemon=True) if rank == 0 else None
+    if thread is not None:
+        thread.start()
+    worker.run_critic(resolved)
+    if thread is not None:
+        thread.join(timeout=30)
+    return replies

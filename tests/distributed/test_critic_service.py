@@ -240,3 +240,18 @@ def test_batched_equals_per_sample_at_other_layouts(tiny_models, tmp_path, world
     with start_critic(resolved, path, tmp_path / "ranks") as ranks:
         check_batched_equals_per_sample(critic_url(resolved))
         assert ranks.stop() == [0] * world
+
+
+def test_a_failing_score_request_gets_500_and_the_critic_keeps_serving(tiny_models, tmp_path):
+    """Scoring that raises (on every rank while packing, or on one rank only) answers just that
+    request with HTTP 500 naming the cause; all ranks stay in lockstep and the next requests are
+    scored; SIGTERM still stops every rank cleanly."""
+    from megatron_rl.testing.spawn import run_ranks
+    from tests.distributed.critic_workers import critic_with_failing_scores
+
+    resolved, path = critic_config(tmp_path, tiny_models["qwen3"], world=2, num_steps=1)
+    replies = run_ranks(critic_with_failing_scores, 2, str(path), timeout_s=300)[0]
+    assert [status for status, _ in replies] == [200, 500, 500, 200]
+    assert "PackingError: injected: a 13-token sequence" in replies[1][1]["error"]
+    assert "another rank failed" in replies[2][1]["error"]
+    assert len(replies[3][1]["values"][0]) == 3
