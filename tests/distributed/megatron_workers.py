@@ -752,3 +752,44 @@ def poisoned_then_clean_steps(rank, world_size, arch, full, poison_rank):
     after_poison = gather_full_parameters(model)
     second = train_step(trainable, rows, clean)
     return first, second, before, after_poison, gather_full_parameters(model)
+
+
+class RecordingControl:
+    """An inference server's control that records what it was asked (no server)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def pause(self):
+        self.calls.append("pause")
+
+    def resume(self):
+        self.calls.append("resume")
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append(method)
+
+
+def publish_failing_mid_broadcast(rank, world_size):
+    """BroadcastPublisher.publish on one rank whose stream fails after the servers were paused;
+    returns (the error text, each server's calls)."""
+    from megatron_rl.trainer import publish
+    from megatron_rl.transport import weight_buckets
+
+    def lost(*args, **kwargs):
+        raise ConnectionError("weight-update link lost")
+
+    publish.owned_hf_tensors = lambda model, arch: {}
+    weight_buckets.broadcast_end = lost
+    controls = [RecordingControl(), RecordingControl()]
+    publisher = publish.BroadcastPublisher(controls, "127.0.0.1", 0, backend="gloo", timeout_s=5)
+    publisher.group = object()  # connected (the stream itself is what fails)
+    try:
+        publisher.publish(None, None, version=3)
+        error = None
+    except ConnectionError as exc:
+        error = str(exc)
+    return error, [c.calls for c in controls]

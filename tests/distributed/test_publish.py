@@ -66,3 +66,14 @@ def test_interrupted_publish_keeps_the_previous_version(tiny_models, tmp_path):
     victim.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="sha256 does not match"):
         verify_published(version)
+
+
+def test_a_failed_broadcast_still_resumes_every_inference_server():
+    """Path (b) pauses the servers before streaming; when the stream fails they are resumed
+    (they keep serving the previous version) and the failure reaches the caller."""
+    from megatron_rl.testing.spawn import run_ranks
+    from tests.distributed.megatron_workers import publish_failing_mid_broadcast
+
+    error, calls = run_ranks(publish_failing_mid_broadcast, 1)[0]
+    assert error == "weight-update link lost"
+    assert calls == [["pause", "receive_weights", "resume"]] * 2
