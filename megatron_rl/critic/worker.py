@@ -110,7 +110,9 @@ def run_critic(resolved: ResolvedConfig) -> None:
             service.url,
         )
     # No waiting for the orchestrator's sender: requests are served before it exists.
-    receiver = grid_receiver(resolved, resolved.transport.critic_port, wait_for_sender=False)
+    receiver = grid_receiver(
+        resolved, resolved.transport.critic_port, wait_for_sender=False, vocab_size=trainer.arch.vocab_size
+    )
     prefetched = None  # rank 0's grid item for the next step, once it arrived
     try:
         while True:

@@ -70,7 +70,7 @@ def run_policy(resolved: ResolvedConfig) -> None:
         log.info("policy: %s, layout %s, steps %d..%d", loaded, layout.model_dump(), start, num_steps - 1)
     # A scorer is not needed to train: advantages arrive with the grid.
     loss_func = policy_loss_func(make_algorithm(resolved.algorithm, _NoScorer()), resolved.algorithm.kl_coef)
-    receiver = grid_receiver(resolved, resolved.transport.policy_port)
+    receiver = grid_receiver(resolved, resolved.transport.policy_port, vocab_size=arch.vocab_size)
     broadcaster = make_broadcaster(resolved) if resolved.inference.weight_update == "nccl" else None
     if broadcaster is not None and is_rank0:
         broadcaster.connect()

@@ -15,7 +15,7 @@ def receiver_id_in_replica() -> int:
     )
 
 
-def grid_receiver(resolved: ResolvedConfig, port: int, wait_for_sender: bool = True):
+def grid_receiver(resolved: ResolvedConfig, port: int, wait_for_sender: bool = True, vocab_size: int | None = None):
     """This rank's GridReceiver on a model's ZMQ stream (its data rank, its index in the
     replica); without `wait_for_sender` the handshake completes at the first receive."""
     from megatron.core import parallel_state as ps
@@ -30,4 +30,5 @@ def grid_receiver(resolved: ResolvedConfig, port: int, wait_for_sender: bool = T
         receiver_id=receiver_id_in_replica(),
         timeout_s=transport.receive_timeout_s,
         handshake_timeout_s=transport.handshake_timeout_s if wait_for_sender else None,
+        vocab_size=vocab_size,
     )

@@ -58,54 +58,147 @@ def encode_grid_item(step: int, data_rank: int, micro_batches: list[MicroBatch])
     return [msgspec.msgpack.encode(header), *buffers]
 
 
-def decode_grid_item(frames: list, where: str, step: int, data_rank: int) -> list[MicroBatch]:
-    """Validates and decodes frames; raises TransportError naming `where`, step and what is wrong."""
+class _ArraySpec(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    crc32: int
+
+
+class _BatchSpec(msgspec.Struct, forbid_unknown_fields=True):
+    is_dummy: bool
+    arrays: list[_ArraySpec]
+
+
+class _Header(msgspec.Struct, forbid_unknown_fields=True):
+    format: str
+    version: int
+    step: int
+    data_rank: int
+    num_micro_steps: int
+    micro_batches: list[_BatchSpec]
+
+
+# Every MicroBatch array, its dtype; all are one-dimensional, cu_seqlens [S + 1], the rest [N].
+ARRAY_DTYPES = {
+    "input_ids": "int64", "position_ids": "int64", "cu_seqlens": "int32", "loss_mask": "bool",
+    "advantages": "float32", "returns": "float32", "old_values": "float32", "inference_logprobs": "float32",
+    "sample_index": "int64",
+}  # fmt: skip
+
+
+def decode_grid_item(
+    frames: list, where: str, step: int, data_rank: int, vocab_size: int | None = None
+) -> list[MicroBatch]:
+    """Validates and decodes frames; raises TransportError naming `where`, step and what is wrong.
+
+    Besides the header, byte counts, checksums and dtypes, every micro-batch must be a possible
+    packed row: all nine arrays, one-dimensional, the per-token ones of one length; `cu_seqlens`
+    starts at 0, increases and ends inside the row; positions restart at 0 for every sequence;
+    padding after the last sequence is masked; the mask is 0/1; float arrays are finite; token
+    ids lie in the vocabulary (when `vocab_size` is given). Nothing invalid reaches a model."""
     context = f"{where}: grid item for step {step}, data rank {data_rank}"
     if not frames:
         raise TransportError(f"{context}: empty message")
     try:
-        header = msgspec.msgpack.decode(bytes(frames[0]))
+        header = msgspec.msgpack.decode(bytes(frames[0]), type=_Header)
+    except msgspec.ValidationError as exc:
+        raw = _loose_header(frames[0])
+        if isinstance(raw, dict) and raw.get("format") == FORMAT and raw.get("version") != VERSION:
+            raise TransportError(
+                f"{context}: wrong format version {raw.get('version')!r} (this receiver reads version {VERSION})"
+            ) from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise TransportError(f"{context}: not a {FORMAT} frame") from None
+        raise TransportError(f"{context}: malformed header ({exc})") from None
     except msgspec.DecodeError as exc:
         raise TransportError(f"{context}: corrupt header ({exc})") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
+    if header.format != FORMAT:
         raise TransportError(f"{context}: not a {FORMAT} frame")
-    if header.get("version") != VERSION:
+    if header.version != VERSION:
         raise TransportError(
-            f"{context}: wrong format version {header.get('version')!r} (this receiver reads version {VERSION})"
+            f"{context}: wrong format version {header.version!r} (this receiver reads version {VERSION})"
         )
-    if header.get("step") != step or header.get("data_rank") != data_rank:
-        raise TransportError(
-            f"{context}: frame is for step {header.get('step')}, data rank {header.get('data_rank')}"
-        )
-    batches = header.get("micro_batches", [])
-    expected_buffers = sum(len(b["arrays"]) for b in batches)
-    if len(batches) != header.get("num_micro_steps") or len(frames) - 1 != expected_buffers:
+    if header.step != step or header.data_rank != data_rank:
+        raise TransportError(f"{context}: frame is for step {header.step}, data rank {header.data_rank}")
+    batches = header.micro_batches
+    expected_buffers = sum(len(b.arrays) for b in batches)
+    if len(batches) != header.num_micro_steps or len(frames) - 1 != expected_buffers:
         raise TransportError(
             f"{context}: truncated message: {len(frames) - 1} buffers for {expected_buffers} arrays "
-            f"in {header.get('num_micro_steps')} micro-steps"
+            f"in {header.num_micro_steps} micro-steps"
         )
     out, position = [], 1
     for index, batch in enumerate(batches):
+        where_mb = f"{context}: micro-step {index}"
+        names = [spec.name for spec in batch.arrays]
+        if sorted(names) != sorted(ARRAY_DTYPES):
+            missing, extra = sorted(set(ARRAY_DTYPES) - set(names)), sorted(set(names) - set(ARRAY_DTYPES))
+            raise TransportError(f"{where_mb}: arrays missing {missing}, unexpected {extra}, repeated "
+                                 f"{sorted({n for n in names if names.count(n) > 1})}")  # fmt: skip
         fields = {}
-        for spec in batch["arrays"]:
+        for spec in batch.arrays:
             buffer = memoryview(frames[position]).cast("B")
             position += 1
-            name = spec["name"]
-            if spec["dtype"] not in _ALLOWED_DTYPES:
+            name = spec.name
+            if spec.dtype not in _ALLOWED_DTYPES or spec.dtype != ARRAY_DTYPES[name]:
                 raise TransportError(
-                    f"{context}: micro-step {index} array {name}: unexpected dtype {spec['dtype']!r}"
+                    f"{where_mb} array {name}: unexpected dtype {spec.dtype!r} (expected {ARRAY_DTYPES[name]})"
                 )
-            if buffer.nbytes != spec["nbytes"]:
+            if buffer.nbytes != spec.nbytes:
+                raise TransportError(f"{where_mb} array {name}: {buffer.nbytes} bytes, header says {spec.nbytes}")
+            if len(spec.shape) != 1 or spec.shape[0] < 0 or spec.shape[0] * np.dtype(spec.dtype).itemsize != spec.nbytes:
                 raise TransportError(
-                    f"{context}: micro-step {index} array {name}: {buffer.nbytes} bytes, header says {spec['nbytes']}"
+                    f"{where_mb} array {name}: impossible shape {spec.shape} for {spec.nbytes} bytes of {spec.dtype}"
                 )
-            if zlib.crc32(buffer) != spec["crc32"]:
-                raise TransportError(
-                    f"{context}: micro-step {index} array {name}: checksum mismatch (corrupt data)"
-                )
-            fields[name] = np.frombuffer(buffer, dtype=spec["dtype"]).reshape(spec["shape"]).copy()
-        try:
-            out.append(MicroBatch(**fields, is_dummy=bool(batch["is_dummy"])))
-        except TypeError as exc:
-            raise TransportError(f"{context}: micro-step {index}: {exc}") from None
+            if zlib.crc32(buffer) != spec.crc32:
+                raise TransportError(f"{where_mb} array {name}: checksum mismatch (corrupt data)")
+            fields[name] = np.frombuffer(buffer, dtype=spec.dtype).reshape(spec.shape).copy()
+        _check_row(fields, batch.is_dummy, vocab_size, where_mb)
+        out.append(MicroBatch(**fields, is_dummy=batch.is_dummy))
     return out
+
+
+def _loose_header(frame):
+    try:
+        return msgspec.msgpack.decode(bytes(frame))
+    except msgspec.DecodeError:
+        return None
+
+
+def _check_row(fields: dict, is_dummy: bool, vocab_size: int | None, where: str) -> None:
+    """Raises TransportError naming the array when `fields` cannot be a packed row."""
+    n = len(fields["input_ids"])
+    for name, array in fields.items():
+        if name != "cu_seqlens" and len(array) != n:
+            raise TransportError(f"{where} array {name}: {len(array)} entries, input_ids has {n}")
+    cu = fields["cu_seqlens"].astype(np.int64)
+    if len(cu) < 1 or cu[0] != 0 or np.any(np.diff(cu) <= 0) or cu[-1] > n:
+        raise TransportError(
+            f"{where} array cu_seqlens: {cu.tolist()[:12]} must start at 0, increase and end within the row ({n} tokens)"
+        )
+    expected = np.zeros(n, dtype=np.int64)
+    for start, end in zip(cu[:-1], cu[1:]):
+        expected[start:end] = np.arange(end - start)
+    positions = fields["position_ids"]
+    if not np.array_equal(positions[: cu[-1]], expected[: cu[-1]]):
+        bad = int(np.flatnonzero(positions[: cu[-1]] != expected[: cu[-1]])[0])
+        raise TransportError(f"{where} array position_ids: token {bad} has position {positions[bad]}, "
+                             f"expected {expected[bad]} (positions restart at 0 for every sequence)")  # fmt: skip
+    mask_bytes = fields["loss_mask"].view(np.uint8)
+    if np.any(mask_bytes > 1):
+        raise TransportError(f"{where} array loss_mask: values other than 0/1")
+    if fields["loss_mask"][cu[-1] :].any() or (is_dummy and fields["loss_mask"].any()):
+        raise TransportError(f"{where} array loss_mask: padding{' of a dummy micro-batch' if is_dummy else ''} is unmasked")
+    ids = fields["input_ids"]
+    if n and (ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size)):
+        raise TransportError(
+            f"{where} array input_ids: ids {int(ids.min())}..{int(ids.max())} outside the vocabulary 0..{(vocab_size or 0) - 1}"
+            if vocab_size is not None else f"{where} array input_ids: negative id {int(ids.min())}"
+        )  # fmt: skip
+    if n and fields["sample_index"].min() < -1:
+        raise TransportError(f"{where} array sample_index: {int(fields['sample_index'].min())} below -1")
+    for name in ("advantages", "returns", "old_values", "inference_logprobs"):
+        if not np.isfinite(fields[name]).all():
+            raise TransportError(f"{where} array {name}: non-finite values")

@@ -248,3 +248,68 @@ def test_sender_survives_malformed_requests_and_keeps_serving(caplog):
             assert_same_micro_batches(receiver.receive(5), grid[0])
         sender.wait_delivered(5, timeout_s=10)
         sender.publish(6, make_grid(6, 1))  # the sender thread is alive and accepts more
+
+
+def reencoded(grid_row, edit):
+    """Frames for a micro-batch row after `edit(arrays)` changed its arrays (checksums recomputed,
+    so only the content is wrong)."""
+    from dataclasses import replace
+
+    rows = []
+    for mb in grid_row:
+        arrays = {k: v.copy() for k, v in mb.arrays().items()}
+        edit(arrays)
+        rows.append(replace(mb, **arrays))
+    return [bytes(f) for f in encode_grid_item(3, 0, rows)]
+
+
+def drop(name):
+    def edit(arrays):
+        del arrays[name]
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda a: a.update(returns=a["returns"][:-1]), "array returns: .* entries, input_ids has"),
+        (lambda a: a.update(cu_seqlens=a["cu_seqlens"] + 1), "array cu_seqlens: .* must start at 0"),
+        (lambda a: a.update(cu_seqlens=a["cu_seqlens"][::-1].copy()), "array cu_seqlens"),
+        (lambda a: a.update(cu_seqlens=np.append(a["cu_seqlens"], 10_000).astype(np.int32)), "array cu_seqlens: .*end within the row"),
+        (lambda a: a["position_ids"].__setitem__(1, 7), "array position_ids: token 1 has position 7"),
+        (lambda a: a["input_ids"].__setitem__(0, 50_000), r"array input_ids: ids .*outside the vocabulary 0..49999"),
+        (lambda a: a["input_ids"].__setitem__(0, -4), "array input_ids"),
+        (lambda a: a["loss_mask"].view(np.uint8).__setitem__(2, 7), "array loss_mask: values other than 0/1"),
+        (lambda a: a["advantages"].__setitem__(0, np.nan), "array advantages: non-finite"),
+        (lambda a: a["inference_logprobs"].__setitem__(0, -np.inf), "array inference_logprobs: non-finite"),
+        (lambda a: a.update(old_values=a["old_values"].astype(np.float64)), "array old_values: unexpected dtype 'float64'"),
+        (lambda a: a.update(input_ids=a["input_ids"].reshape(1, -1)), "array input_ids: impossible shape"),
+    ],
+)
+def test_codec_rejects_frames_that_cannot_be_a_packed_row(edit, message):
+    """Every such frame raises TransportError naming endpoint, step and array before any tensor
+    reaches a model."""
+    frames = reencoded(make_grid(3, 1)[0], edit)
+    with pytest.raises(TransportError, match=r"test: grid item for step 3, data rank 0: micro-step 0 " + message):
+        decode_grid_item(frames, "test", 3, 0, vocab_size=50_000)
+
+
+def test_codec_rejects_missing_arrays_and_header_lies():
+    frames = [bytes(f) for f in encode_grid_item(3, 0, make_grid(3, 1)[0])]
+    header = msgspec.msgpack.decode(frames[0])
+    specs = header["micro_batches"][0]["arrays"]
+    index = next(i for i, spec in enumerate(specs) if spec["name"] == "returns")
+    missing = dict(header, micro_batches=[dict(header["micro_batches"][0], arrays=specs[:index] + specs[index + 1:])]
+                   + header["micro_batches"][1:])  # fmt: skip
+    buffers = frames[1:]
+    del buffers[index]
+    with pytest.raises(TransportError, match=r"micro-step 0: arrays missing \['returns'\]"):
+        decode_grid_item([msgspec.msgpack.encode(missing), *buffers], "test", 3, 0)
+    lying = dict(header, micro_batches=[dict(header["micro_batches"][0], arrays=[dict(specs[0], shape=[999])] + specs[1:])]
+                 + header["micro_batches"][1:])  # fmt: skip
+    with pytest.raises(TransportError, match="impossible shape"):
+        decode_grid_item([msgspec.msgpack.encode(lying), *frames[1:]], "test", 3, 0)
+    for bad in (dict(header, step="3"), dict(header, micro_batches="x"), dict(header, extra=1), [1, 2]):
+        with pytest.raises(TransportError, match="test: grid item for step 3"):
+            decode_grid_item([msgspec.msgpack.encode(bad), *frames[1:]], "test", 3, 0)
