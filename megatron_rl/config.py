@@ -8,6 +8,7 @@ This module imports nothing of ours.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -710,7 +711,7 @@ def parse_config(data: Any, source: str = "<config>", base_dir: Path = Path(".")
 
 def apply_overrides(data: dict, assignments: list[str]) -> dict:
     """`a.b.c=VALUE` (VALUE read as YAML: numbers, lists, strings) into a copy of `data`."""
-    data = json.loads(json.dumps(data))
+    data = copy.deepcopy(data)
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
         if not sep or not key:
@@ -721,7 +722,10 @@ def apply_overrides(data: dict, assignments: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError("--set", [f"{key}: {part} is not a section"])
-        node[last] = yaml.safe_load(raw)
+        try:
+            node[last] = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise ConfigError("--set", [f"{key}: value {raw!r} is not valid YAML ({exc})"]) from None
     return data
 
 

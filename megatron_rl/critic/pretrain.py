@@ -23,6 +23,11 @@ class PretrainDataError(ValueError):
     pass
 
 
+def _finite32(x) -> bool:
+    """Finite, and still finite as the float32 the critic trains on."""
+    return bool(np.isfinite(x)) and abs(x) <= float(np.finfo(np.float32).max)
+
+
 def _int_list(value, what: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ValueError(f"{what} must be a list of integers")
@@ -75,8 +80,8 @@ def read_pretrain_jsonl(
                 )
                 if "reward" in record:
                     reward = record["reward"]
-                    if not isinstance(reward, (int, float)) or isinstance(reward, bool):
-                        raise ValueError("reward must be a number")
+                    if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not _finite32(reward):
+                        raise ValueError(f"reward must be a finite float32 number, got {reward!r}")
                     sample.reward = float(reward)
                     rewards.append(len(samples))
                 else:
@@ -85,8 +90,9 @@ def read_pretrain_jsonl(
                         not isinstance(returns, list)
                         or len(returns) != len(ids)
                         or not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in returns)
+                        or not all(_finite32(r) for r in returns)
                     ):
-                        raise ValueError(f"returns must be {len(ids)} numbers, one per token")
+                        raise ValueError(f"returns must be {len(ids)} finite float32 numbers, one per token")
                     sample.returns = np.where(mask, np.asarray(returns, np.float32), 0.0).astype(np.float32)
             except (ValueError, json.JSONDecodeError) as exc:
                 raise PretrainDataError(f"{where}: {exc}") from None

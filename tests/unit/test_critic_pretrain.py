@@ -42,8 +42,10 @@ def test_monte_carlo_and_precomputed_returns(tmp_path):
         ('{"token_ids": [1, 2], "loss_mask": [0, 0], "reward": 1}', "no True entry"),
         ('{"token_ids": [1, 20], "loss_mask": [0, 1], "reward": 1}', "outside the vocabulary"),
         ('{"token_ids": [1, 2.0], "loss_mask": [0, 1], "reward": 1}', "list of integers"),
-        ('{"token_ids": [1], "loss_mask": [1], "reward": "high"}', "reward must be a number"),
-        ('{"token_ids": [1], "loss_mask": [1], "returns": [1, 2]}', "returns must be 1 numbers"),
+        ('{"token_ids": [1], "loss_mask": [1], "reward": "high"}', "reward must be a finite float32 number, got 'high'"),
+        ('{"token_ids": [1], "loss_mask": [1], "reward": NaN}', "reward must be a finite float32 number, got nan"),
+        ('{"token_ids": [1, 2], "loss_mask": [0, 1], "returns": [0, 1e39]}', "returns must be 2 finite float32 numbers"),
+        ('{"token_ids": [1], "loss_mask": [1], "returns": [1, 2]}', "returns must be 1 finite float32 numbers"),
         ('{"token_ids": [1], "loss_mask": [1], "reward": 1, "extra": 0}', "unknown keys ['extra']"),
         (
             '{"token_ids": ' + str(list(range(9))) + ', "loss_mask": ' + str([1] * 9) + ', "reward": 1}',
