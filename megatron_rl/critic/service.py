@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hmac
 import logging
 import threading
 from collections import deque
@@ -197,7 +198,9 @@ class ScoringService:
         seq_len: int,
         max_batch_sequences: int,
         request_timeout_s: float,
+        token: str | None = None,
     ):
+        self.token = token
         self.host, self.port = host, port
         self.queue, self.state = queue, state
         self.vocab_size, self.seq_len = vocab_size, seq_len
@@ -219,6 +222,25 @@ class ScoringService:
         return f"http://{self.host}:{self.port}"
 
     # -- handlers -------------------------------------------------------------------------------
+    @property
+    def _authorize(self):
+        from aiohttp import web
+
+        expected = f"Bearer {self.token}".encode() if self.token else None
+
+        @web.middleware
+        async def authorize(request, handler):
+            if expected is not None:
+                given = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    return web.json_response(
+                        {"error": "missing or wrong 'Authorization: Bearer' token (value.service.token_env)"},
+                        status=401,
+                    )
+            return await handler(request)
+
+        return authorize
+
     async def _score(self, request):
         from aiohttp import web
 
@@ -281,7 +303,7 @@ class ScoringService:
     def _app(self):
         from aiohttp import web
 
-        app = web.Application(client_max_size=self.max_body_bytes)
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._authorize])
         app.router.add_post("/score", self._score)
         app.router.add_get("/status", self._status)
         app.router.add_get("/health", self._health)

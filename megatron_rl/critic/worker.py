@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl import parallel
-from megatron_rl.config import ResolvedConfig
+from megatron_rl.config import ResolvedConfig, secret_from_env
 
 log = logging.getLogger("megatron_rl.critic")
 
@@ -99,6 +99,7 @@ def run_critic(resolved: ResolvedConfig) -> None:
             seq_len=value.model.seq_len,
             max_batch_sequences=value.service.max_batch_sequences,
             request_timeout_s=value.service.request_timeout_s,
+            token=secret_from_env(value.service.token_env, "value.service.token_env"),
         )
         service.start()
         log.info(

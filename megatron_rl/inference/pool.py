@@ -233,7 +233,10 @@ class InferencePool:
         """The pool of `resolved.inference`: one server per entry of `devices` (each a list of
         `inference.tp` device ids), on the layout's inference ports. With `launch=False` it
         returns the (unstarted) servers, for a dry run."""
+        from megatron_rl.config import secret_from_env
+
         inference = resolved.inference
+        api_key = secret_from_env(inference.api_key_env, "inference.api_key_env")
         if len(devices) != inference.num_servers:
             raise ValueError(
                 f"inference.num_servers is {inference.num_servers} but {len(devices)} device sets were given"
@@ -264,6 +267,7 @@ class InferencePool:
                     kv_cache_gib=inference.cpu_kv_cache_gib,
                     seed=resolved.orchestrator.seed,
                     extra_args=inference.extra_args,
+                    api_key=api_key,
                     launch=launch,
                 )  # fmt: skip
             )
@@ -300,6 +304,8 @@ def served_model_dir(resolved) -> str:
 def router_settings(resolved) -> RouterSettings:
     """Router timeouts and queue sized from the config: every rollout of the batches that may be
     in flight at once fits in the queue, and no timeout is shorter than the longest rollout."""
+    from megatron_rl.config import secret_from_env
+
     inference, orchestrator = resolved.inference, resolved.orchestrator
     in_flight = orchestrator.batch_size * orchestrator.group_size * (orchestrator.max_async_level + 1)
     return RouterSettings(
@@ -311,6 +317,7 @@ def router_settings(resolved) -> RouterSettings:
         max_concurrent_requests=max(256, 2 * in_flight),
         queue_size=max(1024, 4 * in_flight),
         queue_timeout_s=int(inference.request_timeout_s),
+        api_key=secret_from_env(inference.api_key_env, "inference.api_key_env"),
     )
 
 

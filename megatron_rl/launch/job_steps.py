@@ -43,16 +43,18 @@ def exec_router(resolved) -> None:
 
 
 def wait_inference(resolved) -> int:
+    from megatron_rl.config import secret_from_env
     from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
 
     inference = resolved.inference
+    api_key = secret_from_env(inference.api_key_env, "inference.api_key_env")
     deadline = time.monotonic() + inference.startup_timeout_s
     pending = list(resolved.layout.inference_urls)
     while pending:
         still = []
         for url in pending:
             try:
-                if inference.served_model_name not in VllmControl(url).models(timeout_s=2):
+                if inference.served_model_name not in VllmControl(url, api_key=api_key).models(timeout_s=2):
                     still.append(url)
             except VllmControlError:
                 still.append(url)

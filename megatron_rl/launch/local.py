@@ -36,7 +36,7 @@ from pathlib import Path
 
 from megatron_rl.inference.pool import InferencePool, router_settings, served_model_dir
 from megatron_rl.inference.router import router_command
-from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
+from megatron_rl.inference.vllm_control import VllmControlError
 from megatron_rl.inference.vllm_server import log_tail
 from megatron_rl.launch.ports import lost_port, probe_ports
 
@@ -251,7 +251,7 @@ class Supervisor:
             still = []
             for server in pending:
                 try:
-                    if model_name not in VllmControl(server.url).models(timeout_s=2):
+                    if model_name not in server.control.models(timeout_s=2):  # with the API key
                         still.append(server)
                 except VllmControlError:
                     still.append(server)

@@ -12,6 +12,7 @@ empty plan (`broadcast_end`), read with `receive_weight_stream`.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 
@@ -108,6 +109,16 @@ def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[str, tor
         yield entry.name, flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) only, listening."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.listen(1024)
+    return sock
+
+
 class WeightUpdateGroup:
     """A process group of its own: a TCPStore at (host, port) hosted by rank 0, and an NCCL
     (GPU) or gloo (CPU) backend built directly on it, independent of torch.distributed's default
@@ -128,9 +139,13 @@ class WeightUpdateGroup:
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = torch.device(device) if device is not None else None
         timeout = timedelta(seconds=timeout_s)
+        # torch's TCPStore server listens on every interface unless handed a socket: rank 0
+        # binds (host, port) itself, so the store answers only on the configured address.
+        self._listener = listening_socket(host, port) if rank == 0 else None
         self.store = dist.TCPStore(
-            host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=True
-        )
+            host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=True,
+            master_listen_fd=self._listener.fileno() if self._listener is not None else None,
+        )  # fmt: skip
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout

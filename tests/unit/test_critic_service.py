@@ -124,3 +124,48 @@ def test_the_largest_valid_request_is_scored_and_a_larger_one_gets_413():
     finally:
         stop.set()
         service.stop()
+
+
+def test_a_token_guards_every_endpoint_and_our_client_sends_it(monkeypatch):
+    """value.service.token_env: requests without the right bearer token get 401; HttpValueScorer
+    with the token is served; a missing variable is an error naming key and variable."""
+    import asyncio
+    import socket
+
+    import httpx
+
+    from megatron_rl.config import ConfigError, secret_from_env
+    from megatron_rl.critic.client import CriticError, HttpValueScorer
+    from megatron_rl.critic.service import CriticState, ScoringService
+
+    monkeypatch.setenv("CRITIC_TOKEN", "s3cret")
+    token = secret_from_env("CRITIC_TOKEN", "value.service.token_env")
+    monkeypatch.delenv("MISSING_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match="value.service.token_env names the environment variable MISSING_TOKEN"):
+        secret_from_env("MISSING_TOKEN", "value.service.token_env")
+    assert secret_from_env(None, "value.service.token_env") is None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    service = ScoringService("127.0.0.1", port, ScoreQueue(), CriticState({}), 100, 16, 4, 5.0, token=token)
+    service.start()
+    try:
+        for path in ("/health", "/status"):
+            assert httpx.get(service.url + path).status_code == 401
+            assert httpx.get(service.url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        reply = httpx.post(service.url + "/score", content=b'{"batched_token_ids": [[1]]}')
+        assert reply.status_code == 401 and "value.service.token_env" in reply.json()["error"]
+
+        async def client(token):
+            scorer = HttpValueScorer(service.url, token=token, retries=0)
+            try:
+                return await scorer.health(), await scorer.status()
+            finally:
+                await scorer.close()
+
+        healthy, status = asyncio.run(client("s3cret"))
+        assert healthy and status["queued_requests"] == 0
+        with pytest.raises(CriticError, match="401"):
+            asyncio.run(client(None))
+    finally:
+        service.stop()

@@ -102,3 +102,22 @@ def test_servers_from_config_use_the_given_devices_and_options(tmp_path):
         InferencePool.from_config(
             resolved, [["1", "2", "3"], ["4", "5"]], tmp_path, model_dir=tmp_path, launch=False
         )
+
+
+def test_an_api_key_from_the_environment_reaches_servers_router_and_clients(tmp_path, monkeypatch):
+    """inference.api_key_env: vLLM and the router get --api-key, our controls and rollout client
+    send it; without the variable the error names key and variable."""
+    from megatron_rl.inference.pool import InferencePool
+
+    data = base()
+    data["inference"] = {"num_servers": 2, "api_key_env": "VLLM_KEY"}
+    resolved = parse_config(data)
+    monkeypatch.delenv("VLLM_KEY", raising=False)
+    with pytest.raises(ConfigError, match="inference.api_key_env names the environment variable VLLM_KEY"):
+        InferencePool.from_config(resolved, [["0"], ["1"]], tmp_path, model_dir=tmp_path, launch=False)
+    monkeypatch.setenv("VLLM_KEY", "k-123")
+    servers = InferencePool.from_config(resolved, [["0"], ["1"]], tmp_path, model_dir=tmp_path, launch=False)
+    assert all(option(s.command, "--api-key") == "k-123" for s in servers)
+    assert all(s.control.headers == {"Authorization": "Bearer k-123"} for s in servers)
+    settings = router_settings(resolved)
+    assert option(router_command(["http://a:1"], "127.0.0.1", 8050, 9100, settings), "--api-key") == "k-123"
