@@ -793,3 +793,42 @@ def publish_failing_mid_broadcast(rank, world_size):
     except ConnectionError as exc:
         error = str(exc)
     return error, [c.calls for c in controls]
+
+
+def trainer_path_logprobs(rank, world_size, arch, full, samples, seq_len, tp=1, cp=1):
+    """The policy trainer's own path: pack_into_grid -> rank_batch (shift, CP slice) -> forward ->
+    vocab-parallel log-probabilities of batch.targets, on every CP rank; the full rows are put
+    back together and each masked log-probability is attributed, from the packer's own
+    sample_index / position_ids, to (sample, position of the predicted token). Returns
+    {(sample, position): logprob} for every loss-mask token."""
+    from megatron.core import parallel_state
+
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.models.attention import packed_seq_params
+    from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
+    from megatron_rl.trainer.batches import rank_batch
+
+    parallel.initialize_model_parallel(tp=tp, cp=cp)
+    model = build_gpt_model(arch, tp=tp, cp=cp)
+    load_full_state_dict(model, full)
+    model.eval()
+    cp_rank, cp_group = parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_group()
+    out = {}
+    for mb in pack_into_grid(samples, seq_len, 1, cp)[0]:
+        batch = rank_batch(mb, cp_rank, cp)
+        with torch.no_grad():
+            logits = model(batch.input_ids, batch.position_ids, attention_mask=None,
+                           packed_seq_params=packed_seq_params(batch.cu_seqlens, batch.total_tokens))  # fmt: skip
+            logprobs, _ = megatron_vocab_parallel_logprobs(logits[0], batch.targets)
+        parts = [logprobs, batch.loss_mask.float()]
+        if cp > 1:
+            gathered = []
+            for part in parts:
+                chunks = [torch.empty_like(part) for _ in range(cp)]
+                torch.distributed.all_gather(chunks, part.contiguous(), group=cp_group)
+                gathered.append(torch.cat(chunks))
+            parts = gathered
+        row_logprobs, row_mask = parts
+        for p in torch.nonzero(row_mask).flatten().tolist():  # output p predicts token p + 1
+            out[(int(mb.sample_index[p + 1]), int(mb.position_ids[p + 1]))] = float(row_logprobs[p])
+    return out

@@ -60,3 +60,34 @@ def test_packed_thd_logits_match_transformers_per_sequence(family, tiny_models):
                 torch.testing.assert_close(got, hf_logits(directory, ids[None])[0], atol=1e-4, rtol=0)
                 if alone is not None:
                     torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("tp,cp", [(1, 1), (1, 2), (2, 2)])
+def test_trainer_path_logprobs_match_transformers_per_token(tiny_models, tp, cp):
+    """The policy trainer's per-token log-probabilities for a packed, CP-sliced grid (the shift in
+    trainer/batches.py included) equal transformers' per-sequence log-probabilities of the same
+    action tokens, and exactly the action tokens get one."""
+    import numpy as np
+
+    from megatron_rl.data.types import TrainingSample
+
+    directory = tiny_models["qwen3"]
+    arch = Architecture.from_hf_config(json.loads((directory / "config.json").read_text()), str(directory))
+    full = hf_to_megatron(load_file(directory / "model.safetensors"), arch)
+    rng = np.random.default_rng(7)
+    samples = []
+    for length in (9, 23, 2, 14, 31, 6):
+        mask = np.zeros(length, dtype=bool)
+        mask[min(3, length - 1):] = rng.random(length - min(3, length - 1)) < 0.8  # a prompt, then actions
+        samples.append(TrainingSample(token_ids=rng.integers(0, arch.vocab_size, length), loss_mask=mask,
+                                      inference_logprobs=np.zeros(length, np.float32), reward=0.0))  # fmt: skip
+    got = run_ranks(w.trainer_path_logprobs, tp * cp, arch, full, samples, 40, tp, cp)[0]
+    expected = {}
+    for index, sample in enumerate(samples):
+        log_p = torch.log_softmax(hf_logits(directory, torch.as_tensor(sample.token_ids)[None])[0], dim=-1)
+        for q in range(1, len(sample.token_ids)):
+            if sample.loss_mask[q]:
+                expected[(index, q)] = float(log_p[q - 1, sample.token_ids[q]])
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, abs=1e-4), key
