@@ -131,6 +131,32 @@ class Architecture(_Strict):
         )
 
 
+class RecomputeConfig(_Strict):
+    """Activation recomputation (megatron's recompute_granularity / _method / _num_layers):
+    `selective` recomputes the core attention; `full` recomputes whole layers, `method` uniform
+    (every `num_layers` layers form one checkpointed unit) or block (the first `num_layers`
+    layers of each pipeline stage are checkpointed)."""
+
+    granularity: Literal["none", "selective", "full"] = "none"
+    method: Literal["uniform", "block"] | None = None
+    num_layers: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _full_needs_method(self) -> RecomputeConfig:
+        if self.granularity == "full" and (self.method is None or self.num_layers is None):
+            raise ValueError("granularity 'full' needs method (uniform or block) and num_layers")
+        if self.granularity != "full" and (self.method is not None or self.num_layers is not None):
+            raise ValueError(f"method and num_layers apply to granularity 'full' only, not {self.granularity!r}")
+        return self
+
+    def transformer_fields(self) -> dict:
+        """The TransformerConfig fields for this setting."""
+        if self.granularity == "none":
+            return {}
+        return {"recompute_granularity": self.granularity, "recompute_method": self.method,
+                "recompute_num_layers": self.num_layers}  # fmt: skip
+
+
 class ModelConfig(_Strict):
     """One Megatron model (the policy, or the critic under `value.model`)."""
 
@@ -143,6 +169,7 @@ class ModelConfig(_Strict):
     pp: int = Field(default=1, ge=1)
     ep: int = Field(default=1, ge=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    recompute: RecomputeConfig = Field(default_factory=RecomputeConfig)
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -162,6 +189,12 @@ class OptimizerConfig(_Strict):
     warmup_steps: int = Field(default=0, ge=0)
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     distributed_optimizer: bool = True
+    # Megatron's hybrid device optimizer: this fraction of the (DP-sharded) optimizer state and
+    # its update live on the host (CUDA only; needs the distributed optimizer).
+    cpu_offload: bool = False
+    offload_fraction: float = Field(default=1.0, ge=0, le=1)
+    # Overlap the DP gradient reduce-scatter with the backward pass (megatron DDP buckets).
+    overlap_grad_reduce: bool = False
 
 
 class LoraConfig(_Strict):
@@ -494,6 +527,34 @@ def _model_layout(
     )
 
 
+def _check_scale_options(config: Config, policy_arch, critic_arch, errors: list[str]) -> None:
+    """Optimizer offload and recomputation settings, for the policy and the critic."""
+    roles = [("", config.model, config.optimizer, policy_arch)]
+    if config.value is not None:
+        roles.append(("value.", config.value.model, config.value.optimizer, critic_arch))
+    for prefix, model, optimizer, arch in roles:
+        if optimizer.cpu_offload and config.deployment.device == "cpu":
+            errors.append(
+                f"{prefix}optimizer.cpu_offload: needs CUDA (megatron's hybrid device optimizer); with "
+                "deployment.device 'cpu' the optimizer state already lives in host memory"
+            )
+        if optimizer.cpu_offload and not optimizer.distributed_optimizer:
+            errors.append(f"{prefix}optimizer.cpu_offload: needs {prefix}optimizer.distributed_optimizer: true")
+        recompute = model.recompute
+        if arch is not None and recompute.num_layers is not None:
+            per_stage = arch.num_layers // model.pp
+            if recompute.num_layers > per_stage:
+                errors.append(
+                    f"{prefix}model.recompute.num_layers ({recompute.num_layers}) exceeds the "
+                    f"{per_stage} layers of a pipeline stage"
+                )
+            elif recompute.method == "uniform" and per_stage % recompute.num_layers:
+                errors.append(
+                    f"{prefix}model.recompute.num_layers ({recompute.num_layers}) must divide the {per_stage} "
+                    "layers of a pipeline stage for method 'uniform'"
+                )
+
+
 def _check_value_options(
     config: Config, policy_arch: Architecture | None, critic_arch: Architecture | None, errors: list[str]
 ) -> None:
@@ -640,6 +701,7 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
 
     if config.value is not None:
         _check_value_options(config, policy_arch, critic_arch, errors)
+    _check_scale_options(config, policy_arch, critic_arch, errors)
 
     value_gpus, style = _value_gpus(config, errors)
     deployment = config.deployment

@@ -61,6 +61,7 @@ class CriticTrainer:
             pp=layout.pp,
             ep=layout.ep,
             dtype=model_config.dtype,
+            **model_config.recompute.transformer_fields(),
         )
         self.loaded = load_initial_weights(
             model, model_config.checkpoint, self.arch, value_model=True, where="value.model.checkpoint"

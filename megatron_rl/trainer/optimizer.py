@@ -42,7 +42,6 @@ def build_trainable(
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
-    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -55,25 +54,12 @@ def build_trainable(
         transformer_config,
         DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
+            overlap_grad_reduce=config.overlap_grad_reduce,
             use_distributed_optimizer=config.distributed_optimizer,
         ),
         model,
     )
-    optimizer_config = MegatronOptimizerConfig(
-        optimizer="adam",
-        lr=config.lr,
-        min_lr=config.min_lr,
-        weight_decay=config.weight_decay,
-        adam_beta1=config.adam_beta1,
-        adam_beta2=config.adam_beta2,
-        adam_eps=config.adam_eps,
-        clip_grad=config.grad_clip,
-        use_distributed_optimizer=config.distributed_optimizer,
-        bf16=transformer_config.bf16,
-        fp16=transformer_config.fp16,
-        params_dtype=transformer_config.params_dtype,
-    )
+    optimizer_config = megatron_optimizer_config(config, transformer_config)
     overrides = get_standard_config_overrides(optimizer_config)
     if head_pattern is not None:
         from megatron.core.optimizer import ParamKey
@@ -95,6 +81,31 @@ def build_trainable(
         wd_incr_style="constant",
     )
     return Trainable([ddp], optimizer, scheduler)
+
+
+def megatron_optimizer_config(config: OptimizerConfig, transformer_config):
+    """megatron's OptimizerConfig for ours (Adam; CPU offload through its hybrid device optimizer,
+    with pinned host buffers on CUDA)."""
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+
+    return MegatronOptimizerConfig(
+        optimizer="adam",
+        lr=config.lr,
+        min_lr=config.min_lr,
+        weight_decay=config.weight_decay,
+        adam_beta1=config.adam_beta1,
+        adam_beta2=config.adam_beta2,
+        adam_eps=config.adam_eps,
+        clip_grad=config.grad_clip,
+        use_distributed_optimizer=config.distributed_optimizer,
+        bf16=transformer_config.bf16,
+        fp16=transformer_config.fp16,
+        params_dtype=transformer_config.params_dtype,
+        optimizer_cpu_offload=config.cpu_offload,
+        optimizer_offload_fraction=config.offload_fraction if config.cpu_offload else 0.0,
+        pin_cpu_grads=torch.cuda.is_available(),
+        pin_cpu_params=torch.cuda.is_available(),
+    )
 
 
 def torch_optimizers(optimizer) -> list:

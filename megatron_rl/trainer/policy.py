@@ -34,6 +34,7 @@ def build_policy_model(resolved: ResolvedConfig, layout):
         ep=layout.ep,
         dtype=resolved.model.dtype,
         seq_len=resolved.model.seq_len,
+        **resolved.model.recompute.transformer_fields(),
     )
 
 

@@ -832,3 +832,25 @@ def trainer_path_logprobs(rank, world_size, arch, full, samples, seq_len, tp=1, 
         for p in torch.nonzero(row_mask).flatten().tolist():  # output p predicts token p + 1
             out[(int(mb.sample_index[p + 1]), int(mb.position_ids[p + 1]))] = float(row_logprobs[p])
     return out
+
+
+def recompute_step(rank, world_size, arch, full, recompute_fields, tp=1):
+    """One SAO train_step on a model built with `recompute_fields` (TransformerConfig recompute
+    settings); returns (metrics, full parameters after the step)."""
+    from megatron.core import parallel_state
+
+    from megatron_rl.algorithms import InProcessScorer, make_algorithm
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.models.sharding import gather_full_parameters
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.step import policy_loss_func, train_step
+
+    parallel.initialize_model_parallel(tp=tp)
+    model = build_gpt_model(arch, tp=tp, **recompute_fields)
+    load_full_state_dict(model, full)
+    trainable = build_trainable(model, OptimizerConfig(lr=1e-3, grad_clip=1.0, adam_eps=1e-6), total_steps=10)
+    grid = pack_into_grid(training_samples(6, arch.vocab_size, seed=3), 64, parallel_state.get_data_parallel_world_size())
+    algorithm = make_algorithm(AlgorithmConfig(type="sao"), InProcessScorer(lambda b: None))
+    metrics = train_step(trainable, grid[parallel_state.get_data_parallel_rank()], policy_loss_func(algorithm))
+    return metrics, gather_full_parameters(model)

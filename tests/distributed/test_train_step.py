@@ -96,3 +96,28 @@ def test_a_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(weights):
         assert second["update_successful"] is True and second["skipped_steps"] == 1
         assert all(torch.isfinite(v).all() for v in after_clean.values())
         assert max(float((after_clean[k] - before[k]).abs().max()) for k in before) > 1e-5
+
+
+@pytest.fixture(scope="module")
+def without_recompute(weights):
+    return run_ranks(w.recompute_step, 1, ARCH, weights, {})[0]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"recompute_granularity": "selective"},
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+        {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+    ],
+)
+def test_recomputation_changes_nothing_but_memory(weights, without_recompute, fields):
+    """model.recompute: a training step with activation recomputation gives the loss, metrics and
+    updated weights of the step without it (megatron's recompute, on CPU)."""
+    reference = without_recompute
+    for metrics, params in run_ranks(w.recompute_step, 1, ARCH, weights, fields):
+        for key, value in reference[0].items():
+            if isinstance(value, float):
+                assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+        for name, value in reference[1].items():
+            torch.testing.assert_close(params[name], value, atol=1e-6, rtol=0, msg=name)

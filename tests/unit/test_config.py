@@ -355,3 +355,43 @@ def test_recompute_old_logprobs_is_not_a_key():
     data = base()
     data["algorithm"]["recompute_old_logprobs"] = True
     assert "algorithm.recompute_old_logprobs: unknown key" in errors_of(data)
+
+
+def test_offload_and_recompute_options_are_checked_and_reach_megatron():
+    """optimizer.cpu_offload / offload_fraction map to megatron's hybrid device optimizer
+    (optimizer_cpu_offload, optimizer_offload_fraction), model.recompute to
+    recompute_granularity / _method / _num_layers, for the policy and the critic."""
+    import torch
+
+    from megatron_rl.models.builder import transformer_config
+    from megatron_rl.trainer.optimizer import megatron_optimizer_config
+
+    data = base()
+    data["deployment"]["device"] = "cpu"
+    data["optimizer"] = {"cpu_offload": True}
+    data["value"]["optimizer"] = {"cpu_offload": True, "distributed_optimizer": False}
+    text = errors_of(data)
+    assert "optimizer.cpu_offload: needs CUDA" in text and "value.optimizer.cpu_offload: needs CUDA" in text
+    assert "value.optimizer.cpu_offload: needs value.optimizer.distributed_optimizer: true" in text
+    data = base()
+    data["model"]["recompute"] = {"granularity": "full"}
+    assert "granularity 'full' needs method" in errors_of(data)
+    data["model"]["recompute"] = {"granularity": "selective", "num_layers": 2}
+    assert "apply to granularity 'full' only" in errors_of(data)
+    data["model"]["recompute"] = {"granularity": "full", "method": "uniform", "num_layers": 3}
+    assert "model.recompute.num_layers (3) must divide the 4 layers" in errors_of(data)
+    data["value"]["model"]["recompute"] = {"granularity": "full", "method": "block", "num_layers": 5}
+    assert "value.model.recompute.num_layers (5) exceeds the 4 layers" in errors_of(data)
+
+    resolved = load_config(EXAMPLES / "qwen3_30b_a3b_sao.yaml")
+    for model, optimizer in ((resolved.model, resolved.optimizer), (resolved.value.model, resolved.value.optimizer)):
+        assert optimizer.cpu_offload and model.recompute.granularity == "full"
+        fields = model.recompute.transformer_fields()
+        assert fields == {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+        arch = resolved.layout.policy_architecture.model_copy(update={"num_layers": 2, "num_experts": 0})
+        config = transformer_config(arch, dtype="bfloat16", **fields)
+        assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "uniform", 1)
+        megatron = megatron_optimizer_config(optimizer, config)
+        assert megatron.optimizer_cpu_offload and megatron.optimizer_offload_fraction == 1.0
+        assert megatron.use_distributed_optimizer and megatron.params_dtype == torch.bfloat16
+    assert megatron_optimizer_config(parse_config(base()).optimizer, config).optimizer_offload_fraction == 0.0
