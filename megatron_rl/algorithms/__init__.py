@@ -16,7 +16,7 @@ from megatron_rl.algorithms.base import (
     ValueScorer,
     make_algorithm,
 )
-from megatron_rl.algorithms.losses import importance_ratio, ppo_clip_loss, sao_dis_loss, value_loss
+from megatron_rl.algorithms.losses import ppo_clip_loss, sao_dis_loss, value_loss
 
 __all__ = [
     "Algorithm",
@@ -28,7 +28,6 @@ __all__ = [
     "ValueScorer",
     "decoupled_gae",
     "grpo_advantages",
-    "importance_ratio",
     "length_adaptive_lambda",
     "make_algorithm",
     "ppo_clip_loss",

@@ -137,9 +137,6 @@ class PPOAlgorithm(Algorithm):
         if samples:
             self.compute_advantages(samples)
 
-    def value_loss(self, values, returns, mask, normalizer, old_values=None):
-        return losses.value_loss(values, returns, mask, normalizer, old_values, self.config.value_clip)
-
 
 class SAOAlgorithm(PPOAlgorithm):
     """PPO's scoring and GAE with the DIS loss (SAO defaults come from the config layer)."""

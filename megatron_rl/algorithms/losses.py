@@ -1,8 +1,9 @@
 """Token-level losses: PPO clip, SAO's direct double-sided importance sampling (DIS), value.
 
-Every loss sums over masked tokens and divides by `normalizer`: the number of action tokens in
-the whole global batch (all DP and CP ranks), supplied by the trainer, so the result does not
-depend on how tokens were packed or sharded. Each returns (loss, metrics); metrics are summed
+Every loss sums over masked tokens and divides by `normalizer`. The trainer passes 1.0: its
+models set megatron's `calculate_per_token_loss`, so megatron divides the gradients by the
+global action-token count (all DP and CP ranks) and the result does not depend on how tokens
+were packed or sharded. Tests pass a token count to compare with a plain per-token mean. Each returns (loss, metrics); metrics are summed
 statistics of this call (`*_sum` and `num_tokens`) so the trainer can reduce them globally, plus
 min/max where useful.
 """
@@ -21,11 +22,6 @@ def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> tuple[torc
     """(raw log-ratio, ratio = exp(log-ratio clamped to +-LOG_RATIO_CLAMP))."""
     log_ratio = logprobs - old_logprobs
     return log_ratio, torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-
-
-def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
-    """r_t = exp(logp_theta - logp_old), the log-ratio clamped to +-LOG_RATIO_CLAMP."""
-    return _log_ratio(logprobs, old_logprobs)[1]
 
 
 def _ratio_metrics(

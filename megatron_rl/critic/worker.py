@@ -2,7 +2,7 @@
 
 Every critic rank builds the CriticTrainer and runs the same loop. Global rank 0 also runs the
 HTTP service (service.py) and decides what all ranks do next; it broadcasts one command per
-iteration (four int64s):
+iteration (a `Command` and its argument, two int64s):
 
     IDLE                nothing to do (sent every `IDLE_WAIT_S` so no rank waits forever)
     SCORE n             score the n sequences rank 0 broadcasts next (merged waiting requests)
@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from enum import IntEnum
 from pathlib import Path
 
 import torch
@@ -40,7 +41,17 @@ from megatron_rl.config import ResolvedConfig, secret_from_env
 
 log = logging.getLogger("megatron_rl.critic")
 
-IDLE, SCORE, PRETRAIN, TRAIN, STOP = range(5)
+class Command(IntEnum):
+    """What every critic rank does next (rank 0 decides and broadcasts it with its argument)."""
+
+    IDLE = 0
+    SCORE = 1
+    PRETRAIN = 2
+    TRAIN = 3
+    STOP = 4
+
+
+IDLE, SCORE, PRETRAIN, TRAIN, STOP = Command
 IDLE_WAIT_S = 0.05
 
 
@@ -55,13 +66,13 @@ def _any_rank_failed(failed: bool) -> bool:
     return bool(flag.item())
 
 
-def _broadcast_command(kind: int = IDLE, arg: int = 0) -> tuple[int, int]:
+def _broadcast_command(kind: Command = IDLE, arg: int = 0) -> tuple[Command, int]:
     from megatron_rl.critic.scoring import collective_device
 
-    command = torch.tensor([kind, arg, 0, 0], dtype=torch.int64, device=collective_device())
+    command = torch.tensor([int(kind), arg], dtype=torch.int64, device=collective_device())
     dist.broadcast(command, src=0)
-    kind, arg = command[:2].tolist()
-    return int(kind), int(arg)
+    kind, arg = command.tolist()
+    return Command(kind), int(arg)
 
 
 def run_critic(resolved: ResolvedConfig) -> None:

@@ -1,7 +1,7 @@
 """The core types: TrainingSample, MicroBatch, Grid (names are the contract between modules).
 
 Arrays are numpy so that they cross process boundaries as raw buffers (see transport/); the
-trainer turns a MicroBatch into torch tensors with `MicroBatch.to_torch()`.
+trainer turns a MicroBatch into one rank's torch tensors with `trainer.batches.rank_batch`.
 """
 
 from __future__ import annotations
@@ -102,13 +102,6 @@ class MicroBatch:
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "is_dummy"}
-
-    def to_torch(self, device=None) -> dict:
-        import torch
-
-        return {
-            name: torch.from_numpy(np.ascontiguousarray(a)).to(device) for name, a in self.arrays().items()
-        }
 
 
 Grid = list[list[MicroBatch]]  # grid[data_rank][micro_step]

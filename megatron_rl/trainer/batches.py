@@ -3,7 +3,8 @@
 Output position p of a causal model predicts token p + 1, and a value head at p gives the value
 of the state before token p + 1. So every per-token target is shifted left by one on the full
 packed row (the last position of each sequence gets no target), then this CP rank takes its
-contiguous slice. `global_action_tokens` counts the loss tokens of a whole grid on every DP rank.
+contiguous slice. Losses are sums over these tokens; megatron divides the gradients by the
+global action-token count (`calculate_per_token_loss`).
 """
 
 from __future__ import annotations
