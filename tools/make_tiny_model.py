@@ -46,7 +46,6 @@ def corpus(seed: int, lines: int = 4000) -> list[str]:
 
 def build_tokenizer(vocab_size: int, seed: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -62,12 +61,20 @@ def build_tokenizer(vocab_size: int, seed: int):
         raise SystemExit(
             f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than --vocab-size {vocab_size}"
         )
+    return _chat_tokenizer(tokenizer)
+
+
+def _chat_tokenizer(tokenizer, **special):
+    """The transformers tokenizer around a `tokenizers` one: ChatML specials and template."""
+    from transformers import PreTrainedTokenizerFast
+
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         bos_token=None,
         additional_special_tokens=["<|im_start|>"],
+        **special,
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
@@ -79,7 +86,6 @@ CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789 \n:+-*=?.,#"
 def build_char_tokenizer(vocab_size: int):
     """One id per character of CHARACTERS (no merges); other characters map to <|endoftext|>."""
     from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     for char in CHARACTERS:
@@ -88,16 +94,7 @@ def build_char_tokenizer(vocab_size: int):
         raise SystemExit(f"the character tokenizer has {len(vocab)} tokens, more than --vocab-size {vocab_size}")
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
     tokenizer.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token="<|endoftext|>",
-        bos_token=None,
-        additional_special_tokens=["<|im_start|>"],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return _chat_tokenizer(tokenizer, unk_token="<|endoftext|>")
 
 
 def hf_config(family: str, args, eos_token_id: int, pad_token_id: int):
