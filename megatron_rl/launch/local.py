@@ -36,7 +36,7 @@ from pathlib import Path
 
 from megatron_rl.inference.pool import InferencePool, router_settings, served_model_dir
 from megatron_rl.inference.router import router_command
-from megatron_rl.inference.vllm_control import VllmControlError
+from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
 from megatron_rl.inference.vllm_server import log_tail
 from megatron_rl.launch.ports import lost_port, probe_ports
 
@@ -58,6 +58,7 @@ class Component:
     ports: dict[str, int] = field(default_factory=dict)
     may_finish: bool = False  # exit 0 is normal (the policy after its last step)
     url: str | None = None  # an inference server's address (readiness: GET /v1/models)
+    api_key: str | None = None  # an inference server's API key (inference.api_key_env)
     process: subprocess.Popen | None = None
     restarts: int = 0
 
@@ -157,7 +158,8 @@ def plan_local(
     for i, server in enumerate(servers):
         extra = {k: v for k, v in server.env.items() if os.environ.get(k) != v}
         components.append(Component(f"inference_{i}", server.command, logs / f"inference_{i}.log", extra,
-                                    devices[f"inference_{i}"], {"http": server.port}, url=server.url))  # fmt: skip
+                                    devices[f"inference_{i}"], {"http": server.port}, url=server.url,
+                                    api_key=server.api_key))  # fmt: skip
     router_port = inference.router_port
     command = router_command([s.url for s in servers], inference.host, router_port, ports["router_metrics"],
                              router_settings(resolved))  # fmt: skip
@@ -251,7 +253,7 @@ class Supervisor:
             still = []
             for server in pending:
                 try:
-                    if model_name not in server.control.models(timeout_s=2):  # with the API key
+                    if model_name not in VllmControl(server.url, api_key=server.api_key).models(timeout_s=2):
                         still.append(server)
                 except VllmControlError:
                     still.append(server)
