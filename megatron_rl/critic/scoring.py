@@ -20,17 +20,9 @@ import torch.distributed as dist
 
 from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.data.types import ScoreResult, TrainingSample
+from megatron_rl.parallel import collective_device
 from megatron_rl.trainer.batches import rank_batch
 from megatron_rl.trainer.forward import forward_only
-
-
-def collective_device() -> torch.device:
-    """Where tensors for collectives on the default group live (CUDA under NCCL, else CPU)."""
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
 
 
 def _broadcast_request(request: list[list[int]] | None) -> list[list[int]]:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl import parallel
-from megatron_rl.config import ResolvedConfig, secret_from_env
+from megatron_rl.config import ResolvedConfig
 
 log = logging.getLogger("megatron_rl.critic")
 
@@ -55,21 +55,8 @@ IDLE, SCORE, PRETRAIN, TRAIN, STOP = Command
 IDLE_WAIT_S = 0.05
 
 
-def _any_rank_failed(failed: bool) -> bool:
-    """One all-reduce after every scoring command: every rank learns whether any failed, so all
-    skip the answer together and stay in lockstep. (A failure that leaves one rank inside a
-    collective the others never enter cannot be caught here; the process-group timeout ends it.)"""
-    from megatron_rl.critic.scoring import collective_device
-
-    flag = torch.tensor([1.0 if failed else 0.0], device=collective_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
 def _broadcast_command(kind: Command = IDLE, arg: int = 0) -> tuple[Command, int]:
-    from megatron_rl.critic.scoring import collective_device
-
-    command = torch.tensor([int(kind), arg], dtype=torch.int64, device=collective_device())
+    command = torch.tensor([int(kind), arg], dtype=torch.int64, device=parallel.collective_device())
     dist.broadcast(command, src=0)
     kind, arg = command.tolist()
     return Command(kind), int(arg)
@@ -110,7 +97,7 @@ def run_critic(resolved: ResolvedConfig) -> None:
             seq_len=value.model.seq_len,
             max_batch_sequences=value.service.max_batch_sequences,
             request_timeout_s=value.service.request_timeout_s,
-            token=secret_from_env(value.service.token_env, "value.service.token_env"),
+            token=value.service.token(),
         )
         service.start()
         log.info(
@@ -170,7 +157,10 @@ def run_critic(resolved: ResolvedConfig) -> None:
                         for t in taken:
                             t.future.set_exception(exc)
                         raise
-                    if _any_rank_failed(error is not None):
+                    # Every rank learns whether any failed, so all skip the answer together and stay
+                    # in lockstep (a rank stuck inside a collective the others never enter is
+                    # beyond this: the process-group timeout ends it).
+                    if parallel.any_rank(error is not None):
                         if is_rank0:
                             cause = f"{type(error).__name__}: {error}" if error else "another rank failed (see its log)"
                             failure = ScoringFailed(f"scoring {arg} merged sequences failed: {cause}")

@@ -233,10 +233,8 @@ class InferencePool:
         """The pool of `resolved.inference`: one server per entry of `devices` (each a list of
         `inference.tp` device ids), on the layout's inference ports. With `launch=False` it
         returns the (unstarted) servers, for a dry run."""
-        from megatron_rl.config import secret_from_env
-
         inference = resolved.inference
-        api_key = secret_from_env(inference.api_key_env, "inference.api_key_env")
+        api_key = inference.api_key()
         if len(devices) != inference.num_servers:
             raise ValueError(
                 f"inference.num_servers is {inference.num_servers} but {len(devices)} device sets were given"
@@ -304,8 +302,6 @@ def served_model_dir(resolved) -> str:
 def router_settings(resolved) -> RouterSettings:
     """Router timeouts and queue sized from the config: every rollout of the batches that may be
     in flight at once fits in the queue, and no timeout is shorter than the longest rollout."""
-    from megatron_rl.config import secret_from_env
-
     inference, orchestrator = resolved.inference, resolved.orchestrator
     in_flight = orchestrator.batch_size * orchestrator.group_size * (orchestrator.max_async_level + 1)
     return RouterSettings(
@@ -317,7 +313,7 @@ def router_settings(resolved) -> RouterSettings:
         max_concurrent_requests=max(256, 2 * in_flight),
         queue_size=max(1024, 4 * in_flight),
         queue_timeout_s=int(inference.request_timeout_s),
-        api_key=secret_from_env(inference.api_key_env, "inference.api_key_env"),
+        api_key=inference.api_key(),
     )
 
 

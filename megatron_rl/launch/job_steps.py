@@ -43,11 +43,10 @@ def exec_router(resolved) -> None:
 
 
 def wait_inference(resolved) -> int:
-    from megatron_rl.config import secret_from_env
     from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
 
     inference = resolved.inference
-    api_key = secret_from_env(inference.api_key_env, "inference.api_key_env")
+    api_key = inference.api_key()
     deadline = time.monotonic() + inference.startup_timeout_s
     pending = list(resolved.layout.inference_urls)
     while pending:

@@ -20,7 +20,6 @@ import logging
 import time
 from pathlib import Path
 
-from megatron_rl.config import secret_from_env
 from megatron_rl.critic.client import HttpValueScorer
 from megatron_rl.envs import make_environment
 from megatron_rl.inference.pool import InferencePool, WeightSync, served_model_dir
@@ -95,7 +94,7 @@ class CriticLink:
         service, layout = resolved.value.service, resolved.layout.critic
         self.url = f"http://{service.host}:{service.port}"
         self.scorer = HttpValueScorer(
-            self.url, timeout_s=timeout_s, token=secret_from_env(service.token_env, "value.service.token_env")
+            self.url, timeout_s=timeout_s, token=service.token()
         )
         self.sender = GridSender(resolved.transport.host, resolved.transport.critic_port, layout.dp,
                                  receivers_per_data_rank=layout.tp * layout.cp * layout.pp, name="critic")  # fmt: skip
@@ -116,7 +115,7 @@ def attach_pool(resolved) -> InferencePool:
     """The running servers (`layout.inference_urls`) and router (`inference.host`:`router_port`)
     of `resolved.inference`, started by the launcher."""
     inference = resolved.inference
-    api_key = secret_from_env(inference.api_key_env, "inference.api_key_env")
+    api_key = inference.api_key()
     controls = [VllmControl(url, api_key=api_key) for url in resolved.layout.inference_urls]
     router = VllmRouter.attach(f"http://{inference.host}:{inference.router_port}", api_key=api_key)
     return InferencePool.attach(controls, router, inference.served_model_name)
@@ -152,7 +151,7 @@ async def orchestrate(resolved, pool: InferencePool, tokenizer=None) -> int:
     metrics = MetricsWriter(resolved.logging.dir, resolved.logging.console, o.num_steps)
     client = RolloutClient(pool.router_url, pool.model_name, pool.worker_urls,
                            timeout_s=resolved.inference.request_timeout_s, version_source=follower.version,
-                           api_key=secret_from_env(resolved.inference.api_key_env, "inference.api_key_env"),
+                           api_key=resolved.inference.api_key(),
                            on_worker_failure=lambda url: log.warning("inference server %s failed a request", url))  # fmt: skip
     orchestrator = Orchestrator(resolved, make_environment(o.environment, o.dataset, o.seed), encoder, client,
                                 follower, critic, send_policy, state, metrics, timeouts)  # fmt: skip

@@ -79,3 +79,18 @@ def destroy() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def collective_device() -> torch.device:
+    """Where tensors for collectives on the default group live (CUDA under NCCL, else CPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def any_rank(flag: bool, group=None) -> bool:
+    """Whether `flag` is true on any rank of `group` (default: the whole role), by one all-reduce
+    of a one-element tensor on the collective device; every rank gets the same answer."""
+    if not dist.is_initialized():
+        return flag
+    tensor = torch.tensor([1.0 if flag else 0.0], device=collective_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return bool(tensor.item())

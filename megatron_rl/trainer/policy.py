@@ -123,12 +123,11 @@ def make_broadcaster(resolved: ResolvedConfig):
     """Path (b): BroadcastPublisher to every configured inference server's workers."""
     import os
 
-    from megatron_rl.config import secret_from_env
     from megatron_rl.inference.vllm_control import VllmControl
     from megatron_rl.trainer.publish import BroadcastPublisher
 
     inference = resolved.inference
-    api_key = secret_from_env(inference.api_key_env, "inference.api_key_env")
+    api_key = inference.api_key()
     controls = [VllmControl(url, api_key=api_key) for url in resolved.layout.inference_urls]
     host = inference.weight_broadcast_host or os.environ.get("MASTER_ADDR", "127.0.0.1")
     return BroadcastPublisher(

@@ -16,6 +16,7 @@ import torch
 from megatron_rl.data.types import MicroBatch
 from megatron_rl.models.attention import packed_seq_params
 from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
+from megatron_rl.parallel import any_rank
 from megatron_rl.trainer.batches import RankBatch, rank_batch
 from megatron_rl.trainer.optimizer import Trainable, freeze_non_head_groups
 
@@ -106,10 +107,7 @@ def all_finite(trainable: Trainable, reported: list[dict]) -> bool:
             getattr(p, "main_grad", p.grad) for p in chunk.parameters() if p.requires_grad
         ]  # fmt: skip
         finite = finite and all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
-    flag = torch.tensor([0.0 if finite else 1.0])
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return flag.item() == 0.0
+    return not any_rank(not finite)  # on the collective device: a CPU tensor fails under NCCL
 
 
 def _reduce_metrics(reported: list[dict], batches: list[RankBatch]) -> dict:
