@@ -391,6 +391,10 @@ class DeploymentConfig(_Strict):
     num_value_gpus_per_train_node: int = Field(default=0, ge=0)  # critic shares policy nodes
     # On a failure or Ctrl-C: SIGTERM, then SIGKILL after this long (a checkpoint in progress finishes).
     stop_grace_s: float = Field(default=60.0, gt=0)
+    # A collective not finished after this long fails (the gloo/NCCL process-group timeout).
+    collective_timeout_s: float = Field(default=1800.0, gt=0)
+    # A rank whose heartbeat stops this long is lost: the other ranks of its group exit naming it.
+    heartbeat_timeout_s: float = Field(default=60.0, gt=0)
 
 
 class TransportConfig(_Strict):

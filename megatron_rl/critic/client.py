@@ -77,11 +77,11 @@ class HttpValueScorer:
                     headers={**self.headers, **({"Content-Type": "application/json"} if body else {})},
                 )  # fmt: skip
             except httpx.TimeoutException:
-                raise CriticTimeout(f"{url}: no reply within {self.timeout_s}s") from None
+                raise CriticTimeout(f"critic service {url}: no reply within {self.timeout_s}s") from None
             except httpx.TransportError as exc:
                 if attempt == self.retries:
                     raise CriticError(
-                        f"{url}: unreachable after {self.retries + 1} attempts: {type(exc).__name__}: {exc}"
+                        f"critic service {url}: unreachable after {self.retries + 1} attempts: {type(exc).__name__}: {exc}"
                     ) from exc
             else:
                 payload = response.content
@@ -89,12 +89,12 @@ class HttpValueScorer:
                     try:
                         return msgspec.json.decode(payload)
                     except msgspec.DecodeError:
-                        raise CriticError(f"{url}: reply is not JSON: {payload[:200]!r}") from None
+                        raise CriticError(f"critic service {url}: reply is not JSON: {payload[:200]!r}") from None
                 message = _error_message(payload)
                 if response.status_code == 400:
-                    raise CriticRequestError(f"{url}: request refused (400): {message}")
+                    raise CriticRequestError(f"critic service {url}: request refused (400): {message}")
                 if response.status_code != 503 or attempt == self.retries:
-                    raise CriticError(f"{url}: HTTP {response.status_code}: {message}")
+                    raise CriticError(f"critic service {url}: HTTP {response.status_code}: {message}")
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_backoff_s)
         raise AssertionError("unreachable")

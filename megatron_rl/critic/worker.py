@@ -139,6 +139,7 @@ def run_critic(resolved: ResolvedConfig) -> None:
                         kind, arg = TRAIN, next_step
             kind, arg = _broadcast_command(kind, arg)
             if kind == STOP:
+                parallel.finished()
                 break
             if kind == IDLE:
                 continue

@@ -2,11 +2,15 @@
 
 `initialize_role(resolved, role)` reads the layout the config layer derived; nothing here
 re-derives DP sizes. The default process group comes from torchrun's environment
-(MASTER_ADDR/PORT, RANK, WORLD_SIZE) on NCCL with CUDA and gloo without.
+(MASTER_ADDR/PORT, RANK, WORLD_SIZE) on NCCL with CUDA and gloo without, with the
+configured `deployment.collective_timeout_s`; every rank of a role also runs a heartbeat
+watchdog (watchdog.py) so that a lost rank ends its whole group, named, within
+`deployment.heartbeat_timeout_s`. A role marks a normal end with `finished()` before `destroy()`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 from typing import Literal
@@ -18,6 +22,7 @@ from megatron_rl import compat
 from megatron_rl.config import ModelLayout, ResolvedConfig
 
 Role = Literal["policy", "critic"]
+log = logging.getLogger("megatron_rl.parallel")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -61,10 +66,16 @@ def initialize_model_parallel(tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+_watchdog = None  # this process's PeerWatchdog, while its role runs
+
+
 def initialize_role(resolved: ResolvedConfig, role: Role, seed: int = 1234) -> ModelLayout:
-    """Default group from the environment, then megatron groups with this role's layout."""
+    """Default group from the environment, then megatron groups with this role's layout; starts
+    the lost-rank watchdog."""
     layout = role_layout(resolved, role)
-    initialize_distributed()
+    deployment = resolved.deployment
+    initialize_distributed(timeout_s=deployment.collective_timeout_s)
+    start_watchdog(role, deployment.heartbeat_timeout_s)
     if dist.get_world_size() != layout.world_size:
         raise RuntimeError(
             f"{role}: started with {dist.get_world_size()} ranks but the resolved layout needs {layout.world_size}"
@@ -73,9 +84,52 @@ def initialize_role(resolved: ResolvedConfig, role: Role, seed: int = 1234) -> M
     return layout
 
 
+_finished = False
+
+
+def finished() -> None:
+    """This rank's role ended normally: `destroy()` tells the peers, which then do not count its
+    exit as a loss."""
+    global _finished
+    _finished = True
+
+
+def start_watchdog(role: str, timeout_s: float) -> None:
+    """Starts this rank's heartbeat watchdog on the default group's store (once; not for one rank)."""
+    global _watchdog
+    from megatron_rl.parallel.watchdog import PeerWatchdog, store_owner
+
+    if _watchdog is None and dist.get_world_size() > 1:
+        _watchdog = PeerWatchdog(
+            role,
+            dist.get_rank(),
+            dist.get_world_size(),
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            timeout_s,
+            store_owner(),
+        ).start()
+
+
+def stop_watchdog() -> None:
+    """Ends the heartbeat. After a failure (no `finished()` first) it first waits a few
+    heartbeats for a peer to go silent and logs which one was lost."""
+    global _watchdog, _finished
+    if _watchdog is not None:
+        if not _finished:
+            explanation = _watchdog.explain_failure()
+            if explanation is not None:
+                log.error("%s", explanation)
+        _watchdog.stop(finished=_finished)
+        _watchdog = None
+    _finished = False
+
+
 def destroy() -> None:
+    """Stops the watchdog (see `stop_watchdog`), tears down megatron's groups and the default group."""
     from megatron.core import parallel_state
 
+    stop_watchdog()
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -33,6 +33,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, fn, args) ->
     try:
         parallel.initialize_distributed(timeout_s=300)
         result = fn(rank, world_size, *args)
+        parallel.finished()
         torch.save({"ok": True, "result": result}, Path(out_dir) / f"rank{rank}.pt")
     except BaseException:
         torch.save({"ok": False, "error": traceback.format_exc()}, Path(out_dir) / f"rank{rank}.pt")

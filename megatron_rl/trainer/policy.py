@@ -114,6 +114,7 @@ def run_policy(resolved: ResolvedConfig) -> None:
                     f.write(json.dumps(record) + "\n")
                 if resolved.logging.console:
                     print(_console_line(record), flush=True)
+        parallel.finished()
     finally:
         receiver.close()
         parallel.destroy()
