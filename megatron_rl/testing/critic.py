@@ -23,10 +23,11 @@ def critic_config(
     ep: int = 1,
     pp: int = 1,
     seq_len: int = 64,
+    deployment: dict | None = None,
     **value_options,
 ):
     """(resolved, resolved_json_path) for a SAO run whose critic has `world` ranks; keyword
-    arguments override the value section (plus `num_steps`)."""
+    arguments override the value section (plus `num_steps`), `deployment` adds to that section."""
     ports = [free_port() for _ in range(5)]
     value = {
         "model": {
@@ -69,6 +70,7 @@ def critic_config(
             "inference_gpus": 1,
             "policy_gpus": 1,
             "num_value_gpus_per_train_node": world,
+            **(deployment or {}),
         },
         "transport": {"policy_port": ports[0], "critic_port": ports[1], "receive_timeout_s": 120},
         "checkpoint": {"dir": str(tmp_path / "checkpoints"), "save_interval": 1},

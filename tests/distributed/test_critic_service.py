@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import aiohttp
 import numpy as np
@@ -280,3 +281,42 @@ def test_a_failing_score_request_gets_500_and_the_critic_keeps_serving(tiny_mode
     assert "PackingError: injected: a 13-token sequence" in replies[1][1]["error"]
     assert "another rank failed" in replies[2][1]["error"]
     assert len(replies[3][1]["values"][0]) == 3
+
+
+def test_a_killed_critic_rank_ends_the_critic_named_and_clients_get_an_error(tiny_models, tmp_path):
+    """Issue 16 item 8: kill -9 critic rank 1 while the critic trains: rank 0 (the HTTP service)
+    exits non-zero within the heartbeat timeout, naming rank 1, and a client's request gets an
+    error naming the critic service instead of hanging."""
+    timeout_s = 6.0
+    resolved, path = critic_config(
+        tmp_path, tiny_models["qwen3"], world=2, num_steps=100, deployment={"heartbeat_timeout_s": timeout_s}
+    )
+    url = critic_url(resolved)
+    with start_critic(resolved, path, tmp_path / "ranks") as ranks:
+        with GridSender("127.0.0.1", resolved.transport.critic_port, data_parallel_size=2, name="critic") as sender:
+            for step in range(2):
+                grid = pack_into_grid(training_samples(4, VOCAB, seed=step), resolved.value.model.seq_len, 2)
+                sender.publish(step, grid, timeout_s=60)
+
+            async def kill_while_training() -> tuple[float, BaseException | None]:
+                scorer = HttpValueScorer(url, retries=3, backoff_s=0.5, timeout_s=60)
+                try:
+                    await scorer.wait_trained(0, timeout_s=120)
+                    ranks.processes[1].kill()  # step 1 is training or about to
+                    began = time.monotonic()
+                    try:
+                        await scorer.score(mixed_batch(4))
+                    except CriticError as exc:
+                        return time.monotonic() - began, exc
+                    return time.monotonic() - began, None
+                finally:
+                    await scorer.close()
+
+            seconds, error = asyncio.run(kill_while_training())
+            code = ranks.processes[0].wait(timeout=2 * timeout_s + 30)
+    output = ranks.output(0)
+    assert ranks.processes[1].returncode == -9
+    assert code != 0, output
+    assert "critic rank 0 of 2: lost rank 1" in output, output[-3000:]
+    assert error is not None and f"critic service {url}/score" in str(error), (seconds, error)
+    assert seconds < 2 * timeout_s + 30

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -22,7 +24,7 @@ from tests.distributed.test_hf_parity import hf_logits
 SAMPLES_PER_STEP = 6
 
 
-def write_config(tmp_path, hf_dir, num_steps, ports):
+def write_config(tmp_path, hf_dir, num_steps, ports, deployment=None):
     config = {
         "model": {"hf_config": str(hf_dir), "checkpoint": str(hf_dir), "seq_len": 64, "dtype": "float32"},
         "optimizer": {"lr": 1e-3, "grad_clip": 1.0},
@@ -52,6 +54,7 @@ def write_config(tmp_path, hf_dir, num_steps, ports):
             "inference_gpus": 1,
             "policy_gpus": 2,
             "num_value_gpus_per_train_node": 1,
+            **(deployment or {}),
         },
         "transport": {"policy_port": ports[0], "critic_port": ports[1], "receive_timeout_s": 120},
         "checkpoint": {"dir": str(tmp_path / "checkpoints"), "save_interval": 1},
@@ -143,3 +146,52 @@ def test_train_policy_trains_publishes_checkpoints_and_resumes(tiny_models, tmp_
     # ...and with algorithm.kl_coef 0.1 the resumed process kept the initial weights as reference
     assert lines[2]["loss"] == pytest.approx(reference[2], rel=1e-5, abs=1e-6)
     assert lines[0]["kl_ref"] == 0.0 and lines[1]["kl_ref"] > 0 and lines[2]["kl_ref"] > 0
+
+
+@pytest.mark.slow
+def test_a_killed_policy_rank_ends_the_other_nodes_rank_named(tiny_models, tmp_path):
+    """Issue 16 item 8, the multi-node case: two torchrun agents (one rank each, as on two nodes;
+    the first hosts the store). Kill -9 the second node's rank after step 0: torchrun on that node
+    fails, and nothing there stops the first node's rank, which waits for step 1 on ZMQ. Its
+    watchdog ends it within the heartbeat timeout, naming rank 1, and its torchrun fails too."""
+    timeout_s = 6.0
+    ports = [free_port() for _ in range(4)]
+    resolved, path = write_config(tmp_path, tiny_models["qwen3"], 3, ports, {"heartbeat_timeout_s": timeout_s})
+    rendezvous = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = [tmp_path / f"node{n}.log" for n in range(2)]
+    agents = []
+    for node in range(2):
+        with open(logs[node], "w") as log:
+            agents.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                 "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(rendezvous),
+                 "-m", "megatron_rl.launch.cli", "train-policy", "--config", str(path)],
+                env=env, stdout=log, stderr=subprocess.STDOUT,
+            ))  # fmt: skip
+    vocab = resolved.layout.policy_architecture.vocab_size
+    try:
+        with GridSender("127.0.0.1", resolved.transport.policy_port, data_parallel_size=2, name="policy") as sender:
+            sender.wait_for_receivers(timeout_s=240)
+            sender.publish(0, pack_into_grid(w.training_samples(SAMPLES_PER_STEP, vocab, seed=0), 64, 2))
+            sender.wait_delivered(0, timeout_s=240)
+            deadline = time.monotonic() + 240
+            while "[policy] step 0 loss" not in logs[0].read_text():
+                assert time.monotonic() < deadline and agents[0].poll() is None, logs[0].read_text()[-3000:]
+                time.sleep(0.2)
+            worker = int(subprocess.check_output(["pgrep", "-P", str(agents[1].pid)]).split()[0])
+            os.kill(worker, signal.SIGKILL)
+            began = time.monotonic()
+            codes = [agent.wait(timeout=2 * timeout_s + 60) for agent in agents]
+            seconds = time.monotonic() - began
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    first, second = (log.read_text() for log in logs)
+    assert codes[0] != 0 and codes[1] != 0, (first[-3000:], second[-3000:])
+    assert "policy rank 0 of 2: lost rank 1: no heartbeat for" in first, first[-3000:]
+    assert "deployment.heartbeat_timeout_s = 6" in first
+    assert "exitcode  : 17" in first  # torchrun's summary on the first node: the watchdog's status
+    assert "Signal 9 (SIGKILL)" in second
+    assert seconds < 2 * timeout_s + 30, seconds
