@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl import parallel
+from megatron_rl import faults, parallel
 from megatron_rl.config import ResolvedConfig
 
 log = logging.getLogger("megatron_rl.critic")
@@ -186,7 +186,10 @@ def run_critic(resolved: ResolvedConfig) -> None:
                 elif kind == TRAIN:
                     micro_batches = prefetched if is_rank0 else receiver.receive(arg)
                     prefetched = None
+                    faults.set_step(arg)
+                    faults.kill_point("step.begin")
                     record = trainer.train(arg, micro_batches)
+                    faults.kill_point("step.trained")
                     if trainer.should_save(arg):
                         trainer.save()
                     if is_rank0:

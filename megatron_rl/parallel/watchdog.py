@@ -78,7 +78,9 @@ class PeerWatchdog:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._store.add(KEY.format(rank=rank), 1)
-        self._thread = threading.Thread(target=self._run, name=f"PeerWatchdog[{role} rank {rank}]", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"PeerWatchdog[{role} rank {rank}]", daemon=True
+        )
 
     def start(self) -> PeerWatchdog:
         self._thread.start()
@@ -115,18 +117,24 @@ class PeerWatchdog:
             return self._diagnose(now, silent_s)
 
     def _diagnose(self, now: float, silent_s: float) -> str | None:
-        reason = f"deployment.heartbeat_timeout_s = {self.timeout_s:g}" if silent_s >= self.timeout_s else (
-            "noticed after a failed collective"
+        reason = (
+            f"deployment.heartbeat_timeout_s = {self.timeout_s:g}"
+            if silent_s >= self.timeout_s
+            else ("noticed after a failed collective")
         )
         if self._store_failing_since is not None:
             failing = now - self._store_failing_since
             if failing < silent_s:
                 return None
             store = f"the rendezvous store at {self.where}"
-            lost = f"lost rank 0 ({store}, which it hosts," if self.store_owner == RANK0 else (
-                f"lost {store} ({self.store_owner};"
+            lost = (
+                f"lost rank 0 ({store}, which it hosts,"
+                if self.store_owner == RANK0
+                else (f"lost {store} ({self.store_owner};")
             )
-            message = f"{self._me()}: {lost} gave no answer for {failing:.1f} s: {reason}; {self._store_error})"
+            message = (
+                f"{self._me()}: {lost} gave no answer for {failing:.1f} s: {reason}; {self._store_error})"
+            )
             # A peer already silent while the store still answered went first.
             earlier = self._silent(self._store_failing_since, SILENT_INTERVALS * self.interval_s)
             if earlier:
@@ -152,7 +160,11 @@ class PeerWatchdog:
 
     def _silent(self, now: float, seconds: float) -> list[int]:
         return sorted(
-            (peer for peer, (count, moved) in self._seen.items() if count < FINISHED and now - moved >= seconds),
+            (
+                peer
+                for peer, (count, moved) in self._seen.items()
+                if count < FINISHED and now - moved >= seconds
+            ),
             key=lambda peer: self._seen[peer][1],  # the first to go silent first
         )
 

@@ -1,9 +1,16 @@
-"""Directories that become visible all at once (checkpoints, published weights).
+"""Directories that become visible all at once (checkpoints, published weights, snapshots).
 
 A writer fills `NAME.partial`, then `commit` renames it to `NAME`, points the `latest` file at it
 (written to a temporary file and replaced atomically) and prunes older versions. Readers go
-through `latest` and never see a partial directory. Single-process functions: the caller decides
-which rank runs them.
+through `latest` (or `resolve`) and never see a partial directory.
+
+A step done again after a restart writes a `NAME` that may already exist: `commit` first moves
+the old one to `NAME.replaced`, puts the new one in place, then deletes the old. A process killed
+between those two renames leaves `NAME.replaced` and no `NAME`: readers take `NAME.replaced`
+for `NAME` (it is complete), and the writer's next `begin` renames it back. So at every instant
+each committed name is readable, and `latest` never names a missing version.
+
+Single-process functions: the caller decides which rank runs them (one writer per root).
 """
 
 from __future__ import annotations
@@ -12,12 +19,28 @@ import os
 import shutil
 from pathlib import Path
 
+from megatron_rl.faults import kill_point
+
 LATEST = "latest"
+PARTIAL = ".partial"
+REPLACED = ".replaced"
+
+
+def recover(root: Path) -> None:
+    """Writer side: finishes or undoes an interrupted replacement (see the module docstring)."""
+    for old in Path(root).glob(f"*{REPLACED}"):
+        final = old.with_name(old.name.removesuffix(REPLACED))
+        if final.exists():
+            shutil.rmtree(old)
+        else:
+            os.rename(old, final)
 
 
 def begin(root: Path, name: str) -> Path:
     """A fresh `root/NAME.partial` (a stale one from an interrupted write is removed)."""
-    partial = root / f"{name}.partial"
+    root.mkdir(parents=True, exist_ok=True)
+    recover(root)
+    partial = root / f"{name}{PARTIAL}"
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
@@ -25,20 +48,47 @@ def begin(root: Path, name: str) -> Path:
 
 
 def commit(root: Path, partial: Path, keep_last: int, pattern: str) -> Path:
-    """Renames `partial` to its final name, points `latest` at it, keeps the newest `keep_last`
-    complete directories matching `pattern`. Returns the final path."""
-    final = partial.with_name(partial.name.removesuffix(".partial"))
+    """Renames `partial` to its final name (moving an existing one aside first), points `latest`
+    at it, keeps the newest `keep_last` complete directories matching `pattern`. Returns the
+    final path."""
+    final = partial.with_name(partial.name.removesuffix(PARTIAL))
+    old = final.with_name(final.name + REPLACED)
     if final.exists():
-        shutil.rmtree(final)
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(final, old)
+        kill_point("commit.replacing")
     os.rename(partial, final)
     pointer = root / f"{LATEST}.tmp"
     pointer.write_text(final.name)
     os.replace(pointer, root / LATEST)
-    complete = sorted(p for p in root.glob(pattern) if p.is_dir() and not p.name.endswith(".partial"))
-    for old in complete[:-keep_last]:
-        if old != final:
-            shutil.rmtree(old)
+    if old.exists():
+        shutil.rmtree(old)
+    complete = sorted(p for p in root.glob(pattern) if p.is_dir() and is_committed_name(p.name))
+    for stale in complete[:-keep_last]:
+        if stale != final:
+            shutil.rmtree(stale)
     return final
+
+
+def is_committed_name(name: str) -> bool:
+    return not name.endswith((PARTIAL, REPLACED))
+
+
+def resolve(root: Path, name: str, required_file: str) -> Path | None:
+    """`root/NAME` when it is complete (has `required_file`), else its complete `NAME.replaced`
+    (a replacement cut short), else None."""
+    for path in (Path(root) / name, Path(root) / f"{name}{REPLACED}"):
+        if (path / required_file).is_file():
+            return path
+    return None
+
+
+def committed(root: Path, pattern: str, required_file: str) -> dict[str, Path]:
+    """Every complete committed name matching `pattern` -> the directory to read it from."""
+    names = {p.name.removesuffix(REPLACED) for p in Path(root).glob(pattern) if not p.name.endswith(PARTIAL)}
+    found = {name: resolve(root, name, required_file) for name in names}
+    return {name: path for name, path in sorted(found.items()) if path is not None}
 
 
 def latest(root: Path, required_file: str) -> Path | None:
@@ -47,7 +97,10 @@ def latest(root: Path, required_file: str) -> Path | None:
     pointer = Path(root) / LATEST
     if not pointer.is_file():
         return None
-    path = Path(root) / pointer.read_text().strip()
-    if not (path / required_file).is_file():
-        raise FileNotFoundError(f"{pointer} names {path}, which is not complete (no {required_file})")
+    name = pointer.read_text().strip()
+    path = resolve(root, name, required_file)
+    if path is None:
+        raise FileNotFoundError(
+            f"{pointer} names {Path(root) / name}, which is not complete (no {required_file})"
+        )
     return path

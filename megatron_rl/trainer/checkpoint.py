@@ -4,10 +4,12 @@ Layout under the checkpoint directory:
     step_00000012/        dist/ (megatron dist_checkpointing, optimizer in the reshardable
                           `fully_reshardable` format), rng/rank00000.pt, meta.json
     step_00000013.partial a save in progress (or interrupted): never read
+    step_00000011.replaced  the old step 11 while a redone step 11 takes its place (atomic_dir.py)
     latest                the name of the newest complete step directory (replaced atomically)
 
 A save writes `step_N.partial`, then rank 0 renames it to `step_N` and only then points
-`latest` at it, so an interrupted save leaves the previous checkpoint current and readable.
+`latest` at it, so an interrupted save leaves the previous checkpoint current and readable
+(tests/e2e/test_restart.py kills the processes at each of these points).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_rl.faults import kill_point
 from megatron_rl.trainer import atomic_dir
-from megatron_rl.trainer.optimizer import Trainable, unify_adam_steps
+from megatron_rl.trainer.optimizer import Trainable, torch_optimizers, unify_adam_steps
 
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -75,6 +78,7 @@ def save_checkpoint(
     dist_checkpointing.save(state, str(partial / "dist"))
     torch.save(_rng_state(), partial / "rng" / f"rank{rank:05d}.pt")
     dist.barrier()
+    kill_point("checkpoint.written")
     if rank == 0:
         meta = {
             "step": step,
@@ -99,13 +103,8 @@ class CheckpointMismatch(RuntimeError):
 
 def complete_steps(directory: str | Path) -> list[int]:
     """The steps with a complete checkpoint under `directory` (partial ones excluded), sorted."""
-    root = Path(directory)
-    steps = []
-    for path in root.glob("step_*"):
-        if path.name.endswith(".partial") or not (path / "meta.json").is_file():
-            continue
-        steps.append(int(path.name.removeprefix("step_")))
-    return sorted(steps)
+    complete = atomic_dir.committed(Path(directory), "step_*", "meta.json")
+    return sorted(int(name.removeprefix("step_")) for name in complete)
 
 
 def run_resume_step(resolved) -> int | None:
@@ -131,6 +130,28 @@ def run_resume_step(resolved) -> int | None:
     return max(common)
 
 
+def group_settings(trainable: Trainable) -> list[list[dict]]:
+    """Every optimizer parameter group's settings (all but its parameters and step count)."""
+    return [
+        [{k: v for k, v in group.items() if k not in ("params", "step")} for group in opt.param_groups]
+        for opt in torch_optimizers(trainable.optimizer)
+    ]
+
+
+def restore_group_settings(trainable: Trainable, settings: list[list[dict]]) -> None:
+    """Puts back each group's own settings after megatron's optimizer `load_state_dict`, which
+    matches saved groups to current ones only by (wd_mult, lr_mult, is_expert_parallel,
+    is_decoupled_lr): the critic's value-head groups differ from backbone groups only by
+    `HEAD_GROUP_KEY`, so a resumed critic got the head flag on a backbone group (head-only
+    phases and snapshot loads then treated the wrong parameters as the head). The run's config
+    decides the settings; the checkpoint decides the state."""
+    for opt, saved in zip(torch_optimizers(trainable.optimizer), settings, strict=True):
+        for group, own in zip(opt.param_groups, saved, strict=True):
+            for key in [k for k in group if k not in ("params", "step") and k not in own]:
+                del group[key]
+            group.update(own)
+
+
 def load_checkpoint(directory: str | Path, trainable: Trainable, step: int | None = None) -> dict | None:
     """Collective: restores checkpoint `step` (default: the latest) into `trainable`; returns
     its meta ({"step", "extra", ...}) or None when there is none."""
@@ -139,12 +160,13 @@ def load_checkpoint(directory: str | Path, trainable: Trainable, step: int | Non
     if step is None:
         path = latest_checkpoint(directory)
     else:
-        path = _step_dir(Path(directory), step)
-        if not (path / "meta.json").is_file():
-            raise FileNotFoundError(f"{path}: no complete checkpoint of step {step}")
+        path = atomic_dir.resolve(Path(directory), _step_dir(Path(directory), step).name, "meta.json")
+        if path is None:
+            raise FileNotFoundError(f"{_step_dir(Path(directory), step)}: no complete checkpoint of step {step}")
     if path is None:
         return None
     meta = json.loads((path / "meta.json").read_text())
+    settings = group_settings(trainable)  # before megatron's sharded_state_dict / load touch them
     unify_adam_steps(trainable)  # one step count per optimizer, as megatron checkpoints it
     model = trainable.model[0].module
     model_state = model.sharded_state_dict()
@@ -157,6 +179,7 @@ def load_checkpoint(directory: str | Path, trainable: Trainable, step: int | Non
     loaded = dist_checkpointing.load(template, str(path / "dist"))
     model.load_state_dict(loaded["model"])
     trainable.optimizer.load_state_dict(loaded["optimizer"])
+    restore_group_settings(trainable, settings)
     trainable.scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / "rng" / f"rank{dist.get_rank():05d}.pt"
     if meta["world_size"] == dist.get_world_size() and rng_file.is_file():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl import parallel
+from megatron_rl import faults, parallel
 from megatron_rl.config import ResolvedConfig
 
 log = logging.getLogger("megatron_rl.policy")
@@ -84,7 +84,10 @@ def run_policy(resolved: ResolvedConfig) -> None:
         for step in range(start, num_steps):
             began = time.perf_counter()
             micro_batches = receiver.receive(step)
+            faults.set_step(step)
+            faults.kill_point("step.begin")
             metrics = train_step(trainable, micro_batches, loss_func, reference=reference)
+            faults.kill_point("step.trained")
             if broadcaster is not None:
                 broadcaster.publish(model, arch, step + 1)
             elif resolved.inference.publish_dir:

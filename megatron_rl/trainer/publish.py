@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_rl.config import Architecture
+from megatron_rl.faults import kill_point
 from megatron_rl.models.checkpoint_io import copy_hf_side_files
 from megatron_rl.models.hf_mapping import megatron_to_hf
 from megatron_rl.models.sharding import gather_full_parameters
@@ -90,6 +91,7 @@ def publish_hf_weights(
             metadata={"format": "pt"},
         )
     dist.barrier()
+    kill_point("publish.written")
     if dist.get_rank() == 0:
         files = sorted(p.name for p in partial.glob("model-*.safetensors"))
         weight_map = {}

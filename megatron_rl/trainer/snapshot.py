@@ -18,6 +18,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megatron_rl.config import ResolvedConfig
+from megatron_rl.faults import kill_point
 from megatron_rl.trainer import atomic_dir
 
 
@@ -54,6 +55,7 @@ def export_snapshot(
     dist.barrier()
     dist_checkpointing.save(model.sharded_state_dict(), str(partial / "dist"))
     dist.barrier()
+    kill_point("snapshot.written")
     if dist.get_rank() == 0:
         (partial / "meta.json").write_text(json.dumps({"version": version, **(info or {})}, indent=2))
         atomic_dir.commit(root, partial, keep_last, "version_*")
@@ -64,9 +66,9 @@ def export_snapshot(
 def wait_for_snapshot(directory: str | Path, version: int, timeout_s: float, poll_s: float = 0.5) -> Path:
     """The `dist/` directory of snapshot `version` once it is complete; TimeoutError naming the
     directory when it does not appear within `timeout_s`."""
-    path = _version_dir(Path(directory), version)
+    name = _version_dir(Path(directory), version).name
     deadline = time.monotonic() + timeout_s
-    while not (path / "meta.json").is_file():
+    while (path := atomic_dir.resolve(Path(directory), name, "meta.json")) is None:
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"policy snapshot version {version} did not appear in {directory} within {timeout_s}s "

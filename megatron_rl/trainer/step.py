@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_rl.data.types import MicroBatch
+from megatron_rl.faults import kill_point
 from megatron_rl.models.attention import packed_seq_params
 from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
 from megatron_rl.parallel import any_rank
@@ -74,6 +75,7 @@ def train_step(
         micro_batch_size=1,
         forward_only=False,
     )
+    kill_point("train.backward")
     if trainable.head_only:
         freeze_non_head_groups(trainable)
     lr = trainable.optimizer.param_groups[0]["lr"]

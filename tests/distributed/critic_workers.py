@@ -37,6 +37,17 @@ def _adam_steps(trainer) -> dict[str, list[int]]:
     return {k: sorted(v) for k, v in steps.items()}
 
 
+def _groups(trainer) -> list[tuple[bool, int, float]]:
+    """Per optimizer group: whether it is a value-head group, its parameter count, wd_mult."""
+    from megatron_rl.trainer.optimizer import HEAD_GROUP_KEY, torch_optimizers
+
+    return [
+        (bool(group.get(HEAD_GROUP_KEY)), len(group["params"]), group["wd_mult"])
+        for opt in torch_optimizers(trainer.trainable.optimizer)
+        for group in opt.param_groups
+    ]
+
+
 def critic_plan(rank, world_size, resolved_path, plan):
     from megatron_rl.critic.trainer import CriticTrainer
     from megatron_rl.data.packing import pack_into_grid
@@ -80,6 +91,7 @@ def critic_plan(rank, world_size, resolved_path, plan):
         after = _named(trainer.model)
         record["changed"] = sorted(n for n in after if not torch.equal(after[n], before[n]))
         record["adam_steps"] = _adam_steps(trainer)
+        record["groups"] = _groups(trainer)
         record["full"] = (
             gather_full_parameters(trainer.model)
             if action[0] in ("train", "train_grid", "load_backbone", "params")

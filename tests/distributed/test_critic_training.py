@@ -139,10 +139,14 @@ def test_snapshot_from_policy_at_tp2_loads_into_critic_at_cp2_then_retunes_head(
 def test_resume_continues_with_identical_next_step_loss(tiny_models, tmp_path):
     resolved, path = critic_config(tmp_path, tiny_models["qwen3"], world=2, epochs_per_step=2)
     straight = run_ranks(cw.critic_plan, 2, str(path), [("train", s, s) for s in range(3)])[0]
-    run_ranks(cw.critic_plan, 2, str(path), [("train", 0, 0), ("train", 1, 1), ("save",)])
+    *_, saved = run_ranks(cw.critic_plan, 2, str(path), [("train", 0, 0), ("train", 1, 1), ("save",)])[0]
     resumed, step2 = run_ranks(cw.critic_plan, 2, str(path), [("resume",), ("train", 2, 2)])[0]
     assert resumed["trained_step"] == 1
     assert step2["epoch_losses"] == straight[2]["epoch_losses"]  # exactly, on CPU
+    # The value-head flag stays on the head's groups (megatron's load matched groups by their
+    # lr/wd multipliers only and moved it onto a backbone group).
+    assert resumed["groups"] == saved["groups"] == straight[0]["groups"]
+    assert sorted(flag for flag, _, _ in resumed["groups"]) == [False, False, True, True]
 
 
 def test_pipeline_parallel_critic_trains_like_one_process(tiny_models, tmp_path):

@@ -24,7 +24,8 @@ from tests.distributed.test_hf_parity import hf_logits
 SAMPLES_PER_STEP = 6
 
 
-def write_config(tmp_path, hf_dir, num_steps, ports, deployment=None):
+def write_config(tmp_path, hf_dir, num_steps, ports, **sections):
+    """A CPU SAO config around `hf_dir` (policy on 2 ranks); `sections` update its sections."""
     config = {
         "model": {"hf_config": str(hf_dir), "checkpoint": str(hf_dir), "seq_len": 64, "dtype": "float32"},
         "optimizer": {"lr": 1e-3, "grad_clip": 1.0},
@@ -54,12 +55,13 @@ def write_config(tmp_path, hf_dir, num_steps, ports, deployment=None):
             "inference_gpus": 1,
             "policy_gpus": 2,
             "num_value_gpus_per_train_node": 1,
-            **(deployment or {}),
         },
         "transport": {"policy_port": ports[0], "critic_port": ports[1], "receive_timeout_s": 120},
         "checkpoint": {"dir": str(tmp_path / "checkpoints"), "save_interval": 1},
         "logging": {"dir": str(tmp_path / "logs")},
     }
+    for section, extra in sections.items():
+        config[section].update(extra)
     path = tmp_path / f"run{num_steps}.yaml"
     path.write_text(yaml.safe_dump(config))
     resolved = load_config(path)
@@ -156,7 +158,9 @@ def test_a_killed_policy_rank_ends_the_other_nodes_rank_named(tiny_models, tmp_p
     watchdog ends it within the heartbeat timeout, naming rank 1, and its torchrun fails too."""
     timeout_s = 6.0
     ports = [free_port() for _ in range(4)]
-    resolved, path = write_config(tmp_path, tiny_models["qwen3"], 3, ports, {"heartbeat_timeout_s": timeout_s})
+    resolved, path = write_config(
+        tmp_path, tiny_models["qwen3"], 3, ports, deployment={"heartbeat_timeout_s": timeout_s}
+    )
     rendezvous = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     logs = [tmp_path / f"node{n}.log" for n in range(2)]
