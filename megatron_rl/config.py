@@ -395,6 +395,8 @@ class DeploymentConfig(_Strict):
     collective_timeout_s: float = Field(default=1800.0, gt=0)
     # A rank whose heartbeat stops this long is lost: the other ranks of its group exit naming it.
     heartbeat_timeout_s: float = Field(default=60.0, gt=0)
+    # Memory of one GPU (H200: 141 GB); check-config's memory plan must fit in it (device cuda).
+    gpu_memory_gb: float = Field(default=141.0, gt=0)
 
 
 class TransportConfig(_Strict):
@@ -764,7 +766,13 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
     for section in (data["model"], data["value"]["model"] if data["value"] else None):
         if section and section["hf_config"] and not Path(section["hf_config"]).is_absolute():
             section["hf_config"] = str((base_dir / section["hf_config"]).resolve())
-    return ResolvedConfig(**data, layout=layout)
+    resolved = ResolvedConfig(**data, layout=layout)
+    from megatron_rl.memory_plan import check_fits, memory_plan
+
+    errors = check_fits(resolved, memory_plan(resolved))
+    if errors:
+        raise ConfigError(source, errors)
+    return resolved
 
 
 def _format_validation_error(exc: ValidationError) -> list[str]:

@@ -13,8 +13,8 @@ cd "$root"
 export PYTHONHASHSEED=0 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ "$#" -eq 0 ]; then
   # Fast groups first, then the slow group on its own, so a failure shows early.
-  "$root/.venv/bin/python" -m pytest -q -m "not slow" tests; rc_fast=$?
-  "$root/.venv/bin/python" -m pytest -q -m "slow" tests; rc_slow=$?
+  "$root/.venv/bin/python" -m pytest -q --durations=15 -m "not slow" tests; rc_fast=$?
+  "$root/.venv/bin/python" -m pytest -q --durations=15 -m "slow" tests; rc_slow=$?
   # 5 = pytest collected nothing: only an error for the fast group (the slow group may be empty).
   [ "$rc_fast" -eq 5 ] && { echo "tests/run.sh: pytest collected no tests" >&2; exit 1; }
   [ "$rc_slow" -eq 5 ] && rc_slow=0

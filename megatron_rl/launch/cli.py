@@ -14,11 +14,14 @@ def _check_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    from megatron_rl.memory_plan import format_plan, memory_plan
+
     text = resolved.to_json()
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
     print(text)
+    print(format_plan(resolved, memory_plan(resolved)), file=sys.stderr)  # stdout stays JSON
     return 0
 
 

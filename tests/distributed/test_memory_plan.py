@@ -1,0 +1,113 @@
+"""The memory plan's parameter and optimizer-state counts against what megatron allocates: tiny
+models built at several layouts on two gloo ranks (TP=2; DP=2 value model with frozen
+attention; MoE at EP=2; PP=2), one training step each so Adam's state exists."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_rl.config import Architecture, ModelLayout
+from megatron_rl.memory_plan import adam_tensor_elements, rank_parameters
+from megatron_rl.testing.spawn import run_ranks
+
+# (family, tp, pp, ep, value model, freeze attention)
+LAYOUTS = [
+    ("qwen3", 2, 1, 1, False, False),
+    ("qwen3", 1, 1, 1, True, True),
+    ("qwen3_moe", 1, 1, 2, False, False),
+    ("qwen3", 1, 2, 1, False, False),
+]
+
+
+def layout_of(tp: int, pp: int, ep: int, world: int = 2) -> ModelLayout:
+    dp = world // (tp * pp)
+    return ModelLayout(world_size=world, tp=tp, cp=1, pp=pp, ep=ep, dp=dp, expert_dp=world // (tp * ep * pp))
+
+
+def measure(rank, world_size, architectures):
+    """Per layout: this rank's pipeline stage, parameter counts and Adam moment elements."""
+    from megatron.core import parallel_state
+
+    from megatron_rl import parallel
+    from megatron_rl.algorithms import make_algorithm
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.data.packing import dummy_micro_batch
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.value_model import build_value_model, freeze_attention
+    from megatron_rl.trainer.optimizer import build_trainable, torch_optimizers
+    from megatron_rl.trainer.step import policy_loss_func, train_step, value_loss_func
+
+    results = []
+    for family, tp, pp, ep, value, freeze in LAYOUTS:
+        arch = Architecture(**architectures[family])
+        parallel.initialize_model_parallel(tp=tp, pp=pp, ep=ep)
+        build = build_value_model if value else build_gpt_model
+        model = build(arch, tp=tp, pp=pp, ep=ep, seq_len=64)
+        if freeze:
+            freeze_attention(model)
+        trainable = build_trainable(model, OptimizerConfig(lr=1e-3), total_steps=1)
+        loss = value_loss_func() if value else policy_loss_func(make_algorithm(AlgorithmConfig(type="grpo")))
+        train_step(trainable, [dummy_micro_batch()], loss)
+        params = list(model.named_parameters())
+        expert = [p for n, p in params if ".experts." in n]
+        dense = [p for n, p in params if ".experts." not in n]
+        adam = sum(
+            state["exp_avg"].numel()
+            for opt in torch_optimizers(trainable.optimizer)
+            for state in opt.state.values()
+            if "exp_avg" in state
+        )
+        results.append({
+            "stage": parallel_state.get_pipeline_model_parallel_rank(),
+            "dense": sum(p.numel() for p in dense),
+            "expert": sum(p.numel() for p in expert),
+            "dense_trainable": sum(p.numel() for p in dense if p.requires_grad),
+            "expert_trainable": sum(p.numel() for p in expert if p.requires_grad),
+            "adam": adam,
+            "parameters": len(params),
+        })  # fmt: skip
+        del trainable, model
+        torch.distributed.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_models):
+    architectures = {
+        family: Architecture.from_hf_config(
+            json.loads((tiny_models[family] / "config.json").read_text()), family
+        ).model_dump()
+        for family in ("qwen3", "qwen3_moe")
+    }
+    return architectures, run_ranks(measure, 2, architectures)
+
+
+@pytest.mark.parametrize(
+    "index",
+    range(len(LAYOUTS)),
+    ids=[f"{f}-tp{t}-pp{p}-ep{e}" + ("-value" if v else "") for f, t, p, e, v, _ in LAYOUTS],
+)
+def test_parameters_per_rank_are_exact_and_adam_state_matches(measured, index):
+    architectures, ranks = measured
+    family, tp, pp, ep, value, freeze = LAYOUTS[index]
+    arch = Architecture(**architectures[family])
+    layout = layout_of(tp, pp, ep)
+    planned_adam = measured_adam = 0.0
+    for rank_results in ranks:
+        got = rank_results[index]
+        plan = rank_parameters(arch, layout, value_model=value, freeze_attention=freeze, stage=got["stage"])
+        assert (plan.dense, plan.expert, plan.dense_trainable, plan.expert_trainable) == (
+            got["dense"], got["expert"], got["dense_trainable"], got["expert_trainable"]
+        ), (LAYOUTS[index], got)  # fmt: skip
+        planned = adam_tensor_elements(plan, layout)
+        # One rank's shard differs from an even split only by the distributed optimizer's
+        # alignment padding (param starts on 64-element boundaries, buffer end on lcm(dp, 128)).
+        assert abs(got["adam"] - planned) <= 64 * got["parameters"] + 128 * layout.dp, (planned, got)
+        planned_adam += planned
+        measured_adam += got["adam"]
+    assert measured_adam == pytest.approx(planned_adam, abs=1e-6)  # exact over the group
+    if freeze:
+        assert plan.dense_trainable < plan.dense  # the frozen attention has no gradient or Adam state

@@ -1,0 +1,75 @@
+"""check-config's memory plan: the 30B examples fit only with the seed's options, a layout that
+cannot fit is refused with the numbers and the fixes, every example config prints a plan."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import ConfigError, ModelLayout, load_config
+from megatron_rl.memory_plan import GIB, format_plan, memory_plan, rank_parameters
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("*.yaml"))
+SAO_30B = next(p for p in EXAMPLES if p.name == "qwen3_30b_a3b_sao.yaml")
+
+
+def test_qwen3_30b_a3b_parameter_count_matches_the_published_total():
+    arch = load_config(SAO_30B).layout.policy_architecture
+    single = ModelLayout(world_size=1, tp=1, cp=1, pp=1, ep=1, dp=1, expert_dp=1)
+    total = rank_parameters(arch, single).total
+    assert total == pytest.approx(30.5e9, rel=0.005)  # "30.5B parameters in total" (model card)
+
+
+def test_30b_example_fits_only_with_the_optimizer_offloaded():
+    resolved = load_config(SAO_30B)
+    plan = {gpu.role: gpu for gpu in memory_plan(resolved)}
+    policy = plan["policy"]
+    # EP=2 on 2 GPUs: about 16.0B parameters per GPU in bf16, fp32 gradients, the optimizer on the host.
+    assert policy.parts["weights"] * GIB / 2 == pytest.approx(16.04e9, rel=0.01)
+    assert policy.parts["gradients"] == pytest.approx(2 * policy.parts["weights"])
+    assert policy.parts["optimizer"] == 0 and policy.host_gib > 150
+    assert policy.total < 141 and plan["critic"].total < 141
+    with pytest.raises(ConfigError) as refused:
+        load_config(SAO_30B, ["optimizer.cpu_offload=false", "value.optimizer.cpu_offload=false"])
+    message = str(refused.value)
+    assert "model: the policy needs about" in message and "value.model: the critic needs about" in message
+    assert "GiB more than deployment.gpu_memory_gb = 141" in message
+    assert "options: optimizer.cpu_offload: true (offload_fraction 1 moves" in message
+    assert "value.optimizer.cpu_offload: true" in message
+
+
+def test_without_recomputation_the_activations_do_not_fit():
+    with pytest.raises(ConfigError, match=r"model.recompute \{granularity: full"):
+        load_config(SAO_30B, ["model.recompute={granularity: none}"])
+    plan = memory_plan(
+        load_config(SAO_30B, ["model.recompute={granularity: selective}", "deployment.gpu_memory_gb=1000"])
+    )
+    full = memory_plan(load_config(SAO_30B))
+    assert plan[0].parts["activations"] > 2 * full[0].parts["activations"]
+
+
+def test_inference_needs_room_for_one_sequence_of_kv_cache():
+    with pytest.raises(
+        ConfigError, match="inference: the weights .* leave .* KV cache .* raise inference.tp"
+    ):
+        load_config(SAO_30B, ["deployment.gpu_memory_gb=36"])
+
+
+def test_cpu_configs_print_a_plan_but_are_not_checked_against_a_gpu():
+    tiny = next(p for p in EXAMPLES if p.name == "tiny_cpu_sao.yaml")
+    resolved = load_config(tiny, ["deployment.gpu_memory_gb=0.001"])
+    assert "deployment.device cpu: not checked" in format_plan(resolved, memory_plan(resolved))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_check_config_prints_the_plan_for_every_example(example):
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.launch.cli", "check-config", str(example)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "memory plan (GiB per GPU" in result.stderr and "policy" in result.stderr
+    assert result.stdout.lstrip().startswith("{")  # stdout stays the resolved JSON
