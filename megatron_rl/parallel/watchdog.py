@@ -28,6 +28,7 @@ that is alive but never enters a collective (its heartbeat keeps going).
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import sys
 import threading
@@ -209,6 +210,10 @@ def _exit_lost(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
     for handler in logging.getLogger().handlers:
         handler.flush()
+    # os._exit skips the atexit hooks that would stop this process's multiprocessing children
+    # (megatron's checkpoint writer keeps a Manager process): stop them here.
+    for child in multiprocessing.active_children():
+        child.kill()
     os._exit(LOST_PEER_EXIT)
 
 

@@ -1,6 +1,9 @@
 """Start a `megatron-rl` role on N local ranks the way torchrun does (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT), one subprocess per rank, each with its own log file, and
-stop them with SIGTERM. Used by tests and benchmarks that talk to a live critic."""
+stop them with SIGTERM. Each rank leads its own process group, which is killed on exit: a rank
+killed with SIGKILL leaves children behind (megatron's checkpoint writer starts a
+multiprocessing Manager) that would otherwise outlive the test. Used by tests and benchmarks
+that run a role's ranks."""
 
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ class RankProcesses:
                         env=rank_env,
                         stdout=log,
                         stderr=subprocess.STDOUT,
+                        start_new_session=True,
                     )
                 )
 
@@ -70,6 +74,13 @@ class RankProcesses:
 
     def __exit__(self, *exc) -> None:
         for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+            kill_process_group(process)
+
+
+def kill_process_group(process: subprocess.Popen) -> None:
+    """SIGKILL to the process group `process` leads (itself and whatever it left behind)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()

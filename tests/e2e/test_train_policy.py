@@ -16,6 +16,7 @@ import yaml
 from megatron_rl.config import load_config
 from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.parallel import free_port
+from megatron_rl.testing.processes import kill_process_group
 from megatron_rl.testing.spawn import run_ranks
 from megatron_rl.transport import GridSender
 from tests.distributed import megatron_workers as w
@@ -171,7 +172,7 @@ def test_a_killed_policy_rank_ends_the_other_nodes_rank_named(tiny_models, tmp_p
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
                  "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(rendezvous),
                  "-m", "megatron_rl.launch.cli", "train-policy", "--config", str(path)],
-                env=env, stdout=log, stderr=subprocess.STDOUT,
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             ))  # fmt: skip
     vocab = resolved.layout.policy_architecture.vocab_size
     try:
@@ -190,8 +191,7 @@ def test_a_killed_policy_rank_ends_the_other_nodes_rank_named(tiny_models, tmp_p
             seconds = time.monotonic() - began
     finally:
         for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
+            kill_process_group(agent)
     first, second = (log.read_text() for log in logs)
     assert codes[0] != 0 and codes[1] != 0, (first[-3000:], second[-3000:])
     assert "policy rank 0 of 2: lost rank 1: no heartbeat for" in first, first[-3000:]
