@@ -59,6 +59,7 @@ class Component:
     may_finish: bool = False  # exit 0 is normal (the policy after its last step)
     url: str | None = None  # an inference server's address (readiness: GET /v1/models)
     api_key: str | None = None  # an inference server's API key (inference.api_key_env)
+    torchrun: bool = False  # a torchrun agent whose ranks each lead a process session of their own
     process: subprocess.Popen | None = None
     restarts: int = 0
 
@@ -71,10 +72,19 @@ class Component:
             )  # fmt: skip
 
     def signal(self, sig: int) -> None:
-        if self.process is not None and self.process.poll() is None:
+        """`sig` to the component's process group. A torchrun group's ranks lead sessions of
+        their own, out of reach of that: SIGKILL goes to them as well, and SIGTERM goes to them
+        *instead* of the agent, so that ranks which stop cleanly (the critic after its current
+        command) let torchrun exit 0, rather than torchrun turning the signal into a
+        SignalException traceback in the log."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        ranks = _children(self.process.pid) if self.torchrun else []
+        targets = ranks if (ranks and sig == signal.SIGTERM) else [self.process.pid, *ranks]
+        for pid in targets:
             try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
+                os.killpg(pid, sig)
+            except (ProcessLookupError, PermissionError):
                 pass
 
     def describe(self) -> str:
@@ -89,6 +99,14 @@ class Component:
             )
         lines.append(f"  command: {shlex.join(self.command)}")
         return "\n".join(lines)
+
+
+def _children(pid: int) -> list[int]:
+    """The direct children of `pid` (Linux /proc)."""
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
 
 
 def visible_devices(resolved) -> list[str]:
@@ -171,12 +189,13 @@ def plan_local(
             "critic", torchrun_command(layout.value_gpus, ports["critic_rendezvous"], ["critic", *config]),
             logs / "critic.log", _role_env(resolved, devices["critic"]), devices["critic"],
             {"rendezvous": ports["critic_rendezvous"], "service": resolved.value.service.port,
-             "zmq": resolved.transport.critic_port},
+             "zmq": resolved.transport.critic_port}, torchrun=True,
         ))  # fmt: skip
     components.append(Component(
         "policy", torchrun_command(resolved.deployment.policy_gpus, ports["policy_rendezvous"], ["train-policy", *config]),
         logs / "policy.log", _role_env(resolved, devices["policy"]), devices["policy"],
         {"rendezvous": ports["policy_rendezvous"], "zmq": resolved.transport.policy_port}, may_finish=True,
+        torchrun=True,
     ))  # fmt: skip
     components.append(Component("orchestrator", [sys.executable, *CLI, "orchestrate", *config],
                                 logs / "orchestrator.log", {"OMP_NUM_THREADS": "1"} if cpu else {},
