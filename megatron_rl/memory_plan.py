@@ -334,6 +334,5 @@ def format_plan(resolved: ResolvedConfig, plan: list[GpuMemory]) -> str:
     ]
     for gpu in plan:
         cells = "".join(f"{gpu.parts[c]:>12.2f}" if c in gpu.parts else f"{'-':>12}" for c in columns)
-        total = gpu.total if gpu.role != "inference" else budget * resolved.inference.gpu_memory_utilization
-        lines.append(f"{gpu.role:<10}{cells}{total:>10.2f}{gpu.host_gib:>8.1f}")
+        lines.append(f"{gpu.role:<10}{cells}{gpu.total:>10.2f}{gpu.host_gib:>8.1f}")
     return "\n".join(lines)

@@ -33,7 +33,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 
 log = logging.getLogger("megatron_rl.parallel")
@@ -59,7 +58,6 @@ class PeerWatchdog:
         port: int,
         timeout_s: float,
         store_owner: str,
-        on_lost: Callable[[str], None] | None = None,
     ):
         self.role = role
         self.rank = rank
@@ -68,7 +66,6 @@ class PeerWatchdog:
         self.timeout_s = timeout_s
         self.interval_s = heartbeat_interval(timeout_s)
         self.store_owner = store_owner
-        self.on_lost = on_lost or _exit_lost
         self._store = _connect(host, port, timeout_s)
         self._peers = [r for r in range(world_size) if r != rank]
         self._keys = [KEY.format(rank=r) for r in self._peers]
@@ -92,7 +89,7 @@ class PeerWatchdog:
         while not self._stop.wait(self.interval_s):
             message = self.beat()
             if message is not None and not self._stop.is_set():
-                self.on_lost(message)
+                _exit_lost(message)
                 return
 
     def beat(self, silent_s: float | None = None) -> str | None:
