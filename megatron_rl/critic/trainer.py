@@ -236,10 +236,22 @@ class CriticTrainer:
         scheduler, RNG, step; see `run_resume_step`), or before any training step the newest
         value-pretraining checkpoint. `together=False`: the critic's own latest checkpoint (a
         critic trained on its own, without a policy)."""
-        from megatron_rl.trainer.checkpoint import complete_steps, load_checkpoint, run_resume_step
+        from megatron_rl.trainer.checkpoint import (
+            CheckpointMismatch,
+            complete_steps,
+            load_checkpoint,
+            run_resume_step,
+        )
 
         steps = complete_steps(critic_checkpoint_dir(self.resolved))
         step = run_resume_step(self.resolved) if together else (steps[-1] if steps else None)
+        if together and step is not None and step not in steps:
+            raise CheckpointMismatch(
+                f"{critic_checkpoint_dir(self.resolved)}: the policy resumes after its checkpoint of step {step}, "
+                f"but the critic has no checkpoint of that step (it has {steps}); the orchestrator lets the "
+                "policy train a step only after the critic checkpointed it, so the critic's checkpoints were "
+                "removed or written under another checkpoint.dir"
+            )
         if step is None:
             pretraining = [s for s in steps if s < 0]
             step = pretraining[-1] if pretraining else None

@@ -19,6 +19,7 @@ import asyncio
 import json
 import random
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -83,8 +84,11 @@ def launch(resolved, path: Path, logs: Path, kill: tuple[str, str, int] | None) 
         deadline = time.monotonic() + 600
         while True:
             assert time.monotonic() < deadline, {r: p.output()[-3000:] for r, p in processes.items()}
+            # As the orchestrator does: the policy's step N only after the critic trained (and
+            # checkpointed) step N, so the critic is never behind the policy.
+            critic_done = critic_trained_step(resolved)
             for role in ROLES:
-                if fed[role] < NUM_STEPS:
+                if fed[role] < NUM_STEPS and (role == "critic" or fed[role] <= critic_done):
                     try:
                         senders[role].publish(fed[role], grid(fed[role]), timeout_s=0.2)
                         fed[role] += 1
@@ -124,6 +128,16 @@ async def wait_trained(resolved, step: int) -> None:
         await scorer.wait_trained(step, timeout_s=300)
     finally:
         await scorer.close()
+
+
+def critic_trained_step(resolved) -> int:
+    """The critic service's last trained step (-1 while it does not answer)."""
+    service = resolved.value.service
+    try:
+        with urllib.request.urlopen(f"http://{service.host}:{service.port}/status", timeout=1) as response:
+            return int(json.loads(response.read())["trained_step"])
+    except OSError:
+        return -1
 
 
 def feasible_kill(rng: random.Random, resolved, start: int, point: str) -> tuple[str, str, int] | None:
