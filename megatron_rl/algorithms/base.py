@@ -1,7 +1,10 @@
-"""GRPOAlgorithm, PPOAlgorithm, SAOAlgorithm: per-group advantage preparation and the policy loss.
+"""The orchestrator side of an algorithm: GRPOAlgorithm, PPOAlgorithm, SAOAlgorithm prepare each
+group's advantages (and for critic algorithms values and returns) before it is trained on.
 
 `make_algorithm(config.algorithm, scorer)` picks the class from `algorithm.type`. PPO and SAO
-call an injected `ValueScorer` (HTTP in critic/, in-process in tests) once per group.
+call an injected `ValueScorer` (HTTP in critic/, in-process in tests) once per group. The
+trainer side, the policy loss, is `losses.policy_objective(config)`: the policy trainer needs
+no scorer.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import numpy as np
 import torch
 
 from megatron_rl.algorithms import advantages as adv
-from megatron_rl.algorithms import losses
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data.types import ScoreResult, TrainingSample
 
@@ -51,7 +53,7 @@ def _pad(rows: Sequence[np.ndarray], dtype: torch.dtype, fill=0) -> torch.Tensor
 
 
 class Algorithm(ABC):
-    """What the orchestrator and trainers need from an algorithm."""
+    """What the orchestrator needs from an algorithm: `prepare_group`."""
 
     needs_critic = False
 
@@ -61,13 +63,6 @@ class Algorithm(ABC):
     @abstractmethod
     async def prepare_group(self, samples: list[TrainingSample]) -> None:
         """Annotates `advantages` (and for critic algorithms `values`, `returns`) in place."""
-
-    def policy_loss(self, logprobs, old_logprobs, advantages, mask, normalizer):
-        """The clipped PPO objective (GRPO and PPO); SAO overrides it with DIS."""
-        c = self.config
-        return losses.ppo_clip_loss(
-            logprobs, old_logprobs, advantages, mask, normalizer, c.eps_low, c.eps_high, c.dual_clip
-        )
 
 
 class GRPOAlgorithm(Algorithm):
@@ -139,13 +134,7 @@ class PPOAlgorithm(Algorithm):
 
 
 class SAOAlgorithm(PPOAlgorithm):
-    """PPO's scoring and GAE with the DIS loss (SAO defaults come from the config layer)."""
-
-    def policy_loss(self, logprobs, old_logprobs, advantages, mask, normalizer):
-        c = self.config
-        return losses.sao_dis_loss(
-            logprobs, old_logprobs, advantages, mask, normalizer, c.eps_low, c.eps_high
-        )
+    """PPO's scoring and GAE; the trainer side differs (the DIS loss: losses.policy_objective)."""
 
 
 def make_algorithm(config: AlgorithmConfig, scorer: ValueScorer | None = None) -> Algorithm:

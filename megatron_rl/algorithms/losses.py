@@ -1,16 +1,21 @@
-"""Token-level losses: PPO clip, SAO's direct double-sided importance sampling (DIS), value.
+"""Token-level losses: PPO clip, SAO's direct double-sided importance sampling (DIS), value,
+KL to a reference policy; and `policy_objective(config)`, the policy loss an algorithm trains with.
 
-Every loss sums over masked tokens and divides by `normalizer`. The trainer passes 1.0: its
-models set megatron's `calculate_per_token_loss`, so megatron divides the gradients by the
-global action-token count (all DP and CP ranks) and the result does not depend on how tokens
-were packed or sharded. Tests pass a token count to compare with a plain per-token mean. Each returns (loss, metrics); metrics are summed
-statistics of this call (`*_sum` and `num_tokens`) so the trainer can reduce them globally, plus
-min/max where useful.
+Every loss is a sum over masked tokens, not a mean: the trainer's models set megatron's
+`calculate_per_token_loss`, so megatron divides the gradients by the global action-token count
+(all DP and CP ranks) and the result does not depend on how tokens were packed or sharded.
+Each returns (loss sum, metrics); metrics are summed statistics of this call (`*_sum` and
+`num_tokens`) so the trainer can reduce them globally, plus min/max where useful.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
+
+from megatron_rl.config import AlgorithmConfig
 
 # |log pi - log pi_old| above this is clamped before exp (SAO's reference clamps at 20): in float32
 # exp overflows at 88.7, and a masked inf ratio still sends 0 * inf = NaN back through torch.where.
@@ -47,12 +52,11 @@ def ppo_clip_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    normalizer: float | torch.Tensor,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """sum_t mask_t * -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) / normalizer.
+    """sum_t mask_t * -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t).
 
     With `dual_clip` c > 1, tokens with A_t < 0 are further bounded: loss_t = min(loss_t, -c A_t).
     """
@@ -67,7 +71,7 @@ def ppo_clip_loss(
         dual_active = (advantages < 0) & (per_token > bound)
         per_token = torch.where(dual_active, bound, per_token)
         clip_active = clip_active | dual_active
-    loss = torch.where(mask, per_token, 0.0).sum() / normalizer
+    loss = torch.where(mask, per_token, 0.0).sum()
     metrics = _ratio_metrics(ratio, log_ratio, mask)
     metrics["clipped_sum"] = (clip_active & mask).sum().to(torch.float64)
     return loss, metrics
@@ -78,21 +82,20 @@ def sao_dis_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    normalizer: float | torch.Tensor,
     eps_low: float = 0.3,
     eps_high: float = 5.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """SAO's DIS: sum_t mask_t * -1[1 - eps_low < r_t < 1 + eps_high] * r_t * A_t / normalizer.
+    """SAO's DIS: sum_t mask_t * -1[1 - eps_low < r_t < 1 + eps_high] * r_t * A_t.
 
     The indicator is not differentiated; both tails are masked whatever the sign of A_t, and
-    masked-out tokens stay in the denominator (the normalizer counts them).
+    masked-out tokens still count in the global token count that megatron divides by.
     """
     mask = mask.bool()
     log_ratio, ratio = _log_ratio(logprobs, old_logprobs)
     with torch.no_grad():
         inside = (ratio > 1.0 - eps_low) & (ratio < 1.0 + eps_high)
     per_token = -ratio * advantages
-    loss = torch.where(mask & inside, per_token, 0.0).sum() / normalizer
+    loss = torch.where(mask & inside, per_token, 0.0).sum()
     metrics = _ratio_metrics(ratio, log_ratio, mask)
     metrics["clipped_sum"] = (mask & ~inside).sum().to(torch.float64)  # tokens the band masked out
     return loss, metrics
@@ -102,11 +105,10 @@ def value_loss(
     values: torch.Tensor,
     returns: torch.Tensor,
     mask: torch.Tensor,
-    normalizer: float | torch.Tensor,
     old_values: torch.Tensor | None = None,
     clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """sum_t mask_t * 0.5 * (V_t - R_t)^2 / normalizer.
+    """sum_t mask_t * 0.5 * (V_t - R_t)^2.
 
     With `clip` and `old_values`: 0.5 * max((V - R)^2, (V_clip - R)^2) where
     V_clip = old + clamp(V - old, -clip, clip).
@@ -124,7 +126,7 @@ def value_loss(
         clipped_squared = (clipped_values - returns) ** 2
         clipped_frac = ((clipped_squared > squared) & mask).sum().to(torch.float64)
         squared = torch.maximum(squared, clipped_squared)
-    loss = 0.5 * torch.where(mask, squared, 0.0).sum() / normalizer
+    loss = 0.5 * torch.where(mask, squared, 0.0).sum()
     metrics = {
         "num_tokens": mask.sum().to(torch.float64),
         "squared_error_sum": torch.where(mask, (values - returns) ** 2, 0.0).sum().detach().to(torch.float64),
@@ -135,13 +137,24 @@ def value_loss(
 
 
 def reference_kl_loss(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, normalizer: float | torch.Tensor
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL(pi_theta || pi_ref) per action token with the low-variance k3 estimator
     exp(d) - d - 1, d = logp_ref - logp_theta (non-negative, zero and flat where the policies
-    agree; the GRPO paper's form), summed over masked tokens / normalizer."""
+    agree; the GRPO paper's form), summed over masked tokens."""
     mask = mask.bool()
     delta = ref_logprobs.to(logprobs.dtype) - logprobs
     kl = torch.exp(delta) - delta - 1.0
-    loss = torch.where(mask, kl, 0.0).sum() / normalizer
+    loss = torch.where(mask, kl, 0.0).sum()
     return loss, {"kl_ref_sum": torch.where(mask, kl.detach(), 0.0).sum().to(torch.float64)}
+
+
+PolicyObjective = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def policy_objective(config: AlgorithmConfig) -> PolicyObjective:
+    """The policy loss `algorithm.type` trains with, as `f(logprobs, old_logprobs, advantages,
+    mask)`: SAO's DIS band, or the clipped PPO objective (GRPO and PPO)."""
+    if config.type == "sao":
+        return partial(sao_dis_loss, eps_low=config.eps_low, eps_high=config.eps_high)
+    return partial(ppo_clip_loss, eps_low=config.eps_low, eps_high=config.eps_high, dual_clip=config.dual_clip)

@@ -23,34 +23,22 @@ from megatron_rl.data.types import ScoreResult, TrainingSample
 from megatron_rl.parallel import collective_device
 from megatron_rl.trainer.batches import rank_batch
 from megatron_rl.trainer.forward import forward_only
+from megatron_rl.transport.broadcast import broadcast_bytes
 
 
 def _broadcast_request(request: list[list[int]] | None) -> list[list[int]]:
-    """Global rank 0's request on every rank, as [count, lengths..., tokens...] int64."""
+    """Global rank 0's request on every rank, sent as int64 [count, lengths..., tokens...]."""
     if dist.get_world_size() == 1:
         return request
-    device = collective_device()
+    data = None
     if dist.get_rank() == 0:
-        lengths = [len(ids) for ids in request]
-        flat = torch.tensor(
-            [len(request), *lengths, *(t for ids in request for t in ids)], dtype=torch.int64, device=device
-        )
-        size = torch.tensor([flat.numel()], dtype=torch.int64, device=device)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.broadcast(size, src=0)
-    if dist.get_rank() != 0:
-        flat = torch.empty(int(size.item()), dtype=torch.int64, device=device)
-    dist.broadcast(flat, src=0)
-    flat = flat.cpu()
+        flat = [len(request), *(len(ids) for ids in request), *(t for ids in request for t in ids)]
+        data = np.asarray(flat, dtype=np.int64).tobytes()
+    flat = np.frombuffer(broadcast_bytes(data, 0, device=collective_device()), dtype=np.int64)
     count = int(flat[0])
-    lengths = flat[1 : 1 + count].tolist()
-    tokens = flat[1 + count :].tolist()
-    out, start = [], 0
-    for n in lengths:
-        out.append(tokens[start : start + n])
-        start += n
-    return out
+    ends = np.cumsum(flat[1 : 1 + count])
+    tokens = flat[1 + count :]
+    return [tokens[end - n : end].tolist() for n, end in zip(flat[1 : 1 + count], ends)]
 
 
 @torch.no_grad()

@@ -14,75 +14,52 @@ of parameters that never had a gradient restarts at step 0.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-from megatron_rl import parallel
 from megatron_rl.config import ResolvedConfig
+from megatron_rl.critic.pretrain import pretrain_batches, read_pretrain_jsonl
+from megatron_rl.critic.scoring import score_sequences
+from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.data.types import MicroBatch, ScoreResult, TrainingSample
+from megatron_rl.models.lora import apply_lora
+from megatron_rl.models.value_model import build_value_model, freeze_attention, set_head_only
+from megatron_rl.trainer.checkpoint import CheckpointMismatch, complete_steps, run_resume_step
+from megatron_rl.trainer.optimizer import restart_untouched_adam_state
+from megatron_rl.trainer.role import RoleTrainer
+from megatron_rl.trainer.snapshot import wait_for_snapshot
+from megatron_rl.trainer.step import train_step, value_loss_func
+from megatron_rl.trainer.weights import load_backbone
 
-log = logging.getLogger("megatron_rl.critic")
 
-HEAD_PREFIX = "value_head."
+class CriticTrainer(RoleTrainer):
+    role = "critic"
+    log = logging.getLogger("megatron_rl.critic")
+    value_model = True
 
-
-def critic_checkpoint_dir(resolved: ResolvedConfig) -> Path:
-    return Path(resolved.checkpoint.dir) / "critic"
-
-
-class CriticTrainer:
     def __init__(self, resolved: ResolvedConfig):
-        from megatron.core import parallel_state as ps
-
-        from megatron_rl.models.lora import apply_lora
-        from megatron_rl.models.value_model import build_value_model, freeze_attention
-        from megatron_rl.trainer.optimizer import build_trainable
-        from megatron_rl.trainer.step import value_loss_func
-        from megatron_rl.trainer.weights import load_initial_weights
+        from megatron.core import parallel_state as ps  # after the role's groups exist
 
         if resolved.value is None:
             raise ValueError("the critic needs a value section in the config")
-        self.resolved = resolved
         self.value = resolved.value
-        self.layout = parallel.initialize_role(resolved, "critic", seed=resolved.orchestrator.seed + 1)
-        self.arch = resolved.layout.critic_architecture
-        layout, model_config = self.layout, self.value.model
-        model = build_value_model(
-            self.arch,
-            seq_len=model_config.seq_len,
-            head_init_std=self.value.head_init_std,
-            head_init_seed=resolved.orchestrator.seed,
-            tp=layout.tp,
-            cp=layout.cp,
-            pp=layout.pp,
-            ep=layout.ep,
-            dtype=model_config.dtype,
-            **model_config.recompute.transformer_fields(),
-        )
-        self.loaded = load_initial_weights(
-            model, model_config.checkpoint, self.arch, value_model=True, where="value.model.checkpoint"
-        )
-        if self.value.lora is not None:
-            lora = self.value.lora
-            apply_lora(
-                model, lora.rank, lora.alpha, tuple(lora.target_modules), seed=resolved.orchestrator.seed
-            )
-        if self.value.freeze_attention:
-            freeze_attention(model)
-        self.model = model
-        self.frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
         num_steps = resolved.orchestrator.num_steps
-        total = self.value.pretrain_steps + num_steps * self.value.epochs_per_step
-        self.trainable = build_trainable(
-            model, self.value.optimizer, total_steps=total, head_pattern="*value_head.*"
+        super().__init__(
+            resolved,
+            arch=resolved.layout.critic_architecture,
+            model_config=self.value.model,
+            optimizer_config=self.value.optimizer,
+            seed=resolved.layout.critic_seed,
+            checkpoint_dir=resolved.layout.paths.critic_checkpoints,
+            total_optimizer_steps=self.value.pretrain_steps + num_steps * self.value.epochs_per_step,
+            head_pattern="*value_head.*",
+            where="value.model.checkpoint",
         )
         self.loss = value_loss_func(resolved.algorithm.value_clip)
         self.pretrain_loss = value_loss_func(None)  # pretraining data has no old values to clip around
-        self.num_steps = num_steps
         self.trained_step = -1
         self.pretrain_steps_done = 0
         self.head_only = False
@@ -90,8 +67,33 @@ class CriticTrainer:
         self.dp = ps.get_data_parallel_world_size()
         self.data_rank = ps.get_data_parallel_rank()
         self.cp = ps.get_context_parallel_world_size()
-        self.sp = ps.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
+        self.sp = ps.get_tensor_model_parallel_world_size() if self.model.config.sequence_parallel else 1
         self._pretrain_batches: list[list[TrainingSample]] | None = None
+
+    def build_model(self) -> torch.nn.Module:
+        layout, model_config = self.layout, self.value.model
+        return build_value_model(
+            self.arch,
+            seq_len=model_config.seq_len,
+            head_init_std=self.value.head_init_std,
+            head_init_seed=self.resolved.orchestrator.seed,
+            tp=layout.tp,
+            cp=layout.cp,
+            pp=layout.pp,
+            ep=layout.ep,
+            dtype=model_config.dtype,
+            **model_config.recompute.transformer_fields(),
+        )
+
+    def prepare_model(self) -> None:
+        if self.value.lora is not None:
+            lora = self.value.lora
+            apply_lora(
+                self.model, lora.rank, lora.alpha, tuple(lora.target_modules), seed=self.resolved.orchestrator.seed
+            )
+        if self.value.freeze_attention:
+            freeze_attention(self.model)
+        self.frozen = frozenset(name for name, p in self.model.named_parameters() if not p.requires_grad)
 
     # -- info -----------------------------------------------------------------------------------
     def info(self) -> dict:
@@ -124,11 +126,7 @@ class CriticTrainer:
         return False
 
     def set_head_only(self, head_only: bool) -> None:
-        from megatron_rl.trainer.optimizer import restart_untouched_adam_state
-
-        for name, param in self.model.named_parameters():
-            if name not in self.frozen:
-                param.requires_grad_(not head_only or name.startswith(HEAD_PREFIX))
+        set_head_only(self.model, head_only, self.frozen)
         if self.head_only and not head_only:
             restart_untouched_adam_state(self.trainable)
         self.trainable.head_only = head_only
@@ -136,8 +134,6 @@ class CriticTrainer:
 
     # -- training -------------------------------------------------------------------------------
     def _epochs(self, micro_batches: list[MicroBatch], epochs: int, loss) -> list[dict]:
-        from megatron_rl.trainer.step import train_step
-
         return [train_step(self.trainable, micro_batches, loss) for _ in range(epochs)]
 
     def train(self, step: int, micro_batches: list[MicroBatch]) -> dict:
@@ -153,8 +149,6 @@ class CriticTrainer:
 
     def pretrain_step(self, index: int) -> dict:
         """Pretraining step `index` (0-based) on its batch from `value.pretrain_jsonl`."""
-        from megatron_rl.data.packing import pack_into_grid
-
         began = time.perf_counter()
         batches = self._load_pretrain_batches()
         grid = pack_into_grid(
@@ -166,8 +160,6 @@ class CriticTrainer:
         return _summary("pretrain", index, results, False, time.perf_counter() - began)
 
     def _load_pretrain_batches(self) -> list[list[TrainingSample]]:
-        from megatron_rl.critic.pretrain import pretrain_batches, read_pretrain_jsonl
-
         if self._pretrain_batches is None:
             samples = read_pretrain_jsonl(
                 self.value.pretrain_jsonl,
@@ -193,61 +185,45 @@ class CriticTrainer:
     def load_snapshot(self, step: int) -> None:
         """Waits for policy snapshot version `step`, loads its backbone, restarts the backbone's
         Adam state (the old moments belong to other weights)."""
-        from megatron_rl.trainer.optimizer import restart_untouched_adam_state
-        from megatron_rl.trainer.snapshot import snapshot_dir, wait_for_snapshot
-        from megatron_rl.trainer.weights import load_backbone
-
-        path = wait_for_snapshot(snapshot_dir(self.resolved), step, self.value.snapshot.wait_timeout_s)
+        path = wait_for_snapshot(self.resolved.layout.paths.policy_snapshots, step, self.value.snapshot.wait_timeout_s)
         load_backbone(self.model, path)
         self.trainable.optimizer.reload_model_params()
         restart_untouched_adam_state(self.trainable, reset_moments=True)
         self.snapshots_loaded.append(step)
         if dist.get_rank() == 0:
-            log.info("critic: loaded the policy snapshot version %d from %s", step, path)
+            self.log.info("critic: loaded the policy snapshot version %d from %s", step, path)
 
     # -- scoring --------------------------------------------------------------------------------
     def score(self, request: list[list[int]] | None) -> ScoreResult | None:
-        from megatron_rl.critic.scoring import score_sequences
-
         result = score_sequences(self.model, request, self.value.model.seq_len)
         if result is not None:
             result.step = self.trained_step
         return result
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def save(self) -> Path:
-        from megatron_rl.trainer.checkpoint import save_checkpoint
+    def checkpoint_extra(self, step: int) -> dict:
+        return {
+            "trained_step": self.trained_step,
+            "pretrain_steps_done": self.pretrain_steps_done,
+            "head_only": self.head_only,
+            "snapshots_loaded": self.snapshots_loaded,
+        }
 
-        return save_checkpoint(
-            critic_checkpoint_dir(self.resolved),
-            self.trained_step,
-            self.trainable,
-            extra={
-                "trained_step": self.trained_step,
-                "pretrain_steps_done": self.pretrain_steps_done,
-                "head_only": self.head_only,
-                "snapshots_loaded": self.snapshots_loaded,
-            },
-            keep_last=self.resolved.checkpoint.keep_last,
-        )
+    def restore_extra(self, meta: dict) -> None:
+        extra = meta["extra"]
+        self.trained_step = extra["trained_step"]
+        self.pretrain_steps_done = extra["pretrain_steps_done"]
+        self.snapshots_loaded = list(extra.get("snapshots_loaded", []))
+        self.set_head_only(bool(extra["head_only"]))
 
-    def resume(self, together: bool = True) -> dict | None:
-        """Restores the critic checkpoint of the run's common resume step (model, optimizer,
-        scheduler, RNG, step; see `run_resume_step`), or before any training step the newest
-        value-pretraining checkpoint. `together=False`: the critic's own latest checkpoint (a
-        critic trained on its own, without a policy)."""
-        from megatron_rl.trainer.checkpoint import (
-            CheckpointMismatch,
-            complete_steps,
-            load_checkpoint,
-            run_resume_step,
-        )
-
-        steps = complete_steps(critic_checkpoint_dir(self.resolved))
-        step = run_resume_step(self.resolved) if together else (steps[-1] if steps else None)
-        if together and step is not None and step not in steps:
+    def resume_step(self) -> int | None:
+        """The run's common resume step (`run_resume_step`), or before any training step the
+        newest value-pretraining checkpoint (steps below 0)."""
+        steps = complete_steps(self.checkpoint_dir)
+        step = run_resume_step(self.resolved)
+        if step is not None and step not in steps:
             raise CheckpointMismatch(
-                f"{critic_checkpoint_dir(self.resolved)}: the policy resumes after its checkpoint of step {step}, "
+                f"{self.checkpoint_dir}: the policy resumes after its checkpoint of step {step}, "
                 f"but the critic has no checkpoint of that step (it has {steps}); the orchestrator lets the "
                 "policy train a step only after the critic checkpointed it, so the critic's checkpoints were "
                 "removed or written under another checkpoint.dir"
@@ -255,21 +231,16 @@ class CriticTrainer:
         if step is None:
             pretraining = [s for s in steps if s < 0]
             step = pretraining[-1] if pretraining else None
-            if step is None:
-                return None
-        meta = load_checkpoint(critic_checkpoint_dir(self.resolved), self.trainable, step)
-        if meta is None:
-            return None
-        extra = meta["extra"]
-        self.trained_step = extra["trained_step"]
-        self.pretrain_steps_done = extra["pretrain_steps_done"]
-        self.snapshots_loaded = list(extra.get("snapshots_loaded", []))
-        self.set_head_only(bool(extra["head_only"]))
-        return meta
+        return step
 
-    def should_save(self, step: int) -> bool:
-        interval = self.resolved.checkpoint.save_interval
-        return bool(interval) and ((step + 1) % interval == 0 or step + 1 == self.num_steps)
+    def console_line(self, record: dict) -> str:
+        return (
+            f"[critic] {record['phase']} step {record['step']} loss {record['loss']:.4f} -> {record['final_loss']:.4f} "
+            f"({len(record['epoch_losses'])} epochs) value {record['value_mean']:+.3f} grad_norm {record['grad_norm'] or 0:.3f} "
+            f"lr {record['lr']:.2e}{' head-only' if record['head_only'] else ''} {record['seconds']:.2f}s"
+            + (f" | {record['update_skipped']} optimizer step(s) SKIPPED: non-finite loss or gradients "
+               f"({record['skipped_steps']} skipped so far)" if record.get("update_skipped") else "")
+        )  # fmt: skip
 
 
 def _summary(phase: str, step: int, results: list[dict], head_only: bool, seconds: float) -> dict:
@@ -290,17 +261,3 @@ def _summary(phase: str, step: int, results: list[dict], head_only: bool, second
         "head_only": head_only,
         "seconds": seconds,
     }
-
-
-def write_metrics(path: Path, record: dict, console: bool) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-    if console:
-        print(
-            f"[critic] {record['phase']} step {record['step']} loss {record['loss']:.4f} -> {record['final_loss']:.4f} "
-            f"({len(record['epoch_losses'])} epochs) value {record['value_mean']:+.3f} grad_norm {record['grad_norm'] or 0:.3f} "
-            f"lr {record['lr']:.2e}{' head-only' if record['head_only'] else ''} {record['seconds']:.2f}s"
-            + (f" | {record['update_skipped']} optimizer step(s) SKIPPED: non-finite loss or gradients "
-               f"({record['skipped_steps']} skipped so far)" if record.get("update_skipped") else ""),  # fmt: skip
-            flush=True,
-        )

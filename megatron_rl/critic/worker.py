@@ -31,7 +31,6 @@ import logging
 import signal
 import threading
 from enum import IntEnum
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -64,23 +63,17 @@ def _broadcast_command(kind: Command = IDLE, arg: int = 0) -> tuple[Command, int
 
 def run_critic(resolved: ResolvedConfig) -> None:
     from megatron_rl.critic.service import CriticState, ScoreQueue, ScoringFailed, ScoringService, answer
-    from megatron_rl.critic.trainer import CriticTrainer, critic_checkpoint_dir, write_metrics
-    from megatron_rl.trainer.receive import grid_receiver
+    from megatron_rl.critic.trainer import CriticTrainer
 
     trainer = CriticTrainer(resolved)
-    if resolved.checkpoint.resume:
-        meta = trainer.resume()
-        if meta is not None:
-            trainer.loaded = f"critic checkpoint step {meta['step']} in {critic_checkpoint_dir(resolved)}"
-    is_rank0 = dist.get_rank() == 0
+    trainer.resume()
+    is_rank0 = trainer.is_rank0
     value = resolved.value
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # every rank: leave on rank 0's STOP, not mid-step
         signal.signal(sig, lambda *_: stop.set())
     service = queue = state = None
-    metrics_path = Path(resolved.logging.dir) / "critic_metrics.jsonl"
     if is_rank0:
-        metrics_path.parent.mkdir(parents=True, exist_ok=True)
         queue = ScoreQueue()
         state = CriticState(trainer.info())
         state.update(
@@ -109,9 +102,7 @@ def run_critic(resolved: ResolvedConfig) -> None:
             service.url,
         )
     # No waiting for the orchestrator's sender: requests are served before it exists.
-    receiver = grid_receiver(
-        resolved, resolved.transport.critic_port, wait_for_sender=False, vocab_size=trainer.arch.vocab_size
-    )
+    receiver = trainer.receiver(resolved.transport.critic_port, wait_for_sender=False)
     prefetched = None  # rank 0's grid item for the next step, once it arrived
     try:
         while True:
@@ -177,8 +168,8 @@ def run_critic(resolved: ResolvedConfig) -> None:
                         )
                 elif kind == PRETRAIN:
                     record = trainer.pretrain_step(arg)
+                    trainer.write_metrics(record)
                     if is_rank0:
-                        write_metrics(metrics_path, record, resolved.logging.console)
                         state.update(
                             pretrain_step=arg,
                             phase="pretraining" if trainer.pretraining_left > 0 else "ready",
@@ -191,9 +182,9 @@ def run_critic(resolved: ResolvedConfig) -> None:
                     record = trainer.train(arg, micro_batches)
                     faults.kill_point("step.trained")
                     if trainer.should_save(arg):
-                        trainer.save()
+                        trainer.save(arg)
+                    trainer.write_metrics(record)
                     if is_rank0:
-                        write_metrics(metrics_path, record, resolved.logging.console)
                         state.update(
                             trained_step=arg, last_loss=record["final_loss"], head_only=record["head_only"]
                         )
@@ -204,6 +195,6 @@ def run_critic(resolved: ResolvedConfig) -> None:
         receiver.close()
         if service is not None:
             service.stop()
-        parallel.destroy()
+        trainer.close()
     if is_rank0:
         log.info("critic: stopped after step %d", trainer.trained_step)

@@ -6,7 +6,7 @@ trainer turns a MicroBatch into one rank's torch tensors with `trainer.batches.r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -114,4 +114,3 @@ class ScoreResult:
     values: list[np.ndarray]  # per sequence, [T_i] float32
     bootstrap_values: list[float]
     step: int = 0
-    extra: dict = field(default_factory=dict)

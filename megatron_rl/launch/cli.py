@@ -14,7 +14,7 @@ def _check_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    from megatron_rl.memory_plan import format_plan, memory_plan
+    from megatron_rl.config.memory_plan import format_plan, memory_plan
 
     text = resolved.to_json()
     if args.out:
@@ -38,7 +38,7 @@ def _run_role(args: argparse.Namespace, role: str) -> int:
         print(str(exc), file=sys.stderr)
         return 2
     if role == "policy":
-        from megatron_rl.trainer.policy import run_policy
+        from megatron_rl.policy.trainer import run_policy
 
         run_policy(resolved)
     else:

@@ -14,7 +14,6 @@ both sides so it round-trips.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -195,10 +194,3 @@ def megatron_to_hf(
             out[name] = tensor.contiguous()
     return out
 
-
-_EXTRA_STATE = re.compile(r"\._extra_state$")
-
-
-def strip_extra_state(state: dict) -> dict[str, torch.Tensor]:
-    """Drops megatron's `_extra_state` entries (TE/FP8 metadata), keeping tensors."""
-    return {k: v for k, v in state.items() if not _EXTRA_STATE.search(k) and isinstance(v, torch.Tensor)}

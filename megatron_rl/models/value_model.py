@@ -85,9 +85,10 @@ def freeze_attention(model: torch.nn.Module) -> list[str]:
     return frozen
 
 
-def set_head_only(model: torch.nn.Module, head_only: bool) -> list[str]:
-    """With head_only, only `value_head.*` trains; otherwise everything (except frozen attention
-    is the caller's to re-apply). Returns the trainable names."""
+def set_head_only(model: torch.nn.Module, head_only: bool, frozen: frozenset[str] = frozenset()) -> list[str]:
+    """With head_only, only `value_head.*` trains; otherwise every parameter not in `frozen`
+    (attention frozen for good, LoRA's base weights). Returns the trainable names."""
     for name, param in model.named_parameters():
-        param.requires_grad_(name.startswith("value_head.") or not head_only)
+        if name not in frozen:
+            param.requires_grad_(name.startswith("value_head.") or not head_only)
     return [n for n, p in model.named_parameters() if p.requires_grad]

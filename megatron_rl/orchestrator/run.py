@@ -30,6 +30,7 @@ from megatron_rl.orchestrator.loop import Orchestrator, OrchestratorError, Timeo
 from megatron_rl.orchestrator.metrics import MetricsWriter
 from megatron_rl.orchestrator.rollouts import PromptEncoder
 from megatron_rl.orchestrator.state import OrchestratorState
+from megatron_rl.trainer import atomic_dir
 from megatron_rl.trainer.atomic_dir import latest
 from megatron_rl.transport import GridSender
 
@@ -61,7 +62,7 @@ class VersionFollower:
                 if self.publish_dir is not None:  # path (a)
                     newest = latest(Path(self.publish_dir), "manifest.json")
                     if newest is not None:
-                        version = int(newest.name.lstrip("v").split(".")[0])
+                        version = atomic_dir.number(newest.name)
                         if version > self.sync.version:
                             self.sync_seconds.append(
                                 await asyncio.to_thread(self.sync.update, version, newest)
@@ -130,7 +131,7 @@ async def orchestrate(resolved, pool: InferencePool, tokenizer=None) -> int:
     encoder = PromptEncoder(tokenizer, o.chat_template)
     timeouts = Timeouts(batch_s=resolved.inference.request_timeout_s, critic_s=resolved.transport.receive_timeout_s,
                         weights_s=resolved.transport.receive_timeout_s)  # fmt: skip
-    state = OrchestratorState(Path(resolved.checkpoint.dir) / "orchestrator" / "state.json", o.seed)
+    state = OrchestratorState(Path(resolved.layout.paths.orchestrator_state), o.seed)
     resume_step = trainer_resume_step(resolved)
     if resume_step < state.step:
         state.resume_at(resume_step)

@@ -136,8 +136,9 @@ def destroy() -> None:
 
 
 def collective_device() -> torch.device:
-    """Where tensors for collectives on the default group live (CUDA under NCCL, else CPU)."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    """Where tensors for collectives on the role's groups live: compat.device() (CUDA under
+    NCCL, the CPU under gloo)."""
+    return compat.device()
 
 
 def any_rank(flag: bool, group=None) -> bool:

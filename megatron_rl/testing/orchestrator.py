@@ -110,7 +110,7 @@ class FakeCritic:
         return {"trained_step": step}
 
 
-def orchestrator_config(algorithm: str = "sao", **orchestrator):
+def orchestrator_config(algorithm: str = "sao", checkpoint_dir: str = "checkpoints", **orchestrator):
     """A resolved config for driving the orchestrator in-process (policy DP 2, critic DP 2)."""
     from megatron_rl.config import parse_config
 
@@ -134,6 +134,7 @@ def orchestrator_config(algorithm: str = "sao", **orchestrator):
             "inference_gpus": 1,
             "policy_gpus": 2,
         },
+        "checkpoint": {"dir": checkpoint_dir},
     }
     if algorithm != "grpo":
         data["value"] = {"model": {"architecture": arch, "seq_len": 256}}

@@ -10,20 +10,71 @@ between those two renames leaves `NAME.replaced` and no `NAME`: readers take `NA
 for `NAME` (it is complete), and the writer's next `begin` renames it back. So at every instant
 each committed name is readable, and `latest` never names a missing version.
 
-Single-process functions: the caller decides which rank runs them (one writer per root).
+Names: `step_%08d` for training checkpoints (a training step), `version_%08d` for policy
+versions (published weights, snapshots: version v = the weights after step v - 1); `name()`
+makes both.
+
+`begin`, `commit` and friends are single-process functions (one writer per root);
+`collective_write` wraps them for a directory that every rank of a model writes into.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import torch.distributed as dist
 
 from megatron_rl.faults import kill_point
 
 LATEST = "latest"
 PARTIAL = ".partial"
 REPLACED = ".replaced"
+
+
+def name(kind: str, number: int) -> str:
+    """`step_00000012` (kind "step") or `version_00000013` (kind "version")."""
+    if kind not in ("step", "version"):
+        raise ValueError(f"atomic directory kind {kind!r}: expected 'step' or 'version'")
+    return f"{kind}_{number:08d}"
+
+
+def number(directory_name: str) -> int:
+    """The number in a `name()` (also of its `.partial` / `.replaced` forms)."""
+    return int(directory_name.split(".")[0].rsplit("_", 1)[1])
+
+
+@contextmanager
+def collective_write(
+    root: Path,
+    final_name: str,
+    keep_last: int,
+    written: str,
+    finish: Callable[[Path], None],
+    subdirs: tuple[str, ...] = (),
+) -> Iterator[Path]:
+    """Collective over the default group: rank 0 begins `root/NAME.partial` (with `subdirs`);
+    every rank writes
+    its part inside the `with` block; after a barrier the kill point `written` fires, rank 0
+    runs `finish(partial)` (index, manifest, meta: the file whose presence marks it complete)
+    and commits it; a last barrier, so every rank returns after the commit."""
+    partial = Path(root) / f"{final_name}{PARTIAL}"
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        begin(Path(root), final_name)
+        for sub in subdirs:
+            (partial / sub).mkdir()
+    dist.barrier()
+    yield partial
+    dist.barrier()
+    kill_point(written)
+    if rank0:
+        finish(partial)
+        commit(Path(root), partial, keep_last, f"{final_name.rsplit('_', 1)[0]}_*")
+    dist.barrier()
 
 
 def recover(root: Path) -> None:

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rl.faults import kill_point
 from megatron_rl.trainer import atomic_dir
 from megatron_rl.trainer.optimizer import Trainable, torch_optimizers, unify_adam_steps
 
@@ -28,7 +27,7 @@ _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:08d}"
+    return root / atomic_dir.name("step", step)
 
 
 def _rng_state() -> dict:
@@ -59,36 +58,29 @@ def save_checkpoint(
     """Collective: every rank of the model calls it. Returns the complete step directory."""
     from megatron.core import dist_checkpointing
 
-    root = Path(directory)
-    final = _step_dir(root, step)
-    partial = root / f"{final.name}.partial"
-    rank = dist.get_rank()
-    if rank == 0:
-        atomic_dir.begin(root, final.name)
-        (partial / "dist").mkdir()
-        (partial / "rng").mkdir()
-    dist.barrier()
-    unify_adam_steps(trainable)  # one step count per optimizer, as megatron checkpoints it
-    model = trainable.model[0].module
-    model_state = model.sharded_state_dict()
-    state = {
-        "model": model_state,
-        "optimizer": trainable.optimizer.sharded_state_dict(model_state, metadata=_OPTIMIZER_FORMAT),
+    final = _step_dir(Path(directory), step)
+    meta = {
+        "step": step,
+        "world_size": dist.get_world_size(),
+        "scheduler": trainable.scheduler.state_dict(),
+        "extra": extra or {},
     }
-    dist_checkpointing.save(state, str(partial / "dist"))
-    torch.save(_rng_state(), partial / "rng" / f"rank{rank:05d}.pt")
-    dist.barrier()
-    kill_point("checkpoint.written")
-    if rank == 0:
-        meta = {
-            "step": step,
-            "world_size": dist.get_world_size(),
-            "scheduler": trainable.scheduler.state_dict(),
-            "extra": extra or {},
-        }
+
+    def finish(partial: Path) -> None:  # rank 0, after every rank wrote its shards
         (partial / "meta.json").write_text(json.dumps(meta, indent=2))
-        atomic_dir.commit(root, partial, keep_last, "step_*")
-    dist.barrier()
+
+    with atomic_dir.collective_write(
+        final.parent, final.name, keep_last, "checkpoint.written", finish, subdirs=("dist", "rng")
+    ) as partial:
+        unify_adam_steps(trainable)  # one step count per optimizer, as megatron checkpoints it
+        model = trainable.model[0].module
+        model_state = model.sharded_state_dict()
+        state = {
+            "model": model_state,
+            "optimizer": trainable.optimizer.sharded_state_dict(model_state, metadata=_OPTIMIZER_FORMAT),
+        }
+        dist_checkpointing.save(state, str(partial / "dist"))
+        torch.save(_rng_state(), partial / "rng" / f"rank{dist.get_rank():05d}.pt")
     return final
 
 
@@ -114,17 +106,17 @@ def run_resume_step(resolved) -> int | None:
     the policy, so a killed run's critic is often one checkpoint ahead: it goes back and redoes
     that step with the same data (`checkpoint.keep_last` >= 2 keeps the common step). Steps
     below 0 (the critic's value pretraining) belong to the critic alone."""
-    root = Path(resolved.checkpoint.dir)
-    policy = {s for s in complete_steps(root / "policy") if s >= 0}
+    paths = resolved.layout.paths
+    policy = {s for s in complete_steps(paths.policy_checkpoints) if s >= 0}
     if not policy:
         return None
-    critic = {s for s in complete_steps(root / "critic") if s >= 0} if resolved.value is not None else set()
+    critic = {s for s in complete_steps(paths.critic_checkpoints) if s >= 0} if resolved.value is not None else set()
     if not critic:  # no critic, or one without training checkpoints (a policy trained alone)
         return max(policy)
     common = policy & critic
     if not common:
         raise CheckpointMismatch(
-            f"{root}: the policy has checkpoints of steps {sorted(policy)} and the critic of {sorted(critic)}, "
+            f"{resolved.checkpoint.dir}: the policy has checkpoints of steps {sorted(policy)} and the critic of {sorted(critic)}, "
             "none in common: cannot resume them together (checkpoint.keep_last >= 2 keeps a common step)"
         )
     return max(common)

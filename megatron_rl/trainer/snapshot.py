@@ -15,19 +15,8 @@ import json
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from megatron_rl.config import ResolvedConfig
-from megatron_rl.faults import kill_point
 from megatron_rl.trainer import atomic_dir
-
-
-def snapshot_dir(resolved: ResolvedConfig) -> Path:
-    """`value.snapshot.dir`, by default `<checkpoint.dir>/policy_snapshots`."""
-    snapshot = resolved.value.snapshot if resolved.value is not None else None
-    if snapshot is not None and snapshot.dir:
-        return Path(snapshot.dir)
-    return Path(resolved.checkpoint.dir) / "policy_snapshots"
 
 
 def snapshot_versions(resolved: ResolvedConfig) -> list[int]:
@@ -37,7 +26,7 @@ def snapshot_versions(resolved: ResolvedConfig) -> list[int]:
 
 
 def _version_dir(root: Path, version: int) -> Path:
-    return root / f"version_{version:08d}"
+    return root / atomic_dir.name("version", version)
 
 
 def export_snapshot(
@@ -46,20 +35,15 @@ def export_snapshot(
     """Collective over the model's ranks; returns the complete version directory."""
     from megatron.core import dist_checkpointing
 
-    root = Path(directory)
-    final = _version_dir(root, version)
-    partial = root / f"{final.name}.partial"
-    if dist.get_rank() == 0:
-        atomic_dir.begin(root, final.name)
-        (partial / "dist").mkdir()
-    dist.barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), str(partial / "dist"))
-    dist.barrier()
-    kill_point("snapshot.written")
-    if dist.get_rank() == 0:
+    final = _version_dir(Path(directory), version)
+
+    def finish(partial: Path) -> None:
         (partial / "meta.json").write_text(json.dumps({"version": version, **(info or {})}, indent=2))
-        atomic_dir.commit(root, partial, keep_last, "version_*")
-    dist.barrier()
+
+    with atomic_dir.collective_write(
+        final.parent, final.name, keep_last, "snapshot.written", finish, subdirs=("dist",)
+    ) as partial:
+        dist_checkpointing.save(model.sharded_state_dict(), str(partial / "dist"))
     return final
 
 

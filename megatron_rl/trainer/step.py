@@ -13,13 +13,16 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_rl.algorithms.losses import policy_objective, reference_kl_loss, value_loss
+from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data.types import MicroBatch
 from megatron_rl.faults import kill_point
 from megatron_rl.models.attention import packed_seq_params
 from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
-from megatron_rl.parallel import any_rank
+from megatron_rl.parallel import any_rank, collective_device
 from megatron_rl.trainer.batches import RankBatch, rank_batch
 from megatron_rl.trainer.optimizer import Trainable, freeze_non_head_groups
+from megatron_rl.transport.broadcast import broadcast_bytes
 
 LossFunc = Callable[[torch.Tensor, RankBatch], tuple[torch.Tensor, dict]]
 
@@ -122,10 +125,13 @@ def _reduce_metrics(reported: list[dict], batches: list[RankBatch]) -> dict:
         # Only the last stage computed losses: it sends the metric names, then the sums.
         last = parallel_state.get_pipeline_model_parallel_last_rank()
         group = parallel_state.get_pipeline_model_parallel_group()
-        keys = _broadcast_names(keys, last, group)
+        sent = "\n".join(keys).encode() if torch.distributed.get_rank() == last else None
+        keys = [k for k in broadcast_bytes(sent, last, group, collective_device()).decode().split("\n") if k]
     local_tokens = float(sum(int(b.loss_mask.sum()) for b in batches))
     totals = torch.tensor(
-        [sum(float(r[k]) for r in reported) for k in keys] + [local_tokens], dtype=torch.float64
+        [sum(float(r[k]) for r in reported) for k in keys] + [local_tokens],
+        dtype=torch.float64,
+        device=collective_device(),  # NCCL groups take CUDA tensors only
     )
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         torch.distributed.broadcast(totals, src=last, group=group)
@@ -137,18 +143,6 @@ def _reduce_metrics(reported: list[dict], batches: list[RankBatch]) -> dict:
     metrics["num_tokens"] = count
     metrics["loss"] = metrics.pop("loss_sum") / max(count, 1.0)
     return metrics
-
-
-def _broadcast_names(names: list[str], src: int, group) -> list[str]:
-    """`names` of rank `src` on every rank of `group`, as UTF-8 bytes in tensors (no pickle)."""
-    data = torch.tensor(list("\n".join(names).encode()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    torch.distributed.broadcast(size, src=src, group=group)
-    if torch.distributed.get_rank() != src:
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-    torch.distributed.broadcast(data, src=src, group=group)
-    text = bytes(data.tolist()).decode()
-    return text.split("\n") if text else []
 
 
 def set_reference_logprobs(reference, batches: list[RankBatch]) -> None:
@@ -165,17 +159,16 @@ def set_reference_logprobs(reference, batches: list[RankBatch]) -> None:
         batch.ref_logprobs = logprobs.detach()
 
 
-def policy_loss_func(algorithm, kl_coef: float = 0.0) -> LossFunc:
-    """The algorithm's policy loss on vocab-parallel log-probabilities of the next tokens, plus
-    `kl_coef` * KL(policy || reference) per action token when the batch carries reference
-    log-probabilities (train_step with `reference`)."""
-    from megatron_rl.algorithms.losses import reference_kl_loss
+def policy_loss_func(config: AlgorithmConfig) -> LossFunc:
+    """`algorithm.type`'s policy loss (`policy_objective`) on vocab-parallel log-probabilities of
+    the next tokens, plus `kl_coef` * KL(policy || reference) per action token when
+    `algorithm.kl_coef` > 0 (the batch then carries reference log-probabilities: train_step with
+    `reference`)."""
+    objective, kl_coef = policy_objective(config), config.kl_coef
 
     def loss(logits: torch.Tensor, batch: RankBatch):
         logprobs, entropy = megatron_vocab_parallel_logprobs(logits[0], batch.targets)
-        loss_sum, metrics = algorithm.policy_loss(
-            logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask, 1.0
-        )
+        loss_sum, metrics = objective(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask)
         metrics = {k: v for k, v in metrics.items() if k.endswith("_sum")}
         metrics["entropy_sum"] = (entropy.detach() * batch.loss_mask).sum().to(torch.float64)
         if kl_coef > 0:
@@ -183,7 +176,7 @@ def policy_loss_func(algorithm, kl_coef: float = 0.0) -> LossFunc:
                 raise ValueError(
                     "policy loss: kl_coef > 0 needs reference log-probabilities (train_step reference=)"
                 )
-            kl_sum, kl_metrics = reference_kl_loss(logprobs, batch.ref_logprobs, batch.loss_mask, 1.0)
+            kl_sum, kl_metrics = reference_kl_loss(logprobs, batch.ref_logprobs, batch.loss_mask)
             loss_sum = loss_sum + kl_coef * kl_sum
             metrics.update(kl_metrics)
         return loss_sum, metrics
@@ -193,12 +186,8 @@ def policy_loss_func(algorithm, kl_coef: float = 0.0) -> LossFunc:
 
 def value_loss_func(value_clip: float | None = None) -> LossFunc:
     """0.5 * (V - returns)^2 on action tokens, optionally clipped around the old values."""
-    from megatron_rl.algorithms.losses import value_loss
-
     def loss(values: torch.Tensor, batch: RankBatch):
-        loss_sum, metrics = value_loss(
-            values[0], batch.returns, batch.loss_mask, 1.0, batch.old_values, value_clip
-        )
+        loss_sum, metrics = value_loss(values[0], batch.returns, batch.loss_mask, batch.old_values, value_clip)
         return loss_sum, {k: v for k, v in metrics.items() if k.endswith("_sum")}
 
     return loss

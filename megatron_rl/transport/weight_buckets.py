@@ -20,6 +20,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from megatron_rl.transport.broadcast import broadcast_bytes
+
 PLAN_VERSION = 1
 _DTYPES = {
     str(d).removeprefix("torch."): d
@@ -167,13 +169,17 @@ def _broadcast(tensor: torch.Tensor, group, src: int) -> None:
         dist.broadcast(tensor, src=src, group=group)
 
 
+def _broadcaster(group):
+    return lambda tensor, src: _broadcast(tensor, group, src)
+
+
 def broadcast_weights(
     tensors: dict[str, torch.Tensor], group, src: int, bucket_bytes: int = 256 << 20, device=None
 ) -> Plan:
     """Sender side (rank `src` of `group`: a WeightUpdateGroup, or a torch.distributed group
     with `src` a global rank): plan, then one broadcast per bucket."""
     plan = plan_buckets(((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()), bucket_bytes)
-    _broadcast_bytes(encode_plan(plan), group, src, device)
+    broadcast_bytes(encode_plan(plan), src, device=device, broadcast=_broadcaster(group))
     for bucket in plan.buckets:
         _broadcast(pack_bucket(bucket, tensors, device), group, src)
     return plan
@@ -181,13 +187,13 @@ def broadcast_weights(
 
 def broadcast_end(group, src: int, device=None) -> None:
     """Ends a weight-update stream: an empty plan."""
-    _broadcast_bytes(encode_plan(Plan(version=PLAN_VERSION, buckets=[])), group, src, device)
+    broadcast_bytes(encode_plan(Plan(version=PLAN_VERSION, buckets=[])), src, device=device, broadcast=_broadcaster(group))
 
 
 def receive_weights(group, src: int, device=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Receiver side of one `broadcast_weights`: yields (name, tensor) as each bucket arrives
     (views into the bucket)."""
-    plan = decode_plan(_broadcast_bytes(None, group, src, device))
+    plan = decode_plan(broadcast_bytes(None, src, device=device, broadcast=_broadcaster(group)))
     for bucket in plan.buckets:
         yield from _receive_bucket(bucket, group, src, device)
 
@@ -196,7 +202,7 @@ def receive_weight_stream(group, src: int, device=None) -> Iterator[list[tuple[s
     """Receiver side of a whole update: one list of (name, tensor) per bucket, over every plan
     until the empty plan that ends the stream."""
     while True:
-        plan = decode_plan(_broadcast_bytes(None, group, src, device))
+        plan = decode_plan(broadcast_bytes(None, src, device=device, broadcast=_broadcaster(group)))
         if not plan.buckets:
             return
         for bucket in plan.buckets:
@@ -231,20 +237,9 @@ def relay_weights_p2p(src: int, group, root: int, device=None) -> int:
     dist.recv(payload, src=src)
     data = bytes(payload.cpu().numpy().tobytes())
     plan = decode_plan(data)
-    _broadcast_bytes(data, group, root, device)
+    broadcast_bytes(data, root, device=device, broadcast=_broadcaster(group))
     for bucket in plan.buckets:
         flat = torch.empty(bucket.numel, dtype=_DTYPES[bucket.dtype], device=device)
         dist.recv(flat, src=src)
         _broadcast(flat, group, root)
     return sum(len(b.entries) for b in plan.buckets)
-
-
-def _broadcast_bytes(data: bytes | None, group, src: int, device=None) -> bytes:
-    length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
-    _broadcast(length, group, src)
-    if data is not None:
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    else:
-        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    _broadcast(payload, group, src)
-    return bytes(payload.cpu().numpy().tobytes())

@@ -77,9 +77,12 @@ def critic_plan(rank, world_size, resolved_path, plan):
         elif action[0] == "pretrain":
             record.update(trainer.pretrain_step(trainer.pretrain_steps_done))
         elif action[0] == "save":
-            trainer.save()
+            trainer.save(trainer.trained_step)
         elif action[0] == "resume":
-            meta = trainer.resume(together=False)  # a critic trained without a policy
+            from megatron_rl.trainer.checkpoint import complete_steps
+
+            steps = complete_steps(trainer.checkpoint_dir)  # a critic trained without a policy: its own latest
+            meta = trainer.resume(steps[-1]) if steps else None
             record["step"] = None if meta is None else meta["step"]
             record["trained_step"] = trainer.trained_step
         elif action[0] == "params":
@@ -105,7 +108,6 @@ def policy_snapshot(rank, world_size, arch, tp, seed, snapshot_root, checkpoint_
     """A policy GPT model at TP = tp (EP = ep) with random weights: exports snapshot version 1
     and a training checkpoint; returns its full parameters (this rank's experts)."""
     from megatron_rl import parallel
-    from megatron_rl.algorithms import make_algorithm
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import dummy_micro_batch
     from megatron_rl.models.builder import build_gpt_model
@@ -123,7 +125,7 @@ def policy_snapshot(rank, world_size, arch, tp, seed, snapshot_root, checkpoint_
             p.add_(0.01 * torch.randn_like(p))
     trainable = build_trainable(model, OptimizerConfig(lr=1e-3), total_steps=1)
     # One step on a dummy micro-batch: Adam state exists (a checkpoint needs it), weights unchanged.
-    loss = policy_loss_func(make_algorithm(AlgorithmConfig(type="grpo")))
+    loss = policy_loss_func(AlgorithmConfig(type="grpo"))
     train_step(trainable, [dummy_micro_batch()], loss)
     export_snapshot(model, snapshot_root, version=1, info={"tp": tp})
     save_checkpoint(checkpoint_root, 0, trainable)

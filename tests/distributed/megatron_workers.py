@@ -537,7 +537,6 @@ def one_training_step(rank, world_size, arch, full, tp, cp, algorithm_type, coun
     """Packs `count` samples for this layout, runs one train_step; returns (metrics, params)."""
     from megatron.core import parallel_state
 
-    from megatron_rl.algorithms import InProcessScorer, make_algorithm
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.sharding import gather_full_parameters
@@ -562,8 +561,7 @@ def one_training_step(rank, world_size, arch, full, tp, cp, algorithm_type, coun
     if critic:
         loss_func = value_loss_func(value_clip=0.5)
     else:
-        algorithm = make_algorithm(AlgorithmConfig(type=algorithm_type), InProcessScorer(lambda b: None))
-        loss_func = policy_loss_func(algorithm)
+        loss_func = policy_loss_func(AlgorithmConfig(type=algorithm_type))
     metrics = train_step(trainable, grid[parallel_state.get_data_parallel_rank()], loss_func)
     dummies = sum(mb.is_dummy for row in grid for mb in row)
     return metrics, gather_full_parameters(model), dummies
@@ -574,7 +572,6 @@ def resumable_training(rank, world_size, arch, full, directory, steps, save_at=N
     `directory` first if there is one; saves after step `save_at`. Returns {step: loss}."""
     from megatron.core import parallel_state
 
-    from megatron_rl.algorithms import InProcessScorer, make_algorithm
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
@@ -590,7 +587,7 @@ def resumable_training(rank, world_size, arch, full, directory, steps, save_at=N
     meta = load_checkpoint(directory, trainable)
     if meta is not None:
         assert meta["step"] == steps[0] - 1, (meta["step"], steps)
-    loss_func = policy_loss_func(make_algorithm(AlgorithmConfig(type="sao"), InProcessScorer(lambda b: None)))
+    loss_func = policy_loss_func(AlgorithmConfig(type="sao"))
     dp = parallel_state.get_data_parallel_world_size()
     losses = {}
     for step in steps:
@@ -604,7 +601,7 @@ def resumable_training(rank, world_size, arch, full, directory, steps, save_at=N
 def publish_weights(rank, world_size, arch, full, tp, ep, directory, step, hf_dir, input_ids):
     """Publishes the model's weights as HF safetensors; returns (full-vocab logits, the path
     publish_hf_weights returned)."""
-    from megatron_rl.trainer.publish import publish_hf_weights
+    from megatron_rl.policy.publish import publish_hf_weights
 
     parallel.initialize_model_parallel(tp=tp, ep=ep)
     model = build_gpt_model(arch, tp=tp, ep=ep)
@@ -618,11 +615,10 @@ def publish_weights(rank, world_size, arch, full, tp, ep, directory, step, hf_di
 
 def policy_reference_losses(rank, world_size, resolved_path, steps, samples_per_step):
     """Single-process reference for the train-policy process: same config, weights and samples."""
-    from megatron_rl.algorithms import InProcessScorer, make_algorithm
     from megatron_rl.config import load_resolved
     from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.policy.trainer import build_reference
     from megatron_rl.trainer.optimizer import build_trainable
-    from megatron_rl.trainer.policy import build_reference
     from megatron_rl.trainer.step import policy_loss_func, train_step
     from megatron_rl.trainer.weights import load_initial_weights
 
@@ -634,7 +630,7 @@ def policy_reference_losses(rank, world_size, resolved_path, steps, samples_per_
     kl_coef = resolved.algorithm.kl_coef
     reference = build_reference(model, resolved.layout.policy, resolved) if kl_coef > 0 else None
     trainable = build_trainable(model, resolved.optimizer, total_steps=resolved.orchestrator.num_steps)
-    loss_func = policy_loss_func(make_algorithm(resolved.algorithm, InProcessScorer(lambda b: None)), kl_coef)
+    loss_func = policy_loss_func(resolved.algorithm)
     losses = []
     for step in range(steps):
         grid = pack_into_grid(
@@ -689,7 +685,6 @@ def kl_training_steps(rank, world_size, arch, full, tp, cp, kl_coef, steps=2):
     final full parameters."""
     from megatron.core import parallel_state
 
-    from megatron_rl.algorithms import InProcessScorer, make_algorithm
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.sharding import gather_full_parameters
@@ -704,8 +699,7 @@ def kl_training_steps(rank, world_size, arch, full, tp, cp, kl_coef, steps=2):
     reference.requires_grad_(False)
     trainable = build_trainable(model, OptimizerConfig(lr=1e-3, grad_clip=1.0, adam_eps=1e-6), total_steps=10)
     dp = parallel_state.get_data_parallel_world_size()
-    algorithm = make_algorithm(AlgorithmConfig(type="sao", kl_coef=kl_coef), InProcessScorer(lambda b: None))
-    loss_func = policy_loss_func(algorithm, kl_coef)
+    loss_func = policy_loss_func(AlgorithmConfig(type="sao", kl_coef=kl_coef))
     records = []
     for step in range(steps):
         grid = pack_into_grid(training_samples(6, arch.vocab_size, seed=step), 64, dp, cp)
@@ -727,7 +721,6 @@ def poisoned_then_clean_steps(rank, world_size, arch, full, poison_rank):
     both, parameters before, after the poisoned step, after the clean step)."""
     from megatron.core import parallel_state
 
-    from megatron_rl.algorithms import InProcessScorer, make_algorithm
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.sharding import gather_full_parameters
@@ -740,7 +733,7 @@ def poisoned_then_clean_steps(rank, world_size, arch, full, poison_rank):
     trainable = build_trainable(model, OptimizerConfig(lr=1e-3, grad_clip=1.0), total_steps=10)
     dp = parallel_state.get_data_parallel_world_size()
     grid = pack_into_grid(training_samples(6, arch.vocab_size), 64, dp, 1)
-    clean = policy_loss_func(make_algorithm(AlgorithmConfig(type="sao"), InProcessScorer(lambda b: None)))
+    clean = policy_loss_func(AlgorithmConfig(type="sao"))
 
     def poisoned(output, batch):
         loss, metrics = clean(output, batch)
@@ -776,7 +769,7 @@ class RecordingControl:
 def publish_failing_mid_broadcast(rank, world_size):
     """BroadcastPublisher.publish on one rank whose stream fails after the servers were paused;
     returns (the error text, each server's calls)."""
-    from megatron_rl.trainer import publish
+    from megatron_rl.policy import publish
     from megatron_rl.transport import weight_buckets
 
     def lost(*args, **kwargs):
@@ -785,10 +778,10 @@ def publish_failing_mid_broadcast(rank, world_size):
     publish.owned_hf_tensors = lambda model, arch: {}
     weight_buckets.broadcast_end = lost
     controls = [RecordingControl(), RecordingControl()]
-    publisher = publish.BroadcastPublisher(controls, "127.0.0.1", 0, backend="gloo", timeout_s=5)
+    publisher = publish.BroadcastPublisher(None, controls, "127.0.0.1", 0, backend="gloo", timeout_s=5)
     publisher.group = object()  # connected (the stream itself is what fails)
     try:
-        publisher.publish(None, None, version=3)
+        publisher.publish(None, version=3)
         error = None
     except ConnectionError as exc:
         error = str(exc)
@@ -839,7 +832,6 @@ def recompute_step(rank, world_size, arch, full, recompute_fields, tp=1):
     settings); returns (metrics, full parameters after the step)."""
     from megatron.core import parallel_state
 
-    from megatron_rl.algorithms import InProcessScorer, make_algorithm
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.sharding import gather_full_parameters
@@ -851,6 +843,5 @@ def recompute_step(rank, world_size, arch, full, recompute_fields, tp=1):
     load_full_state_dict(model, full)
     trainable = build_trainable(model, OptimizerConfig(lr=1e-3, grad_clip=1.0, adam_eps=1e-6), total_steps=10)
     grid = pack_into_grid(training_samples(6, arch.vocab_size, seed=3), 64, parallel_state.get_data_parallel_world_size())
-    algorithm = make_algorithm(AlgorithmConfig(type="sao"), InProcessScorer(lambda b: None))
-    metrics = train_step(trainable, grid[parallel_state.get_data_parallel_rank()], policy_loss_func(algorithm))
+    metrics = train_step(trainable, grid[parallel_state.get_data_parallel_rank()], policy_loss_func(AlgorithmConfig(type="sao")))
     return metrics, gather_full_parameters(model)

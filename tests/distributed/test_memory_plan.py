@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_rl.config import Architecture, ModelLayout
-from megatron_rl.memory_plan import adam_tensor_elements, rank_parameters
+from megatron_rl.config.memory_plan import adam_tensor_elements, rank_parameters
 from megatron_rl.testing.spawn import run_ranks
 
 # (family, tp, pp, ep, value model, freeze attention)
@@ -32,7 +32,6 @@ def measure(rank, world_size, architectures):
     from megatron.core import parallel_state
 
     from megatron_rl import parallel
-    from megatron_rl.algorithms import make_algorithm
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import dummy_micro_batch
     from megatron_rl.models.builder import build_gpt_model
@@ -49,7 +48,7 @@ def measure(rank, world_size, architectures):
         if freeze:
             freeze_attention(model)
         trainable = build_trainable(model, OptimizerConfig(lr=1e-3), total_steps=1)
-        loss = value_loss_func() if value else policy_loss_func(make_algorithm(AlgorithmConfig(type="grpo")))
+        loss = value_loss_func() if value else policy_loss_func(AlgorithmConfig(type="grpo"))
         train_step(trainable, [dummy_micro_batch()], loss)
         params = list(model.named_parameters())
         expert = [p for n, p in params if ".experts." in n]

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from megatron_rl.config import Architecture
 from megatron_rl.models.hf_mapping import hf_to_megatron
+from megatron_rl.policy.publish import latest_published, verify_published
 from megatron_rl.testing.spawn import run_ranks
-from megatron_rl.trainer.publish import latest_published, verify_published
 from tests.distributed import megatron_workers as w
 from tests.distributed.test_hf_parity import hf_logits
 
@@ -35,7 +35,7 @@ def test_published_weights_load_into_transformers(family, tp, ep, tiny_models, t
     )
     megatron = ranks[0][0]
     version = latest_published(tmp_path)
-    assert version.name == "v00000005"
+    assert version.name == "version_00000005"
     assert all(path == str(version) for _, path in ranks)  # every rank is told the new version
     manifest = verify_published(version)
     assert manifest["step"] == 5 and manifest["num_tensors"] == len(
@@ -52,11 +52,11 @@ def test_interrupted_publish_keeps_the_previous_version(tiny_models, tmp_path):
         w.publish_weights, 1, arch, full, 1, 1, str(tmp_path), 1, tiny_models["llama"], input_ids
     )[0][0]
     # Version 2 died midway: half its files written, no manifest, `latest` not moved.
-    partial = tmp_path / "v00000002.partial"
-    shutil.copytree(tmp_path / "v00000001", partial)
+    partial = tmp_path / "version_00000002.partial"
+    shutil.copytree(tmp_path / "version_00000001", partial)
     (partial / "manifest.json").unlink()
     version = latest_published(tmp_path)
-    assert version.name == "v00000001"
+    assert version.name == "version_00000001"
     verify_published(version)
     torch.testing.assert_close(hf_logits(version, input_ids), megatron, atol=1e-4, rtol=0)
     # A corrupted file is caught by the manifest.

@@ -86,7 +86,7 @@ def policy_publish(rank, world_size, hf_dir, http_port, group_port):
     from megatron_rl.models.checkpoint_io import read_architecture
     from megatron_rl.models.hf_mapping import megatron_to_hf
     from megatron_rl.models.sharding import gather_full_parameters
-    from megatron_rl.trainer.publish import BroadcastPublisher
+    from megatron_rl.policy.publish import BroadcastPublisher
     from megatron_rl.trainer.weights import load_initial_weights
 
     parallel.initialize_model_parallel(pp=2)
@@ -97,6 +97,7 @@ def policy_publish(rank, world_size, hf_dir, http_port, group_port):
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))
     publisher = BroadcastPublisher(
+        arch,
         [VllmControl(f"http://127.0.0.1:{http_port}", timeout_s=120)],
         "127.0.0.1",
         group_port,
@@ -106,7 +107,7 @@ def policy_publish(rank, world_size, hf_dir, http_port, group_port):
     )
     if rank == 0:
         publisher.connect()
-    sent = publisher.publish(model, arch, version=7)
+    sent = publisher.publish(model, version=7)
     return sent, megatron_to_hf(gather_full_parameters(model), arch, partial=True)
 
 

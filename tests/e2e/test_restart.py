@@ -29,10 +29,10 @@ from megatron_rl.critic.client import HttpValueScorer
 from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.faults import ENV, POINTS
 from megatron_rl.parallel import free_port
+from megatron_rl.policy.publish import verify_published
 from megatron_rl.testing.processes import RankProcesses
 from megatron_rl.trainer import atomic_dir
 from megatron_rl.trainer.checkpoint import run_resume_step
-from megatron_rl.trainer.publish import verify_published
 from megatron_rl.transport import GridSender, TransportTimeout
 from tests.distributed import megatron_workers as w
 from tests.e2e.test_train_policy import write_config
@@ -149,7 +149,7 @@ def feasible_kill(rng: random.Random, resolved, start: int, point: str) -> tuple
     def redone(role, s):  # the old directory a redone step `s` replaces exists
         if role == "critic":
             return s in SAVE_STEPS and (root / "critic" / f"step_{s:08d}").exists()
-        return (published / f"v{s + 1:08d}").exists() or (
+        return (published / f"version_{s + 1:08d}").exists() or (
             s in SAVE_STEPS and (root / "policy" / f"step_{s:08d}").exists()
         )
 
@@ -184,7 +184,7 @@ def check_nothing_half_written(resolved) -> None:
         if (directory / atomic_dir.LATEST).exists():
             atomic_dir.latest(directory, required)  # names a complete directory
         if required == "manifest.json":
-            for path in atomic_dir.committed(directory, "v*", required).values():
+            for path in atomic_dir.committed(directory, "version_*", required).values():
                 verify_published(path)
 
 

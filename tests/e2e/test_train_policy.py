@@ -126,7 +126,7 @@ def test_train_policy_trains_publishes_checkpoints_and_resumes(tiny_models, tmp_
     assert [r["loss"] for r in lines] == pytest.approx(reference[:2], rel=1e-5, abs=1e-6)
     assert all(r["num_tokens"] > 0 and r["grad_norm"] > 0 and 0 <= r["clip_fraction"] <= 1 for r in lines)
 
-    published = tmp_path / "published" / "v00000002"
+    published = tmp_path / "published" / "version_00000002"
     assert json.loads((published / "manifest.json").read_text())["step"] == 2
     import torch
 

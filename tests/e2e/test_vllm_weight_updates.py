@@ -54,7 +54,7 @@ def _trained_policy(hf_dir, pp, seed):
 def publish_files(rank, world_size, hf_dir, out_dir, version):
     from pathlib import Path
 
-    from megatron_rl.trainer.publish import publish_hf_weights
+    from megatron_rl.policy.publish import publish_hf_weights
 
     model, arch = _trained_policy(hf_dir, 1, seed=1)
     return str(publish_hf_weights(model, arch, out_dir, version, hf_side_files=Path(hf_dir)))
@@ -64,14 +64,14 @@ def publish_broadcast(rank, world_size, hf_dir, urls, group_port, version):
     from megatron_rl.inference.vllm_control import VllmControl
     from megatron_rl.models.hf_mapping import megatron_to_hf
     from megatron_rl.models.sharding import gather_full_parameters
-    from megatron_rl.trainer.publish import BroadcastPublisher
+    from megatron_rl.policy.publish import BroadcastPublisher
 
     model, arch = _trained_policy(hf_dir, 2, seed=2)
-    publisher = BroadcastPublisher([VllmControl(url, timeout_s=120) for url in urls], "127.0.0.1", group_port,
-                                   backend="gloo", bucket_bytes=1 << 16, timeout_s=120)  # fmt: skip
+    publisher = BroadcastPublisher(arch, [VllmControl(url, timeout_s=120) for url in urls], "127.0.0.1",
+                                   group_port, backend="gloo", bucket_bytes=1 << 16, timeout_s=120)  # fmt: skip
     if rank == 0:
         publisher.connect()
-    sent = publisher.publish(model, arch, version=version)
+    sent = publisher.publish(model, version=version)
     return sent, megatron_to_hf(gather_full_parameters(model), arch, partial=True)
 
 

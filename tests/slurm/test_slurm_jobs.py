@@ -109,7 +109,7 @@ def test_rendered_job_runs_two_steps_with_components_where_the_layout_says(slurm
         assert places["orchestrator"] == [("n1", "none")]
     metrics = (tmp_path / "run" / "orchestrator_metrics.jsonl").read_text().splitlines()
     assert len(metrics) == 2
-    assert (tmp_path / "published" / "latest").read_text().strip() == "v00000002"
+    assert (tmp_path / "published" / "latest").read_text().strip() == "version_00000002"
 
 
 def test_a_step_killed_mid_job_fails_the_job_naming_it(slurm, model, tmp_path):

@@ -1,4 +1,5 @@
-"""PPO clip, SAO DIS and value losses: values, gradients, normalisation independent of packing."""
+"""PPO clip, SAO DIS and value losses: sums over masked tokens (megatron divides by the global
+token count), values, gradients, independence of how tokens are split into micro-batches."""
 
 from __future__ import annotations
 
@@ -21,19 +22,18 @@ def random_tokens(n: int, seed: int):
 @pytest.mark.parametrize("seed", range(5))
 def test_dis_gradient_is_ratio_times_advantage_inside_the_band(seed):
     logprobs, old, advantages, mask = random_tokens(400, seed)
-    normalizer = 512.0
-    loss, metrics = sao_dis_loss(logprobs, old, advantages, mask, normalizer, eps_low=0.3, eps_high=5.0)
+    loss, metrics = sao_dis_loss(logprobs, old, advantages, mask, eps_low=0.3, eps_high=5.0)
     loss.backward()
     ratio = torch.exp(logprobs.detach() - old)
     inside = (ratio > 0.7) & (ratio < 6.0)
     # d/dlogp of -r*A is -r*A (dr/dlogp = r): the ascent direction is r*A*grad(logp).
-    expected = torch.where(mask & inside, -ratio * advantages / normalizer, 0.0)
+    expected = torch.where(mask & inside, -ratio * advantages, 0.0)
     torch.testing.assert_close(logprobs.grad, expected, atol=1e-15, rtol=0)
     for sign in (1, -1):  # both tails are masked whatever the sign of A
         outside = mask & ~inside & (torch.sign(advantages) == sign)
         assert outside.any() and (logprobs.grad[outside] == 0).all()
         assert (logprobs.grad[mask & inside & (torch.sign(advantages) == sign)] != 0).all()
-    expected_loss = -(ratio * advantages)[mask & inside].sum() / normalizer
+    expected_loss = -(ratio * advantages)[mask & inside].sum()
     torch.testing.assert_close(loss.detach(), expected_loss)
     assert metrics["clipped_sum"] == (mask & ~inside).sum()
     assert metrics["num_tokens"] == mask.sum()
@@ -42,21 +42,21 @@ def test_dis_gradient_is_ratio_times_advantage_inside_the_band(seed):
 @pytest.mark.parametrize("seed", range(5))
 def test_ppo_clip_gradient_is_zero_exactly_where_the_clipped_branch_is_active(seed):
     logprobs, old, advantages, mask = random_tokens(400, seed)
-    loss, metrics = ppo_clip_loss(logprobs, old, advantages, mask, 100.0, eps_low=0.2, eps_high=0.28)
+    loss, metrics = ppo_clip_loss(logprobs, old, advantages, mask, eps_low=0.2, eps_high=0.28)
     loss.backward()
     ratio = torch.exp(logprobs.detach() - old)
     clipped_active = ((advantages > 0) & (ratio > 1.28)) | ((advantages < 0) & (ratio < 0.8))
     assert (mask & clipped_active).any() and (mask & ~clipped_active).any()
-    expected = torch.where(mask & ~clipped_active, -ratio * advantages / 100.0, 0.0)
+    expected = torch.where(mask & ~clipped_active, -ratio * advantages, 0.0)
     torch.testing.assert_close(logprobs.grad, expected, atol=1e-15, rtol=0)
     assert metrics["clipped_sum"] == (mask & clipped_active).sum()
-    reference = torch.maximum(-ratio * advantages, -ratio.clamp(0.8, 1.28) * advantages)[mask].sum() / 100.0
+    reference = torch.maximum(-ratio * advantages, -ratio.clamp(0.8, 1.28) * advantages)[mask].sum()
     torch.testing.assert_close(loss.detach(), reference)
 
 
 def test_ppo_dual_clip_bounds_negative_advantages():
     logprobs, old, advantages, mask = random_tokens(400, 9)
-    loss, _ = ppo_clip_loss(logprobs, old, advantages, mask, 1.0, 0.2, 0.2, dual_clip=3.0)
+    loss, _ = ppo_clip_loss(logprobs, old, advantages, mask, 0.2, 0.2, dual_clip=3.0)
     loss.backward()
     ratio = torch.exp(logprobs.detach() - old)
     dual = mask & (advantages < 0) & (ratio > 3.0)
@@ -68,22 +68,21 @@ def test_ppo_dual_clip_bounds_negative_advantages():
 
 
 @pytest.mark.parametrize("loss_name", ["ppo", "sao", "value"])
-def test_global_normaliser_makes_loss_independent_of_micro_batch_split(loss_name):
+def test_summed_loss_is_independent_of_micro_batch_split(loss_name):
     n = 300
     logprobs, old, advantages, mask = random_tokens(n, 4)
     returns = torch.randn(n, dtype=torch.float64)
-    normalizer = mask.sum()
 
     def run(boundaries):
         total = 0.0
         for start, end in zip(boundaries[:-1], boundaries[1:]):
             sl = slice(start, end)
             if loss_name == "ppo":
-                part, _ = ppo_clip_loss(logprobs[sl], old[sl], advantages[sl], mask[sl], normalizer)
+                part, _ = ppo_clip_loss(logprobs[sl], old[sl], advantages[sl], mask[sl])
             elif loss_name == "sao":
-                part, _ = sao_dis_loss(logprobs[sl], old[sl], advantages[sl], mask[sl], normalizer)
+                part, _ = sao_dis_loss(logprobs[sl], old[sl], advantages[sl], mask[sl])
             else:
-                part, _ = value_loss(logprobs[sl], returns[sl], mask[sl], normalizer, old[sl], clip=0.5)
+                part, _ = value_loss(logprobs[sl], returns[sl], mask[sl], old[sl], clip=0.5)
             part.backward()
             total = total + part.detach()
         grad = logprobs.grad.clone()
@@ -102,25 +101,25 @@ def test_value_loss_plain_and_clipped():
     returns = torch.randn(50, generator=g, dtype=torch.float64)
     old = torch.randn(50, generator=g, dtype=torch.float64)
     mask = torch.rand(50, generator=g) < 0.7
-    loss, metrics = value_loss(values, returns, mask, 64.0)
-    torch.testing.assert_close(loss, 0.5 * ((values - returns) ** 2)[mask].sum() / 64.0)
+    loss, metrics = value_loss(values, returns, mask)
+    torch.testing.assert_close(loss, 0.5 * ((values - returns) ** 2)[mask].sum())
     assert metrics["num_tokens"] == mask.sum()
-    clipped, metrics = value_loss(values, returns, mask, 64.0, old_values=old, clip=0.2)
+    clipped, metrics = value_loss(values, returns, mask, old_values=old, clip=0.2)
     v_clip = old + (values.detach() - old).clamp(-0.2, 0.2)
     expected = (
-        0.5 * torch.maximum((values.detach() - returns) ** 2, (v_clip - returns) ** 2)[mask].sum() / 64.0
+        0.5 * torch.maximum((values.detach() - returns) ** 2, (v_clip - returns) ** 2)[mask].sum()
     )
     torch.testing.assert_close(clipped.detach(), expected)
     assert 0 < metrics["clipped_sum"] <= mask.sum()
     with pytest.raises(ValueError, match="old_values is None"):
-        value_loss(values, returns, mask, 1.0, clip=0.2)
+        value_loss(values, returns, mask, clip=0.2)
 
 
 def test_fully_masked_micro_batch_contributes_zero_loss_and_gradient():
     logprobs, old, advantages, _ = random_tokens(64, 3)
     mask = torch.zeros(64, dtype=torch.bool)
     for fn in (ppo_clip_loss, sao_dis_loss):
-        loss, metrics = fn(logprobs, old, advantages, mask, 10.0)
+        loss, metrics = fn(logprobs, old, advantages, mask)
         loss.backward()
         assert loss.item() == 0.0 and (logprobs.grad == 0).all() and metrics["num_tokens"] == 0
         logprobs.grad = None
@@ -132,15 +131,15 @@ def test_reference_kl_loss_is_k3_zero_at_the_reference_with_zero_gradient():
     logprobs = torch.tensor([-1.0, -2.0, -0.5, -3.0], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([-1.0, -1.5, -0.7, -9.0], dtype=torch.float64)
     mask = torch.tensor([True, True, True, False])
-    loss, metrics = reference_kl_loss(logprobs, ref, mask, normalizer=4.0)
+    loss, metrics = reference_kl_loss(logprobs, ref, mask)
     d = ref - logprobs.detach()
     per_token = torch.exp(d) - d - 1
     assert per_token[0] == 0 and (per_token[:3] >= 0).all()
-    assert loss.item() == pytest.approx(per_token[:3].sum().item() / 4.0)
+    assert loss.item() == pytest.approx(per_token[:3].sum().item())
     assert metrics["kl_ref_sum"].item() == pytest.approx(per_token[:3].sum().item())
     loss.backward()
     # d/dlogp (e^d - d - 1) = 1 - e^d: zero where the policies agree, none on masked tokens
-    expected = torch.where(mask, 1 - torch.exp(d), 0.0) / 4.0
+    expected = torch.where(mask, 1 - torch.exp(d), 0.0)
     torch.testing.assert_close(logprobs.grad, expected)
 
 
@@ -155,10 +154,10 @@ def test_extreme_ratios_give_finite_loss_and_gradients(loss_name):
         advantages = torch.full((1, 6), advantage)
         mask = torch.ones(1, 6, dtype=torch.bool)
         if loss_name == "dis":
-            loss, metrics = sao_dis_loss(logprobs, old, advantages, mask, 6.0)
+            loss, metrics = sao_dis_loss(logprobs, old, advantages, mask)
         else:
             dual = 3.0 if loss_name == "ppo_dual" else None
-            loss, metrics = ppo_clip_loss(logprobs, old, advantages, mask, 6.0, dual_clip=dual)
+            loss, metrics = ppo_clip_loss(logprobs, old, advantages, mask, dual_clip=dual)
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all(), (loss, logprobs.grad)
         assert all(torch.isfinite(torch.as_tensor(v)).all() for v in metrics.values())

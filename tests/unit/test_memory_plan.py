@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import ConfigError, ModelLayout, load_config
-from megatron_rl.memory_plan import GIB, format_plan, memory_plan, rank_parameters
+from megatron_rl.config.memory_plan import GIB, format_plan, memory_plan, rank_parameters
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("*.yaml"))
 SAO_30B = next(p for p in EXAMPLES if p.name == "qwen3_30b_a3b_sao.yaml")

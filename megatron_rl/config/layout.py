@@ -1,0 +1,214 @@
+"""The derived layout: what every process reads instead of computing it again.
+
+`derive_layout` turns a validated `Config` into a `Layout`: each model's parallel layout (DP
+sizes), the critic's GPU count and deployment style, inference ports and URLs, every fixed port
+by its key, both architectures, the checkpoint / snapshot / publish directories and the seeds.
+Each derivation that can fail appends one line per problem to `errors` (all problems are
+reported at once by `load.resolve`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Literal
+
+from megatron_rl.config.base import Strict
+from megatron_rl.config.model import Architecture, ModelConfig
+from megatron_rl.config.run import Config
+
+
+class ModelLayout(Strict):
+    """One process group's parallel layout. world = tp * cp * pp * dp."""
+
+    world_size: int
+    tp: int
+    cp: int
+    pp: int
+    ep: int
+    dp: int
+    expert_dp: int  # data-parallel size of expert weights: world / (tp * ep * pp)
+
+
+class RunPaths(Strict):
+    """Directories derived from `checkpoint.dir` (absolute when the config's were)."""
+
+    policy_checkpoints: str  # <checkpoint.dir>/policy
+    critic_checkpoints: str  # <checkpoint.dir>/critic
+    policy_snapshots: str  # value.snapshot.dir, default <checkpoint.dir>/policy_snapshots
+    orchestrator_state: str  # <checkpoint.dir>/orchestrator/state.json
+
+
+class Layout(Strict):
+    policy: ModelLayout
+    critic: ModelLayout | None
+    value_gpus: int
+    deployment_style: Literal["shared", "dedicated", "none"]
+    inference_ports: list[int]
+    inference_urls: list[str]  # http://HOST:PORT of each inference server
+    ports: dict[str, int]  # every fixed port by the config key that sets it
+    policy_architecture: Architecture
+    critic_architecture: Architecture | None
+    paths: RunPaths
+    # Where inference workers reach policy rank 0 for path (b) weight broadcasts:
+    # inference.weight_broadcast_host, default 127.0.0.1 (one node; a SLURM job sets it).
+    weight_broadcast_host: str
+    policy_seed: int  # orchestrator.seed
+    critic_seed: int  # orchestrator.seed + 1: the critic's own dropout / init streams
+
+
+def read_architecture(model: ModelConfig, where: str, base_dir: Path, errors: list[str]) -> Architecture | None:
+    if model.architecture is not None:
+        return model.architecture
+    directory = Path(model.hf_config)
+    if not directory.is_absolute():
+        directory = base_dir / directory
+    path = directory / "config.json"
+    if not path.is_file():
+        errors.append(f"{where}.hf_config: no config.json in {directory}")
+        return None
+    try:
+        return Architecture.from_hf_config(json.loads(path.read_text()), str(path))
+    except (ValueError, KeyError) as exc:
+        errors.append(f"{where}.hf_config: {path}: {exc}")
+        return None
+
+
+def model_layout(
+    model: ModelConfig, arch: Architecture | None, gpus: int, where: str, errors: list[str]
+) -> ModelLayout | None:
+    """DP from the model's own GPU count and degrees, plus divisibility checks."""
+    model_parallel = model.tp * model.cp * model.pp
+    if gpus % model_parallel:
+        errors.append(
+            f"{where}: {gpus} GPUs are not divisible by tp*cp*pp = {model.tp}*{model.cp}*{model.pp} = {model_parallel}"
+        )
+        return None
+    dp = gpus // model_parallel
+    if arch is not None:
+        if arch.num_attention_heads % (model.tp * model.cp):
+            errors.append(
+                f"{where}: num_attention_heads ({arch.num_attention_heads}) must be divisible by "
+                f"tp*cp ({model.tp}*{model.cp}) for tensor parallel with Ulysses context parallel"
+            )
+        if arch.num_key_value_heads % model.tp:
+            errors.append(
+                f"{where}: num_key_value_heads ({arch.num_key_value_heads}) must be divisible by tp ({model.tp})"
+            )
+        if arch.num_layers % model.pp:
+            errors.append(f"{where}: num_layers ({arch.num_layers}) must be divisible by pp ({model.pp})")
+        if model.ep > 1 and not arch.num_experts:
+            errors.append(f"{where}.ep: ep = {model.ep} but the model has no experts")
+        if arch.num_experts and arch.num_experts % model.ep:
+            errors.append(
+                f"{where}.ep: num_experts ({arch.num_experts}) must be divisible by ep ({model.ep})"
+            )
+    # Every packed row is split over CP ranks, and over TP ranks too under sequence parallel
+    # (the builder turns it on for MoE models at tp > 1): seq_len must divide evenly.
+    sequence_parallel = model.tp if model.tp > 1 and arch is not None and arch.num_experts else 1
+    if model.seq_len % (model.cp * sequence_parallel):
+        errors.append(
+            f"{where}.seq_len ({model.seq_len}) must be a multiple of cp ({model.cp})"
+            + (f" x tp ({model.tp}, sequence parallel for MoE)" if sequence_parallel > 1 else "")
+        )
+    # Experts are sharded over the data-parallel ranks (times CP): ep must divide dp*cp.
+    if (dp * model.cp) % model.ep:
+        errors.append(f"{where}.ep: ep ({model.ep}) must divide dp*cp ({dp}*{model.cp})")
+        return None
+    return ModelLayout(
+        world_size=gpus,
+        tp=model.tp,
+        cp=model.cp,
+        pp=model.pp,
+        ep=model.ep,
+        dp=dp,
+        expert_dp=gpus // (model.tp * model.ep * model.pp),
+    )
+
+
+def value_gpus(config: Config, errors: list[str]) -> tuple[int, str]:
+    """The critic's GPU count and deployment style (dedicated nodes, shared nodes, none)."""
+    deployment = config.deployment
+    dedicated, shared = deployment.num_value_nodes, deployment.num_value_gpus_per_train_node
+    if config.value is None:
+        if dedicated or shared:
+            errors.append(
+                "deployment: num_value_nodes / num_value_gpus_per_train_node are set but there is no value section"
+            )
+        return 0, "none"
+    if dedicated and shared:
+        errors.append(
+            "deployment: set num_value_nodes (dedicated) or num_value_gpus_per_train_node (shared), not both"
+        )
+        return 0, "none"
+    if dedicated:
+        return dedicated * deployment.gpus_per_node, "dedicated"
+    if not shared:
+        errors.append(
+            "deployment: the value section needs critic GPUs: set num_value_nodes or num_value_gpus_per_train_node"
+        )
+        return 0, "none"
+    if shared >= deployment.gpus_per_node:
+        errors.append(
+            f"deployment.num_value_gpus_per_train_node ({shared}) must be less than gpus_per_node ({deployment.gpus_per_node})"
+        )
+        return 0, "none"
+    train_nodes = math.ceil(deployment.policy_gpus / (deployment.gpus_per_node - shared))
+    return train_nodes * shared, "shared"
+
+
+def inference_urls(config: Config, ports: list[int], errors: list[str]) -> list[str]:
+    hosts = config.inference.server_hosts or [config.inference.host] * len(ports)
+    if len(hosts) != len(ports):
+        errors.append(
+            f"inference.server_hosts has {len(hosts)} addresses for inference.num_servers = {len(ports)} servers"
+        )
+        return []
+    return [f"http://{host}:{port}" for host, port in zip(hosts, ports, strict=True)]
+
+
+def fixed_ports(config: Config, errors: list[str]) -> tuple[dict[str, int], list[int]]:
+    """Every fixed port by the key that sets it (all must differ), and the inference ports."""
+    inference_ports = [config.inference.base_port + i for i in range(config.inference.num_servers)]
+    ports = {
+        "transport.policy_port": config.transport.policy_port,
+        "transport.critic_port": config.transport.critic_port,
+        "inference.weight_broadcast_port": config.inference.weight_broadcast_port,
+        "inference.router_port": config.inference.router_port,
+    }
+    if config.value is None:
+        del ports["transport.critic_port"]
+    else:
+        ports["value.service.port"] = config.value.service.port
+    for i, port in enumerate(inference_ports):
+        ports[f"inference.base_port+{i}"] = port
+    seen: dict[int, str] = {}
+    for key, port in ports.items():
+        if port in seen:
+            errors.append(
+                f"{key}: port {port} is already used by {seen[port]}; all configured ports must be distinct"
+            )
+        else:
+            seen[port] = key
+    return ports, inference_ports
+
+
+def run_paths(config: Config) -> RunPaths:
+    root = Path(config.checkpoint.dir)
+    snapshot = config.value.snapshot if config.value is not None else None
+    return RunPaths(
+        policy_checkpoints=str(root / "policy"),
+        critic_checkpoints=str(root / "critic"),
+        policy_snapshots=snapshot.dir if snapshot is not None and snapshot.dir else str(root / "policy_snapshots"),
+        orchestrator_state=str(root / "orchestrator" / "state.json"),
+    )
+
+
+class ResolvedConfig(Config):
+    """A config with its derived layout: what the launcher writes for every process."""
+
+    layout: Layout
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)

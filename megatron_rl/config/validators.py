@@ -1,0 +1,181 @@
+"""The cross-field rules of a config, one named function each.
+
+A rule takes a `Context` (the validated sections, both architectures when they could be read,
+the critic's GPU count) and returns one line per problem, each naming the key. `resolve` runs
+every rule in `RULES` and reports all problems at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megatron_rl.config.model import Architecture
+from megatron_rl.config.run import Config
+
+
+@dataclass(frozen=True)
+class Context:
+    config: Config
+    policy_arch: Architecture | None
+    critic_arch: Architecture | None
+    value_gpus: int
+
+
+def algorithm_has_its_critic(ctx: Context) -> list[str]:
+    algorithm, value = ctx.config.algorithm.type, ctx.config.value
+    if algorithm in ("ppo", "sao") and value is None:
+        return [f"value: algorithm.type '{algorithm}' needs a value section (the critic); none is given"]
+    if algorithm == "grpo" and value is not None:
+        return ["value: algorithm.type 'grpo' takes no value section (GRPO has no critic); remove it"]
+    return []
+
+
+def grpo_groups_have_two_samples(ctx: Context) -> list[str]:
+    group_size = ctx.config.orchestrator.group_size
+    if ctx.config.algorithm.type == "grpo" and group_size < 2:
+        return [
+            f"orchestrator.group_size: GRPO normalises rewards within a group and needs at least 2, got {group_size}"
+        ]
+    return []
+
+
+def seq_len_holds_the_longest_sample(ctx: Context) -> list[str]:
+    config = ctx.config
+    longest = config.orchestrator.max_prompt_tokens + config.orchestrator.max_completion_tokens
+    models = [("model", config.model)] + ([("value.model", config.value.model)] if config.value else [])
+    return [
+        f"{where}.seq_len ({model.seq_len}) is shorter than the longest possible sample "
+        f"(orchestrator.max_prompt_tokens + max_completion_tokens = {longest} tokens)"
+        for where, model in models
+        if model.seq_len < longest
+    ]
+
+
+def critic_vocabulary_is_the_policys(ctx: Context) -> list[str]:
+    policy, critic = ctx.policy_arch, ctx.critic_arch
+    if policy and critic and policy.vocab_size != critic.vocab_size:
+        return [
+            f"value.model: vocab_size ({critic.vocab_size}) differs from the policy's ({policy.vocab_size}); "
+            "the critic scores the policy's token ids"
+        ]
+    return []
+
+
+def value_pretraining_has_data_and_steps(ctx: Context) -> list[str]:
+    value = ctx.config.value
+    if value is not None and bool(value.pretrain_jsonl) != bool(value.pretrain_steps):
+        return [
+            "value.pretrain_jsonl / value.pretrain_steps: value pretraining needs both a JSONL file and a "
+            f"step count > 0 (got pretrain_jsonl={value.pretrain_jsonl!r}, pretrain_steps={value.pretrain_steps})"
+        ]
+    return []
+
+
+SNAPSHOT_FIELDS = (
+    "family",
+    "hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "num_experts",
+    "moe_intermediate_size",
+    "qk_norm",
+)
+
+
+def snapshots_fit_the_critic(ctx: Context) -> list[str]:
+    value = ctx.config.value
+    snapshot = value.snapshot if value is not None else None
+    if snapshot is None or not snapshot.steps:
+        return []
+    errors = []
+    num_steps = ctx.config.orchestrator.num_steps
+    bad = [s for s in snapshot.steps if not 1 <= s < num_steps]
+    if bad:
+        errors.append(
+            f"value.snapshot.steps: {bad} outside 1..{num_steps - 1} (step s loads the policy after its step s - 1; "
+            "at step 0 use value.model.checkpoint instead)"
+        )
+    if len(set(snapshot.steps)) != len(snapshot.steps):
+        errors.append(f"value.snapshot.steps: {snapshot.steps} has repeated steps")
+    if value.lora is not None:
+        errors.append("value.snapshot: a snapshot replaces the backbone that LoRA adapts; use one of them")
+    if ctx.policy_arch and ctx.critic_arch:
+        differ = [f for f in SNAPSHOT_FIELDS if getattr(ctx.policy_arch, f) != getattr(ctx.critic_arch, f)]
+        if differ:
+            errors.append(
+                f"value.snapshot: the critic's architecture differs from the policy's in {differ}; a policy "
+                "snapshot can only load into a critic of the same architecture"
+            )
+    return errors
+
+
+def offload_and_recompute_are_possible(ctx: Context) -> list[str]:
+    """Optimizer offload and recomputation settings, for the policy and the critic."""
+    config, errors = ctx.config, []
+    roles = [("", config.model, config.optimizer, ctx.policy_arch)]
+    if config.value is not None:
+        roles.append(("value.", config.value.model, config.value.optimizer, ctx.critic_arch))
+    for prefix, model, optimizer, arch in roles:
+        if optimizer.cpu_offload and config.deployment.device == "cpu":
+            errors.append(
+                f"{prefix}optimizer.cpu_offload: needs CUDA (megatron's hybrid device optimizer); with "
+                "deployment.device 'cpu' the optimizer state already lives in host memory"
+            )
+        if optimizer.cpu_offload and not optimizer.distributed_optimizer:
+            errors.append(f"{prefix}optimizer.cpu_offload: needs {prefix}optimizer.distributed_optimizer: true")
+        recompute = model.recompute
+        if arch is not None and recompute.num_layers is not None:
+            per_stage = arch.num_layers // model.pp
+            if recompute.num_layers > per_stage:
+                errors.append(
+                    f"{prefix}model.recompute.num_layers ({recompute.num_layers}) exceeds the "
+                    f"{per_stage} layers of a pipeline stage"
+                )
+            elif recompute.method == "uniform" and per_stage % recompute.num_layers:
+                errors.append(
+                    f"{prefix}model.recompute.num_layers ({recompute.num_layers}) must divide the {per_stage} "
+                    "layers of a pipeline stage for method 'uniform'"
+                )
+    return errors
+
+
+def roles_fit_on_the_nodes(ctx: Context) -> list[str]:
+    deployment = ctx.config.deployment
+    capacity = deployment.nodes * deployment.gpus_per_node
+    needed = deployment.inference_gpus + deployment.policy_gpus + ctx.value_gpus
+    if needed > capacity:
+        return [
+            f"deployment: inference_gpus + policy_gpus + critic GPUs = {deployment.inference_gpus} + "
+            f"{deployment.policy_gpus} + {ctx.value_gpus} = {needed} exceeds nodes*gpus_per_node = {capacity}"
+        ]
+    return []
+
+
+def inference_gpus_match_the_servers(ctx: Context) -> list[str]:
+    gpus, inference = ctx.config.deployment.inference_gpus, ctx.config.inference
+    if gpus % inference.tp:
+        return [f"deployment.inference_gpus ({gpus}) must be divisible by inference.tp ({inference.tp})"]
+    if gpus and inference.num_servers * inference.tp != gpus:
+        return [
+            f"inference.num_servers * inference.tp ({inference.num_servers}*{inference.tp}) must equal "
+            f"deployment.inference_gpus ({gpus})"
+        ]
+    return []
+
+
+RULES: tuple[Callable[[Context], list[str]], ...] = (
+    algorithm_has_its_critic,
+    grpo_groups_have_two_samples,
+    seq_len_holds_the_longest_sample,
+    critic_vocabulary_is_the_policys,
+    value_pretraining_has_data_and_steps,
+    snapshots_fit_the_critic,
+    offload_and_recompute_are_possible,
+    roles_fit_on_the_nodes,
+    inference_gpus_match_the_servers,
+)

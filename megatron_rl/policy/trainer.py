@@ -1,0 +1,147 @@
+"""The policy trainer process: `megatron-rl train-policy --config RESOLVED.json` under torchrun.
+
+Built on the role skeleton (trainer/role.py). Each step: receive this rank's grid item from the
+policy ZMQ stream, one train_step with the configured algorithm's loss (plus the KL term against
+the frozen initial policy when `algorithm.kl_coef` > 0), publish the new weights as policy
+version step + 1 (policy/publish.py: safetensors or NCCL broadcast), export a policy snapshot for
+the critic when that version is one of `value.snapshot.steps` (trainer/snapshot.py), checkpoint
+every `checkpoint.save_interval` steps, and append one metrics line per step to
+`logging.dir/policy_metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from megatron_rl import faults, parallel
+from megatron_rl.config import ResolvedConfig
+from megatron_rl.models.builder import build_gpt_model
+from megatron_rl.policy.publish import make_publisher
+from megatron_rl.trainer.role import RoleTrainer
+from megatron_rl.trainer.snapshot import export_snapshot, snapshot_versions
+from megatron_rl.trainer.step import policy_loss_func, train_step
+
+
+def build_policy_model(resolved: ResolvedConfig, layout) -> torch.nn.Module:
+    return build_gpt_model(
+        resolved.layout.policy_architecture,
+        tp=layout.tp,
+        cp=layout.cp,
+        pp=layout.pp,
+        ep=layout.ep,
+        dtype=resolved.model.dtype,
+        seq_len=resolved.model.seq_len,
+        **resolved.model.recompute.transformer_fields(),
+    )
+
+
+def build_reference(model, layout, resolved: ResolvedConfig):
+    """The frozen reference policy for `algorithm.kl_coef`: the initial weights (taken from the
+    freshly initialised `model` before any checkpoint is resumed, so a resumed run keeps the
+    same reference), same layout, no gradients, eval mode."""
+    reference = build_policy_model(resolved, layout)
+    reference.load_state_dict(model.state_dict())
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
+class PolicyTrainer(RoleTrainer):
+    role = "policy"
+    log = logging.getLogger("megatron_rl.policy")
+
+    def __init__(self, resolved: ResolvedConfig):
+        super().__init__(
+            resolved,
+            arch=resolved.layout.policy_architecture,
+            model_config=resolved.model,
+            optimizer_config=resolved.optimizer,
+            seed=resolved.layout.policy_seed,
+            checkpoint_dir=resolved.layout.paths.policy_checkpoints,
+            total_optimizer_steps=resolved.orchestrator.num_steps,
+        )
+        self.loss = policy_loss_func(resolved.algorithm)
+
+    def build_model(self) -> torch.nn.Module:
+        return build_policy_model(self.resolved, self.layout)
+
+    def prepare_model(self) -> None:
+        kl = self.resolved.algorithm.kl_coef > 0
+        self.reference = build_reference(self.model, self.layout, self.resolved) if kl else None
+
+    def checkpoint_extra(self, step: int) -> dict:
+        return {"policy_version": step + 1}
+
+    def console_line(self, record: dict) -> str:
+        return (
+            f"[policy] step {record['step']} loss {record['loss']:+.4f} clip {record['clip_fraction']:.3f} "
+            f"ratio {record['ratio_mean']:.3f} kl {record['approx_kl']:.2e} kl_ref {record['kl_ref']:.2e} entropy {record['entropy']:.3f} "
+            f"grad_norm {record['grad_norm'] or 0:.3f} lr {record['lr']:.2e} {record['tokens_per_s'] or 0:.0f} tok/s"
+            + (f" | optimizer step SKIPPED: non-finite loss or gradients ({record['skipped_steps']} skipped so far)"
+               if record.get("update_skipped") else "")
+        )  # fmt: skip
+
+    def run(self) -> None:
+        """Trains from the resumed step to `orchestrator.num_steps`, publishing every version."""
+        resolved = self.resolved
+        meta = self.resume()
+        start = 0 if meta is None else meta["step"] + 1
+        if self.is_rank0:
+            self.log.info(
+                "policy: %s, layout %s, steps %d..%d", self.loaded, self.layout.model_dump(), start, self.num_steps - 1
+            )
+        receiver = self.receiver(resolved.transport.policy_port)
+        publisher = make_publisher(resolved)
+        snapshots = snapshot_versions(resolved)
+        try:
+            for step in range(start, self.num_steps):
+                began = time.perf_counter()
+                micro_batches = receiver.receive(step)
+                faults.set_step(step)
+                faults.kill_point("step.begin")
+                metrics = train_step(self.trainable, micro_batches, self.loss, reference=self.reference)
+                faults.kill_point("step.trained")
+                publisher.publish(self.model, step + 1)
+                if step + 1 in snapshots:  # the critic loads this version at its step + 1
+                    export_snapshot(
+                        self.model,
+                        resolved.layout.paths.policy_snapshots,
+                        step + 1,
+                        info={"architecture": self.arch.model_dump(), "layout": self.layout.model_dump()},
+                    )
+                if self.should_save(step):
+                    self.save(step)
+                self.write_metrics(_summarise(step, metrics, time.perf_counter() - began))
+            parallel.finished()
+        finally:
+            publisher.close()
+            receiver.close()
+            self.close()
+
+
+def run_policy(resolved: ResolvedConfig) -> None:
+    PolicyTrainer(resolved).run()
+
+
+def _summarise(step: int, metrics: dict, seconds: float) -> dict:
+    """One metrics line: means over the step's global action tokens."""
+    tokens = max(metrics["num_tokens"], 1.0)
+    return {
+        "step": step,
+        "policy_version": step + 1,
+        "loss": metrics["loss"],
+        "num_tokens": metrics["num_tokens"],
+        "clip_fraction": metrics.get("clipped_sum", 0.0) / tokens,
+        "ratio_mean": metrics.get("ratio_sum", 0.0) / tokens,
+        "approx_kl": metrics.get("approx_kl_sum", 0.0) / tokens,
+        "entropy": metrics.get("entropy_sum", 0.0) / tokens,
+        "kl_ref": metrics.get("kl_ref_sum", 0.0) / tokens,
+        "grad_norm": metrics.get("grad_norm"),
+        "update_skipped": not metrics.get("update_successful", True),
+        "skipped_steps": metrics.get("skipped_steps", 0),
+        "lr": metrics.get("lr"),
+        "seconds": seconds,
+        "tokens_per_s": metrics["num_tokens"] / seconds if seconds > 0 else None,
+    }

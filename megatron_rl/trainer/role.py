@@ -1,0 +1,139 @@
+"""The skeleton both trainer processes (the policy and the critic) are built on.
+
+`RoleTrainer.__init__` is collective over the role's ranks and does, in this order: the process
+groups of the role's layout (with the lost-rank watchdog), the model (`build_model`), its initial
+weights (`model.checkpoint` / `value.model.checkpoint`), what the role does to the model before
+its optimizer exists (`prepare_model`: the KL reference, LoRA, freezing), megatron DDP with the
+optimizer and scheduler. Then:
+
+    resume()          the checkpoint of `resume_step()` (model, optimizer, scheduler, RNG, step)
+                      and the role's own extras (`restore_extra`); sets `loaded`
+    should_save(s)    the `checkpoint.save_interval` cadence (and the last step)
+    save(s)           a collective atomic checkpoint with `checkpoint_extra(s)`
+    receiver(port)    this rank's end of the role's ZMQ grid stream
+    write_metrics(r)  rank 0: one JSON line in `logging.dir/<role>_metrics.jsonl`, and one
+                      console line (`console_line`) when `logging.console`
+    close()           leaves the process groups (after `parallel.finished()` on a clean end)
+
+A role supplies its model, its loss and what it does with a trained step (the policy publishes
+weights and exports snapshots; the critic serves /score between steps).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from megatron_rl import parallel
+from megatron_rl.config import Architecture, ModelConfig, OptimizerConfig, ResolvedConfig
+from megatron_rl.parallel import Role
+from megatron_rl.trainer.checkpoint import load_checkpoint, run_resume_step, save_checkpoint
+from megatron_rl.trainer.optimizer import build_trainable
+from megatron_rl.trainer.receive import grid_receiver
+from megatron_rl.trainer.weights import load_initial_weights
+
+
+class RoleTrainer:
+    role: Role
+    log: logging.Logger
+
+    def __init__(
+        self,
+        resolved: ResolvedConfig,
+        *,
+        arch: Architecture,
+        model_config: ModelConfig,
+        optimizer_config: OptimizerConfig,
+        seed: int,
+        checkpoint_dir: str,
+        total_optimizer_steps: int,
+        head_pattern: str | None = None,
+        where: str = "model.checkpoint",
+    ):
+        self.resolved = resolved
+        self.arch = arch
+        self.model_config = model_config
+        self.num_steps = resolved.orchestrator.num_steps
+        self.layout = parallel.initialize_role(resolved, self.role, seed=seed)
+        self.is_rank0 = torch.distributed.get_rank() == 0
+        self.model = self.build_model()
+        self.loaded = load_initial_weights(
+            self.model, model_config.checkpoint, arch, value_model=self.value_model, where=where
+        )
+        self.prepare_model()
+        self.trainable = build_trainable(
+            self.model, optimizer_config, total_steps=total_optimizer_steps, head_pattern=head_pattern
+        )
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.metrics_path = Path(resolved.logging.dir) / f"{self.role}_metrics.jsonl"
+        if self.is_rank0:
+            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+
+    # -- what a role supplies ------------------------------------------------------------------
+    value_model = False  # a value head instead of the output layer (load_initial_weights)
+
+    def build_model(self) -> torch.nn.Module:
+        raise NotImplementedError(f"{type(self).__name__} must build its model")
+
+    def prepare_model(self) -> None:
+        """After the initial weights, before the optimizer (nothing by default)."""
+
+    def checkpoint_extra(self, step: int) -> dict:
+        """The role's own state saved with checkpoint `step` (besides model and optimizer)."""
+        return {}
+
+    def restore_extra(self, meta: dict) -> None:
+        """Puts back what `checkpoint_extra` saved (`meta["extra"]`)."""
+
+    def resume_step(self) -> int | None:
+        """The checkpointed step to resume from: the one every role of the run checkpointed."""
+        return run_resume_step(self.resolved)
+
+    def console_line(self, record: dict) -> str:
+        return f"[{self.role}] {json.dumps(record)}"
+
+    # -- what the skeleton does ----------------------------------------------------------------
+    def resume(self, step: int | None = None) -> dict | None:
+        """Collective: restores checkpoint `step` (default `resume_step()`) when
+        `checkpoint.resume`; returns its meta, or None (training starts from the initial
+        weights)."""
+        if not self.resolved.checkpoint.resume:
+            return None
+        step = self.resume_step() if step is None else step
+        meta = None if step is None else load_checkpoint(self.checkpoint_dir, self.trainable, step)
+        if meta is not None:
+            self.restore_extra(meta)
+            self.loaded = f"checkpoint step {meta['step']} in {self.checkpoint_dir}"
+        return meta
+
+    def should_save(self, step: int) -> bool:
+        interval = self.resolved.checkpoint.save_interval
+        return bool(interval) and ((step + 1) % interval == 0 or step + 1 == self.num_steps)
+
+    def save(self, step: int) -> Path:
+        """Collective: checkpoint `step` (atomic; see trainer/checkpoint.py)."""
+        return save_checkpoint(
+            self.checkpoint_dir,
+            step,
+            self.trainable,
+            extra=self.checkpoint_extra(step),
+            keep_last=self.resolved.checkpoint.keep_last,
+        )
+
+    def receiver(self, port: int, wait_for_sender: bool = True):
+        return grid_receiver(self.resolved, port, wait_for_sender=wait_for_sender, vocab_size=self.arch.vocab_size)
+
+    def write_metrics(self, record: dict) -> None:
+        """Rank 0: appends `record` to the role's metrics JSONL (and prints its console line)."""
+        if not self.is_rank0:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.resolved.logging.console:
+            print(self.console_line(record), flush=True)
+
+    def close(self) -> None:
+        parallel.destroy()
