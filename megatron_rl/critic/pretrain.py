@@ -9,9 +9,9 @@ Every line is checked when the file is read; an error names the file and the lin
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import torch
 
@@ -28,10 +28,43 @@ def _finite32(x) -> bool:
     return bool(np.isfinite(x)) and abs(x) <= float(np.finfo(np.float32).max)
 
 
-def _int_list(value, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise ValueError(f"{what} must be a list of integers")
-    return value
+class PretrainRecord(msgspec.Struct, forbid_unknown_fields=True):
+    """One line of the file (the types are checked when it is decoded, errors name the JSON path)."""
+
+    token_ids: list[int]
+    loss_mask: list[bool | int]
+    reward: float | None = None
+    returns: list[float] | None = None
+
+
+def _sample(record: PretrainRecord, vocab_size: int, seq_len: int) -> TrainingSample:
+    """The record's sample (returns still to compute when it gives a reward); ValueError when a
+    value is impossible."""
+    ids = record.token_ids
+    if not ids or len(ids) > seq_len:
+        raise ValueError(f"token_ids has {len(ids)} tokens; 1..{seq_len} (value.model.seq_len) allowed")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise ValueError(f"token_ids outside the vocabulary 0..{vocab_size - 1}")
+    if len(record.loss_mask) != len(ids) or not all(m in (0, 1) for m in record.loss_mask):
+        raise ValueError(f"loss_mask must be {len(ids)} booleans (or 0/1), one per token")
+    mask = np.asarray(record.loss_mask, dtype=bool)
+    if not mask.any():
+        raise ValueError("loss_mask has no True entry: nothing to train on")
+    if (record.reward is None) == (record.returns is None):
+        raise ValueError("give exactly one of 'reward' (a number) or 'returns' (one number per token)")
+    sample = TrainingSample(
+        token_ids=ids, loss_mask=mask, inference_logprobs=np.zeros(len(ids), np.float32), reward=0.0
+    )
+    if record.reward is not None:
+        if not _finite32(record.reward):
+            raise ValueError(f"reward must be a finite float32 number, got {record.reward!r}")
+        sample.reward = record.reward
+    else:
+        returns = record.returns
+        if len(returns) != len(ids) or not all(_finite32(r) for r in returns):
+            raise ValueError(f"returns must be {len(ids)} finite float32 numbers, one per token")
+        sample.returns = np.where(mask, np.asarray(returns, np.float32), 0.0).astype(np.float32)
+    return sample
 
 
 def read_pretrain_jsonl(
@@ -41,66 +74,21 @@ def read_pretrain_jsonl(
     path = Path(path)
     if not path.is_file():
         raise PretrainDataError(f"value.pretrain_jsonl: {path} does not exist")
+    decoder = msgspec.json.Decoder(PretrainRecord)
     samples: list[TrainingSample] = []
-    rewards: list[int] = []  # indices of samples whose returns come from a reward
-    with open(path) as f:
+    with open(path, "rb") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
-                record = json.loads(line)
-                if not isinstance(record, dict):
-                    raise ValueError("a line must be a JSON object")
-                unknown = set(record) - {"token_ids", "loss_mask", "reward", "returns"}
-                if unknown:
-                    raise ValueError(f"unknown keys {sorted(unknown)}")
-                ids = _int_list(record.get("token_ids"), "token_ids")
-                if not ids or len(ids) > seq_len:
-                    raise ValueError(
-                        f"token_ids has {len(ids)} tokens; 1..{seq_len} (value.model.seq_len) allowed"
-                    )
-                if min(ids) < 0 or max(ids) >= vocab_size:
-                    raise ValueError(f"token_ids outside the vocabulary 0..{vocab_size - 1}")
-                mask = record.get("loss_mask")
-                if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
-                    raise ValueError(f"loss_mask must be {len(ids)} booleans (or 0/1), one per token")
-                mask = np.asarray(mask, dtype=bool)
-                if not mask.any():
-                    raise ValueError("loss_mask has no True entry: nothing to train on")
-                if ("reward" in record) == ("returns" in record):
-                    raise ValueError(
-                        "give exactly one of 'reward' (a number) or 'returns' (one number per token)"
-                    )
-                sample = TrainingSample(
-                    token_ids=ids,
-                    loss_mask=mask,
-                    inference_logprobs=np.zeros(len(ids), np.float32),
-                    reward=0.0,
-                )
-                if "reward" in record:
-                    reward = record["reward"]
-                    if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not _finite32(reward):
-                        raise ValueError(f"reward must be a finite float32 number, got {reward!r}")
-                    sample.reward = float(reward)
-                    rewards.append(len(samples))
-                else:
-                    returns = record["returns"]
-                    if (
-                        not isinstance(returns, list)
-                        or len(returns) != len(ids)
-                        or not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in returns)
-                        or not all(_finite32(r) for r in returns)
-                    ):
-                        raise ValueError(f"returns must be {len(ids)} finite float32 numbers, one per token")
-                    sample.returns = np.where(mask, np.asarray(returns, np.float32), 0.0).astype(np.float32)
-            except (ValueError, json.JSONDecodeError) as exc:
-                raise PretrainDataError(f"{where}: {exc}") from None
-            samples.append(sample)
+                samples.append(_sample(decoder.decode(line), vocab_size, seq_len))
+            except (ValueError, msgspec.DecodeError) as exc:  # msgspec.ValidationError is a DecodeError
+                raise PretrainDataError(f"{path}:{number}: {exc}") from None
     if not samples:
         raise PretrainDataError(f"value.pretrain_jsonl: {path} holds no samples")
-    if rewards:
-        _monte_carlo_returns([samples[i] for i in rewards], gamma)
+    from_rewards = [s for s in samples if s.returns is None]
+    if from_rewards:
+        _monte_carlo_returns(from_rewards, gamma)
     for sample in samples:
         sample.values = np.zeros(len(sample), np.float32)
     return samples

@@ -38,53 +38,52 @@ class BadRequest(ValueError):
     """A scoring request that does not satisfy the contract (answered with HTTP 400)."""
 
 
-def _token_list(value, what: str, vocab_size: int, seq_len: int) -> list[int]:
-    if not isinstance(value, list):
-        raise BadRequest(f"{what} must be a list of token ids, got {type(value).__name__}")
-    if not value:
+class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """The /score body: `batched_token_ids` (one list of token ids per sequence), or the legacy
+    single sequence `token_ids`; exactly one of them."""
+
+    batched_token_ids: list[list[int]] | None = None
+    token_ids: list[int] | None = None
+
+
+def _check_tokens(ids: list[int], what: str, vocab_size: int, seq_len: int) -> None:
+    if not ids:
         raise BadRequest(f"{what} is empty")
-    if len(value) > seq_len:
-        raise BadRequest(f"{what} has {len(value)} tokens; the critic's seq_len is {seq_len}")
-    for t in value:
-        if type(t) is not int:  # bool and float are not token ids
-            raise BadRequest(f"{what} holds {t!r} ({type(t).__name__}); token ids are integers")
-    low, high = min(value), max(value)
+    if len(ids) > seq_len:
+        raise BadRequest(f"{what} has {len(ids)} tokens; the critic's seq_len is {seq_len}")
+    low, high = min(ids), max(ids)
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise BadRequest(f"{what} holds token id {bad} outside the vocabulary 0..{vocab_size - 1}")
-    return value
 
 
 def parse_score_request(
     body: bytes, vocab_size: int, seq_len: int, max_batch_sequences: int
 ) -> tuple[list[list[int]], bool]:
-    """(sequences, legacy) of a /score body, or BadRequest naming what is wrong."""
+    """(sequences, legacy) of a /score body, or BadRequest naming what is wrong (with its JSON
+    path, e.g. "Expected `int`, got `float` - at `$.batched_token_ids[0][1]`")."""
     try:
-        request = msgspec.json.decode(body)
+        request = msgspec.json.decode(body, type=ScoreRequest)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"malformed JSON: {exc}") from None
-    if not isinstance(request, dict):
-        raise BadRequest(f"the body must be a JSON object, got {type(request).__name__}")
-    keys = set(request)
-    if keys == {"batched_token_ids"}:
-        batch = request["batched_token_ids"]
-        if not isinstance(batch, list):
-            raise BadRequest(f"batched_token_ids must be a list of lists, got {type(batch).__name__}")
-        if not batch:
-            raise BadRequest("batched_token_ids is empty")
-        if len(batch) > max_batch_sequences:
-            raise BadRequest(
-                f"batched_token_ids has {len(batch)} sequences; this critic takes at most "
-                f"{max_batch_sequences} per request (value.service.max_batch_sequences)"
-            )
-        return [
-            _token_list(ids, f"batched_token_ids[{i}]", vocab_size, seq_len) for i, ids in enumerate(batch)
-        ], False
-    if keys == {"token_ids"}:
-        return [_token_list(request["token_ids"], "token_ids", vocab_size, seq_len)], True
-    raise BadRequest(
-        f"expected exactly one key, 'batched_token_ids' or 'token_ids' (legacy); got {sorted(keys) or 'none'}"
-    )
+    if (request.batched_token_ids is None) == (request.token_ids is None):
+        raise BadRequest("expected exactly one key, 'batched_token_ids' or 'token_ids' (legacy)")
+    if request.token_ids is not None:
+        _check_tokens(request.token_ids, "token_ids", vocab_size, seq_len)
+        return [request.token_ids], True
+    batch = request.batched_token_ids
+    if not batch:
+        raise BadRequest("batched_token_ids is empty")
+    if len(batch) > max_batch_sequences:
+        raise BadRequest(
+            f"batched_token_ids has {len(batch)} sequences; this critic takes at most "
+            f"{max_batch_sequences} per request (value.service.max_batch_sequences)"
+        )
+    for i, ids in enumerate(batch):
+        _check_tokens(ids, f"batched_token_ids[{i}]", vocab_size, seq_len)
+    return batch, False
 
 
 @dataclass

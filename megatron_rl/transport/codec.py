@@ -28,36 +28,6 @@ class TransportTimeout(TransportError):
     pass
 
 
-def encode_grid_item(step: int, data_rank: int, micro_batches: list[MicroBatch]) -> list:
-    """Frames for one data rank's micro-batches (buffers are zero-copy views of the arrays)."""
-    buffers, header_batches = [], []
-    for mb in micro_batches:
-        arrays = []
-        for name, array in mb.arrays().items():
-            array = np.ascontiguousarray(array)
-            view = memoryview(array).cast("B")
-            arrays.append(
-                {
-                    "name": name,
-                    "dtype": array.dtype.name,
-                    "shape": list(array.shape),
-                    "nbytes": array.nbytes,
-                    "crc32": zlib.crc32(view),
-                }
-            )
-            buffers.append(view)
-        header_batches.append({"is_dummy": mb.is_dummy, "arrays": arrays})
-    header = {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": step,
-        "data_rank": data_rank,
-        "num_micro_steps": len(micro_batches),
-        "micro_batches": header_batches,
-    }
-    return [msgspec.msgpack.encode(header), *buffers]
-
-
 class _ArraySpec(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     dtype: str
@@ -78,6 +48,21 @@ class _Header(msgspec.Struct, forbid_unknown_fields=True):
     data_rank: int
     num_micro_steps: int
     micro_batches: list[_BatchSpec]
+
+
+def encode_grid_item(step: int, data_rank: int, micro_batches: list[MicroBatch]) -> list:
+    """Frames for one data rank's micro-batches (buffers are zero-copy views of the arrays)."""
+    buffers, specs = [], []
+    for mb in micro_batches:
+        arrays = []
+        for name, array in mb.arrays().items():
+            array = np.ascontiguousarray(array)
+            view = memoryview(array).cast("B")
+            arrays.append(_ArraySpec(name, array.dtype.name, list(array.shape), array.nbytes, zlib.crc32(view)))
+            buffers.append(view)
+        specs.append(_BatchSpec(mb.is_dummy, arrays))
+    header = _Header(FORMAT, VERSION, step, data_rank, len(micro_batches), specs)
+    return [msgspec.msgpack.encode(header), *buffers]
 
 
 # Every MicroBatch array, its dtype; all are one-dimensional, cu_seqlens [S + 1], the rest [N].
