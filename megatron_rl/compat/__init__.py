@@ -7,9 +7,9 @@ is the only module in megatron_rl that knows about the CPU/GPU difference.
 
 from __future__ import annotations
 
-import torch
-
 from megatron_rl.compat import patches
+
+import torch
 
 CPU_MODE: bool = not torch.cuda.is_available()
 

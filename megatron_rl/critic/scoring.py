@@ -14,9 +14,12 @@ Rank 0 gets a ScoreResult in the request's order:
 
 from __future__ import annotations
 
+import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
+
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.data.types import ScoreResult, TrainingSample
@@ -44,7 +47,6 @@ def _broadcast_request(request: list[list[int]] | None) -> list[list[int]]:
 @torch.no_grad()
 def score_sequences(model, request: list[list[int]] | None, seq_len: int) -> ScoreResult | None:
     """Collective over all critic ranks; returns the ScoreResult on global rank 0, None elsewhere."""
-    from megatron.core import parallel_state as ps
 
     sequences = _broadcast_request(request)
     dp, cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
@@ -95,7 +97,6 @@ def score_sequences(model, request: list[list[int]] | None, seq_len: int) -> Sco
 def _forward(model, micro_batches, device) -> list[torch.Tensor | None]:
     """The head output of every micro-batch over its whole packed row (CP slices gathered), on
     the last pipeline stage; None on other stages."""
-    from megatron.core import parallel_state as ps
 
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
     batches = [rank_batch(mb, cp_rank, cp, device=device) for mb in micro_batches]

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
+from aiohttp import web
 
 from megatron_rl.data.types import ScoreResult
 
@@ -223,7 +224,6 @@ class ScoringService:
     # -- handlers -------------------------------------------------------------------------------
     @property
     def _authorize(self):
-        from aiohttp import web
 
         expected = f"Bearer {self.token}".encode() if self.token else None
 
@@ -241,7 +241,6 @@ class ScoringService:
         return authorize
 
     async def _score(self, request):
-        from aiohttp import web
 
         try:
             body = await request.read()
@@ -287,20 +286,17 @@ class ScoringService:
         return web.Response(body=msgspec.json.encode(reply), content_type="application/json")
 
     async def _status(self, request):
-        from aiohttp import web
 
         state = self.state.snapshot()
         state["queued_requests"] = len(self.queue)
         return web.json_response(state)
 
     async def _health(self, request):
-        from aiohttp import web
 
         return web.json_response({"ok": True})
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _app(self):
-        from aiohttp import web
 
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._authorize])
         app.router.add_post("/score", self._score)
@@ -309,7 +305,6 @@ class ScoringService:
         return app
 
     def _serve(self) -> None:
-        from aiohttp import web
 
         loop = asyncio.new_event_loop()
         self._loop = loop

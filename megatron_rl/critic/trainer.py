@@ -17,8 +17,11 @@ from __future__ import annotations
 import logging
 import time
 
+import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
+
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from megatron_rl.config import ResolvedConfig
 from megatron_rl.critic.pretrain import pretrain_batches, read_pretrain_jsonl
@@ -27,8 +30,8 @@ from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.data.types import MicroBatch, ScoreResult, TrainingSample
 from megatron_rl.models.lora import apply_lora
 from megatron_rl.models.value_model import build_value_model, freeze_attention, set_head_only
-from megatron_rl.trainer.checkpoint import CheckpointMismatch, complete_steps, run_resume_step
 from megatron_rl.trainer.optimizer import restart_untouched_adam_state
+from megatron_rl.trainer.resume import CheckpointMismatch, complete_steps, run_resume_step
 from megatron_rl.trainer.role import RoleTrainer
 from megatron_rl.trainer.snapshot import wait_for_snapshot
 from megatron_rl.trainer.step import train_step, value_loss_func
@@ -41,7 +44,6 @@ class CriticTrainer(RoleTrainer):
     value_model = True
 
     def __init__(self, resolved: ResolvedConfig):
-        from megatron.core import parallel_state as ps  # after the role's groups exist
 
         if resolved.value is None:
             raise ValueError("the critic needs a value section in the config")

@@ -37,6 +37,8 @@ import torch.distributed as dist
 
 from megatron_rl import faults, parallel
 from megatron_rl.config import ResolvedConfig
+from megatron_rl.critic.service import CriticState, ScoreQueue, ScoringFailed, ScoringService, answer
+from megatron_rl.critic.trainer import CriticTrainer
 
 log = logging.getLogger("megatron_rl.critic")
 
@@ -62,8 +64,6 @@ def _broadcast_command(kind: Command = IDLE, arg: int = 0) -> tuple[Command, int
 
 
 def run_critic(resolved: ResolvedConfig) -> None:
-    from megatron_rl.critic.service import CriticState, ScoreQueue, ScoringFailed, ScoringService, answer
-    from megatron_rl.critic.trainer import CriticTrainer
 
     trainer = CriticTrainer(resolved)
     trainer.resume()

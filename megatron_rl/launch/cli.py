@@ -29,6 +29,7 @@ def _run_role(args: argparse.Namespace, role: str) -> int:
     import logging
 
     import megatron_rl.compat  # noqa: F401  (before megatron-core)
+
     from megatron_rl.config import load_resolved
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_rl.config import load_config
 from megatron_rl.inference.pool import InferencePool, router_settings, served_model_dir
 from megatron_rl.inference.router import router_command
 from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
@@ -347,7 +348,6 @@ class Supervisor:
 
 
 def run_local(config_path: str, dry_run: bool = False, out=None, on_tick=None) -> int:
-    from megatron_rl.config import load_config
 
     out = out or sys.stdout
     resolved = load_config(config_path)

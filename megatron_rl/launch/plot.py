@@ -15,6 +15,8 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
+import argparse
+
 import matplotlib.pyplot as plt  # noqa: E402
 
 TIME_PARTS = ["generate", "score", "critic_train", "policy_send", "wait_weights", "eval"]
@@ -127,7 +129,6 @@ def summary_table(run_dirs: list[str | Path], first_k: int = 5) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
 
     parser = argparse.ArgumentParser(prog="megatron-rl plot", description=__doc__)
     parser.add_argument("runs", nargs="+", help="run directories (logging.dir)")

@@ -13,6 +13,7 @@ other. A port lost between probe and bind is the caller's to retry with a new pr
 
 from __future__ import annotations
 
+import argparse
 import errno
 import random
 import socket
@@ -87,7 +88,6 @@ def retry_on_address_in_use(start: Callable[[list[int]], object], probe: Callabl
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
 
     parser = argparse.ArgumentParser(description="print free rendezvous ports (SLURM job steps use it)")
     parser.add_argument("--count", type=int, required=True)

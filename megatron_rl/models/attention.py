@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import math
 
+import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
+
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
@@ -109,7 +112,6 @@ class UlyssesAttention(PackedDotProductAttention):
         attention_bias=None,
         packed_seq_params=None,
     ):
-        from megatron.core import parallel_state
 
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             raise ValueError("UlyssesAttention (context parallel) needs packed THD input with cu_seqlens")

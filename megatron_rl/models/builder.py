@@ -7,11 +7,17 @@ is importable and CUDA is present, the local spec otherwise.
 
 from __future__ import annotations
 
+import megatron_rl.compat as compat  # megatron-core on CPU needs its patches first
+
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel, gpt_layer_specs
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_rl import compat
 from megatron_rl.config import Architecture
+from megatron_rl.models.attention import PackedDotProductAttention, UlyssesAttention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,7 +42,6 @@ def transformer_config(
     **overrides,
 ):
     """The megatron TransformerConfig for `arch` at the given parallel degrees."""
-    from megatron.core.transformer import TransformerConfig
 
     params_dtype = DTYPES[dtype]
     moe = arch.num_experts > 0
@@ -94,16 +99,13 @@ def transformer_config(
 
 def layer_spec(arch: Architecture, context_parallel_size: int = 1):
     """TE spec with TE on CUDA, local spec otherwise; Ulysses core attention when CP > 1."""
-    from megatron.core.models.gpt import gpt_layer_specs
 
     num_experts = arch.num_experts or None
     if transformer_engine_available() and context_parallel_size == 1:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm
         )
-    from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from megatron_rl.models.attention import PackedDotProductAttention, UlyssesAttention
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
@@ -127,8 +129,6 @@ def build_gpt_model(
 ):
     """A megatron GPTModel (or `model_class`, a GPTModel subclass such as the value model) for
     this pipeline stage, pre/post process from parallel_state."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
 
     model_class = model_class or GPTModel
     config = config or transformer_config(arch, **config_kwargs)

@@ -6,7 +6,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
+
 import torch
+from megatron.core import dist_checkpointing
 
 from megatron_rl import parallel
 from megatron_rl.models import checkpoint_io as io
@@ -36,7 +39,6 @@ def hf_to_checkpoint(
     hf_dir: Path, out_dir: Path, value_model: bool = False, head_init_std: float = 0.0
 ) -> list[str]:
     """Converts an HF directory; returns the lines describing what was written."""
-    from megatron.core import dist_checkpointing
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     arch = io.read_architecture(hf_dir)
@@ -72,7 +74,6 @@ def hf_to_checkpoint(
 
 def load_checkpoint_full(checkpoint_dir: Path, hf_config_dir: Path | None = None):
     """(arch, value_model, full megatron state dict) of a converted checkpoint."""
-    from megatron.core import dist_checkpointing
 
     checkpoint_dir = Path(checkpoint_dir)
     meta = io.read_meta(checkpoint_dir)

@@ -5,8 +5,11 @@ sized statistics cross the TP group (max, sum of exp, target logit, sum of p * l
 
 from __future__ import annotations
 
+import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
+
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
@@ -64,7 +67,6 @@ def vocab_parallel_logprobs(
 
 def megatron_vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor):
     """vocab_parallel_logprobs over megatron's tensor-parallel group and vocabulary split."""
-    from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()

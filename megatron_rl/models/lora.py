@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import math
 
+import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
+
 import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import nn
 
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
@@ -24,7 +28,6 @@ class LoRALinear(nn.Module):
 
     def __init__(self, base: nn.Module, parallel_kind: str, rank: int, alpha: float, seed: int = 0):
         super().__init__()
-        from megatron.core import parallel_state
 
         self.base = base
         self.parallel_kind = parallel_kind
@@ -58,7 +61,6 @@ class LoRALinear(nn.Module):
             )
 
     def forward(self, x, *args, **kwargs):
-        from megatron.core import tensor_parallel
 
         output, bias = self.base(x, *args, **kwargs)
         if self.parallel_kind == "column":
@@ -73,8 +75,6 @@ class LoRALinear(nn.Module):
         """The wrapped layer's tensors under the checkpoint keys it has without LoRA (so a
         checkpoint of the plain model loads into the wrapped one and back), plus the adapters,
         TP-sharded like the weight they adapt."""
-        from megatron.core import parallel_state
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         base = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
         state = {f"{prefix}base.{key[len(prefix) :]}": value for key, value in base.items()}

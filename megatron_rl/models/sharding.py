@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import re
 
+import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
+
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
 # The TransformerEngine spec fuses the pre-attention / pre-MLP norms into the next linear layer.
@@ -47,8 +52,6 @@ def local_to_global_name(name: str, layer_offset: int, expert_offset: int) -> st
 
 
 def _offsets(model) -> tuple[int, int]:
-    from megatron.core import parallel_state
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     config = model.config
     layer_offset = get_transformer_layer_offset(config)
@@ -60,7 +63,6 @@ def _offsets(model) -> tuple[int, int]:
 
 
 def _tp_rank_and_size(name: str) -> tuple[int, int]:
-    from megatron.core import parallel_state
 
     if ".experts." in name:
         return (
@@ -117,8 +119,6 @@ def gather_full_parameters(model) -> dict[str, torch.Tensor]:
     all-gathered (gated linear_fc1 re-joined as [gate; up]), experts and pipeline layers keep
     their global names. Each rank returns the tensors it can see: its own pipeline stage and
     experts (experts are not gathered over EP)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
 
     layer_offset, expert_offset = _offsets(model)
     gated = model.config.gated_linear_unit

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import functools
 
+import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
+
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from megatron_rl.config import Architecture
 from megatron_rl.models.builder import build_gpt_model
@@ -42,8 +47,6 @@ class MegatronValueModel(GPTModel):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         # LanguageModule's version adjusts `output_layer.weight`, which a value model does not
         # have; the generic traversal covers the backbone and the (replicated) value head.
-        from megatron.core.transformer.module import MegatronModule
-        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
         return MegatronModule.sharded_state_dict(
             self, prefix, sharded_offsets, ensure_metadata_has_dp_cp_group(metadata)
@@ -53,7 +56,6 @@ class MegatronValueModel(GPTModel):
         if not self.post_process:
             return hidden_states
         if self.config.sequence_parallel:
-            from megatron.core import tensor_parallel
 
             hidden_states = tensor_parallel.gather_from_sequence_parallel_region(hidden_states)
         values = self.value_head(hidden_states.float()).squeeze(-1)  # [seq, batch]

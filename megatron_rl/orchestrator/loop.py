@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from megatron_rl.algorithms import make_algorithm
 from megatron_rl.data.packing import pack_into_grid
+from megatron_rl.inference.rollout import SamplingParams
 from megatron_rl.orchestrator.dispatcher import Dispatcher
 from megatron_rl.orchestrator.evaluation import Evaluator
 from megatron_rl.orchestrator.metrics import step_metrics
@@ -61,7 +62,6 @@ class Orchestrator:
             )
         self.sink = TrainSink(o.admission)
         self.shipped_log: list = []  # (step, TrainingSample) of every shipped sample
-        from megatron_rl.inference.rollout import SamplingParams
 
         self.sampling = SamplingParams.from_config(o)
         self.evaluator = (

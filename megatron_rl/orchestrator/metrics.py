@@ -6,10 +6,12 @@ the returns, the train-inference mismatch KL reported by the policy, and the ste
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 
 def explained_variance(values: np.ndarray, returns: np.ndarray) -> float | None:
@@ -106,7 +108,6 @@ class MetricsWriter:
         return " | ".join(p for p in parts if p)
 
     def __call__(self, record: dict) -> None:
-        import sys
 
         policy_step, mismatch = self.policy_mismatch()
         record = {**record, "mismatch_kl": mismatch, "mismatch_kl_policy_step": policy_step}
@@ -128,7 +129,6 @@ class MetricsWriter:
             print(f"[orchestrator] {line}", flush=True)
 
     def _progress_update(self, record: dict, line: str) -> None:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         if self._progress is None:
             self._progress = Progress(TextColumn("[bold]RL[/bold]"), BarColumn(), TextColumn("{task.description}"),

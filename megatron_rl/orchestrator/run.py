@@ -32,6 +32,7 @@ from megatron_rl.orchestrator.rollouts import PromptEncoder
 from megatron_rl.orchestrator.state import OrchestratorState
 from megatron_rl.trainer import atomic_dir
 from megatron_rl.trainer.atomic_dir import latest
+from megatron_rl.trainer.resume import run_resume_step
 from megatron_rl.transport import GridSender
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,6 @@ async def orchestrate(resolved, pool: InferencePool, tokenizer=None) -> int:
 
 def trainer_resume_step(resolved) -> int:
     """The step the trainers resume at: one past the step every role has checkpointed."""
-    from megatron_rl.trainer.checkpoint import run_resume_step
 
     if not resolved.checkpoint.resume:
         return 0

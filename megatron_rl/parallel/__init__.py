@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from datetime import timedelta
 from typing import Literal
 
+import megatron_rl.compat as compat  # megatron-core on CPU needs its patches first
+
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
 
-from megatron_rl import compat
 from megatron_rl.config import ModelLayout, ResolvedConfig
+from megatron_rl.parallel.watchdog import PeerWatchdog, store_owner
 
 Role = Literal["policy", "critic"]
 log = logging.getLogger("megatron_rl.parallel")
@@ -27,7 +31,6 @@ log = logging.getLogger("megatron_rl.parallel")
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on `host` a moment ago (for single-machine rendezvous)."""
-    import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -52,7 +55,6 @@ def initialize_distributed(timeout_s: float = 600.0) -> None:
 
 def initialize_model_parallel(tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234) -> None:
     """Creates megatron's TP/CP/PP/EP/DP groups on the initialised default group and seeds RNGs."""
-    from megatron.core import parallel_state, tensor_parallel
 
     if dist.get_world_size() % (tp * cp * pp):
         raise ValueError(f"world size {dist.get_world_size()} is not divisible by tp*cp*pp = {tp}*{cp}*{pp}")
@@ -97,7 +99,6 @@ def finished() -> None:
 def start_watchdog(role: str, timeout_s: float) -> None:
     """Starts this rank's heartbeat watchdog on the default group's store (once; not for one rank)."""
     global _watchdog
-    from megatron_rl.parallel.watchdog import PeerWatchdog, store_owner
 
     if _watchdog is None and dist.get_world_size() > 1:
         _watchdog = PeerWatchdog(
@@ -127,7 +128,6 @@ def stop_watchdog() -> None:
 
 def destroy() -> None:
     """Stops the watchdog (see `stop_watchdog`), tears down megatron's groups and the default group."""
-    from megatron.core import parallel_state
 
     stop_watchdog()
     parallel_state.destroy_model_parallel()

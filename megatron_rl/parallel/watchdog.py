@@ -35,6 +35,8 @@ import threading
 import time
 from datetime import timedelta
 
+import torch.distributed as dist
+
 log = logging.getLogger("megatron_rl.parallel")
 
 KEY = "megatron_rl/heartbeat/{rank}"
@@ -195,7 +197,6 @@ class PeerWatchdog:
 
 
 def _connect(host: str, port: int, timeout_s: float):
-    import torch.distributed as dist
 
     return dist.TCPStore(
         host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False

@@ -25,22 +25,26 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
+import megatron_rl.compat as compat  # megatron-core on CPU needs its patches first
+
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_rl import compat
 from megatron_rl.config import Architecture, ResolvedConfig
+from megatron_rl.inference.vllm_control import VllmControl
 from megatron_rl.models.checkpoint_io import copy_hf_side_files
 from megatron_rl.models.hf_mapping import megatron_to_hf
 from megatron_rl.models.sharding import gather_full_parameters
 from megatron_rl.trainer import atomic_dir
+from megatron_rl.transport import weight_buckets as wb
+from megatron_rl.transport.weight_buckets import WeightUpdateGroup
 
 
 def _writer_roles() -> tuple[bool, bool, str]:
     """(writes non-expert tensors, writes expert tensors, file tag) for this rank."""
-    from megatron.core import parallel_state as ps
 
     stage = ps.get_pipeline_model_parallel_rank()
     dense = (
@@ -197,7 +201,6 @@ class BroadcastPublisher:
 
     def connect(self) -> None:
         """Policy rank 0: forms the group with every inference worker."""
-        from megatron_rl.transport.weight_buckets import WeightUpdateGroup
 
         kwargs = {
             "host": self.host,
@@ -218,7 +221,6 @@ class BroadcastPublisher:
 
     def publish(self, model, version: int) -> int:
         """Collective over the policy's ranks; returns the number of tensors sent (rank 0)."""
-        from megatron_rl.transport import weight_buckets as wb
 
         owned = owned_hf_tensors(model, self.arch)
         flags = torch.tensor([1 if owned else 0], dtype=torch.int64, device=self.device)
@@ -287,7 +289,6 @@ def make_publisher(resolved: ResolvedConfig) -> WeightPublisher:
     """Collective: the publisher `inference.weight_update` names. Path (b) forms its group with
     every inference server's workers here (policy rank 0), so a wrong address or port fails at
     startup."""
-    from megatron_rl.inference.vllm_control import VllmControl
 
     inference, arch = resolved.inference, resolved.layout.policy_architecture
     if inference.weight_update == "safetensors":

@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from megatron_rl.config import load_config
+from megatron_rl.critic.client import HttpValueScorer
 from megatron_rl.parallel import free_port
 from megatron_rl.testing.processes import RankProcesses
 
@@ -91,7 +92,6 @@ def critic_url(resolved) -> str:
 
 def start_critic(resolved, resolved_path: Path, log_dir: Path, timeout_s: float = 240.0) -> RankProcesses:
     """Starts the critic on its ranks and waits until /health answers."""
-    from megatron_rl.critic.client import HttpValueScorer
 
     world = resolved.layout.critic.world_size
     ranks = RankProcesses(["critic", "--config", str(resolved_path)], world, log_dir)

@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from megatron_rl.algorithms import InProcessScorer
+from megatron_rl.config import parse_config
 from megatron_rl.data.types import ScoreResult
 from megatron_rl.inference.rollout import Completion
 
@@ -112,7 +113,6 @@ class FakeCritic:
 
 def orchestrator_config(algorithm: str = "sao", checkpoint_dir: str = "checkpoints", **orchestrator):
     """A resolved config for driving the orchestrator in-process (policy DP 2, critic DP 2)."""
-    from megatron_rl.config import parse_config
 
     arch = {"family": "qwen3", "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512}  # fmt: skip

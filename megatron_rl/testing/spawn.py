@@ -34,6 +34,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, fn, args) ->
     )
     torch.set_num_threads(1)
     import megatron_rl.compat  # noqa: F401  (before megatron-core)
+
     from megatron_rl import parallel
 
     try:

@@ -17,8 +17,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
+
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
 
 from megatron_rl.trainer import atomic_dir
 from megatron_rl.trainer.optimizer import Trainable, torch_optimizers, unify_adam_steps
@@ -31,13 +34,11 @@ def _step_dir(root: Path, step: int) -> Path:
 
 
 def _rng_state() -> dict:
-    from megatron.core import tensor_parallel
 
     return {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
 def _set_rng_state(state: dict) -> None:
-    from megatron.core import tensor_parallel
 
     torch.set_rng_state(state["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
@@ -56,7 +57,6 @@ def save_checkpoint(
     directory: str | Path, step: int, trainable: Trainable, extra: dict | None = None, keep_last: int = 2
 ) -> Path:
     """Collective: every rank of the model calls it. Returns the complete step directory."""
-    from megatron.core import dist_checkpointing
 
     final = _step_dir(Path(directory), step)
     meta = {
@@ -89,39 +89,6 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return atomic_dir.latest(Path(directory), "meta.json")
 
 
-class CheckpointMismatch(RuntimeError):
-    """The roles of a run have no checkpointed step in common."""
-
-
-def complete_steps(directory: str | Path) -> list[int]:
-    """The steps with a complete checkpoint under `directory` (partial ones excluded), sorted."""
-    complete = atomic_dir.committed(Path(directory), "step_*", "meta.json")
-    return sorted(int(name.removeprefix("step_")) for name in complete)
-
-
-def run_resume_step(resolved) -> int | None:
-    """The training step the roles of a run resume from together: the policy's newest
-    checkpointed step that the critic (when there is one with checkpoints) has checkpointed too;
-    None while the policy has none (training starts afresh). The critic trains each step before
-    the policy, so a killed run's critic is often one checkpoint ahead: it goes back and redoes
-    that step with the same data (`checkpoint.keep_last` >= 2 keeps the common step). Steps
-    below 0 (the critic's value pretraining) belong to the critic alone."""
-    paths = resolved.layout.paths
-    policy = {s for s in complete_steps(paths.policy_checkpoints) if s >= 0}
-    if not policy:
-        return None
-    critic = {s for s in complete_steps(paths.critic_checkpoints) if s >= 0} if resolved.value is not None else set()
-    if not critic:  # no critic, or one without training checkpoints (a policy trained alone)
-        return max(policy)
-    common = policy & critic
-    if not common:
-        raise CheckpointMismatch(
-            f"{resolved.checkpoint.dir}: the policy has checkpoints of steps {sorted(policy)} and the critic of {sorted(critic)}, "
-            "none in common: cannot resume them together (checkpoint.keep_last >= 2 keeps a common step)"
-        )
-    return max(common)
-
-
 def group_settings(trainable: Trainable) -> list[list[dict]]:
     """Every optimizer parameter group's settings (all but its parameters and step count)."""
     return [
@@ -147,7 +114,6 @@ def restore_group_settings(trainable: Trainable, settings: list[list[dict]]) -> 
 def load_checkpoint(directory: str | Path, trainable: Trainable, step: int | None = None) -> dict | None:
     """Collective: restores checkpoint `step` (default: the latest) into `trainable`; returns
     its meta ({"step", "extra", ...}) or None when there is none."""
-    from megatron.core import dist_checkpointing
 
     if step is None:
         path = latest_checkpoint(directory)

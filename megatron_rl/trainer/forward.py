@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
+
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_rl.models.attention import packed_seq_params
 from megatron_rl.trainer.batches import RankBatch
@@ -26,11 +30,9 @@ def _run(model, batch: RankBatch):
 
 @torch.no_grad()
 def forward_only(model, batches: list[RankBatch], output_fn: Callable) -> list | None:
-    from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return [output_fn(_run(model, batch), batch) for batch in batches]
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, chunk):
         batch = next(data_iterator)

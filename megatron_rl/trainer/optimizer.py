@@ -11,7 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
+
 import torch
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import ParamKey, get_megatron_optimizer, get_standard_config_overrides
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_rl.config import OptimizerConfig
 
@@ -37,13 +47,6 @@ def build_trainable(
     `head_pattern` (an fnmatch pattern on parameter names, e.g. "*value_head.*") puts the
     matching parameters in their own optimizer groups so that `Trainable.head_only` can train
     them alone."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     transformer_config = model.config
     transformer_config.finalize_model_grads_func = finalize_model_grads
@@ -62,7 +65,6 @@ def build_trainable(
     optimizer_config = megatron_optimizer_config(config, transformer_config)
     overrides = get_standard_config_overrides(optimizer_config)
     if head_pattern is not None:
-        from megatron.core.optimizer import ParamKey
 
         overrides[ParamKey(name=head_pattern)] = {HEAD_GROUP_KEY: True}
     optimizer = get_megatron_optimizer(optimizer_config, [ddp], config_overrides=overrides)
@@ -86,7 +88,6 @@ def build_trainable(
 def megatron_optimizer_config(config: OptimizerConfig, transformer_config):
     """megatron's OptimizerConfig for ours (Adam; CPU offload through its hybrid device optimizer,
     with pinned host buffers on CUDA)."""
-    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 
     return MegatronOptimizerConfig(
         optimizer="adam",

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
+
+from megatron.core import parallel_state as ps
+
 from megatron_rl.config import ResolvedConfig
+from megatron_rl.transport import GridReceiver
 
 
 def receiver_id_in_replica() -> int:
     """This rank's index among the ranks of its data-parallel replica (TP x CP x PP)."""
-    from megatron.core import parallel_state as ps
 
     tp, cp = ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size()
     return ps.get_tensor_model_parallel_rank() + tp * (
@@ -18,9 +22,7 @@ def receiver_id_in_replica() -> int:
 def grid_receiver(resolved: ResolvedConfig, port: int, wait_for_sender: bool = True, vocab_size: int | None = None):
     """This rank's GridReceiver on a model's ZMQ stream (its data rank, its index in the
     replica); without `wait_for_sender` the handshake completes at the first receive."""
-    from megatron.core import parallel_state as ps
 
-    from megatron_rl.transport import GridReceiver
 
     transport = resolved.transport
     return GridReceiver(

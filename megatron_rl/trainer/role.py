@@ -30,9 +30,10 @@ import torch
 from megatron_rl import parallel
 from megatron_rl.config import Architecture, ModelConfig, OptimizerConfig, ResolvedConfig
 from megatron_rl.parallel import Role
-from megatron_rl.trainer.checkpoint import load_checkpoint, run_resume_step, save_checkpoint
+from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.trainer.optimizer import build_trainable
 from megatron_rl.trainer.receive import grid_receiver
+from megatron_rl.trainer.resume import run_resume_step
 from megatron_rl.trainer.weights import load_initial_weights
 
 

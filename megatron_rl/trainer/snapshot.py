@@ -15,6 +15,10 @@ import json
 import time
 from pathlib import Path
 
+import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
+
+from megatron.core import dist_checkpointing
+
 from megatron_rl.config import ResolvedConfig
 from megatron_rl.trainer import atomic_dir
 
@@ -33,7 +37,6 @@ def export_snapshot(
     model, directory: str | Path, version: int, info: dict | None = None, keep_last: int = 2
 ) -> Path:
     """Collective over the model's ranks; returns the complete version directory."""
-    from megatron.core import dist_checkpointing
 
     final = _version_dir(Path(directory), version)
 

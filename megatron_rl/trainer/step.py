@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
+
 import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_rl.algorithms.losses import policy_objective, reference_kl_loss, value_loss
 from megatron_rl.config import AlgorithmConfig
@@ -21,6 +25,7 @@ from megatron_rl.models.attention import packed_seq_params
 from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
 from megatron_rl.parallel import any_rank, collective_device
 from megatron_rl.trainer.batches import RankBatch, rank_batch
+from megatron_rl.trainer.forward import forward_only
 from megatron_rl.trainer.optimizer import Trainable, freeze_non_head_groups
 from megatron_rl.transport.broadcast import broadcast_bytes
 
@@ -39,8 +44,6 @@ def train_step(
     "grad_norm", "update_successful", plus the loss functions' summed metrics}, identical on
     every rank.
     """
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     cp_rank = parallel_state.get_context_parallel_rank()
     cp_size = parallel_state.get_context_parallel_world_size()
@@ -118,7 +121,6 @@ def all_finite(trainable: Trainable, reported: list[dict]) -> bool:
 def _reduce_metrics(reported: list[dict], batches: list[RankBatch]) -> dict:
     """Sums the per-micro-batch statistics over this rank, then over DP x CP (and the last PP
     stage's values are broadcast), so every rank returns the same numbers."""
-    from megatron.core import parallel_state
 
     keys = sorted({k for r in reported for k in r if k.endswith("_sum") or k == "num_tokens"})
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
@@ -148,7 +150,6 @@ def _reduce_metrics(reported: list[dict], batches: list[RankBatch]) -> dict:
 def set_reference_logprobs(reference, batches: list[RankBatch]) -> None:
     """Log-probabilities of the next tokens under the frozen `reference` model, into every
     batch's `ref_logprobs` (last pipeline stage; the loss is only computed there)."""
-    from megatron_rl.trainer.forward import forward_only
 
     outputs = forward_only(
         reference,

@@ -13,9 +13,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
+
 import torch
+from megatron.core import dist_checkpointing
 
 from megatron_rl.config import Architecture
+from megatron_rl.models.checkpoint_io import read_hf_state_dict
+from megatron_rl.models.hf_mapping import hf_to_megatron
+from megatron_rl.models.sharding import full_parameters, load_full_state_dict
 
 
 def _is_own_tensor(key: str) -> bool:
@@ -26,7 +32,6 @@ def _is_own_tensor(key: str) -> bool:
 def load_backbone(model: torch.nn.Module, dist_dir: str | Path, include_head: bool = False) -> list[str]:
     """Collective over the model's ranks. Loads the backbone (and the value head when
     `include_head`) from the dist_checkpointing directory `dist_dir`; returns the loaded keys."""
-    from megatron.core import dist_checkpointing
 
     dist_dir = Path(dist_dir)
     if not (dist_dir / "metadata.json").is_file():
@@ -74,9 +79,6 @@ def load_initial_weights(
         what = "value model" if saved_value_model else "GPT backbone"
         return f"converted checkpoint {path} ({what})"
     if (path / "config.json").is_file():
-        from megatron_rl.models.checkpoint_io import read_hf_state_dict
-        from megatron_rl.models.hf_mapping import hf_to_megatron
-        from megatron_rl.models.sharding import full_parameters, load_full_state_dict
 
         full = hf_to_megatron(read_hf_state_dict(path), arch, value_model=value_model)
         # Parameters an HF checkpoint does not hold (a value head) keep their initialisation.

@@ -79,7 +79,7 @@ def critic_plan(rank, world_size, resolved_path, plan):
         elif action[0] == "save":
             trainer.save(trainer.trained_step)
         elif action[0] == "resume":
-            from megatron_rl.trainer.checkpoint import complete_steps
+            from megatron_rl.trainer.resume import complete_steps
 
             steps = complete_steps(trainer.checkpoint_dir)  # a critic trained without a policy: its own latest
             meta = trainer.resume(steps[-1]) if steps else None

@@ -35,7 +35,7 @@ def test_steps_complete_with_weight_sync_every_step(vllm_pool, tmp_path, algorit
 
 
 def test_sao_run_killed_and_restarted_resumes_with_the_same_prompts(vllm_pool, tmp_path):
-    from megatron_rl.trainer.checkpoint import run_resume_step
+    from megatron_rl.trainer.resume import run_resume_step
 
     pool, model_dir, _ = vllm_pool
     reset_pool(pool, model_dir)

@@ -32,7 +32,7 @@ from megatron_rl.parallel import free_port
 from megatron_rl.policy.publish import verify_published
 from megatron_rl.testing.processes import RankProcesses
 from megatron_rl.trainer import atomic_dir
-from megatron_rl.trainer.checkpoint import run_resume_step
+from megatron_rl.trainer.resume import run_resume_step
 from megatron_rl.transport import GridSender, TransportTimeout
 from tests.distributed import megatron_workers as w
 from tests.e2e.test_train_policy import write_config

@@ -6,7 +6,7 @@ import pytest
 
 from megatron_rl.orchestrator.run import trainer_resume_step
 from megatron_rl.testing.orchestrator import orchestrator_config
-from megatron_rl.trainer.checkpoint import CheckpointMismatch, complete_steps, run_resume_step
+from megatron_rl.trainer.resume import CheckpointMismatch, complete_steps, run_resume_step
 
 
 def checkpoint(root, role, step, complete=True):
