@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import time
 
+from megatron_rl.compat import patches
+
 import torch
 from _results import write_result  # benchmarks/ is on sys.path when run as a script
 
 from megatron_rl import parallel
-from megatron_rl.compat import patches
 from megatron_rl.config import Architecture
 from megatron_rl.models.builder import build_gpt_model
 

@@ -23,7 +23,6 @@ from pathlib import Path
 from _results import write_result  # benchmarks/ is on sys.path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,9 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args(argv)
 
-    from make_tiny_model import make_tiny_model
-
     from megatron_rl.inference.pool import InferencePool, ServerSpec
+    from megatron_rl.models.tiny import make_tiny_model
     from megatron_rl.parallel import free_port
     from megatron_rl.testing.stack import reset_pool, run_stack, stack_config
 

@@ -25,7 +25,6 @@ from pathlib import Path
 from _results import write_result  # benchmarks/ is on sys.path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
 
 
 async def tokens_per_s(client, concurrency: int, sampling, round_index: int) -> float:
@@ -52,10 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden-size", type=int, default=128)
     args = parser.parse_args(argv)
 
-    from make_tiny_model import make_tiny_model
-
     from megatron_rl.inference.pool import InferencePool, ServerSpec
     from megatron_rl.inference.rollout import RolloutClient, SamplingParams
+    from megatron_rl.models.tiny import make_tiny_model
     from megatron_rl.parallel import free_port
     from megatron_rl.testing.inference import perturbed_weights
 

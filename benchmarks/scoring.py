@@ -24,7 +24,6 @@ from pathlib import Path
 from _results import write_result  # benchmarks/ is on sys.path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
 
 
 async def timed(scorer, requests) -> float:
@@ -47,9 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args(argv)
 
-    from make_tiny_model import make_tiny_model
-
     from megatron_rl.critic.client import HttpValueScorer
+    from megatron_rl.models.tiny import make_tiny_model
     from megatron_rl.parallel import free_port
     from megatron_rl.testing.critic import critic_config, critic_url, start_critic
 

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """family -> directory with config.json, model.safetensors and a tokenizer."""
-    from make_tiny_model import make_tiny_model
+    from megatron_rl.models.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")
     return {

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import megatron_rl.compat  # noqa: F401  (before megatron-core)
+
     from megatron_rl.models.checkpoint_io import CheckpointError
     from megatron_rl.models.convert import checkpoint_to_hf
     from megatron_rl.models.hf_mapping import ConversionError

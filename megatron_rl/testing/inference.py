@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 
 def perturbed_weights(model_dir: Path, out: Path, seed: int, scale: float = 0.05) -> Path:
     """A copy of the HF model at `model_dir` with every weight moved by seeded noise."""
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
@@ -23,7 +23,6 @@ def perturbed_weights(model_dir: Path, out: Path, seed: int, scale: float = 0.05
 
 def hf_token_logprobs(model_dir, tokens: list[int], start: int, state: dict | None = None) -> list[float]:
     """transformers' log-probability of tokens[i] given tokens[:i], for i >= start."""
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     if state is not None:

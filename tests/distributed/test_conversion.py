@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.config import Architecture
+from megatron_rl.testing.ranks import gather_vocab, hf_logits
 from megatron_rl.testing.spawn import run_ranks
-from tests.distributed import megatron_workers as w
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
@@ -50,7 +50,7 @@ def test_round_trip_is_bit_exact(family, tiny_models, tmp_path):
 
 
 def test_tied_embeddings_round_trip(tmp_path):
-    from make_tiny_model import make_tiny_model
+    from megatron_rl.models.tiny import make_tiny_model
 
     hf_dir = make_tiny_model("qwen3", tmp_path / "tied", seed=5, tied=True)
     original, restored, _ = convert_both_ways(hf_dir, tmp_path / "work")
@@ -98,12 +98,10 @@ def load_logits(rank, world_size, checkpoint, tp, input_ids):
     model.eval()
     with torch.no_grad():
         out = model(input_ids, torch.arange(input_ids.shape[1]).expand_as(input_ids), attention_mask=None)
-    return w._gather_vocab(out)
+    return gather_vocab(out)
 
 
 def test_converted_checkpoint_loads_at_tp2_with_transformers_logits(tiny_models, tmp_path):
-    from tests.distributed.test_hf_parity import hf_logits
-
     hf_dir = tiny_models["llama"]
     assert run_tool("convert_hf_to_megatron.py", "--hf", hf_dir, "--out", tmp_path / "mg").returncode == 0
     input_ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(4))

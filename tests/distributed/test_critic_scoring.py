@@ -8,15 +8,17 @@ import random
 import pytest
 import torch
 
+from megatron_rl import parallel
+from megatron_rl.models.sharding import full_parameters, load_full_state_dict
+from megatron_rl.testing.ranks import DENSE
 from megatron_rl.testing.spawn import run_ranks
-from tests.distributed import megatron_workers as w
 
-ARCH = w.DENSE.model_copy(update=dict(num_layers=2))
+ARCH = DENSE.model_copy(update=dict(num_layers=2))
 
 
 @pytest.fixture(scope="module")
 def weights():
-    return run_ranks(w.value_reference_weights, 1, ARCH, 4)[0]
+    return run_ranks(value_reference_weights, 1, ARCH, 4)[0]
 
 
 def mixed_requests():
@@ -27,13 +29,13 @@ def mixed_requests():
 
 def direct_values(weights, batch):
     """Reference: the value model on each sequence alone, one process, unpacked."""
-    return run_ranks(w.value_model_direct, 1, ARCH, weights, batch)[0]
+    return run_ranks(value_model_direct, 1, ARCH, weights, batch)[0]
 
 
 @pytest.mark.parametrize("tp,cp,world,pp", [(1, 1, 2, 1), (1, 2, 2, 1), (1, 1, 2, 2)])
 def test_batched_scoring_equals_per_sequence_scoring(weights, tp, cp, world, pp):
     batch, singles = mixed_requests()
-    results = run_ranks(w.critic_scores, world, ARCH, weights, tp, cp, [batch, *singles], 64, pp)[0]
+    results = run_ranks(critic_scores, world, ARCH, weights, tp, cp, [batch, *singles], 64, pp)[0]
     (values, boots), per_sequence = results[0], results[1:]
     assert len(values) == len(batch) and [len(v) for v in values] == [len(ids) for ids in batch]
     for i, ((single_values,), (single_boot,)) in enumerate(per_sequence):
@@ -53,3 +55,44 @@ def test_batched_scoring_equals_per_sequence_scoring(weights, tp, cp, world, pp)
 )
 def test_batched_scoring_on_four_ranks(weights, tp, cp, world, pp):
     test_batched_scoring_equals_per_sequence_scoring(weights, tp, cp, world, pp)
+
+
+# Rank functions: module-level, so that the spawned ranks can import them.
+
+
+def value_reference_weights(rank, world_size, arch, seed):
+    """Random full weights of a TP=1 value model (non-zero head)."""
+    from megatron_rl.models.value_model import build_value_model
+
+    parallel.initialize_model_parallel(seed=seed)
+    torch.manual_seed(seed)
+    return full_parameters(build_value_model(arch, head_init_std=0.5))
+
+def critic_scores(rank, world_size, arch, full, tp, cp, requests, seq_len=64, pp=1):
+    """Scores each request (a list of token-id lists) with a value model at (tp, cp, pp,
+    dp = rest); rank 0 returns its ScoreResults as plain lists, other ranks None."""
+    from megatron_rl.critic.scoring import score_sequences
+    from megatron_rl.models.value_model import build_value_model
+
+    parallel.initialize_model_parallel(tp=tp, cp=cp, pp=pp)
+    model = build_value_model(arch, tp=tp, cp=cp, pp=pp)
+    load_full_state_dict(model, full)
+    results = []
+    for request in requests:
+        result = score_sequences(model, request if rank == 0 else None, seq_len)
+        if result is not None:
+            results.append(([v.tolist() for v in result.values], result.bootstrap_values))
+    return results if rank == 0 else None
+
+def value_model_direct(rank, world_size, arch, full, batch):
+    """Head output per token for each sequence alone ([T] float32 each), TP=1, unpacked."""
+    from megatron_rl.models.value_model import build_value_model
+
+    parallel.initialize_model_parallel()
+    model = build_value_model(arch)
+    load_full_state_dict(model, full)
+    model.eval()
+    with torch.no_grad():
+        return [
+            model(torch.tensor([ids]), torch.arange(len(ids))[None], attention_mask=None)[0] for ids in batch
+        ]

@@ -13,12 +13,13 @@ import aiohttp
 import numpy as np
 import pytest
 
+from megatron_rl.config import load_resolved
 from megatron_rl.critic.client import CriticError, CriticRequestError, HttpValueScorer
 from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.parallel import free_port
 from megatron_rl.testing.critic import critic_config, critic_url, start_critic
+from megatron_rl.testing.samples import training_samples
 from megatron_rl.transport import GridSender
-from tests.distributed.megatron_workers import training_samples
 
 VOCAB = 512  # the tiny qwen3's vocabulary
 
@@ -273,8 +274,6 @@ def test_a_failing_score_request_gets_500_and_the_critic_keeps_serving(tiny_mode
     request with HTTP 500 naming the cause; all ranks stay in lockstep and the next requests are
     scored; SIGTERM still stops every rank cleanly."""
     from megatron_rl.testing.spawn import run_ranks
-    from tests.distributed.critic_workers import critic_with_failing_scores
-
     resolved, path = critic_config(tmp_path, tiny_models["qwen3"], world=2, num_steps=1)
     replies = run_ranks(critic_with_failing_scores, 2, str(path), timeout_s=300)[0]
     assert [status for status, _ in replies] == [200, 500, 500, 200]
@@ -320,3 +319,64 @@ def test_a_killed_critic_rank_ends_the_critic_named_and_clients_get_an_error(tin
     assert "critic rank 0 of 2: lost rank 1" in output, output[-3000:]
     assert error is not None and f"critic service {url}/score" in str(error), (seconds, error)
     assert seconds < 2 * timeout_s + 30
+
+
+# Rank functions: module-level, so that the spawned ranks can import them.
+
+
+def critic_with_failing_scores(rank, world_size, resolved_path):
+    """`run_critic` on every rank, with scoring made to fail twice: on every rank while packing a
+    batch that holds a 13-token sequence (a deterministic failure), and on rank 1 only after
+    the collectives of the third scoring call. Rank 0 also runs the client in a thread and
+    returns [(status, reply)] for its requests; afterwards it stops the critic with SIGTERM."""
+    import json
+    import os
+    import signal
+    import threading
+    import time
+
+    import httpx
+
+    from megatron_rl.critic import scoring, worker
+    from megatron_rl.critic.trainer import CriticTrainer
+    from megatron_rl.data.packing import PackingError
+
+    original_pack, original_score = scoring.pack_into_grid, CriticTrainer.score
+    calls = {"n": 0}
+
+    def pack(samples, *args, **kwargs):
+        if any(len(s.token_ids) == 13 for s in samples):
+            raise PackingError("injected: a 13-token sequence")
+        return original_pack(samples, *args, **kwargs)
+
+    def score(self, request):
+        result = original_score(self, request)
+        calls["n"] += 1
+        if calls["n"] == 2 and rank == 1:  # the third request (the second was refused while packing)
+            raise RuntimeError("injected: rank 1 fails after its collectives")
+        return result
+
+    scoring.pack_into_grid, CriticTrainer.score = pack, score
+    resolved = load_resolved(resolved_path)
+    url = f"http://{resolved.value.service.host}:{resolved.value.service.port}"
+    replies = []
+
+    def client():
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        for batch in ([[1, 2, 3]], [[5] * 13, [6]], [[7, 8]], [[9, 10, 11]]):
+            reply = httpx.post(f"{url}/score", content=json.dumps({"batched_token_ids": batch}), timeout=60)
+            replies.append((reply.status_code, reply.json()))
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=client, daemon=True) if rank == 0 else None
+    if thread is not None:
+        thread.start()
+    worker.run_critic(resolved)
+    if thread is not None:
+        thread.join(timeout=30)
+    return replies

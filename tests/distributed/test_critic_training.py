@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_rl.config import load_resolved
 from megatron_rl.data.packing import dummy_micro_batch, pack_into_grid
 from megatron_rl.testing.critic import critic_config
+from megatron_rl.testing.samples import training_samples
 from megatron_rl.testing.spawn import run_ranks
-from tests.distributed import critic_workers as cw
-from tests.distributed.megatron_workers import training_samples
 
 HEAD = ("value_head.bias", "value_head.weight")
 
@@ -26,7 +26,7 @@ def test_head_only_warmup_then_full_training_with_fresh_adam_state(tiny_models, 
         tmp_path, tiny_models["qwen3"], head_only_warmup_steps=2, epochs_per_step=2
     )
     warm0, warm1, full, saved = run_ranks(
-        cw.critic_plan, 1, str(path), [("train", 0, 0), ("train", 1, 1), ("train", 2, 2), ("save",)]
+        critic_plan, 1, str(path), [("train", 0, 0), ("train", 1, 1), ("train", 2, 2), ("save",)]
     )[0]
     for record in (warm0, warm1):
         assert record["head_only"] and tuple(record["changed"]) == HEAD
@@ -45,7 +45,7 @@ def test_head_only_warmup_then_full_training_with_fresh_adam_state(tiny_models, 
 
 def test_freeze_attention_trains_everything_else(tiny_models, tmp_path):
     resolved, path = critic_config(tmp_path, tiny_models["qwen3"], freeze_attention=True)
-    (record,) = run_ranks(cw.critic_plan, 1, str(path), [("train", 0, 0)])[0]
+    (record,) = run_ranks(critic_plan, 1, str(path), [("train", 0, 0)])[0]
     assert record["changed"] and not [n for n in record["changed"] if ".self_attention." in n]
     assert set(HEAD) <= set(record["changed"])
     assert "decoder.layers.1.mlp.linear_fc1.weight" in record["changed"]
@@ -54,13 +54,13 @@ def test_freeze_attention_trains_everything_else(tiny_models, tmp_path):
 def test_lora_at_tp2_trains_adapters_and_head_and_checkpoints(tiny_models, tmp_path):
     lora = {"rank": 4, "alpha": 8.0}
     resolved, path = critic_config(tmp_path, tiny_models["qwen3"], world=2, tp=2, lora=lora)
-    trained, _ = run_ranks(cw.critic_plan, 2, str(path), [("train", 0, 0), ("save",)])[0]
+    trained, _ = run_ranks(critic_plan, 2, str(path), [("train", 0, 0), ("save",)])[0]
     assert trained["changed"]
     assert all(".lora_" in n or n in HEAD for n in trained["changed"])
     # B starts at zero, so the first step moves B (and the head) but A's gradient is still zero
     assert any(".lora_b" in n for n in trained["changed"]) and set(HEAD) <= set(trained["changed"])
     resumed, reloaded = run_ranks(
-        cw.critic_plan, 2, str(path), [("resume",), ("load_backbone", _latest_dist(tmp_path))]
+        critic_plan, 2, str(path), [("resume",), ("load_backbone", _latest_dist(tmp_path))]
     )[0]
     assert resumed["trained_step"] == 0
     # The plain checkpoint keys of the wrapped layers: reloading the backbone changes nothing.
@@ -90,7 +90,7 @@ def test_value_pretraining_from_jsonl_lowers_the_loss(tiny_models, tmp_path):
         pretrain_steps=8,
         pretrain_batch_size=8,  # the whole file every step: each loss is on the same data
     )
-    records = run_ranks(cw.critic_plan, 1, str(path), [("pretrain",)] * 8)[0]
+    records = run_ranks(critic_plan, 1, str(path), [("pretrain",)] * 8)[0]
     losses = [r["loss"] for r in records]
     assert [r["step"] for r in records] == list(range(8)) and records[0]["phase"] == "pretrain"
     assert losses[-1] < 0.3 * losses[0], losses
@@ -101,9 +101,9 @@ def test_dummy_only_data_rank_contributes_nothing(tiny_models, tmp_path):
     samples = training_samples(5, resolved.layout.critic_architecture.vocab_size, seed=4)
     (real,) = pack_into_grid(samples, 64, 1)
     grid = [real, [dummy_micro_batch()] * len(real)]
-    ranks = run_ranks(cw.critic_plan, 2, str(path), [("train_grid", 0, grid)])
+    ranks = run_ranks(critic_plan, 2, str(path), [("train_grid", 0, grid)])
     resolved1, path1 = critic_config(tmp_path / "dp1", tiny_models["qwen3"], world=1)
-    (single,) = run_ranks(cw.critic_plan, 1, str(path1), [("train_grid", 0, [real])])[0]
+    (single,) = run_ranks(critic_plan, 1, str(path1), [("train_grid", 0, [real])])[0]
     (rank0,), (rank1,) = ranks
     assert rank0["loss"] == pytest.approx(single["loss"], rel=1e-6)
     for name, value in single["full"].items():
@@ -121,10 +121,10 @@ def test_snapshot_from_policy_at_tp2_loads_into_critic_at_cp2_then_retunes_head(
         snapshot={"steps": [1], "dir": str(snapshots), "head_only_retune_steps": 1, "wait_timeout_s": 60},
     )
     arch = resolved.layout.policy_architecture
-    policy = run_ranks(cw.policy_snapshot, 2, arch, 2, 11, str(snapshots), str(policy_checkpoints))[0]
+    policy = run_ranks(policy_snapshot, 2, arch, 2, 11, str(snapshots), str(policy_checkpoints))[0]
     step_dir = policy_checkpoints / (policy_checkpoints / "latest").read_text().strip()
     plan = [("train", 0, 0), ("train", 1, 1), ("train", 2, 2), ("load_backbone", str(step_dir / "dist"))]
-    before, retuned, full, from_checkpoint = run_ranks(cw.critic_plan, 2, str(path), plan)[0]
+    before, retuned, full, from_checkpoint = run_ranks(critic_plan, 2, str(path), plan)[0]
     assert not before["head_only"] and retuned["head_only"] and not full["head_only"]
     backbone = [n for n in policy if n != "output_layer.weight"]
     assert set(backbone) == {n for n in retuned["full"] if not n.startswith("value_head.")}
@@ -138,9 +138,9 @@ def test_snapshot_from_policy_at_tp2_loads_into_critic_at_cp2_then_retunes_head(
 
 def test_resume_continues_with_identical_next_step_loss(tiny_models, tmp_path):
     resolved, path = critic_config(tmp_path, tiny_models["qwen3"], world=2, epochs_per_step=2)
-    straight = run_ranks(cw.critic_plan, 2, str(path), [("train", s, s) for s in range(3)])[0]
-    *_, saved = run_ranks(cw.critic_plan, 2, str(path), [("train", 0, 0), ("train", 1, 1), ("save",)])[0]
-    resumed, step2 = run_ranks(cw.critic_plan, 2, str(path), [("resume",), ("train", 2, 2)])[0]
+    straight = run_ranks(critic_plan, 2, str(path), [("train", s, s) for s in range(3)])[0]
+    *_, saved = run_ranks(critic_plan, 2, str(path), [("train", 0, 0), ("train", 1, 1), ("save",)])[0]
+    resumed, step2 = run_ranks(critic_plan, 2, str(path), [("resume",), ("train", 2, 2)])[0]
     assert resumed["trained_step"] == 1
     assert step2["epoch_losses"] == straight[2]["epoch_losses"]  # exactly, on CPU
     # The value-head flag stays on the head's groups (megatron's load matched groups by their
@@ -152,9 +152,9 @@ def test_resume_continues_with_identical_next_step_loss(tiny_models, tmp_path):
 def test_pipeline_parallel_critic_trains_like_one_process(tiny_models, tmp_path):
     resolved, path = critic_config(tmp_path / "pp2", tiny_models["qwen3"], world=2, pp=2, epochs_per_step=2)
     assert resolved.layout.critic.pp == 2 and resolved.layout.critic.dp == 1
-    stages = run_ranks(cw.critic_plan, 2, str(path), [("train", 0, 0)])
+    stages = run_ranks(critic_plan, 2, str(path), [("train", 0, 0)])
     _, path1 = critic_config(tmp_path / "pp1", tiny_models["qwen3"], world=1, epochs_per_step=2)
-    (single,) = run_ranks(cw.critic_plan, 1, str(path1), [("train", 0, 0)])[0]
+    (single,) = run_ranks(critic_plan, 1, str(path1), [("train", 0, 0)])[0]
     (first,), (last,) = stages
     assert first["epoch_losses"] == pytest.approx(single["epoch_losses"], rel=1e-5)
     merged = {**first["full"], **last["full"]}  # each stage holds its own layers
@@ -192,9 +192,9 @@ def test_critic_starts_from_hf_or_converted_checkpoints_at_tp2(tiny_models, tmp_
         config = json.loads(path.read_text())
         config["value"]["model"]["checkpoint"] = str(checkpoint)
         path.write_text(json.dumps(config))
-        (record,) = run_ranks(cw.critic_plan, 2, str(path), [("params",)])[0]
+        (record,) = run_ranks(critic_plan, 2, str(path), [("params",)])[0]
         full[name] = record["full"]
-    saved = run_ranks(cw.converted_parameters, 1, str(tmp_path / "critic"))[0]
+    saved = run_ranks(converted_parameters, 1, str(tmp_path / "critic"))[0]
     for name, value in full["hf"].items():
         torch.testing.assert_close(full["gpt"][name], value, rtol=0, atol=0)  # same backbone and head init
         expected = saved[name]  # the converted critic: backbone and its own head
@@ -212,10 +212,10 @@ def test_snapshot_from_a_moe_policy_at_ep2_loads_into_a_one_rank_critic(tiny_mod
     )
     arch = resolved.layout.policy_architecture
     assert arch.num_experts > 1
-    ranks = run_ranks(cw.policy_snapshot, 2, arch, 1, 5, str(snapshots), str(tmp_path / "policy_ckpt"), 2)
+    ranks = run_ranks(policy_snapshot, 2, arch, 1, 5, str(snapshots), str(tmp_path / "policy_ckpt"), 2)
     policy = {**ranks[0], **ranks[1]}  # each EP rank holds its own experts
     _, loaded = run_ranks(
-        cw.critic_plan,
+        critic_plan,
         1,
         str(path),
         [("train", 0, 0), ("load_backbone", str(snapshots / "version_00000001" / "dist"))],
@@ -225,3 +225,131 @@ def test_snapshot_from_a_moe_policy_at_ep2_loads_into_a_one_rank_critic(tiny_mod
     assert set(backbone) == {n for n in loaded["full"] if not n.startswith("value_head.")}
     for name in backbone:
         torch.testing.assert_close(loaded["full"][name], policy[name], rtol=0, atol=0)
+
+
+# Rank functions: module-level, so that the spawned ranks can import them.
+
+
+def _named(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+def _adam_steps(trainer) -> dict[str, list[int]]:
+    """Adam step counts of the head groups and of the other groups."""
+    from megatron_rl.trainer.optimizer import HEAD_GROUP_KEY, torch_optimizers
+
+    steps = {"head": set(), "backbone": set()}
+    for opt in torch_optimizers(trainer.trainable.optimizer):
+        for group in opt.param_groups:
+            kind = "head" if group.get(HEAD_GROUP_KEY) else "backbone"
+            for p in group["params"]:
+                state = opt.state.get(p)
+                if state and "step" in state:
+                    steps[kind].add(int(state["step"]))
+    return {k: sorted(v) for k, v in steps.items()}
+
+def _groups(trainer) -> list[tuple[bool, int, float]]:
+    """Per optimizer group: whether it is a value-head group, its parameter count, wd_mult."""
+    from megatron_rl.trainer.optimizer import HEAD_GROUP_KEY, torch_optimizers
+
+    return [
+        (bool(group.get(HEAD_GROUP_KEY)), len(group["params"]), group["wd_mult"])
+        for opt in torch_optimizers(trainer.trainable.optimizer)
+        for group in opt.param_groups
+    ]
+
+def critic_plan(rank, world_size, resolved_path, plan):
+    """Builds a CriticTrainer from a resolved config and runs `plan` on it, recording after each
+    action what changed, so one spawn checks a whole scenario:
+        ("train", step, seed)         train `step` on 7 synthetic samples packed for this layout
+        ("train_grid", step, grid)    train `step` on grid[data_rank] (a grid built by the test)
+        ("pretrain",)                 one value-pretraining step
+        ("save",) / ("resume",)       critic checkpoint
+        ("load_backbone", dist_dir)   load a backbone from a dist checkpoint directory
+        ("params",)                   just record the full parameters
+    """
+    from megatron_rl.critic.trainer import CriticTrainer
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.models.sharding import gather_full_parameters
+
+    resolved = load_resolved(resolved_path)
+    trainer = CriticTrainer(resolved)
+    vocab = trainer.arch.vocab_size
+    records = []
+    for action in plan:
+        before = _named(trainer.model)
+        record = {"action": action[0]}
+        if action[0] == "train":
+            _, step, seed = action
+            samples = training_samples(7, vocab, seed=seed)
+            grid = pack_into_grid(
+                samples,
+                trainer.value.model.seq_len,
+                trainer.dp,
+                trainer.cp,
+                sequence_parallel_size=trainer.sp,
+            )
+            record.update(trainer.train(step, grid[trainer.data_rank]))
+        elif action[0] == "train_grid":
+            _, step, grid = action
+            record.update(trainer.train(step, grid[trainer.data_rank]))
+        elif action[0] == "pretrain":
+            record.update(trainer.pretrain_step(trainer.pretrain_steps_done))
+        elif action[0] == "save":
+            trainer.save(trainer.trained_step)
+        elif action[0] == "resume":
+            from megatron_rl.trainer.resume import complete_steps
+
+            steps = complete_steps(trainer.checkpoint_dir)  # a critic trained without a policy: its own latest
+            meta = trainer.resume(steps[-1]) if steps else None
+            record["step"] = None if meta is None else meta["step"]
+            record["trained_step"] = trainer.trained_step
+        elif action[0] == "params":
+            pass
+        elif action[0] == "load_backbone":
+            from megatron_rl.trainer.weights import load_backbone
+
+            load_backbone(trainer.model, action[1])
+        after = _named(trainer.model)
+        record["changed"] = sorted(n for n in after if not torch.equal(after[n], before[n]))
+        record["adam_steps"] = _adam_steps(trainer)
+        record["groups"] = _groups(trainer)
+        record["full"] = (
+            gather_full_parameters(trainer.model)
+            if action[0] in ("train", "train_grid", "load_backbone", "params")
+            else None
+        )
+        records.append(record)
+    return records
+
+def policy_snapshot(rank, world_size, arch, tp, seed, snapshot_root, checkpoint_root, ep=1):
+    """A policy GPT model at TP = tp (EP = ep) with random weights: exports snapshot version 1
+    and a training checkpoint; returns its full parameters (this rank's experts)."""
+    from megatron_rl import parallel
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.data.packing import dummy_micro_batch
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.sharding import gather_full_parameters
+    from megatron_rl.trainer.checkpoint import save_checkpoint
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.snapshot import export_snapshot
+    from megatron_rl.trainer.step import policy_loss_func, train_step
+
+    parallel.initialize_model_parallel(tp=tp, ep=ep, seed=seed)
+    torch.manual_seed(seed)
+    model = build_gpt_model(arch, tp=tp, ep=ep)
+    with torch.no_grad():
+        for p in model.parameters():  # distinct from the critic's HF initialisation
+            p.add_(0.01 * torch.randn_like(p))
+    trainable = build_trainable(model, OptimizerConfig(lr=1e-3), total_steps=1)
+    # One step on a dummy micro-batch: Adam state exists (a checkpoint needs it), weights unchanged.
+    loss = policy_loss_func(AlgorithmConfig(type="grpo"))
+    train_step(trainable, [dummy_micro_batch()], loss)
+    export_snapshot(model, snapshot_root, version=1, info={"tp": tp})
+    save_checkpoint(checkpoint_root, 0, trainable)
+    return gather_full_parameters(model)
+
+def converted_parameters(rank, world_size, checkpoint_dir):
+    """Full parameters of a converted checkpoint (tools/convert_hf_to_megatron.py)."""
+    from megatron_rl.models.convert import load_checkpoint_full
+
+    return load_checkpoint_full(checkpoint_dir)[2]

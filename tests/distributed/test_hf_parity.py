@@ -8,20 +8,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_rl import parallel
 from megatron_rl.config import Architecture
+from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.hf_mapping import hf_to_megatron
+from megatron_rl.models.sharding import load_full_state_dict
+from megatron_rl.testing.ranks import gather_vocab, hf_logits, model_logits
 from megatron_rl.testing.spawn import run_ranks
-from tests.distributed import megatron_workers as w
 
 LAYOUTS = {"qwen3": [(1, 1), (2, 1)], "llama": [(1, 1), (2, 1)], "qwen3_moe": [(1, 1), (2, 1), (1, 2)]}
-
-
-def hf_logits(directory, input_ids):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(input_ids).logits
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
@@ -37,7 +32,7 @@ def test_logits_match_transformers(family, tiny_models):
     row1 = hf_logits(directory, input_ids[1:, :14])[0]
     assert row0.abs().mean() > 1e-2
     for tp, ep in LAYOUTS[family]:
-        for logits in run_ranks(w.logits, tp * ep, arch, full, tp, ep, input_ids):
+        for logits in run_ranks(model_logits, tp * ep, arch, full, tp, ep, input_ids):
             torch.testing.assert_close(logits[0], row0, atol=1e-4, rtol=0, msg=f"{family} tp={tp} ep={ep}")
             torch.testing.assert_close(
                 logits[1, :14], row1, atol=1e-4, rtol=0, msg=f"{family} tp={tp} ep={ep}"
@@ -54,7 +49,7 @@ def test_packed_thd_logits_match_transformers_per_sequence(family, tiny_models):
     lengths = [7, 19, 1, 12, 8]
     for tp, ep in LAYOUTS[family]:
         for packed, separate, sequences in run_ranks(
-            w.packed_logits, tp * ep, arch, full, lengths, tp, ep, 3
+            packed_logits, tp * ep, arch, full, lengths, tp, ep, 3
         ):
             for got, alone, ids in zip(packed, separate, sequences):
                 torch.testing.assert_close(got, hf_logits(directory, ids[None])[0], atol=1e-4, rtol=0)
@@ -81,7 +76,7 @@ def test_trainer_path_logprobs_match_transformers_per_token(tiny_models, tp, cp)
         mask[min(3, length - 1):] = rng.random(length - min(3, length - 1)) < 0.8  # a prompt, then actions
         samples.append(TrainingSample(token_ids=rng.integers(0, arch.vocab_size, length), loss_mask=mask,
                                       inference_logprobs=np.zeros(length, np.float32), reward=0.0))  # fmt: skip
-    got = run_ranks(w.trainer_path_logprobs, tp * cp, arch, full, samples, 40, tp, cp)[0]
+    got = run_ranks(trainer_path_logprobs, tp * cp, arch, full, samples, 40, tp, cp)[0]
     expected = {}
     for index, sample in enumerate(samples):
         log_p = torch.log_softmax(hf_logits(directory, torch.as_tensor(sample.token_ids)[None])[0], dim=-1)
@@ -91,3 +86,78 @@ def test_trainer_path_logprobs_match_transformers_per_token(tiny_models, tp, cp)
     assert set(got) == set(expected)
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, abs=1e-4), key
+
+
+# Rank functions: module-level, so that the spawned ranks can import them.
+
+
+def packed_logits(rank, world_size, arch, full, lengths, tp=1, ep=1, pad=0, seed=0):
+    """Logits of sequences packed into one THD row (plus `pad` padding tokens), split back per
+    sequence, and of each sequence run alone; full vocabulary."""
+    from megatron_rl.models.attention import packed_seq_params
+
+    parallel.initialize_model_parallel(tp=tp, ep=ep)
+    model = build_gpt_model(arch, tp=tp, ep=ep)
+    load_full_state_dict(model, full)
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    sequences = [torch.randint(0, arch.vocab_size, (n,), generator=g) for n in lengths]
+    packed = torch.cat(sequences + [torch.zeros(pad, dtype=torch.long)])[None]
+    positions = torch.cat([torch.arange(n) for n in lengths] + [torch.arange(pad)])[None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    with torch.no_grad():
+        out = gather_vocab(
+            model(
+                packed,
+                positions,
+                attention_mask=None,
+                packed_seq_params=packed_seq_params(cu, packed.shape[1]),
+            )
+        )[0]
+        # Under sequence parallel (MoE at TP>1) a lone sequence must divide by TP to run at all.
+        sp = tp if model.config.sequence_parallel else 1
+        separate = [
+            gather_vocab(model(s[None], torch.arange(len(s))[None], attention_mask=None))[0]
+            if len(s) % sp == 0
+            else None
+            for s in sequences
+        ]
+    return [out[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], separate, sequences
+
+def trainer_path_logprobs(rank, world_size, arch, full, samples, seq_len, tp=1, cp=1):
+    """The policy trainer's own path: pack_into_grid -> rank_batch (shift, CP slice) -> forward ->
+    vocab-parallel log-probabilities of batch.targets, on every CP rank; the full rows are put
+    back together and each masked log-probability is attributed, from the packer's own
+    sample_index / position_ids, to (sample, position of the predicted token). Returns
+    {(sample, position): logprob} for every loss-mask token."""
+    from megatron.core import parallel_state
+
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.models.attention import packed_seq_params
+    from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
+    from megatron_rl.trainer.batches import rank_batch
+
+    parallel.initialize_model_parallel(tp=tp, cp=cp)
+    model = build_gpt_model(arch, tp=tp, cp=cp)
+    load_full_state_dict(model, full)
+    model.eval()
+    cp_rank, cp_group = parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_group()
+    out = {}
+    for mb in pack_into_grid(samples, seq_len, 1, cp)[0]:
+        batch = rank_batch(mb, cp_rank, cp)
+        with torch.no_grad():
+            model_logits = model(batch.input_ids, batch.position_ids, attention_mask=None,
+                           packed_seq_params=packed_seq_params(batch.cu_seqlens, batch.total_tokens))  # fmt: skip
+            logprobs, _ = megatron_vocab_parallel_logprobs(model_logits[0], batch.targets)
+        parts = [logprobs, batch.loss_mask.float()]
+        if cp > 1:
+            gathered = []
+            for part in parts:
+                chunks = [torch.empty_like(part) for _ in range(cp)]
+                torch.distributed.all_gather(chunks, part.contiguous(), group=cp_group)
+                gathered.append(torch.cat(chunks))
+            parts = gathered
+        row_logprobs, row_mask = parts
+        for p in torch.nonzero(row_mask).flatten().tolist():  # output p predicts token p + 1
+            out[(int(mb.sample_index[p + 1]), int(mb.position_ids[p + 1]))] = float(row_logprobs[p])
+    return out

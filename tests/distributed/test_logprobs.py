@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rl import parallel
 from megatron_rl.models.logprobs import vocab_parallel_logprobs
 from megatron_rl.testing.spawn import run_ranks
-from tests.distributed import megatron_workers as w
 
 
 def reference(logits, targets, weights):
@@ -38,8 +38,22 @@ def test_tp2_matches_full_softmax():
     targets[:5] = torch.tensor([0, 31, 32, 63, 33])  # both shards' edges
     weights = torch.randn(2, 40, generator=g)
     ref_logprobs, ref_entropy, ref_grad = reference(logits, targets, weights)
-    ranks = run_ranks(w.vocab_parallel_logprob_grads, 2, logits, targets, weights)
+    ranks = run_ranks(vocab_parallel_logprob_grads, 2, logits, targets, weights)
     for rank, (logprobs, entropy, grad) in enumerate(ranks):
         torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(grad, ref_grad.chunk(2, dim=-1)[rank], atol=1e-5, rtol=1e-5)
+
+
+# Rank functions: module-level, so that the spawned ranks can import them.
+
+
+def vocab_parallel_logprob_grads(rank, world_size, logits_full, targets, weights):
+    """Log-probs, entropy and the gradient of sum(w1*logp + w2*H) w.r.t. this rank's model_logits."""
+    from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
+
+    parallel.initialize_model_parallel(tp=world_size)
+    local = logits_full.chunk(world_size, dim=-1)[rank].clone().requires_grad_()
+    logprobs, entropy = megatron_vocab_parallel_logprobs(local, targets)
+    (weights[0] * logprobs + weights[1] * entropy).sum().backward()
+    return logprobs.detach(), entropy.detach(), local.grad

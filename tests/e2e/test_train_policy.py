@@ -11,64 +11,20 @@ import sys
 import time
 
 import pytest
-import yaml
+import torch
 
-from megatron_rl.config import load_config
+from megatron_rl import parallel
 from megatron_rl.data.packing import pack_into_grid
+from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.parallel import free_port
+from megatron_rl.testing.configs import write_config
 from megatron_rl.testing.processes import kill_process_group
+from megatron_rl.testing.ranks import hf_logits
+from megatron_rl.testing.samples import training_samples
 from megatron_rl.testing.spawn import run_ranks
 from megatron_rl.transport import GridSender
-from tests.distributed import megatron_workers as w
-from tests.distributed.test_hf_parity import hf_logits
 
 SAMPLES_PER_STEP = 6
-
-
-def write_config(tmp_path, hf_dir, num_steps, ports, **sections):
-    """A CPU SAO config around `hf_dir` (policy on 2 ranks); `sections` update its sections."""
-    config = {
-        "model": {"hf_config": str(hf_dir), "checkpoint": str(hf_dir), "seq_len": 64, "dtype": "float32"},
-        "optimizer": {"lr": 1e-3, "grad_clip": 1.0},
-        "value": {
-            "model": {"hf_config": str(hf_dir), "seq_len": 64, "dtype": "float32"},
-            "snapshot": {"steps": [1]},
-        },
-        "algorithm": {"type": "sao", "kl_coef": 0.1},
-        "orchestrator": {
-            "num_steps": num_steps,
-            "batch_size": 6,
-            "group_size": 1,
-            "max_prompt_tokens": 16,
-            "max_completion_tokens": 40,
-        },
-        "inference": {
-            "backend": "vllm-cpu",
-            "weight_update": "safetensors",
-            "publish_dir": str(tmp_path / "published"),
-            "base_port": ports[2],
-            "weight_broadcast_port": ports[3],
-        },
-        "deployment": {
-            "device": "cpu",
-            "nodes": 1,
-            "gpus_per_node": 4,
-            "inference_gpus": 1,
-            "policy_gpus": 2,
-            "num_value_gpus_per_train_node": 1,
-        },
-        "transport": {"policy_port": ports[0], "critic_port": ports[1], "receive_timeout_s": 120},
-        "checkpoint": {"dir": str(tmp_path / "checkpoints"), "save_interval": 1},
-        "logging": {"dir": str(tmp_path / "logs")},
-    }
-    for section, extra in sections.items():
-        config[section].update(extra)
-    path = tmp_path / f"run{num_steps}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    resolved = load_config(path)
-    out = tmp_path / f"resolved{num_steps}.json"
-    out.write_text(resolved.to_json())
-    return resolved, out
 
 
 def run_policy_steps(resolved, resolved_path, steps):
@@ -100,7 +56,7 @@ def run_policy_steps(resolved, resolved_path, steps):
         try:
             sender.wait_for_receivers(timeout_s=240)
             for step in steps:
-                samples = w.training_samples(SAMPLES_PER_STEP, vocab, seed=step)
+                samples = training_samples(SAMPLES_PER_STEP, vocab, seed=step)
                 sender.publish(step, pack_into_grid(samples, resolved.model.seq_len, 2), timeout_s=120)
                 sender.wait_delivered(step, timeout_s=240)
             output, _ = process.communicate(timeout=300)
@@ -122,13 +78,12 @@ def test_train_policy_trains_publishes_checkpoints_and_resumes(tiny_models, tmp_
         json.loads(line) for line in (tmp_path / "logs" / "policy_metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in lines] == [0, 1]
-    reference = run_ranks(w.policy_reference_losses, 1, str(resolved_path), 3, SAMPLES_PER_STEP)[0]
+    reference = run_ranks(policy_reference_losses, 1, str(resolved_path), 3, SAMPLES_PER_STEP)[0]
     assert [r["loss"] for r in lines] == pytest.approx(reference[:2], rel=1e-5, abs=1e-6)
     assert all(r["num_tokens"] > 0 and r["grad_norm"] > 0 and 0 <= r["clip_fraction"] <= 1 for r in lines)
 
     published = tmp_path / "published" / "version_00000002"
     assert json.loads((published / "manifest.json").read_text())["step"] == 2
-    import torch
 
     ids = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(0))
     assert (hf_logits(published, ids) - hf_logits(hf_dir, ids)).abs().max() > 1e-4  # trained weights
@@ -178,7 +133,7 @@ def test_a_killed_policy_rank_ends_the_other_nodes_rank_named(tiny_models, tmp_p
     try:
         with GridSender("127.0.0.1", resolved.transport.policy_port, data_parallel_size=2, name="policy") as sender:
             sender.wait_for_receivers(timeout_s=240)
-            sender.publish(0, pack_into_grid(w.training_samples(SAMPLES_PER_STEP, vocab, seed=0), 64, 2))
+            sender.publish(0, pack_into_grid(training_samples(SAMPLES_PER_STEP, vocab, seed=0), 64, 2))
             sender.wait_delivered(0, timeout_s=240)
             deadline = time.monotonic() + 240
             while "[policy] step 0 loss" not in logs[0].read_text():
@@ -199,3 +154,33 @@ def test_a_killed_policy_rank_ends_the_other_nodes_rank_named(tiny_models, tmp_p
     assert "exitcode  : 17" in first  # torchrun's summary on the first node: the watchdog's status
     assert "Signal 9 (SIGKILL)" in second
     assert seconds < 2 * timeout_s + 30, seconds
+
+
+# Rank functions: module-level, so that the spawned ranks can import them.
+
+
+def policy_reference_losses(rank, world_size, resolved_path, steps, samples_per_step):
+    """Single-process reference for the train-policy process: same config, weights and samples."""
+    from megatron_rl.config import load_resolved
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.policy.trainer import build_reference
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.trainer.weights import load_initial_weights
+
+    resolved = load_resolved(resolved_path)
+    parallel.initialize_model_parallel(seed=resolved.orchestrator.seed)
+    arch = resolved.layout.policy_architecture
+    model = build_gpt_model(arch, seq_len=resolved.model.seq_len)
+    load_initial_weights(model, resolved.model.checkpoint, arch)
+    kl_coef = resolved.algorithm.kl_coef
+    reference = build_reference(model, resolved.layout.policy, resolved) if kl_coef > 0 else None
+    trainable = build_trainable(model, resolved.optimizer, total_steps=resolved.orchestrator.num_steps)
+    loss_func = policy_loss_func(resolved.algorithm)
+    losses = []
+    for step in range(steps):
+        grid = pack_into_grid(
+            training_samples(samples_per_step, arch.vocab_size, seed=step), resolved.model.seq_len, 1
+        )
+        losses.append(train_step(trainable, grid[0], loss_func, reference=reference)["loss"])
+    return losses

@@ -32,7 +32,7 @@ def slurm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from make_tiny_model import make_tiny_model
+    from megatron_rl.models.tiny import make_tiny_model
 
     return make_tiny_model("qwen3", tmp_path_factory.mktemp("model") / "qwen3", seed=3, hidden_size=128)
 

@@ -12,18 +12,10 @@ import pytest
 import yaml
 
 from megatron_rl.config import ConfigError, load_config, load_resolved, parse_config
+from megatron_rl.testing.configs import ARCH, base
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 
-ARCH = {
-    "family": "qwen3",
-    "hidden_size": 64,
-    "num_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "intermediate_size": 128,
-    "vocab_size": 512,
-}
 MOE_ARCH = {
     **ARCH,
     "family": "qwen3_moe",
@@ -31,25 +23,6 @@ MOE_ARCH = {
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 32,
 }
-
-
-def base(algorithm: str = "sao") -> dict:
-    config = {
-        "model": {"architecture": dict(ARCH), "seq_len": 256},
-        "algorithm": {"type": algorithm},
-        "orchestrator": {
-            "batch_size": 4,
-            "group_size": 4,
-            "max_prompt_tokens": 64,
-            "max_completion_tokens": 128,
-        },
-        "deployment": {"nodes": 1, "gpus_per_node": 8, "inference_gpus": 2, "policy_gpus": 4},
-        "inference": {"num_servers": 2},
-    }
-    if algorithm != "grpo":
-        config["value"] = {"model": {"architecture": dict(ARCH), "seq_len": 256}}
-        config["deployment"]["num_value_gpus_per_train_node"] = 2
-    return config
 
 
 def errors_of(data: dict) -> str:

@@ -166,3 +166,20 @@ def test_the_orchestrator_finishing_stops_everything_with_exit_zero(tmp_path):
     assert Supervisor(components, grace_s=5, out=out).run("fake", 10) == 0
     assert "the orchestrator finished its steps" in out.getvalue()
     assert components[0].process.returncode == -signal.SIGTERM
+
+
+def test_every_process_logs_at_the_configured_level():
+    import logging
+
+    from megatron_rl.launch.cli import configure_logging
+    from megatron_rl.testing.orchestrator import orchestrator_config
+
+    resolved = orchestrator_config("grpo")
+    resolved.logging.level = "WARNING"
+    before = logging.getLogger().level
+    try:
+        configure_logging(resolved)
+        level = logging.getLogger().level
+    finally:
+        logging.getLogger().setLevel(before)
+    assert level == logging.WARNING

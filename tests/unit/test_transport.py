@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import zmq
 
-from megatron_rl.data.packing import pack_into_grid
-from megatron_rl.data.types import TrainingSample
+from megatron_rl.testing.samples import make_grid
 from megatron_rl.transport import (
     GridReceiver,
     GridSender,
@@ -26,27 +25,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def make_grid(step: int, dp: int, cp: int = 1, count: int = 20):
-    rng = np.random.default_rng(step)
-    samples = []
-    for i in range(count):
-        n = int(rng.integers(3, 90))
-        mask = rng.random(n) < 0.6
-        samples.append(
-            TrainingSample(
-                token_ids=rng.integers(0, 50_000, n),
-                loss_mask=mask,
-                inference_logprobs=-rng.random(n),
-                reward=1.0,
-                values=rng.normal(size=n).astype(np.float32),
-                advantages=rng.normal(size=n).astype(np.float32),
-                returns=rng.normal(size=n).astype(np.float32),
-                group_id=i,
-            )
-        )
-    return pack_into_grid(samples, 128, dp, cp)
 
 
 def assert_same_micro_batches(got, expected):

