@@ -42,6 +42,7 @@ from megatron_rl.critic.trainer import CriticTrainer
 
 log = logging.getLogger("megatron_rl.critic")
 
+
 class Command(IntEnum):
     """What every critic rank does next (rank 0 decides and broadcasts it with its argument)."""
 
@@ -64,7 +65,6 @@ def _broadcast_command(kind: Command = IDLE, arg: int = 0) -> tuple[Command, int
 
 
 def run_critic(resolved: ResolvedConfig) -> None:
-
     trainer = CriticTrainer(resolved)
     trainer.resume()
     is_rank0 = trainer.is_rank0

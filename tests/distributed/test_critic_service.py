@@ -115,17 +115,18 @@ def test_batched_equals_per_sample_at_dp2(critic):
 
 BAD_REQUESTS = [
     (b"{oops", "malformed JSON"),
-    (b'"text"', "must be a JSON object"),
+    (b'"text"', "Expected `object`, got `str`"),
     (b'{"batched_token_ids": []}', "is empty"),
     (b'{"batched_token_ids": [[1, 2], []]}', "batched_token_ids[1] is empty"),
-    (b'{"batched_token_ids": [[1, 2.5]]}', "integers"),
-    (b'{"batched_token_ids": [["1"]]}', "integers"),
+    (b'{"batched_token_ids": [[1, 2.5]]}', "Expected `int`, got `float` - at `$.batched_token_ids[0][1]`"),
+    (b'{"batched_token_ids": [["1"]]}', "Expected `int`, got `str` - at `$.batched_token_ids[0][0]`"),
     (b'{"batched_token_ids": [[1, 512]]}', "outside the vocabulary"),
     (b'{"batched_token_ids": [[-3]]}', "outside the vocabulary"),
     (json.dumps({"batched_token_ids": [list(range(65))]}).encode(), "seq_len is 64"),
     (json.dumps({"batched_token_ids": [[1]] * 65}).encode(), "at most 64 per request"),
-    (b'{"token_ids": 5}', "must be a list"),
-    (b'{"tokens": [1]}', "expected exactly one key"),
+    (b'{"token_ids": 5}', "Expected `array | null`, got `int` - at `$.token_ids`"),
+    (b'{"tokens": [1]}', "unknown field `tokens`"),
+    (b'{}', "expected exactly one key"),
 ]
 
 

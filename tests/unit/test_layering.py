@@ -50,3 +50,24 @@ def test_no_module_imports_a_package_listed_below_its_own():
 def test_the_check_sees_a_violation():
     tree = ast.parse("from megatron_rl.orchestrator.loop import Orchestrator\nimport megatron_rl.launch.cli\n")
     assert imported_packages(tree) == [(1, "orchestrator"), (2, "launch")]
+
+
+def test_modules_import_compat_before_megatron_core():
+    """megatron-core runs on CPU only with megatron_rl.compat's patches: a module that imports
+    megatron-core at its top imports megatron_rl.compat first."""
+    root = Path(megatron_rl.__file__).parent
+    late = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] == "compat":
+            continue
+        seen_compat = False
+        for node in ast.parse(path.read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            if any(n == "megatron_rl.compat" for n in names):
+                seen_compat = True
+            if any(n == "megatron" or n.startswith("megatron.") for n in names) and not seen_compat:
+                late.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+                break
+    assert not late, f"megatron-core imported before megatron_rl.compat: {late}"
