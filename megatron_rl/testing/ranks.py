@@ -7,13 +7,12 @@ import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches
 
 import torch
 from megatron.core import tensor_parallel
-from transformers import AutoModelForCausalLM
 
 from megatron_rl import parallel
 from megatron_rl.config import Architecture
 from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.sharding import full_parameters, load_full_state_dict
-from megatron_rl.testing.samples import tokens
+from megatron_rl.testing.tensors import tokens
 
 DENSE = Architecture(
     family="qwen3",
@@ -54,6 +53,8 @@ def model_logits(rank, world_size, arch, full, tp=1, ep=1, input_ids=None):
 
 def hf_logits(directory, input_ids):
     """The transformers reference: logits of the HF model in `directory` (float32, eval)."""
+    from transformers import AutoModelForCausalLM  # heavy: only for the tests that compare with it
+
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():

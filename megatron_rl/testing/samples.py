@@ -1,16 +1,12 @@
-"""Sample factories for tests: token batches, training samples, packed grids, named tensors."""
+"""Sample factories for tests (numpy only: spawned processes import them cheaply): training samples
+and packed grids. Torch tensors for tests: megatron_rl/testing/tensors.py."""
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.data.types import TrainingSample
-
-
-def tokens(batch: int = 2, seq: int = 24, vocab: int = 128, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
 def training_samples(count: int, vocab: int, seed: int = 0) -> list[TrainingSample]:
@@ -58,15 +54,3 @@ def make_grid(step: int, dp: int, cp: int = 1, count: int = 20):
             )
         )
     return pack_into_grid(samples, 128, dp, cp)
-
-
-def named_tensors() -> dict[str, torch.Tensor]:
-    """Five small tensors of mixed dtypes and shapes (one larger than a 256-byte bucket)."""
-    g = torch.Generator().manual_seed(0)
-    return {
-        "a": torch.randn(10, 4, generator=g),
-        "b": torch.randn(3, generator=g).to(torch.bfloat16),
-        "c": torch.randn(100, generator=g),  # 400 bytes: larger than the bucket
-        "d": torch.randn(2, 2, generator=g).to(torch.bfloat16),
-        "e": torch.arange(6).reshape(2, 3),
-    }

@@ -11,6 +11,7 @@ The forkserver never initialises CUDA or a process group, so its forks start cle
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -22,6 +23,14 @@ from megatron_rl.parallel import free_port
 
 # What the forkserver imports once for every later rank (compat before megatron-core).
 PRELOAD = ["megatron_rl.compat", "megatron.core.parallel_state", "megatron.core.models.gpt", "megatron_rl.parallel"]
+
+
+def _preload() -> list[str]:
+    """PRELOAD, plus the test modules already imported (pytest imports them all when it collects,
+    before the first test runs): a rank function lives in its test's module, and importing that
+    module (pytest, its helpers) in every rank would cost seconds a rank."""
+    tests = sorted(name for name in sys.modules if name.startswith("tests."))
+    return PRELOAD + tests
 
 
 def _rank_main(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
@@ -50,7 +59,7 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, fn, args) ->
 
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
-    mp.set_forkserver_preload(PRELOAD)  # before the forkserver starts (ignored afterwards)
+    mp.set_forkserver_preload(_preload())  # before the forkserver starts (ignored afterwards)
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _rank_main,

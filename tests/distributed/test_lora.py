@@ -8,8 +8,8 @@ from megatron_rl import parallel
 from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.sharding import full_parameters, load_full_state_dict
 from megatron_rl.testing.ranks import DENSE, gather_vocab, model_logits, reference_weights
-from megatron_rl.testing.samples import tokens
 from megatron_rl.testing.spawn import run_ranks
+from megatron_rl.testing.tensors import tokens
 
 ARCH = DENSE.model_copy(update=dict(num_layers=2))
 

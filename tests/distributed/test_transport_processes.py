@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 
-from megatron_rl.parallel import free_port
+from megatron_rl.launch.ports import probe_ports  # light: the spawned receivers import this module
 from megatron_rl.testing.samples import make_grid
 from megatron_rl.transport import GridReceiver, GridSender
 
@@ -31,7 +31,7 @@ def receiver_process(port: int, data_rank: int, receiver_id: int, results) -> No
 def test_two_senders_many_receiver_processes():
     context = mp.get_context("spawn")
     results = context.Queue()
-    policy_port, critic_port = free_port(), free_port()
+    policy_port, critic_port = probe_ports(2)
     layouts = {policy_port: (2, 2, 2), critic_port: (3, 1, 1)}  # port -> (dp, receivers per rank, cp)
     processes = [
         context.Process(target=receiver_process, args=(port, d, r, results))

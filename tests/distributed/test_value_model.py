@@ -7,8 +7,8 @@ import torch
 from megatron_rl import parallel
 from megatron_rl.models.sharding import full_parameters
 from megatron_rl.testing.ranks import DENSE
-from megatron_rl.testing.samples import tokens
 from megatron_rl.testing.spawn import run_ranks
+from megatron_rl.testing.tensors import tokens
 
 
 def test_value_head_input_size_follows_the_backbone():

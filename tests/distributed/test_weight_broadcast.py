@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_rl.testing.samples import named_tensors
 from megatron_rl.testing.spawn import run_ranks
+from megatron_rl.testing.tensors import named_tensors
 from megatron_rl.transport.weight_buckets import plan_buckets
 
 

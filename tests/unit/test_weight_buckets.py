@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.testing.samples import named_tensors
+from megatron_rl.testing.tensors import named_tensors
 from megatron_rl.transport.weight_buckets import (
     decode_plan,
     encode_plan,
