@@ -77,7 +77,7 @@ class GRPOAlgorithm(Algorithm):
 
 
 class PPOAlgorithm(Algorithm):
-    """Critic values from the scorer, skip-observation GAE, clipped PPO loss."""
+    """Critic values from the scorer, skip-observation GAE (the trainer's loss: losses.policy_objective)."""
 
     needs_critic = True
 

@@ -35,8 +35,6 @@ import yaml
 
 from megatron_rl.launch.local import run_local
 from megatron_rl.launch.plot import plot_runs, summary_table
-from megatron_rl.launch.warm_start import warm_start
-from megatron_rl.models.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 # Chosen by measurement (README "The demo", benchmarks/demo_learning.py): `count` rises from the
@@ -151,6 +149,10 @@ def prepare(out: Path, seed: int, sft_steps: int, task: str = "copy", log=print)
     """The tiny model (warm-started) and its policy and value-model Megatron checkpoints."""
     model = out / "model"
     if not (model / "config.json").is_file():
+        # torch and transformers (seconds to import) only when the model is not there yet
+        from megatron_rl.launch.warm_start import warm_start
+        from megatron_rl.models.tiny import make_tiny_model
+
         random_model = make_tiny_model(
             "qwen3", out / "model-random", seed=seed, hidden_size=128, vocab_size=64, tokenizer="char"
         )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ from megatron_rl.trainer.resume import run_resume_step
 from megatron_rl.trainer.weights import load_initial_weights
 
 
-class RoleTrainer:
+class RoleTrainer(ABC):
     role: Role
     log: logging.Logger
 
@@ -76,25 +77,27 @@ class RoleTrainer:
     # -- what a role supplies ------------------------------------------------------------------
     value_model = False  # a value head instead of the output layer (load_initial_weights)
 
+    @abstractmethod
     def build_model(self) -> torch.nn.Module:
-        raise NotImplementedError(f"{type(self).__name__} must build its model")
+        """The role's model at `self.layout` (collective: every rank of the role calls it)."""
 
-    def prepare_model(self) -> None:
+    def prepare_model(self) -> None:  # noqa: B027  (an optional hook)
         """After the initial weights, before the optimizer (nothing by default)."""
 
     def checkpoint_extra(self, step: int) -> dict:
         """The role's own state saved with checkpoint `step` (besides model and optimizer)."""
         return {}
 
-    def restore_extra(self, meta: dict) -> None:
+    def restore_extra(self, meta: dict) -> None:  # noqa: B027  (an optional hook)
         """Puts back what `checkpoint_extra` saved (`meta["extra"]`)."""
 
     def resume_step(self) -> int | None:
         """The checkpointed step to resume from: the one every role of the run checkpointed."""
         return run_resume_step(self.resolved)
 
+    @abstractmethod
     def console_line(self, record: dict) -> str:
-        return f"[{self.role}] {json.dumps(record)}"
+        """One human-readable line of a metrics `record`."""
 
     # -- what the skeleton does ----------------------------------------------------------------
     def resume(self, step: int | None = None) -> dict | None:

@@ -146,9 +146,9 @@ def trainer_path_logprobs(rank, world_size, arch, full, samples, seq_len, tp=1, 
     for mb in pack_into_grid(samples, seq_len, 1, cp)[0]:
         batch = rank_batch(mb, cp_rank, cp)
         with torch.no_grad():
-            model_logits = model(batch.input_ids, batch.position_ids, attention_mask=None,
+            logits = model(batch.input_ids, batch.position_ids, attention_mask=None,
                            packed_seq_params=packed_seq_params(batch.cu_seqlens, batch.total_tokens))  # fmt: skip
-            logprobs, _ = megatron_vocab_parallel_logprobs(model_logits[0], batch.targets)
+            logprobs, _ = megatron_vocab_parallel_logprobs(logits[0], batch.targets)
         parts = [logprobs, batch.loss_mask.float()]
         if cp > 1:
             gathered = []

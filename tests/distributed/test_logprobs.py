@@ -49,7 +49,7 @@ def test_tp2_matches_full_softmax():
 
 
 def vocab_parallel_logprob_grads(rank, world_size, logits_full, targets, weights):
-    """Log-probs, entropy and the gradient of sum(w1*logp + w2*H) w.r.t. this rank's model_logits."""
+    """Log-probs, entropy and the gradient of sum(w1*logp + w2*H) w.r.t. this rank's logits."""
     from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
 
     parallel.initialize_model_parallel(tp=world_size)

@@ -239,21 +239,12 @@ def distributed_optimizer_step(rank, world_size, arch, full, lr, weight_decay, s
         wd_incr_style="constant",
     )
     for step in range(steps):
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        input_ids = tokens(seed=100 * step + rank)
-        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
-        labels = torch.roll(input_ids, -1, dims=1)
-        loss = model(input_ids, positions, attention_mask=None, labels=labels).float().mean()
-        loss.backward()
-        model.finish_grad_sync()
-        update_successful, _, _ = optimizer.step()
-        assert update_successful
+        _train_step(model, optimizer, step, rank)  # asserts the update succeeded
         scheduler.step(1)
     return _named_full_parameters(model.module)
 
 def save_checkpoint_then_logits(rank, world_size, arch, full, tp, directory):
-    """Saves the model with dist_checkpointing at this TP size; returns its full-vocab model_logits."""
+    """Saves the model with dist_checkpointing at this TP size; returns its full-vocab logits."""
     from megatron.core import dist_checkpointing
 
     parallel.initialize_model_parallel(tp=tp)
@@ -267,7 +258,7 @@ def save_checkpoint_then_logits(rank, world_size, arch, full, tp, directory):
         return gather_vocab(model(input_ids, positions, attention_mask=None))
 
 def load_checkpoint_then_logits(rank, world_size, arch, tp, directory, seed=999):
-    """A freshly initialised model at this TP size, loaded from `directory`; full-vocab model_logits."""
+    """A freshly initialised model at this TP size, loaded from `directory`; full-vocab logits."""
     from megatron.core import dist_checkpointing
 
     parallel.initialize_model_parallel(tp=tp, seed=seed)

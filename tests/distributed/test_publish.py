@@ -84,7 +84,7 @@ def test_a_failed_broadcast_still_resumes_every_inference_server():
 
 
 def publish_weights(rank, world_size, arch, full, tp, ep, directory, step, hf_dir, input_ids):
-    """Publishes the model's weights as HF safetensors; returns (full-vocab model_logits, the path
+    """Publishes the model's weights as HF safetensors; returns (full-vocab logits, the path
     publish_hf_weights returned)."""
     from megatron_rl.policy.publish import publish_hf_weights
 

@@ -56,7 +56,7 @@ def test_cp4_with_fewer_kv_heads_than_ranks(weights):
 
 def context_parallel_step(rank, world_size, arch, full, lengths, tp=1, cp=1, pad=0, seed=0):
     """One forward/backward on sequences packed in one THD row, the row split contiguously over
-    CP ranks. Returns (full-row model_logits [T, V], loss, grads of replicated params summed over CP)."""
+    CP ranks. Returns (full-row logits [T, V], loss, grads of replicated params summed over CP)."""
     from megatron.core import parallel_state
 
     from megatron_rl.models.attention import packed_seq_params
@@ -79,13 +79,13 @@ def context_parallel_step(rank, world_size, arch, full, lengths, tp=1, cp=1, pad
         mask[a : b - 1] = True  # predict the next token inside each sequence
     cp_rank = parallel_state.get_context_parallel_rank()
     local = slice(cp_rank * total // cp, (cp_rank + 1) * total // cp)
-    model_logits = model(
+    logits = model(
         row[None, local],
         torch.arange(total)[None, local],
         attention_mask=None,
         packed_seq_params=packed_seq_params(cu, total),
     )[0]
-    logprobs, _ = megatron_vocab_parallel_logprobs(model_logits, targets[local])
+    logprobs, _ = megatron_vocab_parallel_logprobs(logits, targets[local])
     loss = -(logprobs * mask[local]).sum() / mask.sum()  # normalised by the global token count
     loss.backward()
     cp_group = parallel_state.get_context_parallel_group()
@@ -101,7 +101,7 @@ def context_parallel_step(rank, world_size, arch, full, lengths, tp=1, cp=1, pad
             # As megatron's finalize_model_grads: each TP rank saw only its own heads.
             torch.distributed.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
         grads[local_to_global_name(name, layer_offset, expert_offset)] = grad
-    full_logits = gather_vocab(model_logits.detach()[:, None, :])[:, 0, :]
+    full_logits = gather_vocab(logits.detach()[:, None, :])[:, 0, :]
     if cp > 1:
         parts = [torch.empty_like(full_logits) for _ in range(cp)]
         torch.distributed.all_gather(parts, full_logits.contiguous(), group=cp_group)

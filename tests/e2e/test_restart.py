@@ -19,9 +19,9 @@ import asyncio
 import json
 import random
 import time
-import urllib.request
 from pathlib import Path
 
+import httpx
 import pytest
 
 from megatron_rl.config import ResolvedConfig
@@ -134,9 +134,8 @@ def critic_trained_step(resolved) -> int:
     """The critic service's last trained step (-1 while it does not answer)."""
     service = resolved.value.service
     try:
-        with urllib.request.urlopen(f"http://{service.host}:{service.port}/status", timeout=1) as response:
-            return int(json.loads(response.read())["trained_step"])
-    except OSError:
+        return int(httpx.get(f"http://{service.host}:{service.port}/status", timeout=1).json()["trained_step"])
+    except httpx.HTTPError:
         return -1
 
 

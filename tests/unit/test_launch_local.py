@@ -72,28 +72,6 @@ logging: {{dir: {tmp_path}/run}}
     assert not (tmp_path / "run").exists()  # a dry run starts and writes nothing
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports free on both 127.0.0.1 and 127.0.0.2 right now."""
-    held, found = [], []
-    try:
-        while len(found) < count:
-            first = socket.socket()
-            held.append(first)
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            second = socket.socket()
-            held.append(second)
-            try:
-                second.bind(("127.0.0.2", port))
-            except OSError:
-                continue
-            found.append(port)
-    finally:
-        for sock in held:
-            sock.close()
-    return found
-
-
 def test_probe_never_binds_all_interfaces_and_skips_ports_taken_on_either_address(monkeypatch):
     bound = []
     real_bind = socket.socket.bind
@@ -106,7 +84,7 @@ def test_probe_never_binds_all_interfaces_and_skips_ports_taken_on_either_addres
         on_host.bind(("127.0.0.2", 0))  # another loopback address stands in for the host address
         on_loopback.bind(("127.0.0.1", 0))
         taken = [on_host.getsockname()[1], on_loopback.getsockname()[1]]
-        excluded, free = free_ports(2)  # free now on both addresses (a fixed number may be taken)
+        excluded, free = probe_ports(2, ["127.0.0.2", "127.0.0.1"])  # free now on both (a fixed number may be taken)
 
         class Proposals(random.Random):
             def __init__(self):
