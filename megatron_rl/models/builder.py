@@ -97,16 +97,21 @@ def transformer_config(
     return TransformerConfig(**fields)
 
 
-def layer_spec(arch: Architecture, context_parallel_size: int = 1):
-    """TE spec with TE on CUDA, local spec otherwise; Ulysses core attention when CP > 1."""
+def layer_spec(arch: Architecture, context_parallel_size: int = 1, transformer_engine: bool | None = None):
+    """TE spec with TE on CUDA, local spec otherwise; Ulysses core attention when CP > 1.
+    `transformer_engine` True/False asks for one spec (True fails without TE or with CP > 1)."""
 
     num_experts = arch.num_experts or None
-    if transformer_engine_available() and context_parallel_size == 1:
+    if transformer_engine is None:
+        transformer_engine = transformer_engine_available() and context_parallel_size == 1
+    if transformer_engine:
+        if not transformer_engine_available() or context_parallel_size > 1:
+            raise ValueError(
+                "the TransformerEngine layer spec needs TE importable, CUDA and context_parallel_size 1"
+            )
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm
         )
-
-
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
     )
@@ -125,16 +130,22 @@ def position_embedding_type(context_parallel_size: int) -> str:
 
 
 def build_gpt_model(
-    arch: Architecture, config=None, seq_len: int | None = None, model_class=None, **config_kwargs
+    arch: Architecture,
+    config=None,
+    seq_len: int | None = None,
+    model_class=None,
+    transformer_engine: bool | None = None,
+    **config_kwargs,
 ):
     """A megatron GPTModel (or `model_class`, a GPTModel subclass such as the value model) for
-    this pipeline stage, pre/post process from parallel_state."""
+    this pipeline stage, pre/post process from parallel_state; `transformer_engine` as in
+    `layer_spec` (default: TE when available)."""
 
     model_class = model_class or GPTModel
     config = config or transformer_config(arch, **config_kwargs)
     model = model_class(
         config,
-        layer_spec(arch, config.context_parallel_size),
+        layer_spec(arch, config.context_parallel_size, transformer_engine),
         vocab_size=arch.vocab_size,
         max_sequence_length=seq_len or arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -154,7 +154,7 @@ def make_tiny_model(
     tokenizer = build_char_tokenizer(vocab_size) if tokenizer == "char" else build_tokenizer(vocab_size, seed)
     config = hf_config(family, args, tokenizer.eos_token_id, tokenizer.pad_token_id)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # transformers initialises norms to 1; perturb them so tests see every weight matter.
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -47,7 +47,7 @@ def train_step(
 
     cp_rank = parallel_state.get_context_parallel_rank()
     cp_size = parallel_state.get_context_parallel_world_size()
-    batches = [rank_batch(mb, cp_rank, cp_size) for mb in micro_batches]
+    batches = [rank_batch(mb, cp_rank, cp_size, device=collective_device()) for mb in micro_batches]
     if reference is not None:
         set_reference_logprobs(reference, batches)
     for chunk in trainable.model:
@@ -108,7 +108,9 @@ def all_finite(trainable: Trainable, reported: list[dict]) -> bool:
     """Whether this step's loss and every gradient are finite on every rank of the role (one
     all-reduce of a flag). Checks megatron's contiguous gradient buffers, so it costs one pass
     over the gradients; a non-finite gradient anywhere makes the reduced gradients non-finite."""
-    finite = all(bool(torch.isfinite(torch.as_tensor(r["loss_sum"])).all()) for r in reported if "loss_sum" in r)
+    finite = all(
+        bool(torch.isfinite(torch.as_tensor(r["loss_sum"])).all()) for r in reported if "loss_sum" in r
+    )
     for chunk in trainable.model:
         buffers = [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]
         grads = [b.grad_data for b in buffers] if buffers else [
@@ -187,8 +189,11 @@ def policy_loss_func(config: AlgorithmConfig) -> LossFunc:
 
 def value_loss_func(value_clip: float | None = None) -> LossFunc:
     """0.5 * (V - returns)^2 on action tokens, optionally clipped around the old values."""
+
     def loss(values: torch.Tensor, batch: RankBatch):
-        loss_sum, metrics = value_loss(values[0], batch.returns, batch.loss_mask, batch.old_values, value_clip)
+        loss_sum, metrics = value_loss(
+            values[0], batch.returns, batch.loss_mask, batch.old_values, value_clip
+        )
         return loss_sum, {k: v for k, v in metrics.items() if k.endswith("_sum")}
 
     return loss

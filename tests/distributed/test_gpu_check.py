@@ -1,0 +1,65 @@
+"""tests/gpu (the GPU check script) on this CPU machine: run.sh claims nothing without CUDA; the
+checks themselves run at toy sizes on CPU (gloo) and say which ones need CUDA; the MFU
+arithmetic counts FLOPs as written down by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_rl.config import Architecture
+from tests.gpu.check import model_flops
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_run_sh_without_cuda_checks_nothing_and_exits_0(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", "tests/gpu/run.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "no CUDA device" in proc.stdout and "nothing checked" in proc.stdout
+    assert list(tmp_path.iterdir()) == []  # no record claims anything
+
+
+def test_checks_run_at_toy_sizes_on_cpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.gpu.check", "--cpu", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    status = {r["check"]: r["status"] for r in report["checks"]}
+    assert status == {
+        "nccl": "PASS", "te_spec": "NOT RUN", "bf16_policy": "PASS", "bf16_critic": "PASS",
+        "offload": "NOT RUN", "vllm": "NOT RUN", "throughput": "PASS",
+    }  # fmt: skip
+    checks = {r["check"]: r for r in report["checks"]}
+    assert "CUDA" in checks["offload"]["detail"] and "CUDA" in checks["te_spec"]["detail"]
+    policy = checks["bf16_policy"]["figures"]
+    assert policy["loss_bf16"][1] < policy["loss_bf16"][0] and policy["mean_abs_output_diff"] < 0.02
+    assert [row["tokens"] for row in checks["throughput"]["figures"]["rows"]] == [64, 128]
+    assert report["mode"] == "cpu-smoke" and "toy sizes on CPU" in proc.stdout
+
+
+def test_a_spent_budget_starts_no_check(tmp_path):
+    out = tmp_path / "gpu.json"
+    args = ["--cpu", "--budget-s", "0", "--only", "nccl", "--out", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.check", *args], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    [record] = json.loads(out.read_text())["checks"]
+    assert record["status"] == "NOT RUN" and "time budget" in record["detail"]
+
+
+def test_model_flops_by_hand():
+    arch = Architecture(family="qwen3", hidden_size=8, num_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=4, intermediate_size=16, vocab_size=10)  # fmt: skip
+    # per layer: q 8x8, k and v 8x4 each, o 8x8, gate/up/down 3 x 8x16 = 64+64+64+384 = 576 weights;
+    # output layer 8x10 = 80. Linear FLOPs per token: 2 * (2*576 + 80) = 2464.
+    # Causal attention per layer and sequence: 2 * s^2 * (heads*head_dim = 8) = 16 s^2.
+    linear = 2464 * (3 + 5)
+    attention = 2 * 16 * (3**2 + 5**2)
+    assert model_flops(arch, [3, 5]) == 3 * (linear + attention)
