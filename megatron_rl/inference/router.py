@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 
 from megatron_rl.inference.vllm_server import ServerStartError, log_tail
+from megatron_rl.lifetime import bound_to_parent
 
 SESSION_HEADER = "x-session-id"
 
@@ -118,7 +119,7 @@ class VllmRouter:
         self._log = open(self.log_path, "a")
         self.started_at = time.time()
         self.process = subprocess.Popen(
-            self.command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            bound_to_parent(self.command), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
     @classmethod

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
+from megatron_rl.lifetime import bound_to_parent
 
 EXTENSION = "megatron_rl.inference.vllm_extension.WeightReceiverExtension"
 
@@ -108,7 +109,7 @@ class VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "a")
         self.process = subprocess.Popen(
-            self.command, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            bound_to_parent(self.command), env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
 
     def log_tail(self, lines: int = 40) -> str:

@@ -40,6 +40,7 @@ from megatron_rl.inference.router import router_command
 from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
 from megatron_rl.inference.vllm_server import log_tail
 from megatron_rl.launch.ports import lost_port, probe_ports
+from megatron_rl.lifetime import bound_to_parent
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 CLI = ["-m", "megatron_rl.launch.cli"]
@@ -68,7 +69,7 @@ class Component:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "a") as log:
             self.process = subprocess.Popen(
-                self.command, env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT,
+                bound_to_parent(self.command), env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_rl.lifetime import bound_to_parent
 from megatron_rl.parallel import free_port
 
 
@@ -37,7 +38,7 @@ class RankProcesses:
             with open(self.logs[rank], "w") as log:
                 self.processes.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "megatron_rl.launch.cli", *argv],
+                        bound_to_parent([sys.executable, "-m", "megatron_rl.launch.cli", *argv]),
                         env=rank_env,
                         stdout=log,
                         stderr=subprocess.STDOUT,

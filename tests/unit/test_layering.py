@@ -1,5 +1,5 @@
 """The package layout's import rule (DESIGN.md, "Package layout"): a module imports only modules
-listed above it. `faults` (kill points; imports nothing of ours) sits with `config`; `testing`
+listed above it. `faults` (kill points) and `lifetime` (children bound to their starter) import nothing of ours and sit with `config`; `testing`
 (helpers for tests and benchmarks) may import everything."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import megatron_rl
 
 ORDER = [
-    "config", "faults", "compat", "parallel", "models", "data", "algorithms", "transport", "inference",
+    "config", "faults", "lifetime", "compat", "parallel", "models", "data", "algorithms", "transport", "inference",
     "trainer", "policy", "critic", "envs", "orchestrator", "launch", "testing",
 ]  # fmt: skip
 
