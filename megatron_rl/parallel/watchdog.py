@@ -5,7 +5,7 @@ collective that never completes: NCCL and gloo wait up to the process-group time
 waiting on something else (a ZMQ receive, an HTTP request) waits for ever. So every rank of a
 role runs a `PeerWatchdog` thread (started by `parallel.initialize_role`):
 
-- every `interval_s` it adds 1 to its counter `megatron_rl/heartbeat/<rank>` in the store
+- every `interval_s` it adds 1 to its counter `megatron_rl/heartbeat/<attempt>/<rank>` in the store
   torchrun (or rank 0) hosts, and reads every peer's counter (one `multi_get`);
 - a peer whose counter has not moved for `deployment.heartbeat_timeout_s` (measured on this
   rank's own clock: no clock agreement between hosts needed) is lost: this rank logs
@@ -39,7 +39,14 @@ import torch.distributed as dist
 
 log = logging.getLogger("megatron_rl.parallel")
 
-KEY = "megatron_rl/heartbeat/{rank}"
+# Per torchrun restart (TORCHELASTIC_RESTART_COUNT): torchrun's store outlives a restart of its
+# workers, and a counter left by the previous attempt (FINISHED, or a silent one) must not speak
+# for the new rank.
+KEY = "megatron_rl/heartbeat/{attempt}/{rank}"
+
+
+def heartbeat_key(rank: int) -> str:
+    return KEY.format(attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), rank=rank)
 FINISHED = 1 << 40  # added to a counter by a rank that leaves normally
 LOST_PEER_EXIT = 17  # the exit status of a rank that gave up on a lost peer
 SILENT_INTERVALS = 3  # after a failed collective: a peer silent this many intervals is the lost one
@@ -70,14 +77,14 @@ class PeerWatchdog:
         self.store_owner = store_owner
         self._store = _connect(host, port, timeout_s)
         self._peers = [r for r in range(world_size) if r != rank]
-        self._keys = [KEY.format(rank=r) for r in self._peers]
+        self._keys = [heartbeat_key(r) for r in self._peers]
         now = time.monotonic()
         self._seen = {r: (-1, now) for r in self._peers}  # peer -> (counter, when it last moved)
         self._store_failing_since: float | None = None
         self._store_error = ""
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._store.add(KEY.format(rank=rank), 1)
+        self._store.add(heartbeat_key(rank), 1)
         self._thread = threading.Thread(
             target=self._run, name=f"PeerWatchdog[{role} rank {rank}]", daemon=True
         )
@@ -101,7 +108,7 @@ class PeerWatchdog:
         with self._lock:
             now = time.monotonic()
             try:
-                self._store.add(KEY.format(rank=self.rank), 1)
+                self._store.add(heartbeat_key(self.rank), 1)
                 counters = self._read_counters()
             except Exception as exc:  # the store's host is gone, or the network
                 if any(count >= FINISHED for count, _ in self._seen.values()):
@@ -191,7 +198,7 @@ class PeerWatchdog:
         self._thread.join(timeout=2 * self.interval_s + 5)
         if finished:
             try:
-                self._store.add(KEY.format(rank=self.rank), FINISHED)
+                self._store.add(heartbeat_key(self.rank), FINISHED)
             except Exception as exc:  # the store's host left first: nobody is left to tell
                 log.debug("%s: could not mark the heartbeat finished: %s", self._me(), exc)
 

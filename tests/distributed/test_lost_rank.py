@@ -41,7 +41,7 @@ def run_group(tmp_path: Path, scenario: str, world: int, kill_rank: int | None =
             processes[kill_rank].kill()
         codes = {}
         for rank, process in enumerate(processes):
-            if scenario == "hang" and rank == 1:
+            if scenario in ("hang", "restarted") and rank == 1:
                 continue  # stopped: it never exits by itself
             codes[rank] = process.wait(timeout=60)
         return codes, [log.read_text() for log in logs], time.monotonic() - began
@@ -71,6 +71,14 @@ def test_hanging_rank_ends_the_group_within_the_heartbeat_timeout(tmp_path):
     # Rank 2 names rank 1 too, directly or as the rank that stopped before rank 0's store went away.
     assert codes[2] == LOST_PEER_EXIT, logs[2]
     assert "lost rank 1:" in logs[2] or "before that, rank 1 had stopped its heartbeat" in logs[2], logs[2]
+    assert seconds < 2 * TIMEOUT_S + 15
+
+
+def test_a_finished_rank_of_an_earlier_torchrun_attempt_does_not_hide_a_lost_one(tmp_path):
+    # torchrun's store outlives a restart of its workers; heartbeats are kept per attempt.
+    codes, logs, seconds = run_group(tmp_path, "restarted", 2)
+    assert codes[0] == LOST_PEER_EXIT, logs[0]
+    assert "test rank 0 of 2: lost rank 1: no heartbeat for" in logs[0]
     assert seconds < 2 * TIMEOUT_S + 15
 
 
