@@ -95,6 +95,10 @@ class InferenceConfig(Strict):
     router_health_failure_threshold: int = Field(default=3, ge=2)
     # First compiles on a GPU take many minutes: generous by default.
     startup_timeout_s: float = Field(default=1800.0, gt=0)
+    # vLLM's --shutdown-timeout: on SIGTERM a server waits up to this long for requests in flight.
+    # 0 leaves the option out (vLLM then aborts at once and often logs an EngineDeadError
+    # traceback while stopping; also the value for a vLLM from before 2026-03, which lacks it).
+    shutdown_timeout_s: int = Field(default=1, ge=0)
     # Longer than the longest rollout (router request and queue timeouts, the rollout client's).
     request_timeout_s: float = Field(default=3600.0, gt=0)
 

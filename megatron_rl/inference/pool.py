@@ -263,6 +263,7 @@ class InferencePool:
                     max_model_len=resolved.model.seq_len,
                     gpu_memory_utilization=inference.gpu_memory_utilization,
                     kv_cache_gib=inference.cpu_kv_cache_gib,
+                    shutdown_timeout_s=inference.shutdown_timeout_s,
                     seed=resolved.orchestrator.seed,
                     extra_args=inference.extra_args,
                     api_key=api_key,

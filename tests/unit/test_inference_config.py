@@ -98,6 +98,11 @@ def test_servers_from_config_use_the_given_devices_and_options(tmp_path):
         assert option(server.command, "--served-model-name") == "policy"
         assert server.command[-1] == "--enable-prefix-caching"
         assert server.env["VLLM_SERVER_DEV_MODE"] == "1"
+        assert option(server.command, "--shutdown-timeout") == "1"  # drain: no EngineDeadError on stop
+    data["inference"]["shutdown_timeout_s"] = 0  # vLLM's abort, and what a vLLM without the option needs
+    [server, _] = InferencePool.from_config(parse_config(data), [["2", "5"], ["7", "0"]], tmp_path,
+                                            model_dir=tmp_path, launch=False)  # fmt: skip
+    assert "--shutdown-timeout" not in server.command
     with pytest.raises(ValueError, match="3 devices"):
         InferencePool.from_config(
             resolved, [["1", "2", "3"], ["4", "5"]], tmp_path, model_dir=tmp_path, launch=False
