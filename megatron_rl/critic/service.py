@@ -224,7 +224,6 @@ class ScoringService:
     # -- handlers -------------------------------------------------------------------------------
     @property
     def _authorize(self):
-
         expected = f"Bearer {self.token}".encode() if self.token else None
 
         @web.middleware
@@ -297,7 +296,6 @@ class ScoringService:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def _app(self):
-
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._authorize])
         app.router.add_post("/score", self._score)
         app.router.add_get("/status", self._status)
@@ -305,7 +303,6 @@ class ScoringService:
         return app
 
     def _serve(self) -> None:
-
         loop = asyncio.new_event_loop()
         self._loop = loop
         asyncio.set_event_loop(loop)

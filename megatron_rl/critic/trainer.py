@@ -44,7 +44,6 @@ class CriticTrainer(RoleTrainer):
     value_model = True
 
     def __init__(self, resolved: ResolvedConfig):
-
         if resolved.value is None:
             raise ValueError("the critic needs a value section in the config")
         self.value = resolved.value

@@ -36,7 +36,6 @@ def exec_inference_server(resolved, index: int) -> None:
 
 
 def exec_router(resolved) -> None:
-
     command = router_command(resolved.layout.inference_urls, resolved.inference.host, resolved.inference.router_port,
                              _free_loopback_port(), router_settings(resolved))  # fmt: skip
     print(f"router: {' '.join(command)}", flush=True)
@@ -44,7 +43,6 @@ def exec_router(resolved) -> None:
 
 
 def wait_inference(resolved) -> int:
-
     inference = resolved.inference
     api_key = inference.api_key()
     deadline = time.monotonic() + inference.startup_timeout_s

@@ -358,7 +358,6 @@ class Supervisor:
 
 
 def run_local(config_path: str, dry_run: bool = False, out=None, on_tick=None) -> int:
-
     out = out or sys.stdout
     resolved = load_config(config_path)
     run_dir = Path(resolved.logging.dir)

@@ -129,7 +129,6 @@ def summary_table(run_dirs: list[str | Path], first_k: int = 5) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-
     parser = argparse.ArgumentParser(prog="megatron-rl plot", description=__doc__)
     parser.add_argument("runs", nargs="+", help="run directories (logging.dir)")
     parser.add_argument(

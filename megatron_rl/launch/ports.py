@@ -88,7 +88,6 @@ def retry_on_address_in_use(start: Callable[[list[int]], object], probe: Callabl
 
 
 def main(argv: list[str] | None = None) -> int:
-
     parser = argparse.ArgumentParser(description="print free rendezvous ports (SLURM job steps use it)")
     parser.add_argument("--count", type=int, required=True)
     parser.add_argument("--hosts", nargs="+", default=["127.0.0.1"])

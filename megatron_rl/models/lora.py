@@ -61,7 +61,6 @@ class LoRALinear(nn.Module):
             )
 
     def forward(self, x, *args, **kwargs):
-
         output, bias = self.base(x, *args, **kwargs)
         if self.parallel_kind == "column":
             z = nn.functional.linear(x, self.lora_a)

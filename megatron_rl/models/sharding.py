@@ -52,7 +52,6 @@ def local_to_global_name(name: str, layer_offset: int, expert_offset: int) -> st
 
 
 def _offsets(model) -> tuple[int, int]:
-
     config = model.config
     layer_offset = get_transformer_layer_offset(config)
     expert_offset = 0
@@ -63,7 +62,6 @@ def _offsets(model) -> tuple[int, int]:
 
 
 def _tp_rank_and_size(name: str) -> tuple[int, int]:
-
     if ".experts." in name:
         return (
             parallel_state.get_expert_tensor_parallel_rank(),

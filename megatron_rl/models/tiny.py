@@ -52,7 +52,6 @@ def corpus(seed: int, lines: int = 4000) -> list[str]:
 
 
 def build_tokenizer(vocab_size: int, seed: int):
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -102,7 +101,6 @@ def build_char_tokenizer(vocab_size: int):
 
 
 def hf_config(family: str, args, eos_token_id: int, pad_token_id: int):
-
     common = dict(
         vocab_size=args.vocab_size,
         hidden_size=args.hidden_size,

@@ -56,7 +56,6 @@ class MegatronValueModel(GPTModel):
         if not self.post_process:
             return hidden_states
         if self.config.sequence_parallel:
-
             hidden_states = tensor_parallel.gather_from_sequence_parallel_region(hidden_states)
         values = self.value_head(hidden_states.float()).squeeze(-1)  # [seq, batch]
         return values.transpose(0, 1).contiguous()

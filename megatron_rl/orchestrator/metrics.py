@@ -108,7 +108,6 @@ class MetricsWriter:
         return " | ".join(p for p in parts if p)
 
     def __call__(self, record: dict) -> None:
-
         policy_step, mismatch = self.policy_mismatch()
         record = {**record, "mismatch_kl": mismatch, "mismatch_kl_policy_step": policy_step}
         with open(self.path, "a") as f:
@@ -129,7 +128,6 @@ class MetricsWriter:
             print(f"[orchestrator] {line}", flush=True)
 
     def _progress_update(self, record: dict, line: str) -> None:
-
         if self._progress is None:
             self._progress = Progress(TextColumn("[bold]RL[/bold]"), BarColumn(), TextColumn("{task.description}"),
                                       TimeRemainingColumn())  # fmt: skip

@@ -204,7 +204,6 @@ class PeerWatchdog:
 
 
 def _connect(host: str, port: int, timeout_s: float):
-
     return dist.TCPStore(
         host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
     )

@@ -34,12 +34,10 @@ def _step_dir(root: Path, step: int) -> Path:
 
 
 def _rng_state() -> dict:
-
     return {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
 def _set_rng_state(state: dict) -> None:
-
     torch.set_rng_state(state["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 

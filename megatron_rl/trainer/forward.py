@@ -30,7 +30,6 @@ def _run(model, batch: RankBatch):
 
 @torch.no_grad()
 def forward_only(model, batches: list[RankBatch], output_fn: Callable) -> list | None:
-
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return [output_fn(_run(model, batch), batch) for batch in batches]
 

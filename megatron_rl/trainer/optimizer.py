@@ -65,7 +65,6 @@ def build_trainable(
     optimizer_config = megatron_optimizer_config(config, transformer_config)
     overrides = get_standard_config_overrides(optimizer_config)
     if head_pattern is not None:
-
         overrides[ParamKey(name=head_pattern)] = {HEAD_GROUP_KEY: True}
     optimizer = get_megatron_optimizer(optimizer_config, [ddp], config_overrides=overrides)
     decay_steps = max(total_steps, config.warmup_steps + 1)

@@ -79,7 +79,6 @@ def load_initial_weights(
         what = "value model" if saved_value_model else "GPT backbone"
         return f"converted checkpoint {path} ({what})"
     if (path / "config.json").is_file():
-
         full = hf_to_megatron(read_hf_state_dict(path), arch, value_model=value_model)
         # Parameters an HF checkpoint does not hold (a value head) keep their initialisation.
         current = {k: v for k, v in full_parameters(model).items() if _is_own_tensor(k)}
