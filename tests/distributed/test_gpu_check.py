@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from megatron_rl.config import Architecture
-from tests.gpu.check import model_flops
+from tests.gpu.checks import model_flops
 
 ROOT = Path(__file__).resolve().parents[2]
 

