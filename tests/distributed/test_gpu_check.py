@@ -35,13 +35,14 @@ def test_checks_run_at_toy_sizes_on_cpu(tmp_path):
     status = {r["check"]: r["status"] for r in report["checks"]}
     assert status == {
         "nccl": "PASS", "te_spec": "NOT RUN", "bf16_policy": "PASS", "bf16_critic": "PASS",
-        "offload": "NOT RUN", "vllm": "NOT RUN", "throughput": "PASS",
+        "offload": "NOT RUN", "policy_process": "PASS", "vllm": "NOT RUN", "throughput": "PASS",
     }  # fmt: skip
     checks = {r["check"]: r for r in report["checks"]}
     assert "CUDA" in checks["offload"]["detail"] and "CUDA" in checks["te_spec"]["detail"]
     policy = checks["bf16_policy"]["figures"]
     assert policy["loss_bf16"][1] < policy["loss_bf16"][0] and policy["mean_abs_output_diff"] < 0.02
     assert [row["tokens"] for row in checks["throughput"]["figures"]["rows"]] == [64, 128]
+    assert checks["policy_process"]["figures"]["steps"] == [0, 1]
     assert report["mode"] == "cpu-smoke" and "toy sizes on CPU" in proc.stdout
 
 

@@ -21,6 +21,8 @@ The checks themselves, with their criteria, are in tests/gpu/checks.py.
                0.5 and 1 vs no offload: the same bf16 weights after two steps (within 2 units in
                the last place); a checkpoint saved after step 1 with offloaded state resumes to
                the uninterrupted step-2 loss and weights
+  policy_process  `megatron-rl train-policy` under torchrun (one rank, bf16): two steps from a
+               ZMQ grid stream, finite metrics, a checkpoint, published HF weights that moved
   vllm         the vLLM GPU build serves a tiny model, takes published weights (path (a),
                safetensors + reload) and then generates what transformers predicts on them
   throughput   tokens/s and MFU of forward+backward (bf16; the local spec, and TE's where it is

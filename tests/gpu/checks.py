@@ -9,10 +9,10 @@ import tempfile
 import time
 from pathlib import Path
 
-CHECKS = ["nccl", "te_spec", "bf16_policy", "bf16_critic", "offload", "vllm", "throughput"]
+CHECKS = ["nccl", "te_spec", "bf16_policy", "bf16_critic", "offload", "policy_process", "vllm", "throughput"]
 # Seconds each check is given on an H200 (the run's budget decides which still start).
 LIMIT_S = {"nccl": 60, "te_spec": 90, "bf16_policy": 90, "bf16_critic": 90, "offload": 120,
-           "vllm": 240, "throughput": 180}  # fmt: skip
+           "policy_process": 180, "vllm": 240, "throughput": 180}  # fmt: skip
 MFU_GOAL = 0.40
 
 
@@ -293,6 +293,83 @@ def _max_ulps(weights: dict, reference: dict) -> float:
         ulp = torch.ldexp(torch.ones_like(ref), torch.frexp(ref.abs().clamp_min(2.0**-126)).exponent - 8)
         worst = max(worst, ((weights[name].float() - ref).abs() / ulp).max().item())
     return worst
+
+
+def check_policy_process(cpu: bool) -> dict:
+    """`megatron-rl train-policy` under torchrun (one rank; bf16 on CUDA): two steps from a ZMQ
+    grid stream, then its metrics, checkpoint and published HF weights (path (a))."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.models.tiny import make_tiny_model
+    from megatron_rl.parallel import free_port
+    from megatron_rl.testing.configs import write_config
+    from megatron_rl.testing.ranks import hf_logits
+    from megatron_rl.testing.samples import training_samples
+    from megatron_rl.transport import GridSender
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        hf_dir = make_tiny_model("qwen3", tmp / "model", seed=3, hidden_size=128)
+        deployment = {"gpus_per_node": 3, "policy_gpus": 1}
+        if not cpu:
+            deployment["device"] = "cuda"
+        resolved, path = write_config(
+            tmp, hf_dir, 2, [free_port() for _ in range(4)], deployment=deployment,
+            model={"dtype": "float32" if cpu else "bfloat16"},
+            inference={"backend": "vllm-cpu" if cpu else "vllm"},
+        )  # fmt: skip
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr",
+                   "127.0.0.1", "--master_port", str(free_port()), "-m", "megatron_rl.launch.cli",
+                   "train-policy", "--config", str(path)]  # fmt: skip
+        vocab = resolved.layout.policy_architecture.vocab_size
+        began = time.perf_counter()
+        with GridSender(
+            "127.0.0.1", resolved.transport.policy_port, data_parallel_size=1, name="policy"
+        ) as sender:
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            try:
+                sender.wait_for_receivers(timeout_s=120)
+                for step in range(2):
+                    grid = pack_into_grid(training_samples(6, vocab, seed=step), resolved.model.seq_len, 1)
+                    sender.publish(step, grid, timeout_s=60)
+                    sender.wait_delivered(step, timeout_s=120)
+                output, _ = process.communicate(timeout=120)
+            finally:
+                if process.poll() is None:
+                    process.kill()
+        seconds = time.perf_counter() - began
+        if process.returncode != 0:
+            raise AssertionError(f"train-policy exited {process.returncode}:\n{output[-3000:]}")
+        records = [
+            json.loads(line) for line in (tmp / "logs" / "policy_metrics.jsonl").read_text().splitlines()
+        ]
+        published = tmp / "published" / "version_00000002"
+        ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(0))
+        moved = (hf_logits(published, ids) - hf_logits(hf_dir, ids)).abs().max().item()
+        figures = {
+            "steps": [r["step"] for r in records],
+            "losses": [r["loss"] for r in records],
+            "grad_norms": [r["grad_norm"] for r in records],
+            "checkpoint": (tmp / "checkpoints" / "policy" / "latest").read_text().strip(),
+            "published_logits_moved": moved,
+            "seconds": seconds,
+        }
+    finite = all(
+        v is not None and v == v and abs(v) < float("inf") for v in figures["losses"] + figures["grad_norms"]
+    )
+    if (
+        figures["steps"] != [0, 1]
+        or not finite
+        or figures["checkpoint"] != "step_00000001"
+        or not moved > 1e-4
+    ):
+        raise AssertionError(f"the policy process on this device: {figures}")
+    return figures
 
 
 def check_vllm(cpu: bool) -> dict:
