@@ -35,7 +35,8 @@ def test_checks_run_at_toy_sizes_on_cpu(tmp_path):
     status = {r["check"]: r["status"] for r in report["checks"]}
     assert status == {
         "nccl": "PASS", "te_spec": "NOT RUN", "bf16_policy": "PASS", "bf16_critic": "PASS",
-        "offload": "NOT RUN", "policy_process": "PASS", "vllm": "NOT RUN", "throughput": "PASS",
+        "offload": "NOT RUN", "policy_process": "PASS", "critic_process": "PASS", "vllm": "NOT RUN",
+        "throughput": "PASS",
     }  # fmt: skip
     checks = {r["check"]: r for r in report["checks"]}
     assert "CUDA" in checks["offload"]["detail"] and "CUDA" in checks["te_spec"]["detail"]

@@ -23,6 +23,8 @@ The checks themselves, with their criteria, are in tests/gpu/checks.py.
                the uninterrupted step-2 loss and weights
   policy_process  `megatron-rl train-policy` under torchrun (one rank, bf16): two steps from a
                ZMQ grid stream, finite metrics, a checkpoint, published HF weights that moved
+  critic_process  `megatron-rl critic` on one rank: HTTP scoring, two value-training steps from
+               ZMQ that lower the value loss of the scored sequences, a checkpoint
   vllm         the vLLM GPU build serves a tiny model, takes published weights (path (a),
                safetensors + reload) and then generates what transformers predicts on them
   throughput   tokens/s and MFU of forward+backward (bf16; the local spec, and TE's where it is

@@ -9,10 +9,20 @@ import tempfile
 import time
 from pathlib import Path
 
-CHECKS = ["nccl", "te_spec", "bf16_policy", "bf16_critic", "offload", "policy_process", "vllm", "throughput"]
+CHECKS = [
+    "nccl",
+    "te_spec",
+    "bf16_policy",
+    "bf16_critic",
+    "offload",
+    "policy_process",
+    "critic_process",
+    "vllm",
+    "throughput",
+]
 # Seconds each check is given on an H200 (the run's budget decides which still start).
 LIMIT_S = {"nccl": 60, "te_spec": 90, "bf16_policy": 90, "bf16_critic": 90, "offload": 120,
-           "policy_process": 180, "vllm": 240, "throughput": 180}  # fmt: skip
+           "policy_process": 180, "critic_process": 180, "vllm": 240, "throughput": 180}  # fmt: skip
 MFU_GOAL = 0.40
 
 
@@ -369,6 +379,66 @@ def check_policy_process(cpu: bool) -> dict:
         or not moved > 1e-4
     ):
         raise AssertionError(f"the policy process on this device: {figures}")
+    return figures
+
+
+def check_critic_process(cpu: bool) -> dict:
+    """`megatron-rl critic` on one rank (on the device): HTTP scoring, then two value-training
+    steps from a ZMQ grid stream lower the value loss of the same sequences; checkpointed."""
+    import asyncio
+
+    import numpy as np
+
+    from megatron_rl.critic.client import HttpValueScorer
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.models.tiny import make_tiny_model
+    from megatron_rl.testing.critic import critic_config, critic_url, start_critic
+    from megatron_rl.testing.samples import training_samples
+    from megatron_rl.transport import GridSender
+
+    def value_loss(result, samples) -> float:
+        errors = [
+            (np.asarray(v) - s.returns)[s.loss_mask] for v, s in zip(result.values, samples, strict=True)
+        ]
+        return 0.5 * float(np.mean(np.concatenate(errors) ** 2))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        hf_dir = make_tiny_model("qwen3", tmp / "model", seed=3, hidden_size=128)
+        deployment = {} if cpu else {"device": "cuda"}
+        resolved, path = critic_config(tmp, hf_dir, world=1, num_steps=2, deployment=deployment)
+        samples = training_samples(8, resolved.layout.critic_architecture.vocab_size, seed=21)
+        request = [s.token_ids.tolist() for s in samples]
+        grid = pack_into_grid(samples, resolved.value.model.seq_len, 1)
+
+        async def run(sender):
+            scorer = HttpValueScorer(critic_url(resolved))
+            try:
+                losses = [value_loss(await scorer.score(request), samples)]
+                for step in range(2):
+                    sender.publish(step, grid, timeout_s=60)
+                    await scorer.wait_trained(step, timeout_s=120)
+                    losses.append(value_loss(await scorer.score(request), samples))
+                return losses, await scorer.status()
+            finally:
+                await scorer.close()
+
+        began = time.perf_counter()
+        with start_critic(resolved, path, tmp / "ranks") as ranks:
+            with GridSender("127.0.0.1", resolved.transport.critic_port, data_parallel_size=1,
+                            name="critic") as sender:  # fmt: skip
+                try:
+                    losses, status = asyncio.run(run(sender))
+                except Exception as exc:
+                    raise AssertionError(f"{exc}; critic log:\n{ranks.output()[-3000:]}") from exc
+        figures = {
+            "value_losses": losses,
+            "trained_step": status["trained_step"],
+            "checkpoint": (tmp / "checkpoints" / "critic" / "latest").read_text().strip(),
+            "seconds": time.perf_counter() - began,
+        }
+    if not losses[-1] < losses[0] or figures["checkpoint"] != "step_00000001":
+        raise AssertionError(f"the critic process on this device: {figures}")
     return figures
 
 
