@@ -8,7 +8,8 @@ Each check runs in its own process (a crash, a hang or CUDA's out-of-memory in o
 others their say) on one rank (NCCL on CUDA, gloo on CPU) and reports PASS, FAIL, NOT RUN (with
 why: no TransformerEngine, no vLLM, no CUDA, no time left) or BELOW GOAL (the throughput goal);
 FAIL makes the exit status 1. The record goes to benchmarks/results/gpu.json (CUDA) or --out.
-The checks themselves, with their criteria, are in tests/gpu/checks.py.
+The checks themselves, with their criteria, are in tests/gpu/checks.py (in this process) and
+tests/gpu/process_checks.py (the policy, critic and vLLM processes).
 
   nccl         the default and megatron groups on the collective device: all-reduce, broadcast_bytes
   te_spec      TransformerEngine layer spec vs the local spec, same weights, packed THD input:
@@ -46,7 +47,7 @@ import time
 import traceback
 from pathlib import Path
 
-from tests.gpu import checks
+from tests.gpu import checks, process_checks
 from tests.gpu.checks import CHECKS, LIMIT_S, MFU_GOAL, NotRun, preflight
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +61,8 @@ def run_one(name: str, cpu: bool, result: Path) -> None:
         import megatron_rl.compat  # noqa: F401
 
         checks.init()
-        record.update(status="PASS", figures=getattr(checks, f"check_{name}")(cpu))
+        check = getattr(checks, f"check_{name}", None) or getattr(process_checks, f"check_{name}")
+        record.update(status="PASS", figures=check(cpu))
         if name == "throughput" and not cpu:
             best = max(r["mfu"] for r in record["figures"]["rows"])
             if best < MFU_GOAL:

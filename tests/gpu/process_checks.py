@@ -1,0 +1,201 @@
+"""The GPU checks that start processes: the policy and critic processes as `megatron-rl run`
+starts them, and a vLLM server (tests/gpu/check.py runs each in a process of its own)."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from tests.gpu.checks import LIMIT_S
+
+
+def check_policy_process(cpu: bool) -> dict:
+    """`megatron-rl train-policy` under torchrun (one rank; bf16 on CUDA): two steps from a ZMQ
+    grid stream, then its metrics, checkpoint and published HF weights (path (a))."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.models.tiny import make_tiny_model
+    from megatron_rl.parallel import free_port
+    from megatron_rl.testing.configs import write_config
+    from megatron_rl.testing.ranks import hf_logits
+    from megatron_rl.testing.samples import training_samples
+    from megatron_rl.transport import GridSender
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        hf_dir = make_tiny_model("qwen3", tmp / "model", seed=3, hidden_size=128)
+        deployment = {"gpus_per_node": 3, "policy_gpus": 1}
+        if not cpu:
+            deployment["device"] = "cuda"
+        resolved, path = write_config(
+            tmp, hf_dir, 2, [free_port() for _ in range(4)], deployment=deployment,
+            model={"dtype": "float32" if cpu else "bfloat16"},
+            inference={"backend": "vllm-cpu" if cpu else "vllm"},
+        )  # fmt: skip
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr",
+                   "127.0.0.1", "--master_port", str(free_port()), "-m", "megatron_rl.launch.cli",
+                   "train-policy", "--config", str(path)]  # fmt: skip
+        vocab = resolved.layout.policy_architecture.vocab_size
+        began = time.perf_counter()
+        with GridSender(
+            "127.0.0.1", resolved.transport.policy_port, data_parallel_size=1, name="policy"
+        ) as sender:
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            try:
+                sender.wait_for_receivers(timeout_s=120)
+                for step in range(2):
+                    grid = pack_into_grid(training_samples(6, vocab, seed=step), resolved.model.seq_len, 1)
+                    sender.publish(step, grid, timeout_s=60)
+                    sender.wait_delivered(step, timeout_s=120)
+                output, _ = process.communicate(timeout=120)
+            finally:
+                if process.poll() is None:
+                    process.kill()
+        seconds = time.perf_counter() - began
+        if process.returncode != 0:
+            raise AssertionError(f"train-policy exited {process.returncode}:\n{output[-3000:]}")
+        records = [
+            json.loads(line) for line in (tmp / "logs" / "policy_metrics.jsonl").read_text().splitlines()
+        ]
+        published = tmp / "published" / "version_00000002"
+        ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(0))
+        moved = (hf_logits(published, ids) - hf_logits(hf_dir, ids)).abs().max().item()
+        figures = {
+            "steps": [r["step"] for r in records],
+            "losses": [r["loss"] for r in records],
+            "grad_norms": [r["grad_norm"] for r in records],
+            "checkpoint": (tmp / "checkpoints" / "policy" / "latest").read_text().strip(),
+            "published_logits_moved": moved,
+            "seconds": seconds,
+        }
+    finite = all(
+        v is not None and v == v and abs(v) < float("inf") for v in figures["losses"] + figures["grad_norms"]
+    )
+    if (
+        figures["steps"] != [0, 1]
+        or not finite
+        or figures["checkpoint"] != "step_00000001"
+        or not moved > 1e-4
+    ):
+        raise AssertionError(f"the policy process on this device: {figures}")
+    return figures
+
+
+def check_critic_process(cpu: bool) -> dict:
+    """`megatron-rl critic` on one rank (on the device): HTTP scoring, then two value-training
+    steps from a ZMQ grid stream lower the value loss of the same sequences; checkpointed."""
+    import asyncio
+
+    import numpy as np
+
+    from megatron_rl.critic.client import HttpValueScorer
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.models.tiny import make_tiny_model
+    from megatron_rl.testing.critic import critic_config, critic_url, start_critic
+    from megatron_rl.testing.samples import training_samples
+    from megatron_rl.transport import GridSender
+
+    def value_loss(result, samples) -> float:
+        errors = [
+            (np.asarray(v) - s.returns)[s.loss_mask] for v, s in zip(result.values, samples, strict=True)
+        ]
+        return 0.5 * float(np.mean(np.concatenate(errors) ** 2))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        hf_dir = make_tiny_model("qwen3", tmp / "model", seed=3, hidden_size=128)
+        deployment = {} if cpu else {"device": "cuda"}
+        resolved, path = critic_config(tmp, hf_dir, world=1, num_steps=2, deployment=deployment)
+        samples = training_samples(8, resolved.layout.critic_architecture.vocab_size, seed=21)
+        request = [s.token_ids.tolist() for s in samples]
+        grid = pack_into_grid(samples, resolved.value.model.seq_len, 1)
+
+        async def run(sender):
+            scorer = HttpValueScorer(critic_url(resolved))
+            try:
+                losses = [value_loss(await scorer.score(request), samples)]
+                for step in range(2):
+                    sender.publish(step, grid, timeout_s=60)
+                    await scorer.wait_trained(step, timeout_s=120)
+                    losses.append(value_loss(await scorer.score(request), samples))
+                return losses, await scorer.status()
+            finally:
+                await scorer.close()
+
+        began = time.perf_counter()
+        with start_critic(resolved, path, tmp / "ranks") as ranks:
+            with GridSender("127.0.0.1", resolved.transport.critic_port, data_parallel_size=1,
+                            name="critic") as sender:  # fmt: skip
+                try:
+                    losses, status = asyncio.run(run(sender))
+                except Exception as exc:
+                    raise AssertionError(f"{exc}; critic log:\n{ranks.output()[-3000:]}") from exc
+        figures = {
+            "value_losses": losses,
+            "trained_step": status["trained_step"],
+            "checkpoint": (tmp / "checkpoints" / "critic" / "latest").read_text().strip(),
+            "seconds": time.perf_counter() - began,
+        }
+    if not losses[-1] < losses[0] or figures["checkpoint"] != "step_00000001":
+        raise AssertionError(f"the critic process on this device: {figures}")
+    return figures
+
+
+def check_vllm(cpu: bool) -> dict:
+    import asyncio
+
+    import torch
+
+    from megatron_rl.inference.pool import WeightSync
+    from megatron_rl.inference.rollout import RolloutClient, SamplingParams
+    from megatron_rl.inference.vllm_server import VllmServer
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.checkpoint_io import read_architecture
+    from megatron_rl.models.tiny import make_tiny_model
+    from megatron_rl.parallel import free_port
+    from megatron_rl.policy.publish import publish_hf_weights
+    from megatron_rl.testing.inference import hf_token_logprobs
+    from megatron_rl.trainer.weights import load_initial_weights
+
+    prompt = [5, 17, 42, 99, 7]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        hf_dir = make_tiny_model("qwen3", tmp / "model", seed=3, hidden_size=128)
+        server = VllmServer(hf_dir, free_port(), tmp / "vllm.log", device="cpu" if cpu else "cuda", max_model_len=256,
+                            gpu_memory_utilization=0.3, extra_args=["--dtype", "float32"])  # fmt: skip
+        try:
+            began = time.perf_counter()
+            server.wait_ready(timeout_s=LIMIT_S["vllm"] - 60)
+            startup_s = time.perf_counter() - began
+            arch = read_architecture(hf_dir)
+            model = build_gpt_model(arch)
+            load_initial_weights(model, hf_dir, arch)
+            torch.manual_seed(1)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+            published = publish_hf_weights(model, arch, tmp / "published", 1, hf_side_files=hf_dir)
+            sync = WeightSync([server.control], router=None)
+            update_s = sync.update(1, published)
+
+            async def greedy():
+                async with RolloutClient(server.url, server.served_model_name, [server.url],
+                                         version_source=lambda: sync.version) as client:  # fmt: skip
+                    return await client.complete(prompt, SamplingParams(temperature=0, max_tokens=8), "gpu")
+
+            completion = asyncio.run(greedy())
+        finally:
+            server.stop()
+        expected = hf_token_logprobs(published, prompt + completion.token_ids, len(prompt))
+    err = max(abs(a - b) for a, b in zip(completion.logprobs, expected, strict=True))
+    figures = {"startup_s": startup_s, "update_s": update_s, "max_abs_logprob_err": err,
+               "policy_version": completion.policy_version}  # fmt: skip
+    if err > 2e-2 or completion.policy_version != 1:
+        raise AssertionError(f"vLLM after the update disagrees with transformers: {figures}")
+    return figures
