@@ -63,15 +63,14 @@ def score_sequences(model, request: list[list[int]] | None, seq_len: int) -> Sco
     grid = pack_into_grid(samples, seq_len, dp, cp, sequence_parallel_size=sp)
     lengths = np.array([len(ids) for ids in sequences], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    device = collective_device()
-    head = torch.zeros(int(offsets[-1]), dtype=torch.float32, device=device)  # head output per token
+    head = torch.zeros(int(offsets[-1]), dtype=torch.float32, device=collective_device())  # head output per token
     # Dropout is the only train/eval difference in these models; switching modes walks every
     # module (about 0.7 ms per request on a 2-layer model), so only do it when dropout is on.
     toggle = model.training and (model.config.hidden_dropout > 0 or model.config.attention_dropout > 0)
     if toggle:
         model.eval()
     micro_batches = grid[ps.get_data_parallel_rank()]
-    for mb, values in zip(micro_batches, _forward(model, micro_batches, device)):
+    for mb, values in zip(micro_batches, _forward(model, micro_batches)):
         if mb.is_dummy or values is None:  # values is None off the last pipeline stage
             continue
         for start, end in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:]):
@@ -94,12 +93,12 @@ def score_sequences(model, request: list[list[int]] | None, seq_len: int) -> Sco
     return ScoreResult(values=values_out, bootstrap_values=bootstrap)
 
 
-def _forward(model, micro_batches, device) -> list[torch.Tensor | None]:
+def _forward(model, micro_batches) -> list[torch.Tensor | None]:
     """The head output of every micro-batch over its whole packed row (CP slices gathered), on
     the last pipeline stage; None on other stages."""
 
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    batches = [rank_batch(mb, cp_rank, cp, device=device) for mb in micro_batches]
+    batches = [rank_batch(mb, cp_rank, cp) for mb in micro_batches]
     outputs = forward_only(model, batches, lambda values, batch: values[0].float())
     if outputs is None:
         return [None] * len(batches)

@@ -161,17 +161,17 @@ class VllmServer:
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                _signal_group(self.process, signal.SIGKILL)
+                signal_group(self.process, signal.SIGKILL)
                 self.process.wait()
         if self.process is not None:
-            _signal_group(self.process, signal.SIGKILL)
+            signal_group(self.process, signal.SIGKILL)
         if self._log is not None:
             self._log.close()
 
     def kill(self) -> None:
         """SIGKILL to the whole server (a crash, for tests and fault handling)."""
         if self.alive():
-            _signal_group(self.process, signal.SIGKILL)
+            signal_group(self.process, signal.SIGKILL)
             self.process.wait()
 
     def __enter__(self) -> VllmServer:
@@ -181,7 +181,8 @@ class VllmServer:
         self.stop()
 
 
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
+def signal_group(process: subprocess.Popen, sig: int) -> None:
+    """`sig` to the process group `process` leads (nothing when it is empty)."""
     try:
         os.killpg(process.pid, sig)
     except (ProcessLookupError, PermissionError):

@@ -38,7 +38,7 @@ from megatron_rl.config import load_config
 from megatron_rl.inference.pool import InferencePool, router_settings, served_model_dir
 from megatron_rl.inference.router import router_command
 from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
-from megatron_rl.inference.vllm_server import log_tail
+from megatron_rl.inference.vllm_server import log_tail, signal_group
 from megatron_rl.launch.ports import lost_port, probe_ports
 from megatron_rl.lifetime import bound_to_parent
 
@@ -304,10 +304,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 component.signal(signal.SIGKILL)
                 component.process.wait()
-            try:  # whatever the component left in its process group
-                os.killpg(component.process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            signal_group(component.process, signal.SIGKILL)  # what the component left in its group
 
     def run(self, model_name: str, startup_timeout_s: float) -> int:
         previous = signal.signal(signal.SIGINT, self._interrupt)

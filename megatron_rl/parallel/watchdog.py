@@ -78,13 +78,14 @@ class PeerWatchdog:
         self._store = _connect(host, port, timeout_s)
         self._peers = [r for r in range(world_size) if r != rank]
         self._keys = [heartbeat_key(r) for r in self._peers]
+        self._key = heartbeat_key(rank)
         now = time.monotonic()
         self._seen = {r: (-1, now) for r in self._peers}  # peer -> (counter, when it last moved)
         self._store_failing_since: float | None = None
         self._store_error = ""
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._store.add(heartbeat_key(rank), 1)
+        self._store.add(self._key, 1)
         self._thread = threading.Thread(
             target=self._run, name=f"PeerWatchdog[{role} rank {rank}]", daemon=True
         )
@@ -108,7 +109,7 @@ class PeerWatchdog:
         with self._lock:
             now = time.monotonic()
             try:
-                self._store.add(heartbeat_key(self.rank), 1)
+                self._store.add(self._key, 1)
                 counters = self._read_counters()
             except Exception as exc:  # the store's host is gone, or the network
                 if any(count >= FINISHED for count, _ in self._seen.values()):
@@ -198,7 +199,7 @@ class PeerWatchdog:
         self._thread.join(timeout=2 * self.interval_s + 5)
         if finished:
             try:
-                self._store.add(heartbeat_key(self.rank), FINISHED)
+                self._store.add(self._key, FINISHED)
             except Exception as exc:  # the store's host left first: nobody is left to tell
                 log.debug("%s: could not mark the heartbeat finished: %s", self._me(), exc)
 

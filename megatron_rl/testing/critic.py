@@ -7,6 +7,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from megatron_rl.config import load_config
@@ -84,6 +85,13 @@ def critic_config(
     out = tmp_path / "resolved.json"
     out.write_text(resolved.to_json())
     return resolved, out
+
+
+def value_loss(result, samples) -> float:
+    """0.5 * mean squared error of scored values (a ScoreResult) against the samples' returns on
+    their action tokens."""
+    errors = [(np.asarray(v) - s.returns)[s.loss_mask] for v, s in zip(result.values, samples, strict=True)]
+    return 0.5 * float(np.mean(np.concatenate(errors) ** 2))
 
 
 def critic_url(resolved) -> str:

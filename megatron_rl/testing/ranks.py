@@ -55,7 +55,6 @@ def hf_logits(directory, input_ids):
     """The transformers reference: logits of the HF model in `directory` (float32, eval)."""
     from transformers import AutoModelForCausalLM  # heavy: only for the tests that compare with it
 
-
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(input_ids).logits

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megatron_rl import compat
 from megatron_rl.data.types import MicroBatch
 
 
@@ -40,8 +41,10 @@ def _shift(array: np.ndarray, sequence_ends: np.ndarray, fill) -> np.ndarray:
     return shifted
 
 
-def rank_batch(mb: MicroBatch, cp_rank: int = 0, cp_size: int = 1, device=None) -> RankBatch:
-    """The next-token-aligned slice of `mb` for one CP rank."""
+def rank_batch(mb: MicroBatch, cp_rank: int = 0, cp_size: int = 1) -> RankBatch:
+    """The next-token-aligned slice of `mb` for one CP rank, on the device the model lives on
+    (compat.device(): CUDA under NCCL, the CPU under gloo)."""
+    device = compat.device()
     total = mb.num_tokens
     if total % cp_size:
         raise ValueError(f"micro-batch of {total} tokens is not divisible by cp {cp_size} (packer bug)")

@@ -47,7 +47,7 @@ def train_step(
 
     cp_rank = parallel_state.get_context_parallel_rank()
     cp_size = parallel_state.get_context_parallel_world_size()
-    batches = [rank_batch(mb, cp_rank, cp_size, device=collective_device()) for mb in micro_batches]
+    batches = [rank_batch(mb, cp_rank, cp_size) for mb in micro_batches]
     if reference is not None:
         set_reference_logprobs(reference, batches)
     for chunk in trainable.model:

@@ -17,7 +17,7 @@ from megatron_rl.config import load_resolved
 from megatron_rl.critic.client import CriticError, CriticRequestError, HttpValueScorer
 from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.parallel import free_port
-from megatron_rl.testing.critic import critic_config, critic_url, start_critic
+from megatron_rl.testing.critic import critic_config, critic_url, start_critic, value_loss
 from megatron_rl.testing.samples import training_samples
 from megatron_rl.transport import GridSender
 
@@ -187,12 +187,6 @@ def test_sparse_large_and_concurrent_requests(critic):
     np.testing.assert_allclose(one.values[0], large.values[0], atol=1e-5, rtol=0)
     for got, expected in zip(concurrent, references):
         assert_same(got, expected)
-
-
-def value_loss(result, samples) -> float:
-    """0.5 * mean squared error of the scored values against the returns on action tokens."""
-    errors = [(np.asarray(v) - s.returns)[s.loss_mask] for v, s in zip(result.values, samples)]
-    return 0.5 * float(np.mean(np.concatenate(errors) ** 2))
 
 
 def test_training_from_the_zmq_stream_lowers_the_value_loss(critic):

@@ -104,7 +104,6 @@ def _model(arch, dtype: str, full=None, critic: bool = False, transformer_engine
 def _token_outputs(model, micro_batches, critic: bool) -> list:
     """Per-token log-probabilities of the targets (policy) or values (critic), float32 on CPU."""
     from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
-    from megatron_rl.parallel import collective_device
     from megatron_rl.trainer.batches import rank_batch
     from megatron_rl.trainer.forward import forward_only
 
@@ -113,7 +112,7 @@ def _token_outputs(model, micro_batches, critic: bool) -> list:
             return out[0].float().cpu()
         return megatron_vocab_parallel_logprobs(out[0].float(), batch.targets)[0].cpu()
 
-    batches = [rank_batch(mb, device=collective_device()) for mb in micro_batches]
+    batches = [rank_batch(mb) for mb in micro_batches]
     model.eval()
     try:
         return forward_only(model, batches, output)
@@ -366,13 +365,12 @@ def _fwd_bwd(model, arch, tokens: int, peak_tflops: float) -> dict:
     from megatron_rl.data.types import TrainingSample
     from megatron_rl.models.attention import packed_seq_params
     from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
-    from megatron_rl.parallel import collective_device
     from megatron_rl.trainer.batches import rank_batch
 
     sample = TrainingSample(token_ids=np.random.default_rng(tokens).integers(0, arch.vocab_size, tokens),
                             loss_mask=np.ones(tokens, dtype=bool), inference_logprobs=np.zeros(tokens),
                             reward=0.0)  # fmt: skip
-    batch = rank_batch(pack_into_grid([sample], tokens, 1)[0][0], device=collective_device())
+    batch = rank_batch(pack_into_grid([sample], tokens, 1)[0][0])
     thd = packed_seq_params(batch.cu_seqlens, batch.total_tokens)
 
     def step():

@@ -15,11 +15,11 @@ def check_policy_process(cpu: bool) -> dict:
     grid stream, then its metrics, checkpoint and published HF weights (path (a))."""
     import json
     import subprocess
-    import sys
 
     import torch
 
     from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.launch.local import torchrun_command
     from megatron_rl.models.tiny import make_tiny_model
     from megatron_rl.parallel import free_port
     from megatron_rl.testing.configs import write_config
@@ -38,9 +38,7 @@ def check_policy_process(cpu: bool) -> dict:
             model={"dtype": "float32" if cpu else "bfloat16"},
             inference={"backend": "vllm-cpu" if cpu else "vllm"},
         )  # fmt: skip
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr",
-                   "127.0.0.1", "--master_port", str(free_port()), "-m", "megatron_rl.launch.cli",
-                   "train-policy", "--config", str(path)]  # fmt: skip
+        command = torchrun_command(1, free_port(), ["train-policy", "--config", str(path)])
         vocab = resolved.layout.policy_architecture.vocab_size
         began = time.perf_counter()
         with GridSender(
@@ -92,20 +90,12 @@ def check_critic_process(cpu: bool) -> dict:
     steps from a ZMQ grid stream lower the value loss of the same sequences; checkpointed."""
     import asyncio
 
-    import numpy as np
-
     from megatron_rl.critic.client import HttpValueScorer
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.tiny import make_tiny_model
-    from megatron_rl.testing.critic import critic_config, critic_url, start_critic
+    from megatron_rl.testing.critic import critic_config, critic_url, start_critic, value_loss
     from megatron_rl.testing.samples import training_samples
     from megatron_rl.transport import GridSender
-
-    def value_loss(result, samples) -> float:
-        errors = [
-            (np.asarray(v) - s.returns)[s.loss_mask] for v, s in zip(result.values, samples, strict=True)
-        ]
-        return 0.5 * float(np.mean(np.concatenate(errors) ** 2))
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
