@@ -96,7 +96,7 @@ class InferenceConfig(Strict):
     # First compiles on a GPU take many minutes: generous by default.
     startup_timeout_s: float = Field(default=1800.0, gt=0)
     # vLLM's --shutdown-timeout: on SIGTERM a server waits up to this long for requests in flight.
-    # 0 leaves the option out (vLLM then aborts at once and often logs an EngineDeadError
+    # 0 leaves the option out (vLLM then aborts at once and usually logs an EngineDeadError
     # traceback while stopping; also the value for a vLLM from before 2026-03, which lacks it).
     shutdown_timeout_s: int = Field(default=1, ge=0)
     # Longer than the longest rollout (router request and queue timeouts, the rollout client's).
