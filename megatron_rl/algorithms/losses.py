@@ -1,9 +1,13 @@
 """Token-level losses: PPO clip, SAO's direct double-sided importance sampling (DIS), value,
-KL to a reference policy; and `policy_objective(config)`, the policy loss an algorithm trains with.
+KL to a reference policy (k1 / k2 / k3), entropy; and `policy_objective(config)`, the policy loss
+an algorithm trains with.
 
 Every loss is a sum over masked tokens, not a mean: the trainer's models set megatron's
-`calculate_per_token_loss`, so megatron divides the gradients by the global action-token count
-(all DP and CP ranks) and the result does not depend on how tokens were packed or sharded.
+`calculate_per_token_loss`, so megatron divides the gradients by the global normaliser (the
+action-token count over all DP and CP ranks for `token-mean`; see algorithms/aggregation.py for
+the others) and the result does not depend on how tokens were packed or sharded. The policy
+losses take optional per-token `weights` (detached): the loss aggregation's per-token factor
+times the rollout-correction weight (algorithms/rollout_correction.py); None means 1.
 Each returns (loss sum, metrics); metrics are summed statistics of this call (`*_sum` and
 `num_tokens`) so the trainer can reduce them globally, plus min/max where useful.
 """
@@ -43,8 +47,17 @@ def _ratio_metrics(
         "ratio_sum": masked.sum().to(torch.float64),
         "ratio_min": masked.min() if masked.numel() else ratio.new_tensor(float("inf")),
         "ratio_max": masked.max() if masked.numel() else ratio.new_tensor(float("-inf")),
-        "approx_kl_sum": approx_kl[mask].sum().to(torch.float64),
+        "approx_kl_sum": approx_kl[mask].sum(),
+        # k1 of KL(old || new) is E[log old - log new]; chi-squared E[r^2] - 1 (both float64).
+        "log_ratio_sum": log_ratio64[mask].sum(),
+        "ratio_squared_sum": torch.exp(2.0 * log_ratio64[mask]).sum(),
     }
+
+
+def _weighted_sum(per_token: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    if weights is not None:
+        per_token = per_token * weights
+    return torch.where(mask, per_token, 0.0).sum()
 
 
 def ppo_clip_loss(
@@ -55,10 +68,12 @@ def ppo_clip_loss(
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     dual_clip: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """sum_t mask_t * -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t).
+    """sum_t mask_t * w_t * -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t).
 
-    With `dual_clip` c > 1, tokens with A_t < 0 are further bounded: loss_t = min(loss_t, -c A_t).
+    With `dual_clip` c > 1, tokens with A_t < 0 are further bounded: loss_t = min(loss_t, -c A_t)
+    (verl's `clip_ratio_c`). `eps_high` > `eps_low` is DAPO's clip-higher. w_t: `weights`.
     """
     mask = mask.bool()
     log_ratio, ratio = _log_ratio(logprobs, old_logprobs)
@@ -71,7 +86,7 @@ def ppo_clip_loss(
         dual_active = (advantages < 0) & (per_token > bound)
         per_token = torch.where(dual_active, bound, per_token)
         clip_active = clip_active | dual_active
-    loss = torch.where(mask, per_token, 0.0).sum()
+    loss = _weighted_sum(per_token, mask, weights)
     metrics = _ratio_metrics(ratio, log_ratio, mask)
     metrics["clipped_sum"] = (clip_active & mask).sum().to(torch.float64)
     return loss, metrics
@@ -84,8 +99,9 @@ def sao_dis_loss(
     mask: torch.Tensor,
     eps_low: float = 0.3,
     eps_high: float = 5.0,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """SAO's DIS: sum_t mask_t * -1[1 - eps_low < r_t < 1 + eps_high] * r_t * A_t.
+    """SAO's DIS: sum_t mask_t * w_t * -1[1 - eps_low < r_t < 1 + eps_high] * r_t * A_t.
 
     The indicator is not differentiated; both tails are masked whatever the sign of A_t, and
     masked-out tokens still count in the global token count that megatron divides by.
@@ -95,7 +111,7 @@ def sao_dis_loss(
     with torch.no_grad():
         inside = (ratio > 1.0 - eps_low) & (ratio < 1.0 + eps_high)
     per_token = -ratio * advantages
-    loss = torch.where(mask & inside, per_token, 0.0).sum()
+    loss = _weighted_sum(per_token, mask & inside, weights)
     metrics = _ratio_metrics(ratio, log_ratio, mask)
     metrics["clipped_sum"] = (mask & ~inside).sum().to(torch.float64)  # tokens the band masked out
     return loss, metrics
@@ -136,17 +152,46 @@ def value_loss(
     return loss, metrics
 
 
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+
+
+def reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from the sampled token's log-probs (verl's
+    `kl_penalty`): with k = log pi_theta - log pi_ref,
+      k1: k (unbiased, can be negative);  k2: k^2 / 2;
+      k3 = low_var_kl: exp(-k) + k - 1 (non-negative, zero and flat where the policies agree), with
+      -k clamped to [-20, 20] and the result to at most 10, as verl does."""
+    k = logprobs - ref_logprobs.to(logprobs.dtype)
+    if estimator == "k1":
+        return k
+    if estimator == "k2":
+        return 0.5 * k.square()
+    if estimator in ("k3", "low_var_kl"):
+        delta = torch.clamp(-k, -20.0, 20.0)
+        return torch.clamp(torch.exp(delta) - delta - 1.0, max=10.0)
+    raise ValueError(f"algorithm.kl_estimator: unknown {estimator!r}; choose from {list(KL_ESTIMATORS)}")
+
+
 def reference_kl_loss(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    estimator: str = "k3",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """KL(pi_theta || pi_ref) per action token with the low-variance k3 estimator
-    exp(d) - d - 1, d = logp_ref - logp_theta (non-negative, zero and flat where the policies
-    agree; the GRPO paper's form), summed over masked tokens."""
+    """sum_t mask_t * w_t * KL_t(pi_theta || pi_ref), KL_t from `reference_kl(estimator)` (the GRPO
+    paper's form is k3). Metrics: the unweighted sum over masked tokens."""
     mask = mask.bool()
-    delta = ref_logprobs.to(logprobs.dtype) - logprobs
-    kl = torch.exp(delta) - delta - 1.0
-    loss = torch.where(mask, kl, 0.0).sum()
+    kl = reference_kl(logprobs, ref_logprobs, estimator)
+    loss = _weighted_sum(kl, mask, weights)
     return loss, {"kl_ref_sum": torch.where(mask, kl.detach(), 0.0).sum().to(torch.float64)}
+
+
+def entropy_bonus(
+    entropy: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """sum_t mask_t * w_t * H_t: what `entropy_coef` times is subtracted from the policy loss."""
+    return _weighted_sum(entropy, mask.bool(), weights)
 
 
 PolicyObjective = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -154,7 +199,7 @@ PolicyObjective = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 def policy_objective(config: AlgorithmConfig) -> PolicyObjective:
     """The policy loss `algorithm.type` trains with, as `f(logprobs, old_logprobs, advantages,
-    mask)`: SAO's DIS band, or the clipped PPO objective (GRPO and PPO)."""
+    mask, weights=None)`: SAO's DIS band, or the clipped PPO objective (GRPO and PPO)."""
     if config.type == "sao":
         return partial(sao_dis_loss, eps_low=config.eps_low, eps_high=config.eps_high)
     return partial(ppo_clip_loss, eps_low=config.eps_low, eps_high=config.eps_high, dual_clip=config.dual_clip)

@@ -1,10 +1,12 @@
-"""The `algorithm` section: GRPO, PPO or SAO and their coefficients."""
+"""The `algorithm` section: GRPO, PPO or SAO, their coefficients, and how a step's update is made
+(mini-batch epochs, the ratio's denominator, rollout correction, loss aggregation, entropy and KL)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from megatron_rl.config.base import Strict
 
@@ -15,6 +17,120 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
     # SAO paper (Hou et al., arXiv 2607.07508) defaults.
     "sao": {"eps_low": 0.3, "eps_high": 5.0, "length_adaptive_alpha": 1.5},
 }
+
+LossAggregation = Literal[
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+
+# verl's rejection-sampling options (verl/trainer/ppo/rollout_corr_helper.py, 0.9.1).
+ROLLOUT_RS_OPTIONS = (
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)  # fmt: skip
+
+
+def parse_bounds(spec: float | str, key: str) -> tuple[float | None, float]:
+    """verl's threshold spelling: a number is an upper bound (lower None), "lower_upper" a pair.
+    Raises ValueError naming `key` for anything else."""
+    if isinstance(spec, bool):
+        raise ValueError(f"{key}: a number or 'lower_upper', not a boolean")
+    if isinstance(spec, int | float):
+        lower, upper = None, float(spec)
+    else:
+        parts = spec.strip().split("_")
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            raise ValueError(
+                f"{key}: {spec!r} is neither a number nor 'lower_upper' (e.g. '0.5_2.0')"
+            ) from None
+        if len(values) == 1:
+            lower, upper = None, values[0]
+        elif len(values) == 2:
+            lower, upper = values
+        else:
+            raise ValueError(f"{key}: {spec!r} has more than two bounds")
+    if not (math.isfinite(upper) and upper > 0) or (
+        lower is not None and not (math.isfinite(lower) and lower > 0)
+    ):
+        raise ValueError(f"{key}: bounds must be finite and positive, got {spec!r}")
+    if lower is not None and lower > upper:
+        raise ValueError(f"{key}: lower bound {lower} is above the upper bound {upper}")
+    return lower, upper
+
+
+class RolloutCorrectionConfig(Strict):
+    """Importance weights w = pi_old / pi_sampler against the train-inference mismatch (needs
+    `old_logprobs: recompute`), with verl's names so settings carry over.
+
+    `rollout_is`: the weight's level: `token` (w_t per token), `sequence` (the product over the
+    sequence's action tokens), `geometric` (its geometric mean, exp(mean log w_t); verl 0.9.1 has
+    no weight of this level, its rejection rule `seq_mean_k1` bounds the same quantity).
+    `rollout_is_threshold`: a number U
+    truncates the weights at U (TIS); "L_U" zeroes weights outside [L, U] (MIS / IcePop), the
+    token staying in the normaliser. `rollout_rs`: comma-separated rejection rules that drop
+    tokens or whole sequences from the loss and its normaliser, each with its threshold in
+    `rollout_rs_threshold` (one for all, or one per rule; `*_k1` rules take "L_U" ratio bounds, the
+    others one upper bound)."""
+
+    rollout_is: Literal["token", "sequence", "geometric"] | None = None
+    rollout_is_threshold: float | str = 2.0
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | str | None = None
+
+    @field_validator("rollout_is_threshold")
+    @classmethod
+    def _is_bounds(cls, value):
+        parse_bounds(value, "rollout_is_threshold")
+        return value
+
+    @model_validator(mode="after")
+    def _rejection_rules(self) -> RolloutCorrectionConfig:
+        self.rejection_rules()  # raises on bad rules or thresholds
+        if self.rollout_is is None and self.rollout_rs is None:
+            raise ValueError("set rollout_is, rollout_rs or both (or leave rollout_correction out)")
+        return self
+
+    def importance_bounds(self) -> tuple[float | None, float]:
+        """(lower or None, upper) of `rollout_is_threshold`."""
+        return parse_bounds(self.rollout_is_threshold, "rollout_is_threshold")
+
+    def rejection_rules(self) -> list[tuple[str, float | None, float]]:
+        """[(rule, lower or None, upper)] of `rollout_rs`; k1 rules get lower = 1 / upper when
+        only an upper ratio bound is given (verl's reading)."""
+        if self.rollout_rs is None:
+            if self.rollout_rs_threshold is not None:
+                raise ValueError("rollout_rs_threshold is set but rollout_rs is not")
+            return []
+        rules = list(dict.fromkeys(r.strip() for r in self.rollout_rs.split(",") if r.strip()))
+        unknown = [r for r in rules if r not in ROLLOUT_RS_OPTIONS]
+        if not rules or unknown:
+            raise ValueError(
+                f"rollout_rs: unknown rule(s) {unknown or [self.rollout_rs]}; choose from {list(ROLLOUT_RS_OPTIONS)}"
+            )
+        if self.rollout_rs_threshold is None:
+            raise ValueError(f"rollout_rs ({self.rollout_rs}) needs rollout_rs_threshold")
+        specs = self.rollout_rs_threshold
+        specs = [specs] if not isinstance(specs, str) else [s.strip() for s in specs.split(",") if s.strip()]
+        if len(specs) not in (1, len(rules)):
+            raise ValueError(
+                f"rollout_rs_threshold: {len(specs)} thresholds for {len(rules)} rules (give 1 or {len(rules)})"
+            )
+        specs = specs * len(rules) if len(specs) == 1 else specs
+        parsed = []
+        for rule, spec in zip(rules, specs):
+            lower, upper = parse_bounds(spec, f"rollout_rs_threshold for {rule}")
+            if rule.endswith("k1"):
+                lower = 1.0 / upper if lower is None else lower
+            elif lower is not None:
+                raise ValueError(
+                    f"rollout_rs_threshold for {rule}: one upper bound, not {spec!r} (only *_k1 rules take 'lower_upper')"
+                )
+            parsed.append((rule, lower, upper))
+        return parsed
 
 
 class AlgorithmConfig(Strict):
@@ -28,7 +144,22 @@ class AlgorithmConfig(Strict):
     dual_clip: float | None = Field(default=None, gt=1)
     value_clip: float | None = Field(default=None, gt=0)
     kl_coef: float = Field(default=0.0, ge=0)
+    # The reference-KL estimator (verl's names): k1 = log pi - log pi_ref; k2 = (k1)^2 / 2;
+    # k3 = low_var_kl = exp(-k1) + k1 - 1 (clamped like verl's).
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    entropy_coef: float = Field(default=0.0, ge=0)  # an entropy bonus on action tokens
     normalize_advantage_std: bool = True  # GRPO: divide by the group's std
+    # Each step's samples are split (seeded, whole samples) into this many mini-batches; the
+    # policy makes policy_minibatches x policy_epochs optimizer steps before publishing.
+    policy_minibatches: int = Field(default=1, ge=1)
+    policy_epochs: int = Field(default=1, ge=1)
+    # The ratio's denominator: the sampler's log-probs (SAO's definition), or the trainer's own
+    # forward pass before the step's first update.
+    old_logprobs: Literal["sampler", "recompute"] = "sampler"
+    rollout_correction: RolloutCorrectionConfig | None = None
+    loss_aggregation: LossAggregation = "token-mean"
+    # seq-mean-token-sum-norm's constant divisor (Dr. GRPO); default orchestrator.max_completion_tokens.
+    loss_scale_factor: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -37,3 +168,6 @@ class AlgorithmConfig(Strict):
             return {**ALGORITHM_DEFAULTS[data["type"]], **data}
         return data
 
+    @property
+    def optimizer_steps_per_step(self) -> int:
+        return self.policy_minibatches * self.policy_epochs

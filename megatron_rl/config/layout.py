@@ -29,6 +29,9 @@ class ModelLayout(Strict):
     ep: int
     dp: int
     expert_dp: int  # data-parallel size of expert weights: world / (tp * ep * pp)
+    # Sequence-parallel size: tp when the model runs sequence parallel (the builder turns it on
+    # for MoE at tp > 1), else 1. Packed rows pad to a multiple of cp * sp.
+    sp: int = 1
 
 
 class RunPaths(Strict):
@@ -124,6 +127,7 @@ def model_layout(
         ep=model.ep,
         dp=dp,
         expert_dp=gpus // (model.tp * model.ep * model.pp),
+        sp=sequence_parallel,
     )
 
 

@@ -168,6 +168,43 @@ def inference_gpus_match_the_servers(ctx: Context) -> list[str]:
     return []
 
 
+def training_samples_are_untruncated(ctx: Context) -> list[str]:
+    """Training rollouts sample the full tempered distribution: with top-p the behaviour policy
+    is renormalised over the kept tokens, and a full-vocabulary trainer log-prob would carry the
+    kept mass as a bias in every ratio (not corrected by anything)."""
+    top_p = ctx.config.orchestrator.top_p
+    if top_p < 1.0:
+        return [
+            f"orchestrator.top_p ({top_p}): training rollouts must sample the whole vocabulary (top_p 1.0). "
+            "With top_p < 1 vLLM samples from the distribution renormalised over the kept tokens, while the "
+            "trainer's ratio uses the full softmax(logits / T), so every ratio is off by the kept probability "
+            "mass. Set top_p: 1.0 and lower orchestrator.temperature instead to sharpen sampling"
+        ]
+    return []
+
+
+def update_options_fit_together(ctx: Context) -> list[str]:
+    """Mini-batches, the ratio's denominator, rollout correction and loss aggregation."""
+    algorithm, orchestrator, errors = ctx.config.algorithm, ctx.config.orchestrator, []
+    if algorithm.rollout_correction is not None and algorithm.old_logprobs != "recompute":
+        errors.append(
+            "algorithm.rollout_correction: needs algorithm.old_logprobs 'recompute' (the weights are "
+            "pi_old / pi_sampler; with 'sampler' pi_old is the sampler's own policy and every weight is 1)"
+        )
+    if algorithm.loss_scale_factor is not None and algorithm.loss_aggregation != "seq-mean-token-sum-norm":
+        errors.append(
+            f"algorithm.loss_scale_factor: only read by loss_aggregation 'seq-mean-token-sum-norm', "
+            f"not {algorithm.loss_aggregation!r}"
+        )
+    most_samples = orchestrator.batch_size * orchestrator.group_size
+    if algorithm.policy_minibatches > most_samples:
+        errors.append(
+            f"algorithm.policy_minibatches ({algorithm.policy_minibatches}) exceeds the samples of a step "
+            f"(orchestrator.batch_size x group_size = {most_samples}); a mini-batch holds whole samples"
+        )
+    return errors
+
+
 RULES: tuple[Callable[[Context], list[str]], ...] = (
     algorithm_has_its_critic,
     grpo_groups_have_two_samples,
@@ -178,4 +215,6 @@ RULES: tuple[Callable[[Context], list[str]], ...] = (
     offload_and_recompute_are_possible,
     roles_fit_on_the_nodes,
     inference_gpus_match_the_servers,
+    training_samples_are_untruncated,
+    update_options_fit_together,
 )

@@ -9,6 +9,10 @@
    equal contiguous slice, which sequence parallel splits again over TP; padding is masked and
    belongs to no sequence); every DP rank gets the same number of micro-steps, filled with dummy micro-batches
    (all masked, `context_parallel_size` tokens) that contribute zero loss and gradient.
+
+`pack_minibatches` first splits a step's samples into the policy's mini-batches (seeded, whole
+samples) and packs each as its own balanced grid, so every data rank has the same number of
+micro-steps in every mini-batch; one mini-batch is exactly `pack_into_grid`.
 """
 
 from __future__ import annotations
@@ -266,3 +270,46 @@ def packing_stats(grid: Grid, seq_len: int, cost: CostModel | None = None) -> di
         "micro_steps": len(grid[0]),
         "total_tokens": total_tokens,
     }
+
+
+def split_into_minibatches(num_samples: int, num_minibatches: int, seed) -> list[list[int]]:
+    """Sample indices of each mini-batch: a permutation drawn from `seed` (an int or a sequence
+    of ints, e.g. (run seed, step)) cut into min(num_minibatches, num_samples) parts whose sizes
+    differ by at most one, each in ascending order. One mini-batch (or no samples) is the
+    identity: [[0, 1, ..., num_samples - 1]]."""
+    if num_minibatches < 1:
+        raise PackingError(f"num_minibatches must be >= 1, got {num_minibatches}")
+    if num_minibatches == 1 or num_samples <= 1:
+        return [list(range(num_samples))]
+    order = np.random.default_rng(seed).permutation(num_samples)
+    return [sorted(part.tolist()) for part in np.array_split(order, min(num_minibatches, num_samples))]
+
+
+def pack_minibatches(
+    samples: Sequence[TrainingSample],
+    num_minibatches: int,
+    seed,
+    seq_len: int,
+    data_parallel_size: int,
+    context_parallel_size: int = 1,
+    sequence_parallel_size: int = 1,
+    cost: CostModel | None = None,
+) -> Grid:
+    """`grid[data_rank]` = mini-batch 0's micro-steps, then mini-batch 1's, ... (each MicroBatch
+    carries its `minibatch`; `sample_index` refers to `samples`). Each mini-batch is packed on its
+    own (`pack_into_grid`), so each is balanced over the data ranks with the same number of
+    micro-steps on every rank."""
+    parts = split_into_minibatches(len(samples), num_minibatches, seed)
+    if len(parts) == 1:
+        return pack_into_grid(samples, seq_len, data_parallel_size, context_parallel_size, cost, sequence_parallel_size)
+    grid: Grid = [[] for _ in range(data_parallel_size)]
+    for k, indices in enumerate(parts):
+        original = np.asarray(indices, dtype=np.int64)
+        part = pack_into_grid([samples[i] for i in indices], seq_len, data_parallel_size, context_parallel_size,
+                              cost, sequence_parallel_size)  # fmt: skip
+        for rank, row in enumerate(part):
+            for mb in row:
+                mb.minibatch = k
+                mb.sample_index = np.where(mb.sample_index >= 0, original[np.maximum(mb.sample_index, 0)], -1)
+                grid[rank].append(mb)
+    return grid

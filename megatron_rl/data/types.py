@@ -74,7 +74,9 @@ class MicroBatch:
     are the sequence boundaries; padding at the end of the bin (for CP divisibility) belongs to
     no sequence and is masked. `sample_index[i]` is the original index (in the list given to the
     packer) of the sample the token belongs to, -1 for padding. A dummy micro-batch (`is_dummy`)
-    has an all-False mask and contributes exactly zero loss and gradient.
+    has an all-False mask and contributes exactly zero loss and gradient. `minibatch` is the
+    policy mini-batch of the step it belongs to (`algorithm.policy_minibatches`; 0 for the
+    critic and when there is one): the policy makes one optimizer step per mini-batch.
     """
 
     input_ids: np.ndarray  # [N] int64
@@ -87,6 +89,7 @@ class MicroBatch:
     inference_logprobs: np.ndarray  # [N] float32
     sample_index: np.ndarray  # [N] int64
     is_dummy: bool = False
+    minibatch: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -101,7 +104,7 @@ class MicroBatch:
         return int(self.loss_mask.sum())
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "is_dummy"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("is_dummy", "minibatch")}
 
 
 Grid = list[list[MicroBatch]]  # grid[data_rank][micro_step]

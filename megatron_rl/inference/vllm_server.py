@@ -6,7 +6,9 @@ weight updates use (`VLLM_SERVER_DEV_MODE=1`: /pause, /resume, /collective_rpc,
 /reset_prefix_cache), our worker extension, a served model name, tensor parallel size, and on
 GPU `--gpu-memory-utilization` and `CUDA_VISIBLE_DEVICES` set to the devices it is given; on CPU
 `--enforce-eager --dtype float32` with `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache, and
-`--shutdown-timeout` unless it is 0. The process runs in its own process group; `stop()` sends
+`--shutdown-timeout` unless it is 0. Always `--logprobs-mode processed_logprobs`: the log-prob
+returned for each sampled token is of the distribution it was sampled from (after temperature),
+which the trainer's ratio needs (measured on vLLM-cpu 0.32: README, "Sampling and the trainer"). The process runs in its own process group; `stop()` sends
 SIGTERM to the API server, which drains and stops vLLM's engine and workers itself, then SIGKILL
 to whatever is left in the group.
 `wait_ready()` polls `GET /v1/models` until the expected model name is served and fails early,
@@ -28,6 +30,7 @@ from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
 from megatron_rl.lifetime import bound_to_parent
 
 EXTENSION = "megatron_rl.inference.vllm_extension.WeightReceiverExtension"
+LOGPROBS_MODE = "processed_logprobs"
 
 
 class ServerStartError(RuntimeError):
@@ -83,6 +86,9 @@ class VllmServer:
             "--tensor-parallel-size", str(tp),
             "--seed", str(seed),
             "--worker-extension-cls", EXTENSION,
+            # The log-probs of the distribution each token was sampled from, softmax(logits / T)
+            # (vLLM's default, raw_logprobs, is softmax(logits) whatever the temperature).
+            "--logprobs-mode", LOGPROBS_MODE,
         ]  # fmt: skip
         if shutdown_timeout_s:  # drain, then stop (vLLM's default abort logs an EngineDeadError)
             vllm_command += ["--shutdown-timeout", str(shutdown_timeout_s)]

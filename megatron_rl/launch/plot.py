@@ -74,7 +74,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
             ev_ax.plot(
                 steps, ev, color=line.get_color(), linestyle="--", label=f"{run['name']} explained var."
             )
-        steps, kl = _series(run["policy"], "approx_kl")
+        steps, kl = _series(run["policy"], "mismatch_kl")
         if steps:
             kl_ax.plot(steps, [max(k, 1e-18) for k in kl], color=line.get_color(), label=run["name"])
         records = run["orchestrator"]
@@ -118,7 +118,7 @@ def summary_table(run_dirs: list[str | Path], first_k: int = 5) -> str:
         first = sum(rewards[:first_k]) / len(rewards[:first_k])
         last = sum(rewards[-first_k:]) / len(rewards[-first_k:])
         value = run["critic"][-1].get("loss") if run["critic"] else None
-        kl = max((r.get("approx_kl") or 0.0) for r in run["policy"]) if run["policy"] else None
+        kl = max((r.get("mismatch_kl") or 0.0) for r in run["policy"]) if run["policy"] else None
         seconds = [r["time"]["total"] for r in run["orchestrator"]]
         lines.append(
             f"{run['name']:<18}{len(rewards):>6}{first:>17.3f}{last:>9.3f}{last - first:>+8.3f}"

@@ -1,6 +1,18 @@
-"""Per-token log-probabilities and entropy from vocabulary-sharded logits, never gathering the
-full vocabulary: each TP rank holds logits for a contiguous vocabulary slice, and only [tokens]
-sized statistics cross the TP group (max, sum of exp, target logit, sum of p * logit).
+"""Per-token log-probabilities and entropy of the tempered policy softmax(logits / T) from
+vocabulary-sharded logits, never gathering the full vocabulary and never copying it whole.
+
+Each TP rank holds logits for a contiguous vocabulary slice; only [tokens]-sized statistics cross
+the TP group (max, sum of exp, target logit, sum of p * logit). T is the temperature the training
+samples were drawn with (`orchestrator.temperature`): vLLM samples from softmax(logits / T), so
+the ratio, the entropy and every KL are of that distribution.
+
+Memory: the forward pass works on chunks of `chunk_tokens` rows (about CHUNK_ELEMENTS logits) and
+keeps only [tokens] statistics and a reference to the logits themselves; the backward pass
+recomputes the probabilities chunk by chunk and writes one gradient tensor in the logits' dtype.
+So the peak beyond the logits is one logits-sized gradient plus a few chunk-sized fp32
+temporaries (measured in tests/distributed/test_logprobs.py). The entropy's gradient is computed
+only when something differentiates the entropy (an entropy bonus); otherwise that branch is
+skipped.
 """
 
 from __future__ import annotations
@@ -11,64 +23,109 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+# fp32 temporaries of one chunk hold about this many logits (64 MiB each).
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunks(num_tokens: int, chunk_tokens: int):
+    for start in range(0, num_tokens, chunk_tokens):
+        yield slice(start, min(num_tokens, start + chunk_tokens))
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = logits.float()
+    return z / temperature if temperature != 1.0 else z
+
 
 class _VocabParallelLogProbs(torch.autograd.Function):
-    """log p(target) and entropy; logits [..., V/tp] float32, targets [...] global ids."""
+    """log p(target) and entropy of softmax(logits / T); logits [N, V/tp], targets [N] global ids."""
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, group):
-        logits = logits.float()
-        local_max = logits.max(dim=-1).values
+    def forward(ctx, logits, targets, vocab_start, group, temperature, chunk_tokens):
+        ctx.set_materialize_grads(False)
+        num_tokens, vocab_local = logits.shape
+        maxes = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
+        for rows in _chunks(num_tokens, chunk_tokens):
+            maxes[rows] = _scaled(logits[rows].max(dim=-1).values, temperature)
         if group is not None:
-            dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - local_max.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        vocab_local = logits.shape[-1]
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
         local_targets = targets - vocab_start
         in_range = (local_targets >= 0) & (local_targets < vocab_local)
-        picked = torch.gather(shifted, -1, local_targets.clamp(0, vocab_local - 1).unsqueeze(-1)).squeeze(-1)
-        picked = torch.where(in_range, picked, 0.0)
-        weighted = (exp * shifted).sum(dim=-1)
+        clamped = local_targets.clamp(0, vocab_local - 1)
+        stats = torch.empty(3, num_tokens, dtype=torch.float32, device=logits.device)
+        for rows in _chunks(num_tokens, chunk_tokens):
+            shifted = _scaled(logits[rows], temperature) - maxes[rows].unsqueeze(-1)
+            exp = shifted.exp()
+            stats[0, rows] = exp.sum(dim=-1)
+            picked = torch.gather(shifted, -1, clamped[rows].unsqueeze(-1)).squeeze(-1)
+            stats[1, rows] = torch.where(in_range[rows], picked, 0.0)
+            stats[2, rows] = (exp * shifted).sum(dim=-1)
         if group is not None:
-            stats = torch.stack([sum_exp, picked, weighted])
             dist.all_reduce(stats, group=group)
-            sum_exp, picked, weighted = stats
+        sum_exp, picked, weighted = stats
         log_z = sum_exp.log()
         logprobs = picked - log_z
         entropy = log_z - weighted / sum_exp
-        probs = exp / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(probs, shifted, local_targets, in_range, log_z, entropy)
+        ctx.save_for_backward(logits, clamped, in_range, maxes, sum_exp, log_z, entropy)
+        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        probs, shifted, local_targets, in_range, log_z, entropy = ctx.saved_tensors
-        # d logp / d z = onehot - p ;  d H / d z = -p * (log p + H)
-        grad = -probs * grad_logprobs.unsqueeze(-1)
-        one_hot = torch.zeros_like(probs)
-        one_hot.scatter_(-1, local_targets.clamp(0, probs.shape[-1] - 1).unsqueeze(-1), 1.0)
-        grad = grad + one_hot * (in_range * grad_logprobs).unsqueeze(-1)
-        log_p = shifted - log_z.unsqueeze(-1)
-        grad = grad - probs * (log_p + entropy.unsqueeze(-1)) * grad_entropy.unsqueeze(-1)
-        return grad, None, None, None
+        logits, clamped, in_range, maxes, sum_exp, log_z, entropy = ctx.saved_tensors
+        temperature = ctx.temperature
+        grad = torch.empty_like(logits)
+        if grad_logprobs is None and grad_entropy is None:
+            return grad.zero_(), None, None, None, None, None
+        for rows in _chunks(logits.shape[0], ctx.chunk_tokens):
+            shifted = _scaled(logits[rows], temperature) - maxes[rows].unsqueeze(-1)
+            probs = shifted.exp() / sum_exp[rows].unsqueeze(-1)
+            # d logp / d z = onehot - p ;  d H / d z = -p * (log p + H) ;  d z / d logits = 1 / T
+            if grad_logprobs is not None:
+                g = grad_logprobs[rows]
+                chunk = -probs * g.unsqueeze(-1)
+                chunk.scatter_add_(-1, clamped[rows].unsqueeze(-1), (in_range[rows] * g).unsqueeze(-1))
+            else:
+                chunk = torch.zeros_like(probs)
+            if grad_entropy is not None:
+                log_p = shifted - log_z[rows].unsqueeze(-1)
+                chunk = chunk - probs * (log_p + entropy[rows].unsqueeze(-1)) * grad_entropy[rows].unsqueeze(-1)
+            if temperature != 1.0:
+                chunk = chunk / temperature
+            grad[rows] = chunk
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int = 0, group=None
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_start: int = 0,
+    group=None,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(targets), entropy), both shaped like `targets`, float32, differentiable.
+    """(log p(targets), entropy) of softmax(logits / temperature), both shaped like `targets`,
+    float32, differentiable (the entropy only when its gradient is needed).
 
-    `logits` [..., V_local] is this rank's vocabulary slice starting at global id `vocab_start`;
-    `group` is the tensor-parallel group (None: the logits hold the whole vocabulary).
+    `logits` [..., V_local] (any float dtype; not copied) is this rank's vocabulary slice starting
+    at global id `vocab_start`; `group` is the tensor-parallel group (None: the logits hold the
+    whole vocabulary); `chunk_tokens` rows are processed at a time (default: CHUNK_ELEMENTS logits).
     """
-    return _VocabParallelLogProbs.apply(logits, targets, vocab_start, group)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probabilities, got {temperature}")
+    vocab_local = logits.shape[-1]
+    rows = logits.reshape(-1, vocab_local)
+    chunk_tokens = chunk_tokens or max(1, CHUNK_ELEMENTS // vocab_local)
+    logprobs, entropy = _VocabParallelLogProbs.apply(
+        rows, targets.reshape(-1), vocab_start, group, float(temperature), int(chunk_tokens)
+    )
+    return logprobs.view(targets.shape), entropy.view(targets.shape)
 
 
-def megatron_vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor):
+def megatron_vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
     """vocab_parallel_logprobs over megatron's tensor-parallel group and vocabulary split."""
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
-    return vocab_parallel_logprobs(logits, targets, rank * logits.shape[-1], group)
+    return vocab_parallel_logprobs(logits, targets, rank * logits.shape[-1], group, temperature)

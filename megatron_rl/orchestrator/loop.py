@@ -3,8 +3,10 @@
 For step n: the dispatcher hands over `batch_size` admitted groups (generation of later batches
 goes on meanwhile, within the lead gate) -> PPO/SAO: `prepare_group` per group (one `/score`
 request with every branch, skip-observation GAE); GRPO: group advantages, no critic -> pack
-twice (critic layout, policy layout) -> critic grid -> wait until the critic's `/status` says
-step n trained -> policy grid -> the next step (the weights follower moves the inference
+twice (critic layout; policy layout, split into `algorithm.policy_minibatches` mini-batches seeded
+by (orchestrator.seed, n), each its own balanced grid; both padded for the layout's sequence
+parallel) -> critic grid -> wait until the critic's `/status` says step n trained -> policy grid
+-> the next step (the weights follower moves the inference
 servers to each version the policy publishes; the lead gate waits for it). After
 `max_empty_steps` consecutive steps with no admitted group the run stops saying why. Every
 wait has a timeout whose error names what it waited for.
@@ -22,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from megatron_rl.algorithms import make_algorithm
-from megatron_rl.data.packing import pack_into_grid
+from megatron_rl.data.packing import pack_into_grid, pack_minibatches
 from megatron_rl.inference.rollout import SamplingParams
 from megatron_rl.orchestrator.dispatcher import Dispatcher
 from megatron_rl.orchestrator.evaluation import Evaluator
@@ -131,14 +133,16 @@ class Orchestrator:
         if self.critic is not None:
             mark = time.perf_counter()
             critic_grid = pack_into_grid(samples, self.resolved.value.model.seq_len, layout.critic.dp,
-                                         layout.critic.cp)  # fmt: skip
+                                         layout.critic.cp, sequence_parallel_size=layout.critic.sp)  # fmt: skip
             await self.critic.send(step, critic_grid)
             status = await self.critic.wait_trained(step, self.timeouts.critic_s)
             times["critic_train"] = time.perf_counter() - mark
         else:
             status = None
         mark = time.perf_counter()
-        policy_grid = pack_into_grid(samples, self.resolved.model.seq_len, layout.policy.dp, layout.policy.cp)
+        policy_grid = pack_minibatches(samples, self.resolved.algorithm.policy_minibatches, (o.seed, step),
+                                       self.resolved.model.seq_len, layout.policy.dp, layout.policy.cp,
+                                       layout.policy.sp)  # fmt: skip
         await self.send_policy(step, policy_grid)
         times["policy_send"] = time.perf_counter() - mark
         sync_seconds = getattr(self.weights, "sync_seconds", None)

@@ -68,7 +68,7 @@ def step_metrics(
 
 class MetricsWriter:
     """Appends records to the JSONL file, adds the policy's mismatch KL for the newest step it
-    has reported (`policy_metrics.jsonl`: `approx_kl`, KL between the sampler's and the
+    has reported (`policy_metrics.jsonl`: `mismatch_kl`, KL between the sampler's and the
     trainer's log-probs on the same tokens before the update), prints a console line."""
 
     def __init__(self, log_dir: str | Path, console: bool = True, num_steps: int | None = None):
@@ -91,7 +91,7 @@ class MetricsWriter:
         if not lines:
             return None, None
         last = json.loads(lines[-1])
-        return last.get("step"), last.get("approx_kl")
+        return last.get("step"), last.get("mismatch_kl")
 
     def _line(self, record: dict, left_s: float | None) -> str:
         reward, ev, kl = record["reward_mean"], record.get("explained_variance"), record.get("mismatch_kl")

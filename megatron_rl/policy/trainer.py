@@ -1,11 +1,13 @@
 """The policy trainer process: `megatron-rl train-policy --config RESOLVED.json` under torchrun.
 
 Built on the role skeleton (trainer/role.py). Each step: receive this rank's grid item from the
-policy ZMQ stream, one train_step with the configured algorithm's loss (plus the KL term against
-the frozen initial policy when `algorithm.kl_coef` > 0), publish the new weights as policy
-version step + 1 (policy/publish.py: safetensors or NCCL broadcast), export a policy snapshot for
-the critic when that version is one of `value.snapshot.steps` (trainer/snapshot.py), checkpoint
-every `checkpoint.save_interval` steps, and append one metrics line per step to
+policy ZMQ stream, `policy_update` (policy/update.py: `policy_minibatches` x `policy_epochs`
+optimizer steps with the configured algorithm's loss on softmax(logits / T), the KL term against
+the frozen initial policy when `algorithm.kl_coef` > 0, old log-probs from the sampler or
+recomputed, rollout correction, loss aggregation), publish the new weights as policy version
+step + 1 (policy/publish.py: safetensors or NCCL broadcast), export a policy snapshot for the
+critic when that version is one of `value.snapshot.steps` (trainer/snapshot.py), checkpoint every
+`checkpoint.save_interval` steps, and append one metrics line per step to
 `logging.dir/policy_metrics.jsonl`.
 """
 
@@ -20,9 +22,9 @@ from megatron_rl import faults, parallel
 from megatron_rl.config import ResolvedConfig
 from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.policy.publish import make_publisher
+from megatron_rl.policy.update import UpdateSettings, policy_update
 from megatron_rl.trainer.role import RoleTrainer
 from megatron_rl.trainer.snapshot import export_snapshot, snapshot_versions
-from megatron_rl.trainer.step import policy_loss_func, train_step
 
 
 def build_policy_model(resolved: ResolvedConfig, layout) -> torch.nn.Module:
@@ -60,9 +62,10 @@ class PolicyTrainer(RoleTrainer):
             optimizer_config=resolved.optimizer,
             seed=resolved.layout.policy_seed,
             checkpoint_dir=resolved.layout.paths.policy_checkpoints,
-            total_optimizer_steps=resolved.orchestrator.num_steps,
+            # The LR schedule counts optimizer steps: N mini-batches x E epochs per RL step.
+            total_optimizer_steps=resolved.orchestrator.num_steps * resolved.algorithm.optimizer_steps_per_step,
         )
-        self.loss = policy_loss_func(resolved.algorithm)
+        self.settings = UpdateSettings.from_config(resolved)
 
     def build_model(self) -> torch.nn.Module:
         return build_policy_model(self.resolved, self.layout)
@@ -77,8 +80,11 @@ class PolicyTrainer(RoleTrainer):
     def console_line(self, record: dict) -> str:
         return (
             f"[policy] step {record['step']} loss {record['loss']:+.4f} clip {record['clip_fraction']:.3f} "
-            f"ratio {record['ratio_mean']:.3f} kl {record['approx_kl']:.2e} kl_ref {record['kl_ref']:.2e} entropy {record['entropy']:.3f} "
-            f"grad_norm {record['grad_norm'] or 0:.3f} lr {record['lr']:.2e} {record['tokens_per_s'] or 0:.0f} tok/s"
+            f"ratio {record['ratio_mean']:.3f} kl {record['approx_kl']:.2e} mismatch {record['mismatch_kl']:.2e} "
+            f"kl_ref {record['kl_ref']:.2e} entropy {record['entropy']:.3f} "
+            + (f"updates {record['optimizer_steps']} (ratio last {record['ratio_mean_last']:.3f}, "
+               f"clip last {record['clip_fraction_last']:.3f}) " if record["optimizer_steps"] > 1 else "")
+            + f"grad_norm {record['grad_norm'] or 0:.3f} lr {record['lr']:.2e} {record['tokens_per_s'] or 0:.0f} tok/s"
             + (f" | optimizer step SKIPPED: non-finite loss or gradients ({record['skipped_steps']} skipped so far)"
                if record.get("update_skipped") else "")
         )  # fmt: skip
@@ -101,9 +107,11 @@ class PolicyTrainer(RoleTrainer):
                 micro_batches = receiver.receive(step)
                 faults.set_step(step)
                 faults.kill_point("step.begin")
-                metrics = train_step(self.trainable, micro_batches, self.loss, reference=self.reference)
+                metrics = policy_update(self.trainable, micro_batches, self.settings, reference=self.reference)
                 faults.kill_point("step.trained")
+                published = time.perf_counter()
                 publisher.publish(self.model, step + 1)
+                metrics["time"]["publish"] = time.perf_counter() - published
                 if step + 1 in snapshots:  # the critic loads this version at its step + 1
                     export_snapshot(
                         self.model,
@@ -126,22 +134,10 @@ def run_policy(resolved: ResolvedConfig) -> None:
 
 
 def _summarise(step: int, metrics: dict, seconds: float) -> dict:
-    """One metrics line: means over the step's global action tokens."""
-    tokens = max(metrics["num_tokens"], 1.0)
-    return {
-        "step": step,
-        "policy_version": step + 1,
-        "loss": metrics["loss"],
-        "num_tokens": metrics["num_tokens"],
-        "clip_fraction": metrics.get("clipped_sum", 0.0) / tokens,
-        "ratio_mean": metrics.get("ratio_sum", 0.0) / tokens,
-        "approx_kl": metrics.get("approx_kl_sum", 0.0) / tokens,
-        "entropy": metrics.get("entropy_sum", 0.0) / tokens,
-        "kl_ref": metrics.get("kl_ref_sum", 0.0) / tokens,
-        "grad_norm": metrics.get("grad_norm"),
-        "update_skipped": not metrics.get("update_successful", True),
-        "skipped_steps": metrics.get("skipped_steps", 0),
-        "lr": metrics.get("lr"),
-        "seconds": seconds,
-        "tokens_per_s": metrics["num_tokens"] / seconds if seconds > 0 else None,
-    }
+    """One metrics line: `policy_update`'s metrics (means over the step's global action tokens)
+    with the step, the version it published and its time."""
+    record = {"step": step, "policy_version": step + 1, **metrics}
+    record["update_skipped"] = not metrics.get("update_successful", True)
+    record["seconds"] = seconds
+    record["tokens_per_s"] = metrics["trained_tokens"] / seconds if seconds > 0 else None
+    return record

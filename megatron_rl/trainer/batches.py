@@ -4,7 +4,14 @@ Output position p of a causal model predicts token p + 1, and a value head at p 
 of the state before token p + 1. So every per-token target is shifted left by one on the full
 packed row (the last position of each sequence gets no target), then this CP rank takes its
 contiguous slice. Losses are sums over these tokens; megatron divides the gradients by the
-global action-token count (`calculate_per_token_loss`).
+global sum of each micro-batch's `normaliser` (the action-token count unless a loss
+aggregation sets it; `calculate_per_token_loss`).
+
+A position p belongs to the sequence holding p (its target p + 1 is in the same sequence: the
+last position of a sequence has no target). `sequence_of_token` numbers the row's sequences
+0..S-1, with the padding tail as sequence S-1 when there is one; `owned_sequences` marks those
+whose first token lies in this CP rank's slice, so per-sequence counts summed over ranks count
+each sequence once.
 """
 
 from __future__ import annotations
@@ -29,8 +36,24 @@ class RankBatch:
     advantages: torch.Tensor  # [n] of the next token
     returns: torch.Tensor
     old_values: torch.Tensor
-    old_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor  # the ratio's denominator: the sampler's, or recomputed (policy/update.py)
+    sampler_logprobs: torch.Tensor  # [n] the sampler's log-prob of the next token
+    sequence_of_token: torch.Tensor  # [n] int64: the sequence (of the full row) each position is in
+    owned_sequences: torch.Tensor  # [S] bool: the sequence's first token is on this CP rank
+    minibatch: int = 0
     ref_logprobs: torch.Tensor | None = None  # the reference policy's, when KL is configured
+    # Per-token factors of the loss (None: 1): the loss aggregation's, and the rollout correction's
+    # importance weights (policy loss only).
+    aggregation_weights: torch.Tensor | None = None
+    correction_weights: torch.Tensor | None = None
+    normaliser: int | None = None  # this micro-batch's share of the global normaliser (None: action tokens)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.owned_sequences.shape[0])
+
+    def loss_normaliser(self) -> int:
+        return int(self.loss_mask.sum()) if self.normaliser is None else self.normaliser
 
 
 def _shift(array: np.ndarray, sequence_ends: np.ndarray, fill) -> np.ndarray:
@@ -53,11 +76,15 @@ def rank_batch(mb: MicroBatch, cp_rank: int = 0, cp_size: int = 1) -> RankBatch:
     if cu[-1] < total:
         ends = np.append(ends, total - 1)
         cu = np.append(cu, total)
-    local = slice(cp_rank * total // cp_size, (cp_rank + 1) * total // cp_size)
+    start, end = cp_rank * total // cp_size, (cp_rank + 1) * total // cp_size
+    local = slice(start, end)
 
     def tensor(array, dtype):
         return torch.as_tensor(np.ascontiguousarray(array[local]), dtype=dtype, device=device)
 
+    sequence_of_token = np.repeat(np.arange(len(cu) - 1), np.diff(cu))
+    firsts = cu[:-1]
+    old_logprobs = tensor(_shift(mb.inference_logprobs, ends, 0.0), torch.float32)
     return RankBatch(
         input_ids=tensor(mb.input_ids, torch.long)[None],
         position_ids=tensor(mb.position_ids, torch.long)[None],
@@ -68,5 +95,9 @@ def rank_batch(mb: MicroBatch, cp_rank: int = 0, cp_size: int = 1) -> RankBatch:
         advantages=tensor(_shift(mb.advantages, ends, 0.0), torch.float32),
         returns=tensor(_shift(mb.returns, ends, 0.0), torch.float32),
         old_values=tensor(_shift(mb.old_values, ends, 0.0), torch.float32),
-        old_logprobs=tensor(_shift(mb.inference_logprobs, ends, 0.0), torch.float32),
+        old_logprobs=old_logprobs,
+        sampler_logprobs=old_logprobs,
+        sequence_of_token=tensor(sequence_of_token, torch.long),
+        owned_sequences=torch.as_tensor((firsts >= start) & (firsts < end), dtype=torch.bool, device=device),
+        minibatch=mb.minibatch,
     )

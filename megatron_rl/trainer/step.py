@@ -1,9 +1,10 @@
 """One optimizer step over this rank's micro-batches, through megatron's forward-backward
-schedule (any PP size), with the loss normalised by the global action-token count.
+schedule (any PP size), with the loss normalised by a global count.
 
 `loss_func(output, batch) -> (loss_sum, metrics)` returns the *sum* of per-token losses over
-the micro-batch's loss tokens; with `calculate_per_token_loss` megatron all-reduces the token
-count over DP x CP and divides every gradient by it, and DDP sums instead of averaging. Dummy
+the micro-batch's loss tokens; with `calculate_per_token_loss` megatron all-reduces the
+normaliser (each batch's `normaliser`: the action-token count, or what a loss aggregation sets)
+over DP x CP and divides every gradient by it, and DDP sums instead of averaging. Dummy
 micro-batches have no loss tokens and contribute exactly zero.
 """
 
@@ -16,8 +17,9 @@ import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches
 import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch.distributed import ReduceOp
 
-from megatron_rl.algorithms.losses import policy_objective, reference_kl_loss, value_loss
+from megatron_rl.algorithms.losses import entropy_bonus, policy_objective, reference_kl_loss, value_loss
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data.types import MicroBatch
 from megatron_rl.faults import kill_point
@@ -33,23 +35,33 @@ LossFunc = Callable[[torch.Tensor, RankBatch], tuple[torch.Tensor, dict]]
 
 
 def train_step(
-    trainable: Trainable, micro_batches: list[MicroBatch], loss_func: LossFunc, reference=None
+    trainable: Trainable,
+    micro_batches: list[MicroBatch],
+    loss_func: LossFunc,
+    reference=None,
+    temperature: float = 1.0,
 ) -> dict:
     """Forward/backward over every micro-batch, one optimizer and scheduler step.
 
     `reference` (a frozen GPT model with the same layout) first gets a forward-only pass that
-    sets `batch.ref_logprobs` (on the last pipeline stage) for a KL term in `loss_func`.
-
-    Returns {"loss": global loss (sum / global token count), "num_tokens": global count,
-    "grad_norm", "update_successful", plus the loss functions' summed metrics}, identical on
-    every rank.
+    sets `batch.ref_logprobs` (on the last pipeline stage, of softmax(logits / temperature)) for
+    a KL term in `loss_func`. Returns what `train_on_batches` returns.
     """
-
     cp_rank = parallel_state.get_context_parallel_rank()
     cp_size = parallel_state.get_context_parallel_world_size()
     batches = [rank_batch(mb, cp_rank, cp_size) for mb in micro_batches]
     if reference is not None:
-        set_reference_logprobs(reference, batches)
+        set_reference_logprobs(reference, batches, temperature)
+    return train_on_batches(trainable, batches, loss_func)
+
+
+def train_on_batches(trainable: Trainable, batches: list[RankBatch], loss_func: LossFunc) -> dict:
+    """One optimizer and scheduler step over this rank's prepared batches.
+
+    Returns {"loss": global loss (sum / global normaliser), "num_tokens": global action-token
+    count, "grad_norm", "update_successful", plus the loss functions' summed metrics}, identical
+    on every rank.
+    """
     for chunk in trainable.model:
         if not chunk.config.calculate_per_token_loss:
             raise ValueError("train_step needs a model built by build_trainable (calculate_per_token_loss)")
@@ -67,8 +79,16 @@ def train_step(
 
         def loss(output_tensor):
             loss_sum, metrics = loss_func(output_tensor, batch)
-            num_tokens = batch.loss_mask.sum().to(torch.int)
-            return loss_sum, num_tokens, {"loss_sum": loss_sum.detach().clone(), **metrics}
+            if batch.normaliser is None:
+                normaliser = batch.loss_mask.sum().to(torch.int)
+            else:
+                normaliser = torch.tensor(batch.normaliser, dtype=torch.int, device=batch.loss_mask.device)
+            reported = {
+                "loss_sum": loss_sum.detach().clone(),
+                "normaliser_sum": normaliser.double(),
+                **metrics,
+            }
+            return loss_sum, normaliser, reported
 
         return output, loss
 
@@ -121,57 +141,80 @@ def all_finite(trainable: Trainable, reported: list[dict]) -> bool:
 
 
 def _reduce_metrics(reported: list[dict], batches: list[RankBatch]) -> dict:
-    """Sums the per-micro-batch statistics over this rank, then over DP x CP (and the last PP
-    stage's values are broadcast), so every rank returns the same numbers."""
+    """Sums the per-micro-batch statistics over this rank, then over DP x CP (the last PP stage's
+    values are broadcast), so every rank returns the same numbers."""
+    keys = {k for r in reported for k in r if k.endswith("_sum") or k == "num_tokens"}
+    local = {k: sum(float(r[k]) for r in reported if k in r) for k in keys}
+    local["num_tokens"] = float(sum(int(b.loss_mask.sum()) for b in batches))
+    metrics = reduce_statistics(local)
+    metrics["loss"] = metrics.pop("loss_sum") / max(metrics.pop("normaliser_sum"), 1.0)
+    return metrics
 
-    keys = sorted({k for r in reported for k in r if k.endswith("_sum") or k == "num_tokens"})
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        # Only the last stage computed losses: it sends the metric names, then the sums.
+
+def reduce_statistics(local: dict[str, float]) -> dict[str, float]:
+    """Per-rank statistics reduced over the role's DP x CP ranks: sums, except keys ending in
+    `_max` (maxima) and `_min` (minima). Only the last pipeline stage's statistics count (it
+    computed the losses): it sends the names and values to the other stages, so every rank
+    returns the same numbers."""
+    keys = sorted(local)
+    pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
+    if pipelined:
         last = parallel_state.get_pipeline_model_parallel_last_rank()
         group = parallel_state.get_pipeline_model_parallel_group()
         sent = "\n".join(keys).encode() if torch.distributed.get_rank() == last else None
         keys = [k for k in broadcast_bytes(sent, last, group, collective_device()).decode().split("\n") if k]
-    local_tokens = float(sum(int(b.loss_mask.sum()) for b in batches))
-    totals = torch.tensor(
-        [sum(float(r[k]) for r in reported) for k in keys] + [local_tokens],
-        dtype=torch.float64,
-        device=collective_device(),  # NCCL groups take CUDA tensors only
+    values = torch.tensor(
+        [float(local.get(k, 0.0)) for k in keys], dtype=torch.float64, device=collective_device()
     )
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        torch.distributed.broadcast(totals, src=last, group=group)
-    torch.distributed.all_reduce(
-        totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
-    )
-    metrics = dict(zip(keys, totals[:-1].tolist()))
-    count = totals[-1].item()
-    metrics["num_tokens"] = count
-    metrics["loss"] = metrics.pop("loss_sum") / max(count, 1.0)
-    return metrics
+    if pipelined:
+        torch.distributed.broadcast(values, src=last, group=group)
+    dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN):
+        indices = [i for i, key in enumerate(keys) if _reduce_op(key) == op]
+        if indices:
+            part = values[indices]  # a copy (advanced indexing)
+            torch.distributed.all_reduce(part, op=op, group=dp_cp)
+            values[indices] = part
+    return dict(zip(keys, values.tolist()))
 
 
-def set_reference_logprobs(reference, batches: list[RankBatch]) -> None:
-    """Log-probabilities of the next tokens under the frozen `reference` model, into every
-    batch's `ref_logprobs` (last pipeline stage; the loss is only computed there)."""
+def _reduce_op(key: str):
+    return ReduceOp.MAX if key.endswith("_max") else ReduceOp.MIN if key.endswith("_min") else ReduceOp.SUM
+
+
+def set_reference_logprobs(reference, batches: list[RankBatch], temperature: float = 1.0) -> None:
+    """Log-probabilities of the next tokens under the frozen `reference` model's
+    softmax(logits / temperature), into every batch's `ref_logprobs` (last pipeline stage; the
+    loss is only computed there)."""
 
     outputs = forward_only(
         reference,
         batches,
-        lambda logits, batch: megatron_vocab_parallel_logprobs(logits[0], batch.targets)[0],
+        lambda logits, batch: megatron_vocab_parallel_logprobs(logits[0], batch.targets, temperature)[0],
     )
     for batch, logprobs in zip(batches, outputs or []):
         batch.ref_logprobs = logprobs.detach()
 
 
-def policy_loss_func(config: AlgorithmConfig) -> LossFunc:
+def policy_loss_func(config: AlgorithmConfig, temperature: float = 1.0) -> LossFunc:
     """`algorithm.type`'s policy loss (`policy_objective`) on vocab-parallel log-probabilities of
-    the next tokens, plus `kl_coef` * KL(policy || reference) per action token when
-    `algorithm.kl_coef` > 0 (the batch then carries reference log-probabilities: train_step with
-    `reference`)."""
-    objective, kl_coef = policy_objective(config), config.kl_coef
+    softmax(logits / temperature) of the next tokens, plus `kl_coef` * KL(policy || reference)
+    per action token (`kl_estimator`) when `algorithm.kl_coef` > 0 (the batch then carries
+    reference log-probabilities: train_step with `reference`), minus `entropy_coef` * entropy.
+    Each term is weighted per token by the batch's `aggregation_weights`; the policy term also by
+    its `correction_weights` (rollout correction)."""
+    objective, kl_coef, entropy_coef = policy_objective(config), config.kl_coef, config.entropy_coef
 
     def loss(logits: torch.Tensor, batch: RankBatch):
-        logprobs, entropy = megatron_vocab_parallel_logprobs(logits[0], batch.targets)
-        loss_sum, metrics = objective(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask)
+        logprobs, entropy = megatron_vocab_parallel_logprobs(logits[0], batch.targets, temperature)
+        aggregation, correction = batch.aggregation_weights, batch.correction_weights
+        policy_weights = (
+            correction
+            if aggregation is None
+            else (aggregation if correction is None else aggregation * correction)
+        )
+        loss_sum, metrics = objective(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask,
+                                      weights=policy_weights)  # fmt: skip
         metrics = {k: v for k, v in metrics.items() if k.endswith("_sum")}
         metrics["entropy_sum"] = (entropy.detach() * batch.loss_mask).sum().to(torch.float64)
         if kl_coef > 0:
@@ -179,9 +222,12 @@ def policy_loss_func(config: AlgorithmConfig) -> LossFunc:
                 raise ValueError(
                     "policy loss: kl_coef > 0 needs reference log-probabilities (train_step reference=)"
                 )
-            kl_sum, kl_metrics = reference_kl_loss(logprobs, batch.ref_logprobs, batch.loss_mask)
+            kl_sum, kl_metrics = reference_kl_loss(logprobs, batch.ref_logprobs, batch.loss_mask,
+                                                   config.kl_estimator, aggregation)  # fmt: skip
             loss_sum = loss_sum + kl_coef * kl_sum
             metrics.update(kl_metrics)
+        if entropy_coef > 0:
+            loss_sum = loss_sum - entropy_coef * entropy_bonus(entropy, batch.loss_mask, aggregation)
         return loss_sum, metrics
 
     return loss

@@ -1,8 +1,8 @@
 """Wire format for one grid item (a data rank's micro-batches for one step). Never pickle.
 
 Frames: [header, buffer, buffer, ...]. The header is msgpack:
-    {"format": "megatron_rl.grid", "version": 1, "step", "data_rank", "num_micro_steps",
-     "micro_batches": [{"is_dummy", "arrays": [{"name", "dtype", "shape", "nbytes", "crc32"}]}]}
+    {"format": "megatron_rl.grid", "version": 2, "step", "data_rank", "num_micro_steps",
+     "micro_batches": [{"is_dummy", "minibatch", "arrays": [{"name", "dtype", "shape", "nbytes", "crc32"}]}]}
 followed by one raw buffer per array, in header order.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 from megatron_rl.data.types import MicroBatch
 
 FORMAT = "megatron_rl.grid"
-VERSION = 1
+VERSION = 2  # 2: micro-batches carry their policy mini-batch
 _ALLOWED_DTYPES = {"int64", "int32", "float32", "float64", "bool"}
 
 
@@ -38,6 +38,7 @@ class _ArraySpec(msgspec.Struct, forbid_unknown_fields=True):
 
 class _BatchSpec(msgspec.Struct, forbid_unknown_fields=True):
     is_dummy: bool
+    minibatch: int
     arrays: list[_ArraySpec]
 
 
@@ -60,7 +61,7 @@ def encode_grid_item(step: int, data_rank: int, micro_batches: list[MicroBatch])
             view = memoryview(array).cast("B")
             arrays.append(_ArraySpec(name, array.dtype.name, list(array.shape), array.nbytes, zlib.crc32(view)))
             buffers.append(view)
-        specs.append(_BatchSpec(mb.is_dummy, arrays))
+        specs.append(_BatchSpec(mb.is_dummy, mb.minibatch, arrays))
     header = _Header(FORMAT, VERSION, step, data_rank, len(micro_batches), specs)
     return [msgspec.msgpack.encode(header), *buffers]
 
@@ -117,6 +118,11 @@ def decode_grid_item(
     out, position = [], 1
     for index, batch in enumerate(batches):
         where_mb = f"{context}: micro-step {index}"
+        if batch.minibatch < 0 or (index and batch.minibatch < batches[index - 1].minibatch):
+            raise TransportError(
+                f"{where_mb}: mini-batch {batch.minibatch} after {batches[index - 1].minibatch if index else 'none'} "
+                "(mini-batches are numbered from 0 and come in order)"
+            )
         names = [spec.name for spec in batch.arrays]
         if sorted(names) != sorted(ARRAY_DTYPES):
             missing, extra = sorted(set(ARRAY_DTYPES) - set(names)), sorted(set(names) - set(ARRAY_DTYPES))
@@ -141,7 +147,7 @@ def decode_grid_item(
                 raise TransportError(f"{where_mb} array {name}: checksum mismatch (corrupt data)")
             fields[name] = np.frombuffer(buffer, dtype=spec.dtype).reshape(spec.shape).copy()
         _check_row(fields, batch.is_dummy, vocab_size, where_mb)
-        out.append(MicroBatch(**fields, is_dummy=batch.is_dummy))
+        out.append(MicroBatch(**fields, is_dummy=batch.is_dummy, minibatch=batch.minibatch))
     return out
 
 

@@ -330,6 +330,50 @@ def test_recompute_old_logprobs_is_not_a_key():
     assert "algorithm.recompute_old_logprobs: unknown key" in errors_of(data)
 
 
+def test_training_rollouts_must_sample_the_whole_vocabulary():
+    """top_p < 1 would bias every ratio by the kept probability mass: refused, saying why."""
+    data = base()
+    data["orchestrator"]["top_p"] = 0.9
+    message = errors_of(data)
+    assert "orchestrator.top_p (0.9): training rollouts must sample the whole vocabulary" in message
+    assert "kept probability mass" in message and "Set top_p: 1.0" in message
+    data["orchestrator"]["top_p"] = 1.0
+    data["orchestrator"]["temperature"] = 0.6
+    assert parse_config(data).orchestrator.temperature == 0.6
+
+
+def test_update_options_and_their_rules():
+    data = base("ppo")
+    data["algorithm"].update(policy_minibatches=4, policy_epochs=2, old_logprobs="recompute",
+                             loss_aggregation="seq-mean-token-sum-norm", loss_scale_factor=512,
+                             entropy_coef=0.001, kl_estimator="low_var_kl",
+                             rollout_correction={"rollout_is": "token", "rollout_is_threshold": "0.5_2.0"})  # fmt: skip
+    resolved = parse_config(data)
+    assert resolved.algorithm.optimizer_steps_per_step == 8
+    assert resolved.algorithm.rollout_correction.importance_bounds() == (0.5, 2.0)
+    # Rollout correction weighs pi_old / pi_sampler: with the sampler's log-probs as pi_old it is 1.
+    data["algorithm"]["old_logprobs"] = "sampler"
+    assert "algorithm.rollout_correction: needs algorithm.old_logprobs 'recompute'" in errors_of(data)
+    data = base("ppo")
+    data["algorithm"]["loss_scale_factor"] = 512
+    assert "algorithm.loss_scale_factor: only read by loss_aggregation 'seq-mean-token-sum-norm'" in errors_of(data)
+    data = base("ppo")
+    data["algorithm"]["policy_minibatches"] = 10_000
+    assert "algorithm.policy_minibatches (10000) exceeds the samples of a step" in errors_of(data)
+    data = base("ppo")
+    data["algorithm"]["rollout_correction"] = {"rollout_is": "token", "rollout_is_threshold": "x"}
+    assert "algorithm.rollout_correction.rollout_is_threshold" in errors_of(data)
+    data["algorithm"]["rollout_correction"] = {"rollout_rs": "token_k9", "rollout_rs_threshold": 1}
+    assert "unknown rule(s) ['token_k9']" in errors_of(data)
+    data["algorithm"]["rollout_correction"] = {}
+    data["algorithm"]["loss_aggregation"] = "seq-mean"
+    message = errors_of(data)
+    assert "algorithm.loss_aggregation" in message and "set rollout_is, rollout_rs or both" in message
+    data = base("ppo")
+    data["algorithm"]["policy_epochs"] = 0
+    assert "algorithm.policy_epochs" in errors_of(data)
+
+
 def test_offload_and_recompute_options_are_checked_and_reach_megatron():
     """optimizer.cpu_offload / offload_fraction map to megatron's hybrid device optimizer
     (optimizer_cpu_offload, optimizer_offload_fraction), model.recompute to

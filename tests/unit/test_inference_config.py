@@ -62,9 +62,9 @@ def test_router_port_is_checked_against_the_other_ports():
 
 def test_sampling_params_come_from_the_orchestrator_config():
     data = base()
-    data["orchestrator"].update(temperature=0.7, top_p=0.9, seed=4)
+    data["orchestrator"].update(temperature=0.7, top_p=1.0, seed=4)
     sampling = SamplingParams.from_config(parse_config(data).orchestrator)
-    assert (sampling.temperature, sampling.top_p, sampling.seed) == (0.7, 0.9, 4)
+    assert (sampling.temperature, sampling.top_p, sampling.seed) == (0.7, 1.0, 4)
     assert sampling.max_tokens == data["orchestrator"]["max_completion_tokens"]
 
 
@@ -99,6 +99,8 @@ def test_servers_from_config_use_the_given_devices_and_options(tmp_path):
         assert server.command[-1] == "--enable-prefix-caching"
         assert server.env["VLLM_SERVER_DEV_MODE"] == "1"
         assert option(server.command, "--shutdown-timeout") == "1"  # drain: no EngineDeadError on stop
+        # The log-prob of each sampled token is of softmax(logits / T), what it was drawn from.
+        assert option(server.command, "--logprobs-mode") == "processed_logprobs"
     data["inference"]["shutdown_timeout_s"] = 0  # vLLM's abort, and what a vLLM without the option needs
     [server, _] = InferencePool.from_config(parse_config(data), [["2", "5"], ["7", "0"]], tmp_path,
                                             model_dir=tmp_path, launch=False)  # fmt: skip

@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rl.data.packing import PackingError, pack_into_grid, packing_stats, unpack
+from megatron_rl.data.packing import (
+    PackingError,
+    pack_into_grid,
+    pack_minibatches,
+    packing_stats,
+    split_into_minibatches,
+    unpack,
+)
 from megatron_rl.data.types import TrainingSample
 
 
@@ -162,3 +169,50 @@ def test_unpack_rejects_missing_and_mismatched_outputs():
         unpack(grid, [[np.zeros(1) for _ in row] for row in grid])
     with pytest.raises(ValueError, match=r"no output for samples \[3\]"):
         unpack(grid, [[np.zeros(mb.num_tokens) for mb in row] for row in grid], num_samples=4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 64), min_size=1, max_size=40),
+    minibatches=st.integers(1, 6),
+    dp=st.integers(1, 4),
+    cp=st.sampled_from([1, 2]),
+    seed=st.integers(0, 1000),
+)
+def test_minibatch_grids(lengths, minibatches, dp, cp, seed):
+    """Each mini-batch is its own balanced grid (equal micro-steps on every data rank), every
+    sample is in exactly one, sizes differ by at most one, and the split is reproducible."""
+    samples = make_samples(lengths, seed)
+    grid = pack_minibatches(samples, minibatches, (seed, 3), 64, dp, cp)
+    parts = split_into_minibatches(len(samples), minibatches, (seed, 3))
+    assert len(parts) == min(minibatches, len(samples))
+    assert sorted(i for part in parts for i in part) == list(range(len(samples)))
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert parts == split_into_minibatches(len(samples), minibatches, (seed, 3))
+    for k, part in enumerate(parts):
+        rows = [[mb for mb in row if mb.minibatch == k] for row in grid]
+        assert len({len(r) for r in rows}) == 1  # the same number of micro-steps on every rank
+        real = {int(mb.sample_index[start]) for row in rows for mb in row if not mb.is_dummy
+                for start in mb.cu_seqlens[:-1]}  # fmt: skip
+        assert real == set(part)
+    for row in grid:  # mini-batches come in order
+        assert [mb.minibatch for mb in row] == sorted(mb.minibatch for mb in row)
+    check_grid(samples, grid, 64, dp, cp)
+
+
+def test_one_minibatch_is_exactly_pack_into_grid():
+    samples = make_samples([5, 40, 17, 33, 9, 61, 2], seed=4)
+    grid = pack_minibatches(samples, 1, 123, 64, 2, 2)
+    reference = pack_into_grid(samples, 64, 2, 2)
+    for row, reference_row in zip(grid, reference, strict=True):
+        for mb, expected in zip(row, reference_row, strict=True):
+            assert mb.minibatch == 0 and mb.is_dummy == expected.is_dummy
+            for name, array in expected.arrays().items():
+                np.testing.assert_array_equal(mb.arrays()[name], array)
+
+
+def test_split_differs_by_seed_and_step():
+    assert split_into_minibatches(40, 4, (0, 1)) != split_into_minibatches(40, 4, (0, 2))
+    assert split_into_minibatches(0, 4, 1) == [[]]
+    with pytest.raises(PackingError, match="num_minibatches must be >= 1"):
+        split_into_minibatches(5, 0, 1)

@@ -45,6 +45,18 @@ def test_codec_round_trip_is_byte_exact():
     assert any(mb.is_dummy for row in make_grid(1, 4, count=3) for mb in row)
 
 
+def test_micro_batches_carry_their_minibatch_in_order():
+    row = make_grid(0, 1, count=12)[0]
+    for index, mb in enumerate(row):
+        mb.minibatch = min(index, 2)
+    decoded = decode_grid_item([bytes(f) for f in encode_grid_item(5, 0, row)], "test", 5, 0)
+    assert [mb.minibatch for mb in decoded] == [mb.minibatch for mb in row]
+    assert decoded[-1].minibatch == 2
+    row[0].minibatch, row[-1].minibatch = 2, 0
+    with pytest.raises(TransportError, match="micro-step 1: mini-batch 1 after 2"):
+        decode_grid_item([bytes(f) for f in encode_grid_item(5, 0, row)], "test", 5, 0)
+
+
 def test_codec_rejects_corruption_wrong_version_and_truncation():
     grid = make_grid(0, 1)
     frames = [bytes(f) for f in encode_grid_item(3, 0, grid[0])]
@@ -136,7 +148,7 @@ def test_receiver_raises_on_corrupt_and_wrong_version_frames():
     corrupt = list(frames)
     corrupt[3] = b"\x00" * len(corrupt[3])
     header = msgspec.msgpack.decode(frames[0])
-    header["version"] = 2
+    header["version"] = 1  # the format before micro-batches carried their mini-batch
     meta = msgspec.msgpack.encode({"step": 2, "data_rank": 0})
     port, stop = free_port(), threading.Event()
     thread = threading.Thread(
@@ -154,7 +166,7 @@ def test_receiver_raises_on_corrupt_and_wrong_version_frames():
                 TransportError, match=f"tcp://127.0.0.1:{port}: grid item for step 2.*checksum mismatch"
             ):
                 receiver.receive(2)
-            with pytest.raises(TransportError, match="wrong format version 2"):
+            with pytest.raises(TransportError, match="wrong format version 1"):
                 receiver.receive(2)
             with pytest.raises(
                 TransportTimeout,

@@ -1,0 +1,232 @@
+"""One RL step of the policy: `policy_minibatches` x `policy_epochs` optimizer steps over the step's
+mini-batches, before the new version is published.
+
+Order, on this rank's grid item (the micro-batches of every mini-batch, `MicroBatch.minibatch`):
+
+1. the KL reference's log-probabilities (`algorithm.kl_coef` > 0), once for all mini-batches;
+2. `old_logprobs: recompute`: one forward-only pass of the policy over every micro-batch before the
+   first update gives pi_old (the ratio's denominator); the sampler's log-probs stay for the
+   mismatch metrics and the rollout correction (algorithms/rollout_correction.py), whose weights
+   and rejections are set here, once;
+3. the loss aggregation's per-token weights and normalisers (algorithms/aggregation.py), over the
+   token masks left after rejection;
+4. for each epoch, for each mini-batch in order: one `train_on_batches` (each normalised by its
+   own global count).
+
+Every log-prob is of softmax(logits / T), T = `orchestrator.temperature`, the distribution the
+samples were drawn from. `policy_minibatches = policy_epochs = 1` with `sampler` is one
+train_step on the grid item, as before mini-batches existed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_rl.algorithms import aggregation, rollout_correction
+from megatron_rl.config import AlgorithmConfig
+from megatron_rl.data.types import MicroBatch
+from megatron_rl.faults import kill_point
+from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
+from megatron_rl.trainer.batches import RankBatch, rank_batch
+from megatron_rl.trainer.forward import forward_only
+from megatron_rl.trainer.optimizer import Trainable
+from megatron_rl.trainer.step import (
+    policy_loss_func,
+    reduce_statistics,
+    set_reference_logprobs,
+    train_on_batches,
+)
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    algorithm: AlgorithmConfig
+    temperature: float = 1.0  # orchestrator.temperature: the training samples' sampling temperature
+    loss_scale_factor: int | None = None  # seq-mean-token-sum-norm's divisor (resolved default)
+
+    @classmethod
+    def from_config(cls, resolved) -> UpdateSettings:
+        algorithm = resolved.algorithm
+        scale = algorithm.loss_scale_factor or resolved.orchestrator.max_completion_tokens
+        return cls(algorithm, resolved.orchestrator.temperature, scale)
+
+
+def is_last_stage() -> bool:
+    return parallel_state.is_pipeline_last_stage()
+
+
+def cp_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    """`tensor` summed (op "sum") or maximised ("max") over this rank's CP group."""
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return tensor
+    reduce_op = torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX
+    torch.distributed.all_reduce(tensor, op=reduce_op, group=parallel_state.get_context_parallel_group())
+    return tensor
+
+
+def token_views(batches: list[RankBatch]) -> list[rollout_correction.TokenView]:
+    return [
+        rollout_correction.TokenView(
+            log_ratio=torch.where(b.loss_mask, b.old_logprobs.double() - b.sampler_logprobs.double(), 0.0),
+            mask=b.loss_mask,
+            sequence_of_token=b.sequence_of_token,
+            num_sequences=b.num_sequences,
+            owned=b.owned_sequences,
+        )
+        for b in batches
+    ]
+
+
+def recompute_old_logprobs(model, batches: list[RankBatch], temperature: float) -> None:
+    """pi_old: the policy's own log-probabilities before the step's first update, into every
+    batch's `old_logprobs` (last pipeline stage)."""
+    outputs = forward_only(
+        model,
+        batches,
+        lambda logits, batch: megatron_vocab_parallel_logprobs(logits[0], batch.targets, temperature)[0],
+    )
+    for batch, logprobs in zip(batches, outputs or []):
+        batch.old_logprobs = logprobs.detach()
+
+
+def correct_rollouts(settings: UpdateSettings, batches: list[RankBatch]) -> dict:
+    """Sets rollout-correction weights and rejections on `batches` (last stage) and returns the
+    mismatch and correction statistics reduced over the role (every rank)."""
+    config = settings.algorithm.rollout_correction
+    local: dict[str, float] = {}
+    if is_last_stage():
+        views = token_views(batches)
+        corrections, sums = rollout_correction.apply(config, views, cp_reduce)
+        for batch, correction in zip(batches, corrections):
+            batch.correction_weights = correction.weights
+            batch.loss_mask = correction.keep
+        if config is not None and config.rollout_is is not None and config.rollout_is_batch_normalize:
+            terms = torch.stack([rollout_correction.batch_mean_terms(config, v, b.correction_weights)
+                                 for v, b in zip(views, batches)]).sum(0) if views else torch.zeros(2, dtype=torch.float64)  # fmt: skip
+            mean = reduce_statistics({"weight_sum": float(terms[0]), "count_sum": float(terms[1])})
+            factor = mean["weight_sum"] / mean["count_sum"] if mean["count_sum"] else 1.0
+            factor = factor if factor > 1e-8 else 1.0
+            for batch in batches:
+                batch.correction_weights = batch.correction_weights / factor
+            sums["rollout_is_batch_norm_factor_max"] = torch.tensor(factor, dtype=torch.float64)
+        local = {key: float(value) for key, value in sums.items()}
+    elif config is not None and config.rollout_is is not None and config.rollout_is_batch_normalize:
+        reduce_statistics({})  # matches the last stage's batch-mean reduction
+    reduced = reduce_statistics(local)
+    summary = rollout_correction.summarise(reduced)
+    if "rollout_is_batch_norm_factor_max" in reduced:
+        summary["rollout_is_batch_norm_factor"] = reduced["rollout_is_batch_norm_factor_max"]
+    return summary
+
+
+def set_aggregation(settings: UpdateSettings, batches: list[RankBatch]) -> None:
+    """The loss aggregation's per-token weights and normalisers (last stage; token-mean needs
+    neither: the normaliser is the action-token count)."""
+    mode = settings.algorithm.loss_aggregation
+    if mode == "token-mean" or not is_last_stage():
+        return
+    # Action tokens of each whole sequence (all CP ranks), after rejection.
+    counts = [torch.zeros(b.num_sequences, dtype=torch.float64, device=b.loss_mask.device).index_add_(
+        0, b.sequence_of_token, b.loss_mask.double()) for b in batches]  # fmt: skip
+    if counts:
+        reduced = torch.split(cp_reduce(torch.cat(counts), "sum"), [b.num_sequences for b in batches])
+    else:
+        reduced = []
+    for batch, sequence_tokens in zip(batches, reduced):
+        batch.aggregation_weights = aggregation.token_weights(
+            mode, batch.loss_mask, batch.sequence_of_token, sequence_tokens
+        )
+        owned = int((batch.owned_sequences & (sequence_tokens > 0)).sum())
+        batch.normaliser = aggregation.normaliser(mode, batch.loss_mask, owned, settings.loss_scale_factor)
+
+
+def minibatch_groups(batches: list[RankBatch]) -> list[list[RankBatch]]:
+    """This rank's batches grouped by mini-batch, in order (the packer gives every data rank the
+    same number of micro-steps per mini-batch)."""
+    groups: dict[int, list[RankBatch]] = {}
+    for batch in batches:
+        groups.setdefault(batch.minibatch, []).append(batch)
+    return [groups[k] for k in sorted(groups)]
+
+
+def policy_update(
+    trainable: Trainable, micro_batches: list[MicroBatch], settings: UpdateSettings, reference=None
+) -> dict:
+    """Every optimizer step of one RL step; returns the step's metrics (identical on every rank):
+    `optimizer_steps`, the loss and ratio statistics over all updates and of the first and the
+    last, the mismatch between the trainer's pre-update log-probs and the sampler's, the
+    rollout-correction statistics, and the time split (`time`: reference, recompute, train)."""
+    algorithm, times = settings.algorithm, {}
+    cp_rank = parallel_state.get_context_parallel_rank()
+    cp_size = parallel_state.get_context_parallel_world_size()
+    batches = [rank_batch(mb, cp_rank, cp_size) for mb in micro_batches]
+    if reference is not None:
+        began = time.perf_counter()
+        set_reference_logprobs(reference, batches, settings.temperature)
+        times["reference"] = time.perf_counter() - began
+    mismatch = None
+    if algorithm.old_logprobs == "recompute":
+        began = time.perf_counter()
+        recompute_old_logprobs(trainable.model[0], batches, settings.temperature)
+        mismatch = correct_rollouts(settings, batches)
+        times["recompute"] = time.perf_counter() - began
+    set_aggregation(settings, batches)
+    loss = policy_loss_func(algorithm, settings.temperature)
+    began = time.perf_counter()
+    updates = []
+    for _ in range(algorithm.policy_epochs):
+        for group in minibatch_groups(batches):
+            kill_point("step.minibatch")
+            updates.append(train_on_batches(trainable, group, loss))
+    times["train"] = time.perf_counter() - began
+    return summarise_updates(updates, algorithm.policy_epochs, mismatch, times)
+
+
+def _means(metrics: dict) -> dict:
+    tokens = max(metrics.get("num_tokens", 0.0), 1.0)
+    return {
+        "ratio_mean": metrics.get("ratio_sum", 0.0) / tokens,
+        "clip_fraction": metrics.get("clipped_sum", 0.0) / tokens,
+        "approx_kl": metrics.get("approx_kl_sum", 0.0) / tokens,
+    }
+
+
+def summarise_updates(updates: list[dict], epochs: int, mismatch: dict | None, times: dict) -> dict:
+    """One step's metrics from its updates' reduced metrics (`epochs` passes over the step's
+    samples)."""
+    total = {key: sum(u.get(key, 0.0) for u in updates) for key in ("num_tokens", "ratio_sum", "clipped_sum",
+             "approx_kl_sum", "entropy_sum", "kl_ref_sum")}  # fmt: skip
+    first, last = updates[0], updates[-1]
+    tokens = max(total["num_tokens"], 1.0)
+    grad_norms = [u["grad_norm"] for u in updates if u.get("grad_norm") is not None]
+    record = {
+        "optimizer_steps": len(updates),
+        "loss": sum(u["loss"] for u in updates) / len(updates),
+        "num_tokens": total["num_tokens"] / epochs,  # the step's action tokens
+        "trained_tokens": total["num_tokens"],  # over every update
+        **_means(total),
+        "entropy": total["entropy_sum"] / tokens,
+        "kl_ref": total["kl_ref_sum"] / tokens,
+        **{f"{k}_first": v for k, v in _means(first).items()},
+        **{f"{k}_last": v for k, v in _means(last).items()},
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else None,
+        "update_successful": all(u.get("update_successful", True) for u in updates),
+        "skipped_steps": last.get("skipped_steps", 0),
+        "lr": last.get("lr"),
+        "time": times,
+    }
+    if mismatch is None:  # sampler: the first update's ratio is the mismatch (no update before it)
+        first_tokens = max(first.get("num_tokens", 0.0), 1.0)
+        mismatch = {
+            "mismatch_kl": first.get("approx_kl_sum", 0.0) / first_tokens,
+            "mismatch_kl_k1": -first.get("log_ratio_sum", 0.0) / first_tokens,
+            "mismatch_chi2_token": first.get("ratio_squared_sum", 0.0) / first_tokens - 1.0,
+        }
+    record.update(mismatch)
+    return record

@@ -1,0 +1,177 @@
+"""The policy's RL step (policy/update.py): mini-batch epochs, recomputed old log-probs, rollout
+correction, loss aggregation and the sampling temperature, on real Megatron models over gloo.
+
+- N mini-batches x E epochs make N x E optimizer steps; with `recompute` the first update's ratio
+  is exactly 1 even when the sampler's log-probs are perturbed, the perturbation shows in the
+  mismatch metrics, later updates move the ratio and the clip acts;
+- every option, together, gives the same metrics and weights at DP = 2, CP = 2 and TP = 2 as in
+  one process (sequences split over CP ranks, mini-batches packed per layout);
+- N = E = 1 with `sampler` is train_step exactly;
+- log-probs are of softmax(logits / T): samples whose sampler log-probs are the policy's own at
+  T = 0.7 give ratio 1 at T = 0.7 and not at T = 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_rl import parallel
+from megatron_rl.testing.ranks import DENSE, reference_weights
+from megatron_rl.testing.samples import training_samples
+from megatron_rl.testing.spawn import run_ranks
+
+ARCH = DENSE.model_copy(update=dict(num_layers=2))
+SEQ_LEN = 64
+
+EVERYTHING = dict(
+    type="ppo",
+    policy_minibatches=2,
+    policy_epochs=2,
+    old_logprobs="recompute",
+    loss_aggregation="seq-mean-token-mean",
+    entropy_coef=0.01,
+    rollout_correction={
+        "rollout_is": "sequence",
+        "rollout_is_threshold": 1.5,
+        "rollout_rs": "token_k1,seq_max_k2",
+        "rollout_rs_threshold": "0.6_1.6,0.3",
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return run_ranks(reference_weights, 1, ARCH, 5)[0]
+
+
+def test_n_times_e_updates_ratio_one_first_then_moving_and_the_clip_acts(weights):
+    algorithm = dict(type="ppo", policy_minibatches=4, policy_epochs=2, old_logprobs="recompute")
+    ((record, _, perturbation),) = run_ranks(policy_step, 1, ARCH, weights, 1, 1, algorithm, 0.5, 1.0, 3e-2)
+    assert record["optimizer_steps"] == 8
+    # pi_old is the policy itself before the first update: its ratio is 1 exactly, token by token.
+    assert record["ratio_mean_first"] == 1.0 and record["clip_fraction_first"] == 0.0
+    assert abs(record["ratio_mean_last"] - 1.0) > 1e-3 and record["clip_fraction_last"] > 0
+    # The sampler's log-probs were the policy's plus a known perturbation e: k1 = mean(e).
+    assert record["mismatch_kl_k1"] == pytest.approx(perturbation["k1"], rel=1e-5, abs=1e-7)
+    assert record["mismatch_kl"] == pytest.approx(perturbation["k3"], rel=1e-5, abs=1e-7)
+    assert record["mismatch_kl"] > 1e-2
+
+
+def test_sampler_ratio_is_against_the_sampler_and_a_single_update_is_train_step(weights):
+    ((record, params, _),) = run_ranks(policy_step, 1, ARCH, weights, 1, 1, {"type": "sao"}, 0.0, 1.0)
+    ((reference, reference_params),) = run_ranks(plain_train_step, 1, ARCH, weights)
+    assert record["optimizer_steps"] == 1
+    for key in ("loss", "num_tokens", "grad_norm"):
+        assert record[key] == reference[key], key
+    assert record["ratio_mean"] == reference["ratio_sum"] / reference["num_tokens"]
+    assert record["mismatch_kl"] == reference["approx_kl_sum"] / reference["num_tokens"]
+    for name, value in reference_params.items():
+        assert torch.equal(params[name], value), name
+
+
+def test_log_probs_are_of_the_sampling_temperature(weights):
+    # Sampler log-probs are the policy's own at T = 0.7: the ratio is 1 at 0.7, off at 1.0.
+    ((tempered, _, _),) = run_ranks(policy_step, 1, ARCH, weights, 1, 1, {"type": "ppo"}, 0.0, 0.7, 1e-3, 0.7)
+    ((untempered, _, _),) = run_ranks(policy_step, 1, ARCH, weights, 1, 1, {"type": "ppo"}, 0.0, 1.0, 1e-3, 0.7)
+    assert tempered["ratio_mean_first"] == pytest.approx(1.0, abs=1e-6)
+    assert tempered["mismatch_kl"] < 1e-10
+    assert abs(untempered["ratio_mean_first"] - 1.0) > 1e-3 and untempered["mismatch_kl"] > 1e-4
+
+
+@pytest.fixture(scope="module")
+def everything_one_process(weights):
+    return run_ranks(policy_step, 1, ARCH, weights, 1, 1, EVERYTHING, 0.3, 0.8)[0]
+
+
+@pytest.mark.parametrize("tp, cp, world", [(1, 1, 2), (1, 2, 2), (2, 1, 2)])
+def test_every_option_at_dp2_cp2_tp2_equals_one_process(weights, everything_one_process, tp, cp, world):
+    reference, reference_params, _ = everything_one_process
+    assert reference["optimizer_steps"] == 4
+    assert 0 < reference["rollout_rs_masked_fraction"] < 1 and reference["rollout_is_flagged_fraction"] > 0
+    for record, params, _ in run_ranks(policy_step, world, ARCH, weights, tp, cp, EVERYTHING, 0.3, 0.8):
+        for key, value in reference.items():
+            if isinstance(value, float) and key != "lr":
+                assert record[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (tp, cp, key)
+        for name, value in reference_params.items():
+            torch.testing.assert_close(params[name], value, atol=2e-5, rtol=0, msg=f"{name} tp={tp} cp={cp}")
+
+
+# Rank functions: module-level, so that the spawned ranks can import them.
+
+
+def _samples_with_policy_logprobs(model, temperature, perturbation_scale, seed=11, count=12):
+    """Samples whose sampler log-probs are the model's own at `temperature`, plus a seeded
+    perturbation on action tokens; and the perturbation's k1 / k3 means."""
+    from megatron_rl.data.packing import pack_into_grid, unpack
+    from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
+    from megatron_rl.trainer.batches import rank_batch
+    from megatron_rl.trainer.forward import forward_only
+
+    samples = training_samples(count, ARCH.vocab_size, seed=seed)
+    grid = pack_into_grid(samples, SEQ_LEN, 1, 1)  # every rank computes the same on one row
+    batches = [rank_batch(mb) for mb in grid[0]]
+    outputs = forward_only(
+        model, batches, lambda logits, batch: megatron_vocab_parallel_logprobs(logits[0], batch.targets, temperature)[0]
+    )
+    per_sample = unpack([grid[0]], [[np.concatenate([[0.0], o.numpy()[:-1]]) for o in outputs]], len(samples))
+    rng = np.random.default_rng(seed)
+    noise = []
+    for sample, logprobs in zip(samples, per_sample):
+        e = np.where(sample.loss_mask, rng.normal(scale=perturbation_scale, size=len(sample)), 0.0)
+        sample.inference_logprobs = np.where(sample.loss_mask, logprobs + e, 0.0).astype(np.float32)
+        noise.append(e[sample.loss_mask])
+    e = np.concatenate(noise)
+    return samples, {"k1": float(e.mean()), "k3": float((np.expm1(-e) + e).mean())}
+
+
+def policy_step(rank, world_size, arch, full, tp, cp, algorithm, perturbation_scale, temperature, lr=1e-3,
+                sampler_temperature=None):  # fmt: skip
+    """One policy RL step (policy_update) on samples whose sampler log-probs are the policy's own
+    at `sampler_temperature` (default `temperature`) plus a perturbation; returns (record, full
+    parameters after the step, the perturbation's k1 / k3)."""
+    from megatron.core import parallel_state
+
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.data.packing import pack_minibatches
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.sharding import gather_full_parameters, load_full_state_dict
+    from megatron_rl.policy.update import UpdateSettings, policy_update
+    from megatron_rl.trainer.optimizer import build_trainable
+
+    parallel.initialize_model_parallel(tp=1, cp=1)
+    probe = build_gpt_model(arch)
+    load_full_state_dict(probe, full)
+    samples, perturbation = _samples_with_policy_logprobs(probe, sampler_temperature or temperature, perturbation_scale)
+    del probe
+    parallel.initialize_model_parallel(tp=tp, cp=cp)
+    model = build_gpt_model(arch, tp=tp, cp=cp)
+    load_full_state_dict(model, full)
+    # adam_eps as in test_train_step: summation-order noise on near-zero gradients stays small.
+    trainable = build_trainable(model, OptimizerConfig(lr=lr, grad_clip=1.0, adam_eps=1e-6), total_steps=20)
+    config = AlgorithmConfig(**algorithm)
+    dp = parallel_state.get_data_parallel_world_size()
+    grid = pack_minibatches(samples, config.policy_minibatches, (1, 0), SEQ_LEN, dp, cp)
+    settings = UpdateSettings(config, temperature, loss_scale_factor=16)
+    record = policy_update(trainable, grid[parallel_state.get_data_parallel_rank()], settings)
+    return record, gather_full_parameters(model), perturbation
+
+
+def plain_train_step(rank, world_size, arch, full):
+    """train_step (no mini-batches) on the samples `policy_step` builds with no perturbation."""
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.sharding import gather_full_parameters, load_full_state_dict
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.step import policy_loss_func, train_step
+
+    parallel.initialize_model_parallel()
+    model = build_gpt_model(arch)
+    load_full_state_dict(model, full)
+    samples, _ = _samples_with_policy_logprobs(model, 1.0, 0.0)
+    trainable = build_trainable(model, OptimizerConfig(lr=1e-3, grad_clip=1.0, adam_eps=1e-6), total_steps=20)
+    grid = pack_into_grid(samples, SEQ_LEN, 1, 1)
+    metrics = train_step(trainable, grid[0], policy_loss_func(AlgorithmConfig(type="sao")))
+    return metrics, gather_full_parameters(model)
