@@ -30,7 +30,7 @@ from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.data.types import MicroBatch, ScoreResult, TrainingSample
 from megatron_rl.models.lora import apply_lora
 from megatron_rl.models.value_model import build_value_model, freeze_attention, set_head_only
-from megatron_rl.trainer.optimizer import restart_untouched_adam_state
+from megatron_rl.trainer.optimizer import reload_main_params, restart_untouched_adam_state
 from megatron_rl.trainer.resume import CheckpointMismatch, complete_steps, run_resume_step
 from megatron_rl.trainer.role import RoleTrainer
 from megatron_rl.trainer.snapshot import wait_for_snapshot
@@ -184,11 +184,12 @@ class CriticTrainer(RoleTrainer):
 
     # -- snapshots ------------------------------------------------------------------------------
     def load_snapshot(self, step: int) -> None:
-        """Waits for policy snapshot version `step`, loads its backbone, restarts the backbone's
-        Adam state (the old moments belong to other weights)."""
+        """Waits for policy snapshot version `step`, loads its backbone into the model and into
+        the weights the optimizer steps from (fp32 masters, or the hybrid optimizer's copies under
+        CPU offload), restarts the backbone's Adam state (the old moments belong to other weights)."""
         path = wait_for_snapshot(self.resolved.layout.paths.policy_snapshots, step, self.value.snapshot.wait_timeout_s)
         load_backbone(self.model, path)
-        self.trainable.optimizer.reload_model_params()
+        reload_main_params(self.trainable)
         restart_untouched_adam_state(self.trainable, reset_moments=True)
         self.snapshots_loaded.append(step)
         if dist.get_rank() == 0:

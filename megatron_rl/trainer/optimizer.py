@@ -1,14 +1,24 @@
 """megatron DDP + (distributed) optimizer + LR/WD scheduler from our OptimizerConfig.
 
-Two megatron facts this encodes: per-group weight-decay multipliers (no decay on norms and
-biases) only take effect through `get_standard_config_overrides` plus OptimizerParamScheduler,
-and `finalize_model_grads` must be the config's finalize function (q/k-norm and sequence-parallel
+Megatron facts this encodes: per-group weight-decay multipliers (no decay on norms and biases)
+only take effect through `get_standard_config_overrides` plus OptimizerParamScheduler, and
+`finalize_model_grads` must be the config's finalize function (q/k-norm and sequence-parallel
 norm gradients are summed over TP there; with calculate_per_token_loss it also divides every
 gradient by the global token count).
+
+CPU offload (`optimizer.cpu_offload`) is megatron's hybrid device optimizer on the
+precision-aware path, as Megatron-LM's own argument check requires: without it the distributed
+optimizer makes an fp32 master shard of every 16-bit parameter on the GPU and the hybrid
+optimizer only copies it to the host, so the masters stay on the GPU (4 bytes per sharded
+parameter). On the precision-aware path the hybrid optimizer's fp32 copies are the masters, on
+the host for the offloaded fraction. Adam state comes in two layouts: torch's Adam keeps `step`
+per parameter, TE's and Apex's FusedAdam per parameter group (`adam_optimizers`,
+`restart_untouched_adam_state` and `unify_adam_steps` handle both).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
@@ -21,6 +31,7 @@ from megatron.core.distributed import (
 )
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import ParamKey, get_megatron_optimizer, get_standard_config_overrides
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_rl.config import OptimizerConfig
@@ -66,7 +77,13 @@ def build_trainable(
     overrides = get_standard_config_overrides(optimizer_config)
     if head_pattern is not None:
         overrides[ParamKey(name=head_pattern)] = {HEAD_GROUP_KEY: True}
-    optimizer = get_megatron_optimizer(optimizer_config, [ddp], config_overrides=overrides)
+    # The distributed optimizer hands the hybrid optimizer views of the fp32 parameters (norms,
+    # the value head); built with autograd on they are non-leaf tensors, which torch's optimizer
+    # refuses ("can't optimize a non-leaf Tensor"). Without autograd they are plain views.
+    with torch.no_grad() if config.cpu_offload else contextlib.nullcontext():
+        optimizer = get_megatron_optimizer(optimizer_config, [ddp], config_overrides=overrides)
+    for hybrid in hybrid_optimizers(optimizer):
+        hybrid.register_step_pre_hook(_give_device_fp32_params_their_gradient)
     decay_steps = max(total_steps, config.warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -85,10 +102,12 @@ def build_trainable(
 
 
 def megatron_optimizer_config(config: OptimizerConfig, transformer_config):
-    """megatron's OptimizerConfig for ours (Adam; CPU offload through its hybrid device optimizer,
-    with pinned host buffers on CUDA)."""
+    """megatron's OptimizerConfig for ours (Adam; CPU offload through its hybrid device optimizer
+    on the precision-aware path, with pinned host buffers on CUDA)."""
 
-    return MegatronOptimizerConfig(
+    if config.cpu_offload and not config.distributed_optimizer:
+        raise ValueError("optimizer.cpu_offload: needs optimizer.distributed_optimizer: true")
+    megatron = MegatronOptimizerConfig(
         optimizer="adam",
         lr=config.lr,
         min_lr=config.min_lr,
@@ -106,12 +125,79 @@ def megatron_optimizer_config(config: OptimizerConfig, transformer_config):
         pin_cpu_grads=torch.cuda.is_available(),
         pin_cpu_params=torch.cuda.is_available(),
     )
+    if config.cpu_offload:
+        _use_precision_aware_path(megatron)
+    return megatron
+
+
+def _use_precision_aware_path(megatron) -> None:
+    """Turns on megatron's precision-aware optimizer for CPU offload: the hybrid optimizer then
+    steps the 16-bit parameter shards through its own fp32 copies (the masters, on the host for the
+    offloaded fraction) and no fp32 master is made on the GPU. Set after construction because
+    megatron 0.16.1's `OptimizerConfig.__post_init__` compares TE's version with None when TE is
+    absent (a TypeError) before it returns early for CPU offload; what it checks and derives on
+    that path is done here. Masters, moments and gradients stay fp32."""
+    assert megatron.optimizer == "adam" and megatron.use_distributed_optimizer
+    megatron.use_precision_aware_optimizer = True
+    megatron.main_grads_dtype = torch.float32
+    megatron.main_params_dtype = torch.float32
+    megatron.exp_avg_dtype = torch.float32
+    megatron.exp_avg_sq_dtype = torch.float32
+    # Read only by TE's FusedAdam with master weights, which the hybrid optimizer does not use.
+    megatron.store_param_remainders = False
+    # What __post_init__ derives: precision-aware, and gradients in `.decoupled_grad`.
+    megatron.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
 
 
 def torch_optimizers(optimizer) -> list:
     """The torch optimizers inside a megatron (possibly chained) optimizer."""
     inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     return [o.optimizer for o in inner]
+
+
+def hybrid_optimizers(optimizer) -> list[HybridDeviceOptimizer]:
+    """The hybrid device optimizers (CPU offload) inside a megatron optimizer."""
+    return [o for o in torch_optimizers(optimizer) if isinstance(o, HybridDeviceOptimizer)]
+
+
+def adam_optimizers(optimizer) -> list:
+    """The torch optimizers that hold the Adam state: those inside a megatron optimizer, and for
+    a hybrid device optimizer its host and device sub-optimizers (their state dicts are the ones
+    the hybrid optimizer's `state` shows, but only their own param groups carry FusedAdam's
+    per-group `step`)."""
+    out = []
+    for opt in torch_optimizers(optimizer):
+        out += list(opt.sub_optimizers) if isinstance(opt, HybridDeviceOptimizer) else [opt]
+    return out
+
+
+def _give_device_fp32_params_their_gradient(hybrid: HybridDeviceOptimizer, args, kwargs) -> None:
+    """Step pre-hook of a hybrid device optimizer: on the precision-aware path megatron puts every
+    gradient in `.decoupled_grad`; the hybrid optimizer reads it for the parameters it offloads and
+    for its fp32 copies of 16-bit ones, but its device sub-optimizer reads `.grad`, so fp32
+    parameters left on the device (offload_fraction < 1) were never updated."""
+    device_optimizer = hybrid.gpu_optimizer
+    if device_optimizer is None:
+        return
+    for group in device_optimizer.param_groups:
+        for param in group["params"]:
+            if param not in hybrid.fp32_param_to_orig_param:  # an original fp32 parameter
+                param.grad = getattr(param, "decoupled_grad", None)
+
+
+@torch.no_grad()
+def reload_main_params(trainable: Trainable) -> None:
+    """After the model's weights were replaced in place (a policy snapshot loaded into the
+    critic): the weights the optimizer steps from take the new values too. megatron's
+    `reload_model_params` does this for the distributed optimizer's fp32 masters; under the
+    hybrid device optimizer it refreshes only its fp32 copies of 16-bit parameters, so the host
+    copies of fp32 parameters (norms, the value head; every parameter of an fp32 model) kept the
+    old weights and the next step copied them back."""
+    trainable.optimizer.reload_model_params()
+    for hybrid in hybrid_optimizers(trainable.optimizer):
+        for param, host_copy in hybrid.gpu_params_map_cpu_copy.items():
+            if param not in hybrid.param_to_fp32_param:
+                host_copy.copy_(param)
 
 
 def freeze_non_head_groups(trainable: Trainable) -> None:
@@ -123,55 +209,71 @@ def freeze_non_head_groups(trainable: Trainable) -> None:
             group["lr"] = 0.0
 
 
+def _zero_step(step):
+    return torch.zeros_like(step) if torch.is_tensor(step) else type(step)(0)
+
+
+def _steps_per_group(opt, group: dict) -> bool:
+    """Whether `group` keeps its Adam step count itself (TE's/Apex's FusedAdam: an int or tensor
+    in the group, none in the parameters' state) rather than per parameter (torch's Adam)."""
+    return "step" in group and not any("step" in (opt.state.get(p) or {}) for p in group["params"])
+
+
 @torch.no_grad()
 def restart_untouched_adam_state(trainable: Trainable, reset_moments: bool = False) -> int:
     """Adam state of non-head parameters that never received a gradient (second moment all
     zero) restarts at step 0, so their first real update gets the usual bias correction instead
     of one shaped by the frozen steps. `reset_moments` zeroes every non-head parameter's moments
-    first (new weights from a snapshot: the old moments belong to other weights). Returns the
-    number of parameters restarted."""
+    first (new weights from a snapshot: the old moments belong to other weights). Where the step
+    count is kept per group (FusedAdam), a group restarts when none of its parameters ever
+    received a gradient (after head-only steps or `reset_moments`, every non-head group); a group
+    where some did keeps its count. Returns the number of parameters restarted."""
     count = 0
-    for opt in torch_optimizers(trainable.optimizer):
+    for opt in adam_optimizers(trainable.optimizer):
         for group in opt.param_groups:
             if group.get(HEAD_GROUP_KEY, False):
                 continue
-            for param in group["params"]:
-                state = opt.state.get(param)
-                if not state or "exp_avg_sq" not in state:
-                    continue
-                if reset_moments:
+            states = [opt.state.get(p) for p in group["params"]]
+            states = [state for state in states if state and "exp_avg_sq" in state]
+            if reset_moments:
+                for state in states:
                     state["exp_avg"].zero_()
                     state["exp_avg_sq"].zero_()
-                if not state["exp_avg_sq"].any():
-                    if torch.is_tensor(state["step"]):
-                        state["step"] = torch.zeros_like(state["step"])
-                    else:
-                        state["step"] = 0
+            untouched = [state for state in states if not state["exp_avg_sq"].any()]
+            if _steps_per_group(opt, group):
+                if states and len(untouched) == len(states):
+                    group["step"] = _zero_step(group["step"])
+                    count += len(states)
+                continue
+            for state in untouched:
+                if "step" in state:
+                    state["step"] = _zero_step(state["step"])
                     count += 1
     return count
 
 
 @torch.no_grad()
 def unify_adam_steps(trainable: Trainable) -> int | None:
-    """Gives every parameter's Adam state the largest step count and returns it (None when the
-    counts already agree). Megatron's distributed optimizer checkpoints one step count for all
-    parameters (as fused Adam keeps it), so parameters restarted after head-only steps
-    (`restart_untouched_adam_state`) must share it before a checkpoint; unifying in memory too
-    keeps a resumed run identical to an uninterrupted one. Their first updates after this use
-    the global bias correction."""
-    states = [
-        state
-        for opt in torch_optimizers(trainable.optimizer)
-        for state in opt.state.values()
-        if state and "step" in state
-    ]
-    steps = {float(state["step"]) for state in states}
+    """Gives every parameter's (or, with FusedAdam, every group's) Adam state the largest step
+    count and returns it (None when the counts already agree). Megatron's distributed optimizer
+    checkpoints one step count for all parameters (it asserts that FusedAdam's groups agree), so
+    parameters restarted after head-only steps (`restart_untouched_adam_state`) must share it
+    before a checkpoint; unifying in memory too keeps a resumed run identical to an uninterrupted
+    one. Their first updates after this use the global bias correction."""
+    holders = []  # (dict, key) pairs holding a step count
+    for opt in adam_optimizers(trainable.optimizer):
+        for group in opt.param_groups:
+            if _steps_per_group(opt, group):
+                holders.append(group)
+                continue
+            holders += [opt.state[p] for p in group["params"] if "step" in (opt.state.get(p) or {})]
+    steps = {float(holder["step"]) for holder in holders}
     if len(steps) <= 1:
         return None
     top = max(steps)
-    for state in states:
-        if torch.is_tensor(state["step"]):
-            state["step"].fill_(top)
+    for holder in holders:
+        if torch.is_tensor(holder["step"]):
+            holder["step"].fill_(top)
         else:
-            state["step"] = type(state["step"])(top)
+            holder["step"] = type(holder["step"])(top)
     return int(top)

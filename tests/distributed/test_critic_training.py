@@ -136,6 +136,48 @@ def test_snapshot_from_policy_at_tp2_loads_into_critic_at_cp2_then_retunes_head(
         torch.testing.assert_close(from_checkpoint["full"][name], policy[name], rtol=0, atol=0)
 
 
+def _with_value_options(path: Path, **optimizer_and_model) -> None:
+    """Edits a resolved config's value section in place: `cpu_offload` goes to value.optimizer,
+    `dtype` to value.model (cpu_offload is refused for CPU deployments when a config is loaded;
+    the rank function below emulates the hybrid optimizer's host copies instead)."""
+    resolved = json.loads(path.read_text())
+    for key, value in optimizer_and_model.items():
+        resolved["value"]["optimizer" if key == "cpu_offload" else "model"][key] = value
+    path.write_text(json.dumps(resolved))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_snapshot_loaded_into_an_offloaded_critic_is_what_its_next_step_trains(tiny_models, tmp_path, dtype):
+    """The policy snapshot of step 1 is loaded, then a full step trains (no head-only retune): with
+    the optimizer offloaded (megatron's hybrid optimizer, its host copies emulated on CPU) the
+    weights after that step are the non-offloaded critic's, i.e. the snapshot plus one update.
+    Before, the step started from the optimizer's copies of the old weights (the hybrid optimizer
+    refreshed only its fp32 copies of 16-bit parameters; the distributed optimizer's fp32 masters
+    lived outside it) and wrote them back: the snapshot was discarded."""
+    snapshots = tmp_path / "snapshots"
+    finals = {}
+    for offload in (False, True):
+        resolved, path = critic_config(
+            tmp_path / f"offload_{offload}",
+            tiny_models["qwen3"],
+            snapshot={"steps": [1], "dir": str(snapshots), "head_only_retune_steps": 0, "wait_timeout_s": 60},
+        )
+        _with_value_options(path, cpu_offload=offload, dtype=dtype)
+        if not offload:
+            arch = resolved.layout.policy_architecture
+            policy = run_ranks(policy_snapshot, 1, arch, 1, 11, str(snapshots), str(tmp_path / "policy"))[0]
+        before, after = run_ranks(critic_plan, 1, str(path), [("train", 0, 0), ("train", 1, 1)])[0]
+        assert not after["head_only"] and len(after["changed"]) > 10
+        finals[offload] = after["full"]
+    backbone = [n for n in policy if n != "output_layer.weight"]
+    moved = max((finals[False][n].float() - before["full"][n].float()).abs().max().item() for n in backbone)
+    assert moved > 0.005  # the snapshot is far from the critic's own weights ...
+    for name in backbone:  # ... and one lr-1e-3 Adam step from the weights both critics end with
+        off, on = finals[False][name].float(), finals[True][name].float()
+        assert (off - policy[name].float()).abs().max().item() < 2.5e-3, name
+        torch.testing.assert_close(on, off, rtol=0, atol=1e-6 if dtype == "float32" else 0)
+
+
 def test_resume_continues_with_identical_next_step_loss(tiny_models, tmp_path):
     resolved, path = critic_config(tmp_path, tiny_models["qwen3"], world=2, epochs_per_step=2)
     straight = run_ranks(critic_plan, 2, str(path), [("train", s, s) for s in range(3)])[0]
@@ -272,6 +314,10 @@ def critic_plan(rank, world_size, resolved_path, plan):
     from megatron_rl.models.sharding import gather_full_parameters
 
     resolved = load_resolved(resolved_path)
+    if resolved.value.optimizer.cpu_offload and not torch.cuda.is_available():
+        from megatron_rl.testing import host_offload
+
+        host_offload.install()
     trainer = CriticTrainer(resolved)
     vocab = trainer.arch.vocab_size
     records = []
