@@ -98,6 +98,25 @@ def test_every_option_at_dp2_cp2_tp2_equals_one_process(weights, everything_one_
             torch.testing.assert_close(params[name], value, atol=2e-5, rtol=0, msg=f"{name} tp={tp} cp={cp}")
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_loss_aggregation_at_cp2_equals_a_plain_per_sequence_reference(weights, mode):
+    """With `recompute` the single update's ratio is 1, so the PPO loss is -(1/D) sum_t w_t A_t:
+    written here per sequence with verl's meaning, against the trainer at CP = 2, where packed
+    rows (and sequences) are split over the two CP ranks."""
+    algorithm = {"type": "ppo", "old_logprobs": "recompute", "loss_aggregation": mode}
+    ((record, _, _), _) = run_ranks(policy_step, 2, ARCH, weights, 1, 2, algorithm, 0.1, 1.0)
+    samples = training_samples(12, ARCH.vocab_size, seed=11)
+    per_sequence = [(s.advantages[s.loss_mask].astype(np.float64)) for s in samples if s.loss_mask.any()]
+    if mode == "token-mean":
+        expected = -np.concatenate(per_sequence).sum() / sum(len(a) for a in per_sequence)
+    elif mode == "seq-mean-token-mean":
+        expected = -np.mean([a.mean() for a in per_sequence])
+    else:
+        expected = -np.mean([a.sum() for a in per_sequence]) / (16 if mode.endswith("norm") else 1)
+    assert record["ratio_mean_first"] == 1.0
+    assert record["loss"] == pytest.approx(expected, rel=1e-5)
+
+
 # Rank functions: module-level, so that the spawned ranks can import them.
 
 
