@@ -8,6 +8,7 @@ comparison. The training loops say which step they are in with `set_step`.
 
     step.begin          a step's grid item arrived; nothing done with it yet
     train.backward      train_step: gradients computed, the optimizer step not taken
+    step.minibatch      the policy: some of the step's mini-batch updates taken, not all
     step.trained        the step's update is in memory; nothing of it written
     publish.written     a published version's safetensors written, its manifest and commit not
     snapshot.written    a policy snapshot's files written, not committed
@@ -24,6 +25,7 @@ ENV = "MEGATRON_RL_KILL_AT"
 POINTS = (
     "step.begin",
     "train.backward",
+    "step.minibatch",
     "step.trained",
     "publish.written",
     "snapshot.written",

@@ -182,7 +182,8 @@ def policy_update(
     updates = []
     for _ in range(algorithm.policy_epochs):
         for group in minibatch_groups(batches):
-            kill_point("step.minibatch")
+            if updates:
+                kill_point("step.minibatch")
             updates.append(train_on_batches(trainable, group, loss))
     times["train"] = time.perf_counter() - began
     return summarise_updates(updates, algorithm.policy_epochs, mismatch, times)

@@ -21,13 +21,16 @@ def perturbed_weights(model_dir: Path, out: Path, seed: int, scale: float = 0.05
     return out
 
 
-def hf_token_logprobs(model_dir, tokens: list[int], start: int, state: dict | None = None) -> list[float]:
-    """transformers' log-probability of tokens[i] given tokens[:i], for i >= start."""
+def hf_token_logprobs(
+    model_dir, tokens: list[int], start: int, state: dict | None = None, temperature: float = 1.0
+) -> list[float]:
+    """transformers' log-probability of tokens[i] given tokens[:i] under softmax(logits /
+    temperature), for i >= start."""
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     if state is not None:
         missing, unexpected = model.load_state_dict(state, strict=False)
         assert not unexpected and not [k for k in missing if "rotary" not in k]
     with torch.no_grad():
-        logprobs = torch.log_softmax(model(torch.tensor([tokens])).logits[0].double(), -1)
+        logprobs = torch.log_softmax(model(torch.tensor([tokens])).logits[0].double() / temperature, -1)
     return [logprobs[i - 1, tokens[i]].item() for i in range(start, len(tokens))]

@@ -124,6 +124,14 @@ def train_on_batches(trainable: Trainable, batches: list[RankBatch], loss_func: 
     return metrics
 
 
+def gradients_finite(grads) -> bool:
+    """Whether every element of `grads` is finite, without a tensor of the gradients' size (a
+    bool mask of a 30B model's gradient buffer is gigabytes): NaN and inf propagate into the
+    sum. A sum that overflows float32 also reads as non-finite; those gradients (|g| ~ 1e29 and
+    more) would make the gradient norm infinite anyway."""
+    return all(bool(torch.isfinite(g.sum())) for g in grads if g is not None)
+
+
 def all_finite(trainable: Trainable, reported: list[dict]) -> bool:
     """Whether this step's loss and every gradient are finite on every rank of the role (one
     all-reduce of a flag). Checks megatron's contiguous gradient buffers, so it costs one pass
@@ -136,7 +144,7 @@ def all_finite(trainable: Trainable, reported: list[dict]) -> bool:
         grads = [b.grad_data for b in buffers] if buffers else [
             getattr(p, "main_grad", p.grad) for p in chunk.parameters() if p.requires_grad
         ]  # fmt: skip
-        finite = finite and all(bool(torch.isfinite(g).all()) for g in grads if g is not None)
+        finite = finite and gradients_finite(grads)
     return not any_rank(not finite)  # on the collective device: a CPU tensor fails under NCCL
 
 

@@ -3,14 +3,11 @@ full-softmax reference, in chunks, from bf16 logits, and within the measured mem
 
 from __future__ import annotations
 
-import weakref
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from megatron_rl import parallel
 from megatron_rl.models.logprobs import vocab_parallel_logprobs
+from megatron_rl.testing.memory import AllocationTracker
 from megatron_rl.testing.spawn import run_ranks
 
 
@@ -125,33 +122,3 @@ def test_memory_beyond_the_logits_is_one_gradient_plus_chunks():
     assert saved < 64 * tokens  # [tokens]-sized statistics only
     assert tracker.peak <= 2 * per_logit + 8 * chunk_bytes + 64 * tokens, tracker.peak / per_logit
     assert tracker.peak >= 2 * per_logit  # the gradient itself was seen: the tracker measures
-
-
-class AllocationTracker(TorchDispatchMode):
-    """Bytes of the storages every op creates, while alive: current and peak. An op's output that
-    shares an input's storage (a view, an in-place op) creates nothing; the logits passed in were
-    created before, so they are not counted."""
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.current = self.peak = 0
-
-    def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            if key in self.live or key in inputs or storage.nbytes() == 0:
-                continue
-            self.live[key] = storage.nbytes()
-            self.current += storage.nbytes()
-            self.peak = max(self.peak, self.current)
-            weakref.finalize(storage, self._free, key)
-        return out

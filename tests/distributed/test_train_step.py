@@ -102,6 +102,26 @@ def test_a_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(weights):
         assert max(float((after_clean[k] - before[k]).abs().max()) for k in before) > 1e-5
 
 
+def test_the_finite_check_makes_no_tensor_of_the_gradients_size():
+    """all_finite's gradient check: NaN and inf anywhere are found, and the check allocates a few
+    bytes, not a bool mask of the buffer (measured: isfinite(g).all() makes one of 1 B per
+    element)."""
+    from megatron_rl.testing.memory import AllocationTracker
+    from megatron_rl.trainer.step import gradients_finite
+
+    grads = [torch.randn(1 << 20), None, torch.randn(1000)]
+    with AllocationTracker() as tracker:
+        assert gradients_finite(grads)
+    assert tracker.peak < 1024
+    with AllocationTracker() as mask:
+        bool(torch.isfinite(grads[0]).all())
+    assert mask.peak >= 1 << 20  # the tracker sees a mask when there is one
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        grads[2][123] = bad
+        assert not gradients_finite(grads)
+        grads[2][123] = 0.0
+
+
 @pytest.fixture(scope="module")
 def without_recompute(weights):
     return run_ranks(recompute_step, 1, ARCH, weights, {})[0]

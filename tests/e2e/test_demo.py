@@ -40,7 +40,7 @@ def test_demo_runs_each_algorithm(tmp_path, algo, steps):
     assert [r["live_version"] for r in orchestrator] == list(range(steps))  # a new version live every step
     assert (out / "published" / "latest").read_text().strip() == f"version_{steps:08d}"
     policy = lines(out / "policy_metrics.jsonl")
-    assert all(0 <= r["approx_kl"] < 1e-3 for r in policy)
+    assert all(0 <= r["mismatch_kl"] < 1e-3 for r in policy)
     if algo != "grpo":
         assert [r["step"] for r in lines(out / "critic_metrics.jsonl") if r["phase"] == "rl"] == list(range(steps))
     if steps >= 10:

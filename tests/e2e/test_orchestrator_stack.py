@@ -25,13 +25,35 @@ def test_steps_complete_with_weight_sync_every_step(vllm_pool, tmp_path, algorit
     assert pool.sync.refresh() == dict.fromkeys(pool.worker_urls, 2)  # version 2 live on every server
     policy = policy_records(tmp_path)
     assert [r["step"] for r in policy] == [0, 1]
-    assert all(0 <= r["approx_kl"] < 1e-3 for r in policy)  # train-inference mismatch, float32
+    assert all(0 <= r["mismatch_kl"] < 1e-3 for r in policy)  # train-inference mismatch, float32
+    assert all(r["ratio_mean_first"] == pytest.approx(1.0, abs=1e-4) for r in policy)
     # the orchestrator's copy: the policy's newest figure when the step's line was written (if any yet)
     assert all(r["mismatch_kl"] is None or r["mismatch_kl"] < 1e-3 for r in records)
     if algorithm == "ppo":
         assert all(
             r["explained_variance"] is not None and r["critic_trained_step"] == r["step"] for r in records
         )
+
+
+def test_sampling_at_temperature_stays_on_policy_across_weight_updates(vllm_pool, tmp_path):
+    """orchestrator.temperature 0.7 with PPO mini-batches: vLLM samples from and returns
+    log-probs of softmax(logits / 0.7) (test_inference_pool checks them against transformers),
+    the trainer's log-probs are of the same distribution, so before each step's first update the
+    ratio is 1 and the mismatch KL float32-small at every step (new weights every step); the
+    later mini-batches move the ratio."""
+    pool, model_dir, _ = vllm_pool
+    reset_pool(pool, model_dir)
+    resolved, resolved_path = stack_config(tmp_path, model_dir, "ppo", 3, pool, temperature=0.7)
+    resolved.algorithm.policy_minibatches = 2
+    resolved_path.write_text(resolved.to_json())
+    records = run_stack(tmp_path, resolved, resolved_path, pool)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    policy = policy_records(tmp_path)
+    assert all(r["optimizer_steps"] == 2 for r in policy)
+    assert all(r["ratio_mean_first"] == pytest.approx(1.0, abs=1e-4) for r in policy)
+    assert all(0 <= r["mismatch_kl"] < 1e-3 for r in policy)
+    assert any(abs(r["ratio_mean_last"] - 1.0) > 1e-4 for r in policy)
+    assert pool.sync.version == 3
 
 
 def test_sao_run_killed_and_restarted_resumes_with_the_same_prompts(vllm_pool, tmp_path):
@@ -57,5 +79,5 @@ def test_sao_run_killed_and_restarted_resumes_with_the_same_prompts(vllm_pool, t
     assert resumed[0]["group_ids"][0] == next_group  # the prompts it would have used (rows by group id)
     policy = policy_records(tmp_path)
     assert [r["step"] for r in policy][-(4 - common - 1) :] == list(range(common + 1, 4))
-    assert all(0 <= r["approx_kl"] < 1e-3 for r in policy)
+    assert all(0 <= r["mismatch_kl"] < 1e-3 for r in policy)
     assert pool.sync.version == 4

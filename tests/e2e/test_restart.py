@@ -2,10 +2,11 @@
 
 The policy trainer and the critic run together on one rank each, fed four steps by this test's
 ZMQ senders (the same data per step every time), checkpointing every second step, publishing
-every version, the policy exporting a snapshot the critic loads at step 2. Each launch of the
-run kills one role with SIGKILL at a kill point chosen by a seeded generator (megatron_rl/
-faults.py: between steps, mid-step after the backward, after the update, mid-publish,
-mid-snapshot, mid-checkpoint, mid-replacement of a redone version) and the other role at
+every version, the policy exporting a snapshot the critic loads at step 2 and making two
+mini-batch updates a step. Each launch of the run kills one role with SIGKILL at a kill point
+chosen by a seeded generator (megatron_rl/faults.py: between steps, mid-step after the backward,
+between the policy's mini-batch updates, after the update, mid-publish, mid-snapshot,
+mid-checkpoint, mid-replacement of a redone version) and the other role at
 whatever it was doing; the next launch resumes both from their common checkpoint. After every
 kill no committed checkpoint, snapshot or published version is half-written (`latest` names a
 complete one; every published file matches its manifest's sha256). At the end every loss either
@@ -26,7 +27,7 @@ import pytest
 
 from megatron_rl.config import ResolvedConfig
 from megatron_rl.critic.client import HttpValueScorer
-from megatron_rl.data.packing import pack_into_grid
+from megatron_rl.data.packing import pack_into_grid, pack_minibatches
 from megatron_rl.faults import ENV, POINTS
 from megatron_rl.parallel import free_port
 from megatron_rl.policy.publish import verify_published
@@ -53,13 +54,17 @@ def run_config(root: Path, hf_dir: Path) -> tuple[ResolvedConfig, Path]:
         root, hf_dir, NUM_STEPS, ports,
         deployment={"policy_gpus": 1, "heartbeat_timeout_s": 10},
         checkpoint={"save_interval": 2},
+        algorithm={"policy_minibatches": 2},
         value={"epochs_per_step": 2, "snapshot": {"steps": [SNAPSHOT_STEP]},
                "service": {"port": ports[4]}},
     )  # fmt: skip
 
 
-def grid(step: int):
-    return pack_into_grid(training_samples(4, 512, seed=step), 64, 1)
+def grid(role: str, step: int):
+    samples = training_samples(4, 512, seed=step)
+    if role == "policy":  # two mini-batches, as the orchestrator splits them
+        return pack_minibatches(samples, 2, (SEED, step), 64, 1)
+    return pack_into_grid(samples, 64, 1)
 
 
 def resume_start(resolved) -> int:
@@ -90,7 +95,7 @@ def launch(resolved, path: Path, logs: Path, kill: tuple[str, str, int] | None) 
             for role in ROLES:
                 if fed[role] < NUM_STEPS and (role == "critic" or fed[role] <= critic_done):
                     try:
-                        senders[role].publish(fed[role], grid(fed[role]), timeout_s=0.2)
+                        senders[role].publish(fed[role], grid(role, fed[role]), timeout_s=0.2)
                         fed[role] += 1
                     except TransportTimeout:
                         pass
@@ -154,7 +159,7 @@ def feasible_kill(rng: random.Random, resolved, start: int, point: str) -> tuple
 
     options = []
     for role in ROLES:
-        if role == "critic" and point in ("publish.written", "snapshot.written"):
+        if role == "critic" and point in ("publish.written", "snapshot.written", "step.minibatch"):
             continue
         steps = list(range(start, NUM_STEPS))
         if point == "checkpoint.written":
@@ -216,7 +221,7 @@ def test_kill_and_restart_loses_nothing(tiny_models, tmp_path):
         kills.append(kill)
         check_nothing_half_written(resolved)
     # between steps, mid-step, mid-checkpoint, mid-publish at least
-    assert {"step.begin", "train.backward", "checkpoint.written", "publish.written"} <= {
+    assert {"step.begin", "train.backward", "step.minibatch", "checkpoint.written", "publish.written"} <= {
         k[1] for k in kills
     }, kills
     launch(resolved, path, tmp_path / "killed" / "last", None)
@@ -225,6 +230,7 @@ def test_kill_and_restart_loses_nothing(tiny_models, tmp_path):
     policy_records = logged(resolved, "policy_metrics.jsonl")
     critic_records = [r for r in logged(resolved, "critic_metrics.jsonl") if r["phase"] == "rl"]
     assert {r["step"] for r in policy_records} == {r["step"] for r in critic_records} == set(range(NUM_STEPS))
+    assert all(r["optimizer_steps"] == 2 for r in policy_records)
     for record in policy_records:
         assert record["loss"] == policy_loss[record["step"]], (kills, record)
     for record in critic_records:
