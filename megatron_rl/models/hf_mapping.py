@@ -14,6 +14,7 @@ both sides so it round-trips.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -141,33 +142,65 @@ class ConversionError(ValueError):
     """A tensor is missing, unexpected or of the wrong shape; the message names it."""
 
 
+class MegatronStateFromHF(Mapping):
+    """The full megatron state dict of an HF state dict, one tensor at a time, when asked: a
+    renamed tensor is the HF tensor itself (no copy), a fused one (qkv, gate/up) is built then.
+    `hf` may be lazy (memory-mapped safetensors): a reader touches only what it asks for.
+    Raises at construction when the HF checkpoint holds tensors the mapping does not use, and on
+    access when a tensor it needs is missing."""
+
+    def __init__(self, hf: Mapping[str, torch.Tensor], arch: Architecture, value_model: bool = False):
+        self._hf, self._arch = hf, arch
+        mapping = family_mapping(arch, value_model)
+        self._sources: dict[str, tuple[tuple[str, ...], object]] = {}
+        for hf_name, mg_name in mapping.renames.items():
+            if hf_name in VALUE_HEAD_RENAMES and hf_name not in hf:
+                continue  # a backbone without a head: the value head keeps its initialisation
+            self._sources[mg_name] = ((hf_name,), None)
+        for mg_name, hf_names, fuse, _ in mapping.fused:
+            self._sources[mg_name] = (hf_names, fuse)
+        used = {name for names, _ in self._sources.values() for name in names}
+        ignorable = {"lm_head.weight"} if value_model or arch.tie_word_embeddings else set()
+        unused = sorted(set(hf) - used - ignorable)
+        if unused:
+            raise ConversionError(
+                f"HF checkpoint has tensors the {arch.family} mapping does not use: {unused[:5]}"
+            )
+
+    def _take(self, name: str) -> torch.Tensor:
+        if name not in self._hf:
+            raise ConversionError(
+                f"HF checkpoint has no tensor {name!r} (needed for a {self._arch.family} model)"
+            )
+        return self._hf[name]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        hf_names, fuse = self._sources[name]
+        tensors = [self._take(n) for n in hf_names]
+        return tensors[0] if fuse is None else fuse(*tensors, self._arch)
+
+    def concatenated_parts(self, name: str) -> list[torch.Tensor] | None:
+        """The HF tensors whose concatenation along axis 0 is megatron tensor `name` (gate and
+        up for a gated linear_fc1), or None when it is not such a concatenation."""
+        hf_names, fuse = self._sources[name]
+        return [self._take(n) for n in hf_names] if fuse is fuse_gate_up else None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def __contains__(self, name) -> bool:
+        return name in self._sources
+
+
 def hf_to_megatron(
-    hf: dict[str, torch.Tensor], arch: Architecture, value_model: bool = False
+    hf: Mapping[str, torch.Tensor], arch: Architecture, value_model: bool = False
 ) -> dict[str, torch.Tensor]:
     """Full megatron state dict from a full HF state dict (every HF tensor must be used)."""
-    mapping = family_mapping(arch, value_model)
-    used: set[str] = set()
-    out: dict[str, torch.Tensor] = {}
-
-    def take(name: str) -> torch.Tensor:
-        if name not in hf:
-            raise ConversionError(f"HF checkpoint has no tensor {name!r} (needed for a {arch.family} model)")
-        used.add(name)
-        return hf[name]
-
-    for hf_name, mg_name in mapping.renames.items():
-        if hf_name in VALUE_HEAD_RENAMES and hf_name not in hf:
-            continue  # a backbone without a head: the value head is initialised by the builder
-        out[mg_name] = take(hf_name)
-    for mg_name, hf_names, fuse, _ in mapping.fused:
-        out[mg_name] = fuse(*(take(n) for n in hf_names), arch)
-    ignorable = {"lm_head.weight"} if value_model or arch.tie_word_embeddings else set()
-    unused = sorted(set(hf) - used - ignorable)
-    if unused:
-        raise ConversionError(
-            f"HF checkpoint has tensors the {arch.family} mapping does not use: {unused[:5]}"
-        )
-    return out
+    lazy = MegatronStateFromHF(hf, arch, value_model)
+    return {name: lazy[name] for name in lazy}
 
 
 def megatron_to_hf(
@@ -193,4 +226,3 @@ def megatron_to_hf(
         for name, tensor in zip(hf_names, split(mg[mg_name], arch)):
             out[name] = tensor.contiguous()
     return out
-

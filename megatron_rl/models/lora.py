@@ -1,5 +1,11 @@
 """LoRA on megatron's tensor-parallel linear layers: y = W x + (alpha / rank) * B A x.
 
+Under the TransformerEngine spec, `linear_qkv` and the dense `linear_fc1` are
+LayerNormColumnParallelLinear: they apply the input norm themselves (y = W norm(x); the spec's
+norm modules are IdentityOp), so x is the raw residual stream. The adapter then takes norm(x)
+too, computed from the wrapped layer's own norm parameters, so that the model is
+y = W norm(x) + s B A norm(x) under either spec and `merge_lora` (W + s B A) gives its weights.
+
 Column-parallel layers (linear_qkv, linear_fc1: W is [out / tp, in]) keep A [rank, in]
 replicated and shard B [out / tp, rank] like W; the gradient reaching A is summed over TP so
 every rank's A stays identical. Row-parallel layers (linear_proj, linear_fc2: W is
@@ -11,6 +17,7 @@ folds the adapters into W (per shard) for export.
 from __future__ import annotations
 
 import math
+import zlib
 
 import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
 
@@ -19,12 +26,36 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import nn
 
+from megatron_rl.models.sharding import global_parameter_names
+
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
 
 
+def fused_norm(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The input norm a TE LayerNorm*Linear applies inside (its `layer_norm_weight`,
+    `layer_norm_bias`, `eps`, `normalization`, `zero_centered_gamma`), in float32, cast back
+    to x's dtype."""
+    weight = base.layer_norm_weight.float()
+    if getattr(base, "zero_centered_gamma", False):
+        weight = weight + 1
+    x32 = x.float()
+    normalization = getattr(base, "normalization", "RMSNorm")
+    if normalization == "RMSNorm":
+        out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + base.eps) * weight
+    elif normalization == "LayerNorm":
+        bias = getattr(base, "layer_norm_bias", None)
+        out = nn.functional.layer_norm(
+            x32, (x32.shape[-1],), weight, None if bias is None else bias.float(), base.eps
+        )
+    else:
+        raise ValueError(f"LoRA: fused normalization {normalization!r} is not supported")
+    return out.to(x.dtype)
+
+
 class LoRALinear(nn.Module):
-    """Wraps a megatron Column/RowParallelLinear; returns (output, bias) like the wrapped layer."""
+    """Wraps a megatron Column/RowParallelLinear (or TE's, with or without a fused input norm);
+    returns (output, bias) like the wrapped layer."""
 
     def __init__(self, base: nn.Module, parallel_kind: str, rank: int, alpha: float, seed: int = 0):
         super().__init__()
@@ -47,6 +78,12 @@ class LoRALinear(nn.Module):
             b = torch.zeros(out_local, rank)
         self.lora_a = nn.Parameter(a.to(base.weight.dtype).to(base.weight.device))
         self.lora_b = nn.Parameter(b.to(base.weight.dtype).to(base.weight.device))
+        # Expert linears under EP > 1 carry allreduce=False (DDP then reduces them over the
+        # expert-data-parallel group only); their adapters are per expert too.
+        expert_local = not getattr(base.weight, "allreduce", True)
+        for adapter in (self.lora_a, self.lora_b):
+            adapter.allreduce = not expert_local
+        self.fuses_input_norm = hasattr(base, "layer_norm_weight")
         if parallel_kind == "column":
             self.lora_b.tensor_model_parallel, self.lora_b.partition_dim, self.lora_b.partition_stride = (
                 True,
@@ -62,6 +99,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x, *args, **kwargs):
         output, bias = self.base(x, *args, **kwargs)
+        if self.fuses_input_norm:
+            x = fused_norm(self.base, x)
         if self.parallel_kind == "column":
             z = nn.functional.linear(x, self.lora_a)
             # Each TP rank's B shard sends back part of dL/dz: sum it so A sees the full gradient.
@@ -99,7 +138,8 @@ def apply_lora(
     model: nn.Module, rank: int, alpha: float, target_modules=COLUMN_PARALLEL + ROW_PARALLEL, seed: int = 0
 ) -> list[str]:
     """Wraps every target linear, freezes everything but the adapters (and a value head, if any).
-    Returns the wrapped module names."""
+    Each adapter's A is drawn from `seed` and the layer's name in the full model, so it is the
+    same at every TP/EP/PP layout. Returns the wrapped module names."""
     if model.config.sequence_parallel:
         raise ValueError("LoRA with sequence parallel (MoE at TP > 1) is not supported yet")
     unknown = set(target_modules) - set(COLUMN_PARALLEL + ROW_PARALLEL)
@@ -111,11 +151,22 @@ def apply_lora(
     targets = [
         (name, module) for name, module in model.named_modules() if name.split(".")[-1] in target_modules
     ]
-    for index, (name, module) in enumerate(targets):
+    grouped = [
+        name for name, module in targets if not isinstance(getattr(module, "weight", None), torch.Tensor)
+    ]
+    if grouped:
+        raise ValueError(
+            f"lora.target_modules: {grouped[0]} has no single weight (TE grouped-GEMM experts, "
+            f"moe_grouped_gemm); LoRA adapts one linear at a time: target attention only "
+            f"(linear_qkv, linear_proj) on this MoE model"
+        )
+    global_names = global_parameter_names(model)
+    for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         kind = "column" if child in COLUMN_PARALLEL else "row"
-        setattr(parent, child, LoRALinear(module, kind, rank, alpha, seed=seed + index))
+        layer_seed = seed + zlib.crc32(global_names[f"{name}.weight"].encode())
+        setattr(parent, child, LoRALinear(module, kind, rank, alpha, seed=layer_seed))
         wrapped.append(name)
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name or name.startswith("value_head."))

@@ -1,13 +1,19 @@
 """Move full (unsharded, TP=EP=PP=1) megatron state dicts onto a parallel layout and back.
 
-Megatron tags tensor-parallel parameters with `tensor_model_parallel` and `partition_dim`; gated
-MLP `linear_fc1` weights hold [gate; up] and each TP rank holds [gate_shard; up_shard]. Expert
-weights are numbered locally per EP rank, layers locally per pipeline stage.
+Megatron tags tensor-parallel parameters with `tensor_model_parallel`; the axis each is split on
+follows from the kind of module that owns it (`partition_axis`), never from `partition_dim`:
+TransformerEngine reports `partition_dim = 0` for every expert linear that megatron builds with
+explicit communication (`parallel_mode=None`), although the row-parallel `linear_fc2` is split on
+axis 1. Gated MLP `linear_fc1` weights hold [gate; up] and each TP rank holds
+[gate_shard; up_shard]. Expert weights are numbered locally per EP rank, layers locally per
+pipeline stage. Full state dicts may be any `Mapping` (a lazy one computes each tensor when asked,
+so a rank touches only the tensors it holds).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
 
@@ -22,21 +28,44 @@ _TE_FUSED_NORMS = {
     ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
     ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
 }
+# TE's grouped experts (moe_grouped_gemm) hold expert e's weight as `experts.linear_fc1.weight{e}`.
+_GROUPED_EXPERT = re.compile(r"^(.*\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
+_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
+
+# Tensor-parallel module kinds: column-parallel ones split their output rows (axis 0),
+# row-parallel ones their input columns (axis 1). LoRA adapters follow the layer they adapt
+# (a column layer's B [out / tp, rank], a row layer's A [rank, in / tp]).
+COLUMN_PARALLEL_KINDS = ("linear_qkv", "linear_fc1", "word_embeddings", "output_layer")
+ROW_PARALLEL_KINDS = ("linear_proj", "linear_fc2")
 
 
 def canonical_name(name: str) -> str:
-    """The local-spec name of a parameter (TE's fused-norm names map to separate norms)."""
+    """The local-spec name of a parameter: TE's fused-norm names map to separate norms, TE's
+    grouped expert weights to per-expert names."""
     for te_suffix, local_suffix in _TE_FUSED_NORMS.items():
         if name.endswith(te_suffix):
             return name[: -len(te_suffix)] + local_suffix
+    match = _GROUPED_EXPERT.match(name)
+    if match:
+        return f"{match[1]}local_experts.{match[4]}.{match[2]}.{match[3]}"
     return name
 
 
-_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
+def partition_axis(name: str) -> int:
+    """The axis a tensor-parallel parameter `name` is split on, from its module kind."""
+    kinds = [
+        part for part in canonical_name(name).split(".") if part in COLUMN_PARALLEL_KINDS + ROW_PARALLEL_KINDS
+    ]
+    if not kinds:
+        raise ValueError(
+            f"{name}: a tensor-parallel parameter of no known module kind "
+            f"(expected one of {COLUMN_PARALLEL_KINDS + ROW_PARALLEL_KINDS} in its name)"
+        )
+    return 0 if kinds[-1] in COLUMN_PARALLEL_KINDS else 1
 
 
-def _is_gated_fc1(name: str, param: torch.nn.Parameter, gated: bool) -> bool:
-    return gated and name.endswith("linear_fc1.weight")
+def _is_gated_fc1(name: str, gated: bool) -> bool:
+    return gated and canonical_name(name).endswith("linear_fc1.weight")
 
 
 def local_to_global_name(name: str, layer_offset: int, expert_offset: int) -> str:
@@ -61,6 +90,14 @@ def _offsets(model) -> tuple[int, int]:
     return layer_offset, expert_offset
 
 
+def global_parameter_names(model) -> dict[str, str]:
+    """Each of this rank's parameter names -> its (local-spec) name in the full model."""
+    layer_offset, expert_offset = _offsets(model)
+    return {
+        name: local_to_global_name(name, layer_offset, expert_offset) for name, _ in model.named_parameters()
+    }
+
+
 def _tp_rank_and_size(name: str) -> tuple[int, int]:
     if ".experts." in name:
         return (
@@ -73,38 +110,54 @@ def _tp_rank_and_size(name: str) -> tuple[int, int]:
     )
 
 
-def shard_full_state_dict(model, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This rank's slice of each of the model's parameters, taken from a full state dict."""
+def _shard(name: str, param: torch.Tensor, tensor: torch.Tensor, gated: bool) -> torch.Tensor:
+    """This rank's slice of the full `tensor` for local parameter `name`: a view, except a
+    gated fc1 split over TP (its gate and up shards are joined)."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return tensor
+    rank, size = _tp_rank_and_size(name)
+    if size == 1:
+        return tensor
+    if _is_gated_fc1(name, gated):
+        gate, up = tensor.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    return tensor.chunk(size, dim=partition_axis(name))[rank]
+
+
+def shard_full_state_dict(model, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's slice of each of the model's parameters, taken from a full state dict (views
+    of `full`'s tensors where the slice is contiguous in them; no copies)."""
     layer_offset, expert_offset = _offsets(model)
     gated = model.config.gated_linear_unit
     local: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
-        global_name = local_to_global_name(name, layer_offset, expert_offset)
-        if global_name not in full:
-            raise KeyError(f"full state dict has no tensor {global_name!r} (for local parameter {name!r})")
-        tensor = full[global_name]
-        if getattr(param, "tensor_model_parallel", False):
-            rank, size = _tp_rank_and_size(name)
-            dim = param.partition_dim
-            if _is_gated_fc1(name, param, gated):
-                gate, up = tensor.chunk(2, dim=0)
-                tensor = torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
-            else:
-                tensor = tensor.chunk(size, dim=dim)[rank]
-        if tensor.shape != param.shape:
-            raise ValueError(
-                f"{global_name}: shard shape {tuple(tensor.shape)} != parameter shape {tuple(param.shape)}"
-            )
-        local[name] = tensor.clone()
+        local[name] = _checked_shard(name, param, full, layer_offset, expert_offset, gated)
     return local
 
 
-def load_full_state_dict(model, full: dict[str, torch.Tensor]) -> None:
-    """Copies this rank's slices of `full` into the model's parameters."""
-    local = shard_full_state_dict(model, full)
+def _checked_shard(name, param, full, layer_offset, expert_offset, gated) -> torch.Tensor:
+    global_name = local_to_global_name(name, layer_offset, expert_offset)
+    if global_name not in full:
+        raise KeyError(f"full state dict has no tensor {global_name!r} (for local parameter {name!r})")
+    tensor = _shard(name, param, full[global_name], gated)
+    if tensor.shape != param.shape:
+        raise ValueError(
+            f"{global_name}: shard shape {tuple(tensor.shape)} != parameter shape {tuple(param.shape)}"
+        )
+    return tensor
+
+
+def load_full_state_dict(model, full: Mapping[str, torch.Tensor], keep: frozenset[str] = frozenset()) -> None:
+    """Copies this rank's slices of `full` into the model's parameters, one parameter at a time
+    (no full-model copy); parameters whose global name is in `keep` (a value head that an HF
+    checkpoint does not hold) keep their values."""
+    layer_offset, expert_offset = _offsets(model)
+    gated = model.config.gated_linear_unit
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(local[name].to(param.dtype))
+            if local_to_global_name(name, layer_offset, expert_offset) in keep:
+                continue
+            param.copy_(_checked_shard(name, param, full, layer_offset, expert_offset, gated))
 
 
 def full_parameters(model) -> dict[str, torch.Tensor]:
@@ -112,17 +165,34 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
     return {canonical_name(name): p.detach().clone() for name, p in model.named_parameters()}
 
 
-def gather_full_parameters(model) -> dict[str, torch.Tensor]:
+def gather_full_parameters(model, copy: bool = True) -> dict[str, torch.Tensor]:
     """Full (unsharded) parameters on every rank, named as in the full model: TP shards are
     all-gathered (gated linear_fc1 re-joined as [gate; up]), experts and pipeline layers keep
     their global names. Each rank returns the tensors it can see: its own pipeline stage and
-    experts (experts are not gathered over EP)."""
+    experts (experts are not gathered over EP). With `copy=False` a tensor that needs no gather
+    is the detached parameter itself (no copy: read it before the next optimizer step); gathered
+    tensors are always new."""
+    return _gather_full(model, lambda param: param.detach(), copy)
 
+
+def gather_full_gradients(model) -> dict[str, torch.Tensor]:
+    """Like `gather_full_parameters`, for the gradients (megatron DDP's `main_grad` where there
+    is one, else `grad`) of the parameters that have one; always copies."""
+    params = [(n, p) for n, p in model.named_parameters() if getattr(p, "main_grad", p.grad) is not None]
+
+    def grad(param):
+        return getattr(param, "main_grad", param.grad).detach()
+
+    return _gather_full(model, grad, True, params)
+
+
+def _gather_full(model, value_of, copy: bool, named=None) -> dict[str, torch.Tensor]:
     layer_offset, expert_offset = _offsets(model)
     gated = model.config.gated_linear_unit
     out = {}
-    for name, param in model.named_parameters():
-        tensor = param.detach()
+    for name, param in named if named is not None else model.named_parameters():
+        tensor = value_of(param)
+        gathered = False
         if getattr(param, "tensor_model_parallel", False):
             _, size = _tp_rank_and_size(name)
             group = (
@@ -133,10 +203,13 @@ def gather_full_parameters(model) -> dict[str, torch.Tensor]:
             if size > 1:
                 parts = [torch.empty_like(tensor) for _ in range(size)]
                 dist.all_gather(parts, tensor.contiguous(), group=group)
-                if _is_gated_fc1(name, param, gated):
+                if _is_gated_fc1(name, gated):
                     halves = [p.chunk(2, dim=0) for p in parts]
                     tensor = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
                 else:
-                    tensor = torch.cat(parts, dim=param.partition_dim)
-        out[local_to_global_name(name, layer_offset, expert_offset)] = tensor.clone()
+                    tensor = torch.cat(parts, dim=partition_axis(name))
+                gathered = True
+        if copy and not gathered:
+            tensor = tensor.clone()
+        out[local_to_global_name(name, layer_offset, expert_offset)] = tensor
     return out

@@ -23,6 +23,16 @@ from megatron_rl.config import Architecture
 from megatron_rl.models.builder import build_gpt_model
 
 
+def initial_value_head(in_features: int, std: float = 0.0, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The value head's initial {"weight": [1, in_features], "bias": [1]}, float32: zeros, or a
+    normal(0, std) weight from its own generator (the same head on every rank and at every
+    layout: the global RNG has drawn differently by now on each pipeline stage)."""
+    weight = torch.zeros(1, in_features)
+    if std > 0:
+        weight = torch.randn(1, in_features, generator=torch.Generator().manual_seed(seed)) * std
+    return {"weight": weight, "bias": torch.zeros(1)}
+
+
 class MegatronValueModel(GPTModel):
     """GPTModel with `output_layer` replaced by a float32 `value_head`."""
 
@@ -34,15 +44,8 @@ class MegatronValueModel(GPTModel):
             del self.output_layer
             self.value_head = torch.nn.Linear(in_features, 1, dtype=torch.float32)
             with torch.no_grad():
-                if head_init_std > 0:
-                    # Its own generator: the same head on every rank and at every layout (the
-                    # global RNG has drawn differently by now on each pipeline stage).
-                    generator = torch.Generator().manual_seed(head_init_seed)
-                    weight = torch.randn(self.value_head.weight.shape, generator=generator) * head_init_std
-                    self.value_head.weight.copy_(weight)
-                else:
-                    self.value_head.weight.zero_()
-                self.value_head.bias.zero_()
+                for name, tensor in initial_value_head(in_features, head_init_std, head_init_seed).items():
+                    getattr(self.value_head, name).copy_(tensor)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         # LanguageModule's version adjusts `output_layer.weight`, which a value model does not
@@ -56,7 +59,12 @@ class MegatronValueModel(GPTModel):
         if not self.post_process:
             return hidden_states
         if self.config.sequence_parallel:
-            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(hidden_states)
+            # The head and the loss after it run on the whole sequence on every TP rank alike, so
+            # each rank's gradient for its own sequence slice is already complete: backward takes
+            # that slice (the default, a reduce-scatter, would add TP identical copies).
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False
+            )
         values = self.value_head(hidden_states.float()).squeeze(-1)  # [seq, batch]
         return values.transpose(0, 1).contiguous()
 

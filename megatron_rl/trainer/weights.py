@@ -5,7 +5,12 @@ checkpoint (tools/convert_hf_to_megatron.py, with or without a value head) or an
 `load_backbone` loads every tensor of the model except its value head and LoRA adapters from a
 megatron dist_checkpointing directory (a converted checkpoint, a training checkpoint's `dist/`,
 or a policy snapshot), resharding to this process's TP/EP layout; the critic uses it to start
-from a policy checkpoint and for policy snapshots.
+from a policy checkpoint and for policy snapshots. Checkpoints written with the local or the
+TransformerEngine layer spec load into a model of either (`models/spec_keys.py`).
+
+An HF directory is loaded without copies of the model: its safetensors are memory-mapped, each
+rank computes (and fuses) only the tensors of its own parameters, one at a time, and copies its
+slice into the parameter.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from megatron.core import dist_checkpointing
 
 from megatron_rl.config import Architecture
 from megatron_rl.models.checkpoint_io import read_hf_state_dict
-from megatron_rl.models.hf_mapping import hf_to_megatron
-from megatron_rl.models.sharding import full_parameters, load_full_state_dict
+from megatron_rl.models.hf_mapping import MegatronStateFromHF
+from megatron_rl.models.sharding import global_parameter_names, load_full_state_dict
+from megatron_rl.models.spec_keys import checkpoint_keys, plan_load
 
 
 def _is_own_tensor(key: str) -> bool:
@@ -41,17 +47,18 @@ def load_backbone(model: torch.nn.Module, dist_dir: str | Path, include_head: bo
         for key, value in model.sharded_state_dict().items()
         if not _is_own_tensor(key) or (include_head and key.startswith("value_head."))
     }
+    plan = plan_load(template, checkpoint_keys(dist_dir))
     try:
-        loaded = dist_checkpointing.load(template, str(dist_dir))
+        loaded = dist_checkpointing.load(plan.state_dict, str(dist_dir))
     except Exception as exc:  # megatron's message lists keys; say which checkpoint and model
         raise RuntimeError(
             f"{dist_dir}: cannot load this model's backbone from it (architectures must match): {exc}"
         ) from exc
     missing, _ = model.load_state_dict(loaded, strict=False)
-    absent = [k for k in missing if k in template]
+    absent = [k for k in missing if k in plan.state_dict]
     if absent:
         raise RuntimeError(f"{dist_dir}: loaded state lacks {absent[:5]}")
-    return sorted(template)
+    return sorted(plan.state_dict)
 
 
 def load_initial_weights(
@@ -79,9 +86,10 @@ def load_initial_weights(
         what = "value model" if saved_value_model else "GPT backbone"
         return f"converted checkpoint {path} ({what})"
     if (path / "config.json").is_file():
-        full = hf_to_megatron(read_hf_state_dict(path), arch, value_model=value_model)
+        full = MegatronStateFromHF(read_hf_state_dict(path), arch, value_model=value_model)
         # Parameters an HF checkpoint does not hold (a value head) keep their initialisation.
-        current = {k: v for k, v in full_parameters(model).items() if _is_own_tensor(k)}
-        load_full_state_dict(model, {**current, **full})
+        global_names = global_parameter_names(model).values()
+        keep = frozenset(n for n in global_names if _is_own_tensor(n) and n not in full)
+        load_full_state_dict(model, full, keep=keep)
         return f"HF weights {path}"
     raise FileNotFoundError(f"{where}: {path} is neither a converted checkpoint nor an HF directory")

@@ -12,6 +12,7 @@ from megatron_rl.testing.spawn import run_ranks
 from megatron_rl.testing.tensors import tokens
 
 ARCH = DENSE.model_copy(update=dict(num_layers=2))
+MOE = ARCH.model_copy(update=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
 
 
 def test_lora_trains_only_adapters_and_matches_across_tp():
@@ -44,7 +45,66 @@ def test_lora_on_the_value_model_keeps_the_head_trainable():
     torch.testing.assert_close(merged, stepped, atol=1e-5, rtol=0)
 
 
+def test_expert_adapters_under_ep2_get_their_own_experts_gradients():
+    """DP = 2 at EP = 1 (every rank holds all 4 experts) against EP = 2 (each rank holds 2):
+    the same initial adapters, and after megatron DDP's gradient reduction each expert's adapter
+    gradient equals EP = 1's. Without allreduce=False on expert adapters DDP averages rank 0's
+    expert 0 with rank 1's expert 2."""
+    full = run_ranks(reference_weights, 1, MOE, 3)[0]
+    ep1 = run_ranks(lora_ddp_gradients, 2, MOE, full, 1)
+    ep2 = run_ranks(lora_ddp_gradients, 2, MOE, full, 2)
+    for rank, (initial_a, grads, expert_local) in enumerate(ep2):
+        experts = {n for n in grads if ".experts." in n}
+        assert experts and all(expert_local[n] for n in experts)
+        assert not any(expert_local[n] for n in set(grads) - experts)
+        for name, a in initial_a.items():  # drawn from the layer's name in the full model
+            assert torch.equal(a, ep1[rank][0][name]), name
+        for name in grads:
+            torch.testing.assert_close(grads[name], ep1[rank][1][name], atol=1e-6, rtol=1e-5, msg=name)
+    assert {n for _, grads, _ in ep2 for n in grads} == set(ep1[0][1])  # the ranks hold every expert
+
+
 # Rank functions: module-level, so that the spawned ranks can import them.
+
+
+def lora_ddp_gradients(rank, world_size, arch, full, ep):
+    """LoRA on an MoE model at (DP, EP) = (world_size, ep) under megatron DDP; each rank's batch
+    is its own. Returns (initial lora_a, adapter gradients after finalize_model_grads, whether
+    each adapter is expert-local (allreduce False)), by name in the full model."""
+    import zlib
+
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    from megatron_rl.models.builder import transformer_config
+    from megatron_rl.models.lora import apply_lora
+    from megatron_rl.models.sharding import global_parameter_names
+
+    parallel.initialize_model_parallel(ep=ep)
+    config = transformer_config(arch, ep=ep)
+    model = build_gpt_model(arch, config=config)
+    load_full_state_dict(model, full)
+    apply_lora(model, rank=4, alpha=8.0)
+    names = global_parameter_names(model)
+    initial_a = {names[n]: p.detach().clone() for n, p in model.named_parameters() if n.endswith("lora_a")}
+    with torch.no_grad():  # B nonzero, different per adapter, the same at both layouts
+        for n, p in model.named_parameters():
+            if n.endswith("lora_b"):
+                g = torch.Generator().manual_seed(zlib.crc32(names[n].encode()))
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    input_ids = tokens(vocab=arch.vocab_size, seed=rank)
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    labels = torch.roll(input_ids, -1, dims=1)
+    ddp(input_ids, positions, attention_mask=None, labels=labels).float().mean().backward()
+    finalize_model_grads([ddp])
+    adapters = [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
+    grads = {names[n]: p.main_grad.detach().clone() for n, p in adapters}
+    expert_local = {names[n]: not getattr(p, "allreduce", True) for n, p in adapters}
+    return initial_a, grads, expert_local
 
 
 def lora_step(rank, world_size, arch, full, tp=1, value_model=False):

@@ -38,7 +38,57 @@ def test_value_head_lives_on_the_last_pipeline_stage():
     assert [s[2] for s in stages] == [2, 2]
 
 
+def test_sequence_parallel_value_model_gradients_equal_tp1():
+    """MoE at TP = 2 turns on sequence parallel; the head gathers the sequence. Every gradient
+    (backbone, experts, head) after megatron's finalize_model_grads equals TP = 1's."""
+    arch = DENSE.model_copy(
+        update=dict(num_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    )
+    full = run_ranks(value_model_weights, 1, arch)[0]
+    _, reference_values, reference = run_ranks(value_model_gradients, 1, arch, full, 1)[0]
+    for sequence_parallel, values, grads in run_ranks(value_model_gradients, 2, arch, full, 2):
+        assert sequence_parallel
+        torch.testing.assert_close(values, reference_values, atol=1e-5, rtol=0)
+        assert set(grads) == set(reference)
+        for name, grad in reference.items():
+            torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
 # Rank functions: module-level, so that the spawned ranks can import them.
+
+
+def value_model_weights(rank, world_size, arch):
+    from megatron_rl.models.value_model import build_value_model
+
+    parallel.initialize_model_parallel()
+    torch.manual_seed(0)
+    return full_parameters(build_value_model(arch, head_init_std=0.1))
+
+
+def value_model_gradients(rank, world_size, arch, full, tp):
+    """(sequence_parallel, values, every gradient gathered to full tensors by name) of a value
+    model at TP = tp after one backward of a squared error and finalize_model_grads."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    from megatron_rl.models.builder import transformer_config
+    from megatron_rl.models.sharding import gather_full_gradients, load_full_state_dict
+    from megatron_rl.models.value_model import build_value_model
+
+    parallel.initialize_model_parallel(tp=tp)
+    config = transformer_config(arch, tp=tp)
+    model = build_value_model(arch, config=config)
+    load_full_state_dict(model, full)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    input_ids = tokens(vocab=arch.vocab_size)  # 24 positions: divisible by TP for sequence parallel
+    values = ddp(input_ids, torch.arange(input_ids.shape[1]).expand_as(input_ids), attention_mask=None)
+    target = torch.linspace(-1, 1, values.numel()).reshape(values.shape)
+    ((values - target) ** 2).mean().backward()
+    finalize_model_grads([ddp])
+    return config.sequence_parallel, values.detach(), gather_full_gradients(model)
 
 
 def value_model_step(rank, world_size, arch, option):
@@ -63,6 +113,7 @@ def value_model_step(rank, world_size, arch, option):
     optimizer.step()
     changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
     return tuple(model.value_head.weight.shape), trainable, changed
+
 
 def value_head_stages(rank, world_size, arch, pp):
     """Which pipeline stages of a value model hold the value head."""
