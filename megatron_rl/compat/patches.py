@@ -1,6 +1,8 @@
-"""The CPU patches for megatron-core 0.16.1. Each `_patch_*` says why it exists.
+"""The patches for megatron-core 0.16.1. Each `_patch_*` says why it exists.
 
-Installed only when CUDA is absent (see `megatron_rl.compat`). Test each by disabling it:
+`megatron_rl.compat.select_patches` decides which to install from what the machine lacks
+(CUDA, TransformerEngine, Apex): most stand in for CUDA on a CPU, but some are about running
+without TE or with the local layer spec, which a GPU machine does too (CP > 1, no TE).
 tests/distributed/test_megatron_cpu.py covers every capability these make work.
 """
 
@@ -14,7 +16,6 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
-_installed = False
 _CPU = torch.device("cpu")
 
 
@@ -288,17 +289,27 @@ def _silence_cpu_warnings() -> None:
         warnings.filterwarnings("ignore", message=message)
 
 
-def install() -> None:
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    _silence_cpu_warnings()
-    _patch_cuda_device_and_streams()
-    _patch_rng()
-    _patch_device_arguments()
-    _patch_te_general_gemm()
-    _patch_all_to_all_split_sizes()
-    _patch_torch_norm_sequence_parallel()
-    _patch_uneven_gather_scatter()
-    _patch_distributed_optimizer_torch_adam()
+# name -> patch, in installation order.
+PATCHES = {
+    "silence_cpu_warnings": _silence_cpu_warnings,
+    "cuda_device_and_streams": _patch_cuda_device_and_streams,
+    "rng": _patch_rng,
+    "device_arguments": _patch_device_arguments,
+    "te_general_gemm": _patch_te_general_gemm,
+    "all_to_all_split_sizes": _patch_all_to_all_split_sizes,
+    "torch_norm_sequence_parallel": _patch_torch_norm_sequence_parallel,
+    "uneven_gather_scatter": _patch_uneven_gather_scatter,
+    "distributed_optimizer_torch_adam": _patch_distributed_optimizer_torch_adam,
+}
+installed: list[str] = []
+
+
+def install(names) -> None:
+    """Installs the named patches (each once), in PATCHES order."""
+    unknown = set(names) - set(PATCHES)
+    if unknown:
+        raise ValueError(f"unknown compat patches {sorted(unknown)} (known: {list(PATCHES)})")
+    for name, patch in PATCHES.items():
+        if name in names and name not in installed:
+            patch()
+            installed.append(name)

@@ -1,7 +1,12 @@
-"""megatron_rl.compat on a machine without CUDA."""
+"""megatron_rl.compat: the CPU patches, and which patches each kind of machine gets."""
 
 from __future__ import annotations
 
+import itertools
+
+from megatron_rl.compat import patches
+
+import pytest
 import torch
 
 from megatron_rl import compat
@@ -27,3 +32,37 @@ def test_cpu_mode_patches_cuda_entry_points():
     torch.testing.assert_close(torch.rand(4), first)
     compat.apply()  # idempotent
     assert torch.cuda.current_device() == torch.device("cpu")
+
+
+CPU_ONLY = {
+    "silence_cpu_warnings",
+    "cuda_device_and_streams",
+    "rng",
+    "device_arguments",
+    "all_to_all_split_sizes",
+    "uneven_gather_scatter",
+}
+
+
+@pytest.mark.parametrize("cuda,te,apex", list(itertools.product([False, True], repeat=3)))
+def test_each_patch_is_installed_under_its_own_condition(cuda, te, apex):
+    selected = set(compat.select_patches(compat.Machine(cuda=cuda, transformer_engine=te, apex=apex)))
+    expected = {"torch_norm_sequence_parallel"}  # WrappedTorchNorm: the local spec on any machine
+    if not cuda:
+        expected |= CPU_ONLY
+    if not te:
+        expected.add("te_general_gemm")  # the MoE router's NameError without TE
+    if not (te or apex):
+        expected.add("distributed_optimizer_torch_adam")  # torch Adam's per-parameter step
+    assert selected == expected
+
+
+def test_a_gpu_without_te_gets_the_no_te_patches_and_no_cpu_patches():
+    selected = compat.select_patches(compat.Machine(cuda=True, transformer_engine=False, apex=False))
+    assert selected == ["te_general_gemm", "torch_norm_sequence_parallel", "distributed_optimizer_torch_adam"]
+
+
+def test_this_machine_installed_what_its_conditions_select():
+    assert compat.apply() == compat.select_patches(compat.detect())
+    with pytest.raises(ValueError, match=r"unknown compat patches \['no_such_patch'\]"):
+        patches.install(["no_such_patch"])
