@@ -1,6 +1,9 @@
 """The demo's learning curves over seeds: SAO, PPO and GRPO, each from the same random tiny model.
 
-    python benchmarks/demo_learning.py [--algos sao,ppo,grpo] [--seeds 0,1,2] [--steps 50] [--out runs/curves]
+    python benchmarks/demo_learning.py [--algos sao,ppo,grpo,ppo-n4] [--seeds 0,1,2] [--steps 50] [--out runs/curves]
+
+Besides the three algorithms, `--algos` takes the variants in VARIANTS (an algorithm with config
+overrides): `ppo-n4` is PPO with 4 mini-batch updates per step (`algorithm.policy_minibatches=4`).
 
 Runs `launch/demo.sh`'s job (`megatron_rl.launch.demo.run_demo`, the full CPU stack) once per
 algorithm and seed, one after the other, then prints the summary table (mean reward of the first
@@ -22,6 +25,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# name: (algorithm, run-config overrides)
+VARIANTS = {"ppo-n4": ("ppo", ["algorithm.policy_minibatches=4"])}
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -83,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 if out.exists():
                     shutil.rmtree(out)
-                code = run_demo(algo, args.steps, out, seed, DEFAULTS["sft_steps"], DEFAULTS["task"])
+                algorithm, overrides = VARIANTS.get(algo, (algo, []))
+                code = run_demo(algorithm, args.steps, out, seed, DEFAULTS["sft_steps"], DEFAULTS["task"],
+                                overrides=overrides)  # fmt: skip
             if code != 0:
                 print(f"[curves] {algo} seed {seed} exited {code}; see {out}/logs", file=sys.stderr)
                 return code

