@@ -1,8 +1,8 @@
 """Atomic training checkpoints: model, distributed optimizer, scheduler, step, RNG, extras.
 
 Layout under the checkpoint directory:
-    step_00000012/        dist/ (megatron dist_checkpointing, optimizer in the reshardable
-                          `fully_reshardable` format), rng/rank00000.pt, meta.json
+    step_00000012/        dist/ (megatron dist_checkpointing; the distributed optimizer in
+                          megatron's `dp_reshardable` format), rng/rank00000.pt, meta.json
     step_00000013.partial a save in progress (or interrupted): never read
     step_00000011.replaced  the old step 11 while a redone step 11 takes its place (atomic_dir.py)
     latest                the name of the newest complete step directory (replaced atomically)
@@ -10,6 +10,21 @@ Layout under the checkpoint directory:
 A save writes `step_N.partial`, then rank 0 renames it to `step_N` and only then points
 `latest` at it, so an interrupted save leaves the previous checkpoint current and readable
 (tests/e2e/test_restart.py kills the processes at each of these points).
+
+The optimizer format: `dp_reshardable` writes and reads each rank's own optimizer shard in
+parallel, with no exchange. `fully_reshardable` (used before) all-gathers the whole DP group's
+optimizer state onto every rank at a save and reads all of it on every rank at a load (DP x
+the rank's share of host memory: ~180 GB per policy rank in the 30B example);
+tests/distributed/test_checkpoint.py measures both. `dp_reshardable` reshards over DP only, so
+a checkpoint resumes at the TP, PP, EP and CP it was written with (checked at load, naming the
+layouts); the model part still reshards to any layout, which is what policy snapshots and
+`load_backbone` use. A checkpoint written in another format (meta.json says which) loads in it.
+Adam's step count is written to meta.json and set again after a load: megatron's
+`dp_reshardable` load puts back torch Adam's per-parameter `step` tensors as they were when the
+loading template was built (its step is a local, non-persistent entry), i.e. the fresh
+optimizer's, so a resumed run's bias correction restarted (the third step after a resume
+differed from the uninterrupted run's).
+RNG: the CPU generator, megatron's tracker, and with CUDA the default CUDA generator.
 """
 
 from __future__ import annotations
@@ -22,24 +37,76 @@ import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import parallel_state as ps
 
 from megatron_rl.trainer import atomic_dir
-from megatron_rl.trainer.optimizer import Trainable, torch_optimizers, unify_adam_steps
+from megatron_rl.trainer.optimizer import (
+    Trainable,
+    adam_step,
+    hybrid_optimizers,
+    set_adam_steps,
+    torch_optimizers,
+    unify_adam_steps,
+)
 
-_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+OPTIMIZER_FORMAT = "dp_reshardable"
+LEGACY_OPTIMIZER_FORMAT = "fully_reshardable"  # checkpoints whose meta.json names no format
 
 
 def _step_dir(root: Path, step: int) -> Path:
     return root / atomic_dir.name("step", step)
 
 
+def _cuda_present() -> bool:
+    return torch.cuda.is_available()
+
+
 def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    """The CPU generator, megatron's RNG tracker (its own CUDA states: dropout forks, TP-aware
+    init) and, with CUDA, the default CUDA generator of this rank's device, which the tracker
+    does not hold (anything drawn with torch's default generator on the device)."""
+    state = {"torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if _cuda_present():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and _cuda_present():  # absent in checkpoints written without CUDA (or before)
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _layout() -> dict[str, int]:
+    """The parallel sizes a `dp_reshardable` optimizer state is tied to (and DP, for the record)."""
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+    }
+
+
+def _check_layout(path: Path, meta: dict) -> None:
+    saved, current = meta.get("layout"), _layout()
+    if meta.get("optimizer_format", LEGACY_OPTIMIZER_FORMAT) != "dp_reshardable" or saved is None:
+        return
+    differ = [k for k in ("tp", "pp", "ep", "cp") if saved[k] != current[k]]
+    if differ:
+        raise ValueError(
+            f"{path}: written at " + ", ".join(f"{k} {saved[k]}" for k in differ) + ", this run has "
+            + ", ".join(f"{k} {current[k]}" for k in differ) + "; its optimizer state (megatron's "
+            "dp_reshardable format) resumes only at the layout it was written with (DP may change). "
+            "To start this layout from its weights alone, load them as a backbone (value.model.checkpoint) "
+            "or convert them"
+        )  # fmt: skip
+
+
+def _optimizer_state(trainable: Trainable, model_state: dict, sharding: str, is_loading: bool = False) -> dict:
+    metadata = {"distrib_optim_sharding_type": sharding}
+    return trainable.optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=metadata)
 
 
 def load_rng_file(path: Path) -> dict:
@@ -60,11 +127,14 @@ def save_checkpoint(
     meta = {
         "step": step,
         "world_size": dist.get_world_size(),
+        "layout": _layout(),
+        "optimizer_format": OPTIMIZER_FORMAT,
         "scheduler": trainable.scheduler.state_dict(),
         "extra": extra or {},
     }
 
     def finish(partial: Path) -> None:  # rank 0, after every rank wrote its shards
+        meta["adam_step"] = adam_step(trainable)
         (partial / "meta.json").write_text(json.dumps(meta, indent=2))
 
     with atomic_dir.collective_write(
@@ -73,10 +143,7 @@ def save_checkpoint(
         unify_adam_steps(trainable)  # one step count per optimizer, as megatron checkpoints it
         model = trainable.model[0].module
         model_state = model.sharded_state_dict()
-        state = {
-            "model": model_state,
-            "optimizer": trainable.optimizer.sharded_state_dict(model_state, metadata=_OPTIMIZER_FORMAT),
-        }
+        state = {"model": model_state, "optimizer": _optimizer_state(trainable, model_state, OPTIMIZER_FORMAT)}
         dist_checkpointing.save(state, str(partial / "dist"))
         torch.save(_rng_state(), partial / "rng" / f"rank{dist.get_rank():05d}.pt")
     return final
@@ -122,19 +189,26 @@ def load_checkpoint(directory: str | Path, trainable: Trainable, step: int | Non
     if path is None:
         return None
     meta = json.loads((path / "meta.json").read_text())
+    _check_layout(path, meta)
+    sharding = meta.get("optimizer_format", LEGACY_OPTIMIZER_FORMAT)
     settings = group_settings(trainable)  # before megatron's sharded_state_dict / load touch them
+    for hybrid in hybrid_optimizers(trainable.optimizer):
+        if not hybrid.state:  # what megatron's load does first (a CPU patch would fill torch-Adam state instead)
+            hybrid.dummy_step()
     unify_adam_steps(trainable)  # one step count per optimizer, as megatron checkpoints it
     model = trainable.model[0].module
     model_state = model.sharded_state_dict()
-    template = {
-        "model": model_state,
-        "optimizer": trainable.optimizer.sharded_state_dict(
-            model_state, is_loading=True, metadata=_OPTIMIZER_FORMAT
-        ),
-    }
+    template = {"model": model_state, "optimizer": _optimizer_state(trainable, model_state, sharding, is_loading=True)}
     loaded = dist_checkpointing.load(template, str(path / "dist"))
     model.load_state_dict(loaded["model"])
     trainable.optimizer.load_state_dict(loaded["optimizer"])
+    for hybrid in hybrid_optimizers(trainable.optimizer):
+        # megatron ends its other formats' loads with this, not dp_reshardable's: the loaded state
+        # reaches the sub-optimizers and the copies they step (a no-op where the load filled the
+        # existing tensors in place, as it does on CPU)
+        hybrid._sync_hdo_state_to_sub_optimizers()
+    if meta.get("adam_step") is not None:
+        set_adam_steps(trainable, meta["adam_step"])
     restore_group_settings(trainable, settings)
     trainable.scheduler.load_state_dict(meta["scheduler"])
     rng_file = path / "rng" / f"rank{dist.get_rank():05d}.pt"

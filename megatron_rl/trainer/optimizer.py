@@ -19,6 +19,7 @@ per parameter, TE's and Apex's FusedAdam per parameter group (`adam_optimizers`,
 from __future__ import annotations
 
 import contextlib
+import types
 from dataclasses import dataclass
 
 import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
@@ -84,6 +85,7 @@ def build_trainable(
         optimizer = get_megatron_optimizer(optimizer_config, [ddp], config_overrides=overrides)
     for hybrid in hybrid_optimizers(optimizer):
         hybrid.register_step_pre_hook(_give_device_fp32_params_their_gradient)
+        hybrid._update_fp32_params_by_new_state = types.MethodType(_stepped_copies_from_state, hybrid)
     decay_steps = max(total_steps, config.warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -186,6 +188,19 @@ def _give_device_fp32_params_their_gradient(hybrid: HybridDeviceOptimizer, args,
 
 
 @torch.no_grad()
+def _stepped_copies_from_state(hybrid: HybridDeviceOptimizer) -> None:
+    """Replaces HybridDeviceOptimizer._update_fp32_params_by_new_state (run when its state is
+    loaded): the tensors its sub-optimizers step (fp32 copies of 16-bit parameters, host copies
+    of offloaded fp32 parameters, fp32 parameters themselves) take the loaded `master_param`.
+    megatron's version looks every parameter up among the fp32 copies of 16-bit ones, a KeyError
+    for the first fp32 parameter (norms, the value head): no checkpoint with offload loaded."""
+    for param, state in hybrid.state.items():
+        stepped, master = hybrid.param_to_inner_param.get(param, param), state.get("master_param")
+        if master is not None and master is not stepped:
+            stepped.data.copy_(master)
+
+
+@torch.no_grad()
 def reload_main_params(trainable: Trainable) -> None:
     """After the model's weights were replaced in place (a policy snapshot loaded into the
     critic): the weights the optimizer steps from take the new values too. megatron's
@@ -252,6 +267,26 @@ def restart_untouched_adam_state(trainable: Trainable, reset_moments: bool = Fal
     return count
 
 
+def _step_holders(trainable: Trainable) -> list[dict]:
+    """Every dict that holds an Adam step count: per-parameter states (torch's Adam) and, where
+    FusedAdam keeps it there, param groups."""
+    holders = []
+    for opt in adam_optimizers(trainable.optimizer):
+        for group in opt.param_groups:
+            if _steps_per_group(opt, group):
+                holders.append(group)
+                continue
+            holders += [opt.state[p] for p in group["params"] if "step" in (opt.state.get(p) or {})]
+    return holders
+
+
+def _set_step(holder: dict, step: float) -> None:
+    if torch.is_tensor(holder["step"]):
+        holder["step"].fill_(step)
+    else:
+        holder["step"] = type(holder["step"])(step)
+
+
 @torch.no_grad()
 def unify_adam_steps(trainable: Trainable) -> int | None:
     """Gives every parameter's (or, with FusedAdam, every group's) Adam state the largest step
@@ -260,20 +295,24 @@ def unify_adam_steps(trainable: Trainable) -> int | None:
     parameters restarted after head-only steps (`restart_untouched_adam_state`) must share it
     before a checkpoint; unifying in memory too keeps a resumed run identical to an uninterrupted
     one. Their first updates after this use the global bias correction."""
-    holders = []  # (dict, key) pairs holding a step count
-    for opt in adam_optimizers(trainable.optimizer):
-        for group in opt.param_groups:
-            if _steps_per_group(opt, group):
-                holders.append(group)
-                continue
-            holders += [opt.state[p] for p in group["params"] if "step" in (opt.state.get(p) or {})]
+    holders = _step_holders(trainable)
     steps = {float(holder["step"]) for holder in holders}
     if len(steps) <= 1:
         return None
     top = max(steps)
     for holder in holders:
-        if torch.is_tensor(holder["step"]):
-            holder["step"].fill_(top)
-        else:
-            holder["step"] = type(holder["step"])(top)
+        _set_step(holder, top)
     return int(top)
+
+
+def adam_step(trainable: Trainable) -> int | None:
+    """The (largest) Adam step count of the optimizer; None before its first step."""
+    steps = [float(holder["step"]) for holder in _step_holders(trainable)]
+    return int(max(steps)) if steps else None
+
+
+@torch.no_grad()
+def set_adam_steps(trainable: Trainable, step: int) -> None:
+    """Every Adam step count to `step` (after a checkpoint load: see trainer/checkpoint.py)."""
+    for holder in _step_holders(trainable):
+        _set_step(holder, step)

@@ -1,5 +1,8 @@
-"""Training checkpoints: resume in new processes reproduces an uninterrupted run exactly;
-saves are atomic (an interrupted save never becomes current); keep-last-N prunes."""
+"""Training checkpoints: resume in new processes reproduces an uninterrupted run exactly (also
+with the optimizer offloaded); saves are atomic (an interrupted save never becomes current);
+keep-last-N prunes; each rank saves and loads only its own optimizer shard (measured against
+megatron's fully_reshardable format); a checkpoint refuses another TP layout by name; the
+default CUDA generator is part of the RNG state."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from megatron_rl import parallel
 from megatron_rl.models.builder import build_gpt_model
@@ -14,7 +18,7 @@ from megatron_rl.models.sharding import load_full_state_dict
 from megatron_rl.testing.ranks import DENSE, reference_weights
 from megatron_rl.testing.samples import training_samples
 from megatron_rl.testing.spawn import run_ranks
-from megatron_rl.trainer.checkpoint import latest_checkpoint
+from megatron_rl.trainer.checkpoint import OPTIMIZER_FORMAT, latest_checkpoint
 
 ARCH = DENSE.model_copy(update=dict(num_layers=2))
 
@@ -35,6 +39,41 @@ def test_resume_after_restart_reproduces_the_uninterrupted_losses(weights, tmp_p
     resumed = run_ranks(resumable_training, 2, ARCH, weights, str(tmp_path / "b"), range(2, 4))[0]
     assert resumed == {2: uninterrupted[2], 3: uninterrupted[3]}
     assert len(set(uninterrupted.values())) == 4  # the losses really move
+
+
+def test_resume_with_the_optimizer_offloaded_reproduces_the_uninterrupted_losses(weights, tmp_path):
+    # megatron's hybrid device optimizer (its host copies emulated on CPU), DP=2, bf16
+    options = (1, 2, True, "bfloat16")  # tp, keep_last, offload, dtype
+    uninterrupted = run_ranks(resumable_training, 2, ARCH, weights, str(tmp_path / "a"), range(4), None, *options)[0]
+    run_ranks(resumable_training, 2, ARCH, weights, str(tmp_path / "b"), range(2), 1, *options)
+    resumed = run_ranks(resumable_training, 2, ARCH, weights, str(tmp_path / "b"), range(2, 4), None, *options)[0]
+    assert resumed == {2: uninterrupted[2], 3: uninterrupted[3]}
+    assert len(set(uninterrupted.values())) == 4
+
+
+def test_each_rank_saves_and_loads_only_its_optimizer_shard(weights):
+    """Bytes of optimizer state each rank holds for a save and for a load, at DP=2 (one rank's
+    model is the whole model: its Adam state is 3 fp32 tensors per parameter, split over DP)."""
+    figures = run_ranks(optimizer_checkpoint_bytes, 2, ARCH, weights)
+    total = figures[0]["whole_state_bytes"]
+    for rank in figures:
+        # megatron's fully_reshardable (the format used before): the whole state on every rank
+        assert rank["fully_reshardable"]["save"] >= total and rank["fully_reshardable"]["load"] >= total
+        # the format written now: the rank's own shard (up to the distributed optimizer's padding)
+        for kind in ("save", "load"):
+            assert rank[OPTIMIZER_FORMAT][kind] <= 0.51 * total, (kind, rank)
+    assert sum(rank[OPTIMIZER_FORMAT]["save"] for rank in figures) == pytest.approx(total, rel=0.01)
+
+
+def test_a_checkpoint_refuses_another_tensor_parallel_layout_by_name(weights, tmp_path):
+    run_ranks(resumable_training, 2, ARCH, weights, str(tmp_path), range(1), 0)  # TP=1, DP=2
+    with pytest.raises(RuntimeError, match=r"written at tp 1, this run has tp 2; its optimizer state"):
+        run_ranks(resumable_training, 2, ARCH, weights, str(tmp_path), range(1, 2), None, 2)
+
+
+def test_the_default_cuda_generator_is_saved_and_restored(weights, tmp_path):
+    before, after = run_ranks(cuda_generator_roundtrip, 1, ARCH, weights, str(tmp_path))[0]
+    assert torch.equal(before, after)  # the draws after a load repeat the draws after the save
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint_current(weights, tmp_path):
@@ -58,23 +97,28 @@ def test_keep_last_prunes_old_checkpoints(weights, tmp_path):
 # Rank functions: module-level, so that the spawned ranks can import them.
 
 
-def resumable_training(rank, world_size, arch, full, directory, steps, save_at=None, tp=1, keep_last=2):
+def resumable_training(
+    rank, world_size, arch, full, directory, steps, save_at=None, tp=1, keep_last=2, offload=False, dtype="float32"
+):
     """Runs `steps` (a range) of SAO train_step on per-step samples; loads the latest checkpoint in
-    `directory` first if there is one; saves after step `save_at`. Returns {step: loss}."""
+    `directory` first if there is one; saves after step `save_at`. `offload`: the optimizer on
+    megatron's hybrid device optimizer (host copies emulated on CPU). Returns {step: loss}."""
     from megatron.core import parallel_state
 
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.testing import host_offload
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.trainer.optimizer import build_trainable
     from megatron_rl.trainer.step import policy_loss_func, train_step
 
+    if offload:
+        host_offload.install()
     parallel.initialize_model_parallel(tp=tp)
-    model = build_gpt_model(arch, tp=tp)
+    model = build_gpt_model(arch, tp=tp, dtype=dtype)
     load_full_state_dict(model, full)
-    trainable = build_trainable(
-        model, OptimizerConfig(lr=1e-3, warmup_steps=2, lr_decay_style="cosine"), total_steps=8
-    )
+    config = OptimizerConfig(lr=1e-3, warmup_steps=2, lr_decay_style="cosine", cpu_offload=offload)
+    trainable = build_trainable(model, config, total_steps=8)
     meta = load_checkpoint(directory, trainable)
     if meta is not None:
         assert meta["step"] == steps[0] - 1, (meta["step"], steps)
@@ -87,3 +131,66 @@ def resumable_training(rank, world_size, arch, full, directory, steps, save_at=N
         if step == save_at:
             save_checkpoint(directory, step, trainable, extra={"policy_version": step}, keep_last=keep_last)
     return losses
+
+
+def _trained(arch, full):
+    """A DP=world model after one SAO step (Adam state exists)."""
+    from megatron.core import parallel_state
+
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.step import policy_loss_func, train_step
+
+    parallel.initialize_model_parallel()
+    model = build_gpt_model(arch)
+    load_full_state_dict(model, full)
+    trainable = build_trainable(model, OptimizerConfig(lr=1e-3), total_steps=4)
+    dp = parallel_state.get_data_parallel_world_size()
+    grid = pack_into_grid(training_samples(6, arch.vocab_size, seed=0), 64, dp)
+    train_step(trainable, grid[parallel_state.get_data_parallel_rank()], policy_loss_func(AlgorithmConfig(type="sao")))
+    return model, trainable
+
+
+def optimizer_checkpoint_bytes(rank, world_size, arch, full):
+    """Per format: bytes of the optimizer tensors this rank hands dist_checkpointing to save, and
+    allocates to load into; and the whole DP group's Adam state (3 fp32 tensors per parameter)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    model, trainable = _trained(arch, full)
+
+    def tensor_bytes(state) -> int:
+        tensors = {}  # distinct tensors (several entries may share one)
+        for value in nested_values(state):
+            if isinstance(value, (ShardedTensor, ShardedTensorFactory)):
+                tensors[(value.data.data_ptr(), value.data.numel())] = value.data.nbytes
+        return sum(tensors.values())
+
+    figures = {"whole_state_bytes": 3 * 4 * sum(p.numel() for p in model.parameters())}
+    for sharding in ("fully_reshardable", OPTIMIZER_FORMAT):
+        metadata = {"distrib_optim_sharding_type": sharding}
+        figures[sharding] = {
+            kind: tensor_bytes(
+                trainable.optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=kind == "load",
+                                                       metadata=metadata)  # fmt: skip
+            )
+            for kind in ("save", "load")
+        }
+    return figures
+
+
+def cuda_generator_roundtrip(rank, world_size, arch, full, directory):
+    """With CUDA reported present and the CUDA generator standing in as its own generator: the
+    draws after a save equal the draws after loading that checkpoint."""
+    from megatron_rl.trainer import checkpoint
+
+    _, trainable = _trained(arch, full)
+    device_generator = torch.Generator().manual_seed(7)
+    checkpoint._cuda_present = lambda: True
+    torch.cuda.get_rng_state = lambda device="cuda": device_generator.get_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": device_generator.set_state(state)
+    checkpoint.save_checkpoint(directory, 0, trainable)
+    before = torch.rand(8, generator=device_generator)
+    checkpoint.load_checkpoint(directory, trainable)
+    return before, torch.rand(8, generator=device_generator)
