@@ -20,7 +20,15 @@ What is exact and what is estimated:
 - gradients: megatron's DDP grad buffer (fp32 here: `grad_reduce_in_fp32`) holds every trainable
   parameter of the rank, unsharded;
 - optimizer state: Adam moments (2 x 4 bytes) plus an fp32 master copy (4 bytes) when the
-  model is bf16/fp16, per trainable parameter, divided by the sharding group;
+  model is bf16/fp16, per trainable parameter, divided by the sharding group; under
+  `optimizer.cpu_offload` (megatron's hybrid device optimizer on the precision-aware path) the
+  GPU keeps that for the share not offloaded, and the host holds, per offloaded element, the
+  fp32 master (the host copy of an fp32 weight), the two moments and the pinned fp32 copy of
+  its gradient: 16 bytes (`HOST_OFFLOAD_BYTES`); tests/distributed/test_memory_plan.py checks
+  both shares against the tensors the hybrid optimizer allocates;
+- the frozen KL reference policy (`algorithm.kl_coef` > 0): a second copy of the policy's
+  weights on every policy GPU (its forward pass runs before the training pass, so its
+  activations are not held at the same time);
 - activations are an estimate (per token and layer: the inputs of the norms, QKV, the attention
   output, SwiGLU's gate/up and product, for MoE the routed copies of the top-k experts), not a
   measurement; the GPU script (tests/gpu/run.sh) is where it gets compared with CUDA's peak;
@@ -37,6 +45,9 @@ from megatron_rl.config.model import Architecture
 GIB = float(1 << 30)
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OVERHEAD_GIB = 5.0  # CUDA context, NCCL buffers, allocator fragmentation: an allowance
+# Per offloaded optimizer element on the host: fp32 master 4, exp_avg 4, exp_avg_sq 4, and the
+# pinned fp32 gradient copy the hybrid optimizer keeps for the host step 4.
+HOST_OFFLOAD_BYTES = 16
 LOGIT_BYTES = 10  # per logit: the bf16 output, its fp32 copy for the log-softmax, its fp32 gradient
 VLLM_RESERVE_GIB = 4.0  # vLLM's activations, CUDA graphs and sampler beside weights and KV cache
 
@@ -149,6 +160,14 @@ def adam_tensors(dtype: str) -> int:
     return 2 + (1 if BYTES[dtype] < 4 else 0)
 
 
+def optimizer_bytes(elements: float, dtype: str, offload_fraction: float) -> tuple[float, float]:
+    """(GPU bytes, host bytes) of the optimizer for `elements` (one Adam tensor's elements on the
+    rank, `adam_tensor_elements`) with `offload_fraction` of them offloaded (0 without offload):
+    the Adam tensors of the share kept on the GPU, `HOST_OFFLOAD_BYTES` per offloaded element."""
+    gpu = elements * (1.0 - offload_fraction) * adam_tensors(dtype) * 4
+    return gpu, elements * offload_fraction * HOST_OFFLOAD_BYTES
+
+
 def activation_bytes(
     arch: Architecture,
     layout: ModelLayout,
@@ -205,7 +224,7 @@ class GpuMemory:
     role: str
     where: str  # the config section, for messages
     parts: dict[str, float]
-    host_gib: float = 0.0  # offloaded optimizer state, in host memory
+    host_gib: float = 0.0  # offloaded optimizer state (and its gradient copy), in host memory
 
     @property
     def total(self) -> float:
@@ -233,18 +252,20 @@ def _training_gpu(resolved: ResolvedConfig, role: str) -> GpuMemory:
             arch, layout, value_model=value_model, freeze_attention=freeze,
             lora_rank=lora.rank if lora else None, stage=stage,
         )  # fmt: skip
-        state = adam_tensors(model.dtype) * adam_tensor_elements(
-            params, layout, optimizer.distributed_optimizer
-        )
-        offloaded = state * 4 * (optimizer.offload_fraction if optimizer.cpu_offload else 0.0)
+        elements = adam_tensor_elements(params, layout, optimizer.distributed_optimizer)
+        fraction = optimizer.offload_fraction if optimizer.cpu_offload else 0.0
+        on_gpu, on_host = optimizer_bytes(elements, model.dtype, fraction)
+        weights = params.total * BYTES[model.dtype] / GIB
         parts = {
-            "weights": params.total * BYTES[model.dtype] / GIB,
+            "weights": weights,
             "gradients": params.trainable * 4 / GIB,
-            "optimizer": (state * 4 - offloaded) / GIB,
+            "optimizer": on_gpu / GIB,
             "activations": activation_bytes(arch, layout, model.seq_len, model.dtype, model.recompute, value_model, stage) / GIB,
             "overhead": OVERHEAD_GIB,
         }  # fmt: skip
-        gpu = GpuMemory(role, where, parts, host_gib=offloaded / GIB)
+        if role == "policy" and resolved.algorithm.kl_coef > 0:
+            parts["reference"] = weights  # the frozen initial policy, same layout and dtype
+        gpu = GpuMemory(role, where, parts, host_gib=on_host / GIB)
         if worst is None or gpu.total > worst.total:
             worst = gpu
     return worst
@@ -326,7 +347,7 @@ def check_fits(resolved: ResolvedConfig, plan: list[GpuMemory]) -> list[str]:
 def format_plan(resolved: ResolvedConfig, plan: list[GpuMemory]) -> str:
     """The plan as a table, in GiB per GPU."""
     budget = resolved.deployment.gpu_memory_gb
-    columns = ["weights", "gradients", "optimizer", "activations", "overhead", "kv_cache", "reserve"]
+    columns = ["weights", "reference", "gradients", "optimizer", "activations", "overhead", "kv_cache", "reserve"]
     lines = [
         f"memory plan (GiB per GPU; budget deployment.gpu_memory_gb = {budget:g}"
         + ("" if resolved.deployment.device == "cuda" else "; deployment.device cpu: not checked")

@@ -1,5 +1,6 @@
 """check-config's memory plan: the 30B examples fit only with the seed's options, a layout that
-cannot fit is refused with the numbers and the fixes, every example config prints a plan."""
+cannot fit is refused with the numbers and the fixes, every example config prints a plan; the
+offloaded optimizer's host share includes the pinned gradient copy; the KL reference model."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import ConfigError, ModelLayout, load_config
-from megatron_rl.config.memory_plan import GIB, format_plan, memory_plan, rank_parameters
+from megatron_rl.config.memory_plan import (
+    GIB,
+    adam_tensor_elements,
+    format_plan,
+    memory_plan,
+    rank_parameters,
+)
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("*.yaml"))
 SAO_30B = next(p for p in EXAMPLES if p.name == "qwen3_30b_a3b_sao.yaml")
@@ -39,6 +46,46 @@ def test_30b_example_fits_only_with_the_optimizer_offloaded():
     assert "GiB more than deployment.gpu_memory_gb = 141" in message
     assert "options: optimizer.cpu_offload: true (offload_fraction 1 moves" in message
     assert "value.optimizer.cpu_offload: true" in message
+
+
+@pytest.mark.parametrize("role", ["policy", "critic"])
+def test_offload_moves_the_optimizer_to_the_host_and_adds_the_gradient_copy(role):
+    roomy = ["deployment.gpu_memory_gb=1000"]
+    key = "optimizer" if role == "policy" else "value.optimizer"
+    plans = {
+        fraction: {g.role: g for g in memory_plan(load_config(SAO_30B, [*roomy, *overrides]))}[role]
+        for fraction, overrides in [
+            (0.0, [f"{key}.cpu_offload=false"]),
+            (0.5, [f"{key}.offload_fraction=0.5"]),
+            (1.0, []),
+        ]
+    }
+    resolved = load_config(SAO_30B)
+    layout = resolved.layout.policy if role == "policy" else resolved.layout.critic
+    arch = resolved.layout.policy_architecture
+    params = rank_parameters(arch, layout, value_model=role == "critic",
+                             freeze_attention=role == "critic" and resolved.value.freeze_attention)  # fmt: skip
+    elements = adam_tensor_elements(params, layout)
+    # bf16: an fp32 master and two moments per element on the GPU without offload ...
+    assert plans[0.0].parts["optimizer"] * GIB == pytest.approx(12 * elements)
+    assert plans[0.0].host_gib == 0
+    # ... and on the host with it, plus the pinned fp32 gradient copy (before: 12 B, not 16)
+    assert plans[1.0].parts["optimizer"] == 0
+    assert plans[1.0].host_gib * GIB == pytest.approx(16 * elements)
+    assert plans[0.5].parts["optimizer"] * GIB == pytest.approx(6 * elements)
+    assert plans[0.5].host_gib * GIB == pytest.approx(8 * elements)
+
+
+def test_a_kl_reference_model_is_a_second_copy_of_the_policy_weights():
+    grpo = next(p for p in EXAMPLES if p.name == "qwen3_30b_a3b_grpo.yaml")
+    without = memory_plan(load_config(grpo))[0]
+    with_kl = memory_plan(load_config(grpo, ["algorithm.kl_coef=0.05", "deployment.gpu_memory_gb=1000"]))[0]
+    assert "reference" not in without.parts
+    assert with_kl.parts["reference"] == with_kl.parts["weights"] == without.parts["weights"]
+    assert with_kl.total == pytest.approx(without.total + without.parts["weights"])
+    refused = r"the policy needs about 152\.\d GiB per GPU \(weights 29\.9, .*reference 29\.9 GiB\)"
+    with pytest.raises(ConfigError, match=refused):
+        load_config(grpo, ["algorithm.kl_coef=0.05"])  # the example's layout has no room for it
 
 
 def test_without_recomputation_the_activations_do_not_fit():
