@@ -223,17 +223,24 @@ def _zero_metrics(views: list[TokenView]) -> dict[str, torch.Tensor]:
     return metrics
 
 
-def batch_mean_terms(config: RolloutCorrectionConfig, view: TokenView, weights: torch.Tensor) -> torch.Tensor:
-    """[2] float64 (sum, count) of this view's share of the batch mean that
-    `rollout_is_batch_normalize` divides by: over action tokens for `token`, over sequences (one
-    weight each, counted on the owning rank) for `sequence` and `geometric`."""
-    mask = view.mask
+def batch_mean_terms(
+    config: RolloutCorrectionConfig, views: list[TokenView], weights: list[torch.Tensor], cp_reduce: CpReduce
+) -> torch.Tensor:
+    """[2] float64 (sum, count): this rank's share of the batch mean `rollout_is_batch_normalize`
+    divides by: over action tokens for `token`, over sequences (one weight each, counted on the
+    rank owning the sequence's first token) for `sequence` and `geometric`."""
+    terms = torch.zeros(2, dtype=torch.float64, device=weights[0].device if weights else None)
     if config.rollout_is == "token":
-        return torch.stack([torch.where(mask, weights.double(), 0.0).sum(), mask.sum().double()])
-    # Every token of a sequence carries its sequence's weight: take it from any of its tokens.
-    per_seq = _segment_max(weights.double(), view)
-    owned = view.owned & torch.isfinite(per_seq)
-    return torch.stack([torch.where(owned, per_seq, 0.0).sum(), owned.sum().double()])
+        for view, w in zip(views, weights):
+            terms += torch.stack([torch.where(view.mask, w.double(), 0.0).sum(), view.mask.sum().double()])
+        return terms
+    # Every action token of a sequence carries its sequence's weight; the owner may hold none of
+    # them (the sequence continues on the next CP rank): take the maximum over the CP group.
+    per_seq = _reduced(views, [_segment_max(w.double(), v) for v, w in zip(views, weights)], "max", cp_reduce)
+    for view, seq_weights in zip(views, per_seq):
+        owned = view.owned & torch.isfinite(seq_weights)
+        terms += torch.stack([torch.where(owned, seq_weights, 0.0).sum(), owned.sum().double()])
+    return terms
 
 
 def summarise(metrics: dict[str, float]) -> dict[str, float | None]:

@@ -107,8 +107,8 @@ def correct_rollouts(settings: UpdateSettings, batches: list[RankBatch]) -> dict
             batch.correction_weights = correction.weights
             batch.loss_mask = correction.keep
         if config is not None and config.rollout_is is not None and config.rollout_is_batch_normalize:
-            terms = torch.stack([rollout_correction.batch_mean_terms(config, v, b.correction_weights)
-                                 for v, b in zip(views, batches)]).sum(0) if views else torch.zeros(2, dtype=torch.float64)  # fmt: skip
+            weights = [b.correction_weights for b in batches]
+            terms = rollout_correction.batch_mean_terms(config, views, weights, cp_reduce)
             mean = reduce_statistics({"weight_sum": float(terms[0]), "count_sum": float(terms[1])})
             factor = mean["weight_sum"] / mean["count_sum"] if mean["count_sum"] else 1.0
             factor = factor if factor > 1e-8 else 1.0

@@ -35,6 +35,7 @@ EVERYTHING = dict(
     rollout_correction={
         "rollout_is": "sequence",
         "rollout_is_threshold": 1.5,
+        "rollout_is_batch_normalize": True,
         "rollout_rs": "token_k1,seq_max_k2",
         "rollout_rs_threshold": "0.6_1.6,0.3",
     },
@@ -90,6 +91,7 @@ def test_every_option_at_dp2_cp2_tp2_equals_one_process(weights, everything_one_
     reference, reference_params, _ = everything_one_process
     assert reference["optimizer_steps"] == 4
     assert 0 < reference["rollout_rs_masked_fraction"] < 1 and reference["rollout_is_flagged_fraction"] > 0
+    assert abs(reference["rollout_is_batch_norm_factor"] - 1.0) > 1e-3
     for record, params, _ in run_ranks(policy_step, world, ARCH, weights, tp, cp, EVERYTHING, 0.3, 0.8):
         for key, value in reference.items():
             if isinstance(value, float) and key != "lr":
