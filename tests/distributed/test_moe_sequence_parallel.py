@@ -12,11 +12,18 @@ import torch
 from transformers import AutoTokenizer
 
 from megatron_rl import parallel
+from megatron_rl.config import parse_config
 from megatron_rl.envs import make_environment
 from megatron_rl.orchestrator.loop import Orchestrator, Timeouts
 from megatron_rl.orchestrator.rollouts import PromptEncoder
 from megatron_rl.orchestrator.state import OrchestratorState
-from megatron_rl.testing.orchestrator import FakeClient, FakeCritic, FakePolicy, FakeWeights, orchestrator_config
+from megatron_rl.testing.orchestrator import (
+    FakeClient,
+    FakeCritic,
+    FakePolicy,
+    FakeWeights,
+    orchestrator_config,
+)
 from megatron_rl.testing.ranks import DENSE, reference_weights
 from megatron_rl.testing.spawn import run_ranks
 
@@ -34,8 +41,6 @@ def orchestrated_grids(tiny_models):
     data["value"]["model"] = {"architecture": arch, "seq_len": 256, "tp": 2}
     data["algorithm"]["policy_minibatches"] = 2
     data["deployment"].update(policy_gpus=2, num_value_gpus_per_train_node=2)
-    from megatron_rl.config import parse_config
-
     resolved = parse_config(data)
     assert resolved.layout.policy.sp == 2 and resolved.layout.critic.sp == 2
     events, weights = [], FakeWeights()

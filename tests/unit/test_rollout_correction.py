@@ -222,11 +222,11 @@ def test_bad_settings_are_refused_naming_the_key():
 def verl_agg_loss(losses, masks, mode, scale):
     """verl's agg_loss (one process, DP 1) written with loops over sequences."""
     if mode == "token-mean":
-        return sum(l[m].sum() for l, m in zip(losses, masks)) / sum(m.sum() for m in masks)
-    valid = [(l, m) for l, m in zip(losses, masks) if m.any()]
+        return sum(loss[m].sum() for loss, m in zip(losses, masks)) / sum(m.sum() for m in masks)
+    valid = [(loss, m) for loss, m in zip(losses, masks) if m.any()]
     if mode == "seq-mean-token-mean":
-        return sum(l[m].sum() / m.sum() for l, m in valid) / len(valid)
-    total = sum(l[m].sum() for l, m in valid) / len(valid)
+        return sum(loss[m].sum() / m.sum() for loss, m in valid) / len(valid)
+    total = sum(loss[m].sum() for loss, m in valid) / len(valid)
     return total / scale if mode == "seq-mean-token-sum-norm" else total
 
 
