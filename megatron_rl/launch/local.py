@@ -153,10 +153,23 @@ def assign_devices(resolved, visible: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def _role_env(resolved, devices: list[str]) -> dict[str, str]:
+def training_env(resolved, role: str) -> dict[str, str]:
+    """What megatron needs in the environment of a training role's ranks ("policy" or "critic"):
+    on CUDA with TP > 1, CUDA_DEVICE_MAX_CONNECTIONS=1. Megatron's tensor-parallel linear layers
+    issue the sequence-parallel all-gather and reduce-scatter, or the input-gradient all-reduce,
+    asynchronously and rely on that setting to have the GPU schedule them before the weight-
+    gradient matmul they overlap with (megatron/core/tensor_parallel/layers.py; it warns when
+    unset). The SLURM script sets the same (launch/slurm.py)."""
+    layout = resolved.layout.policy if role == "policy" else resolved.layout.critic
+    if resolved.deployment.device == "cuda" and layout.tp > 1:
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {}
+
+
+def _role_env(resolved, role: str, devices: list[str]) -> dict[str, str]:
     if resolved.deployment.device == "cpu":
         return {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    return {"CUDA_VISIBLE_DEVICES": ",".join(devices)}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(devices), **training_env(resolved, role)}
 
 
 def torchrun_command(nproc: int, port: int, role_args: list[str]) -> list[str]:
@@ -194,13 +207,13 @@ def plan_local(
     if resolved.value is not None:
         components.append(Component(
             "critic", torchrun_command(layout.value_gpus, ports["critic_rendezvous"], ["critic", *config]),
-            logs / "critic.log", _role_env(resolved, devices["critic"]), devices["critic"],
+            logs / "critic.log", _role_env(resolved, "critic", devices["critic"]), devices["critic"],
             {"rendezvous": ports["critic_rendezvous"], "service": resolved.value.service.port,
              "zmq": resolved.transport.critic_port}, torchrun=True,
         ))  # fmt: skip
     components.append(Component(
         "policy", torchrun_command(resolved.deployment.policy_gpus, ports["policy_rendezvous"], ["train-policy", *config]),
-        logs / "policy.log", _role_env(resolved, devices["policy"]), devices["policy"],
+        logs / "policy.log", _role_env(resolved, "policy", devices["policy"]), devices["policy"],
         {"rendezvous": ports["policy_rendezvous"], "zmq": resolved.transport.policy_port}, may_finish=True,
         torchrun=True,
     ))  # fmt: skip

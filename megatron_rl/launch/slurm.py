@@ -13,7 +13,8 @@ Placement (`place`), per node of the allocation:
 The script (a Jinja2 template, `templates/job.sbatch.j2`) runs with `set -euo pipefail`; every
 component is its own `srun --exact --kill-on-bad-exit=1` step with explicit `--gpus-per-node`
 (steps on disjoint GPUs of a node run concurrently; SLURM sets each step's
-CUDA_VISIBLE_DEVICES); hosts are the nodes' own addresses (never `localhost` across nodes), put
+CUDA_VISIBLE_DEVICES; the training steps get what megatron needs on top, `srun --export`:
+`launch.local.training_env`); hosts are the nodes' own addresses (never `localhost` across nodes), put
 into the job's resolved config with `check-config --set`; inference steps first, vllm-router on
 the first inference node only after every server answers `/v1/models`; rendezvous ports probed
 on each group's first node (both groups together on a shared node). Then `wait -n`: the
@@ -33,6 +34,7 @@ from pathlib import Path
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from megatron_rl.config import load_config
+from megatron_rl.launch.local import training_env
 
 
 class SlurmError(RuntimeError):
@@ -115,6 +117,11 @@ def gpu_use_per_node(placement) -> list[dict[str, int]]:
     return use
 
 
+def srun_export(env: dict[str, str]) -> str:
+    """srun's --export value: the job's environment plus `env`."""
+    return ",".join(["ALL", *(f"{key}={value}" for key, value in sorted(env.items()))])
+
+
 def render(resolved, config_path: Path, partition: str | None = None, time_limit: str | None = None,
            python: str | None = None) -> str:  # fmt: skip
     placement = place(resolved)
@@ -138,6 +145,8 @@ def render(resolved, config_path: Path, partition: str | None = None, time_limit
         policy=placement["policy"],
         critic=placement.get("critic"),
         orchestrator=placement["orchestrator"],
+        policy_export=srun_export(training_env(resolved, "policy")),
+        critic_export=srun_export(training_env(resolved, "critic")) if "critic" in placement else None,
         fixed_ports=" ".join(str(p) for p in sorted(set(resolved.layout.ports.values()))),
         grace_s=int(resolved.deployment.stop_grace_s),
         style=resolved.layout.deployment_style,

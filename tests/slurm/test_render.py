@@ -100,3 +100,20 @@ def test_a_layout_that_cannot_be_placed_says_why(tmp_path):
         match=r"the policy would get \[4, 2\] GPUs on nodes \[0, 1\]; torchrun needs the same count",
     ):
         place(parse_config(data))
+
+
+def test_training_steps_with_tensor_parallelism_export_cuda_device_max_connections_1(tmp_path):
+    """The policy at TP=2 runs with CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron's TP communication
+    overlap relies on it; before: never set), the critic at TP=1 with the job's environment."""
+    resolved = config_for(1, "shared", tmp_path)
+    data = resolved.model_dump(exclude={"layout"}, exclude_none=True)
+    data["model"]["tp"] = 2
+    resolved = parse_config(data)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(resolved, tmp_path / "run.yaml"))
+    lint = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout
+    calls = {line.split()[1]: line for line in script.read_text().splitlines() if line.startswith("torchrun_step ")}
+    assert calls["policy"].endswith(" train-policy ALL,CUDA_DEVICE_MAX_CONNECTIONS=1")
+    assert calls["critic"].endswith(" critic ALL")
+    assert '--export="$8"' in script.read_text()

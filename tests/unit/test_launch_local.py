@@ -15,12 +15,14 @@ import time
 
 import pytest
 
+from megatron_rl.config import load_config
 from megatron_rl.launch.local import (
     Component,
     LaunchError,
     Supervisor,
     assign_devices,
     run_local,
+    training_env,
     visible_devices,
 )
 from megatron_rl.launch.ports import PortProbeError, probe_ports
@@ -70,6 +72,44 @@ logging: {{dir: {tmp_path}/run}}
     assert "CUDA_VISIBLE_DEVICES=7,6" in text and "--tensor-parallel-size 2" in text
     assert "--nproc_per_node 2" in text and "rendezvous=" in text and "service=8100" in text
     assert not (tmp_path / "run").exists()  # a dry run starts and writes nothing
+
+
+def _component_blocks(text: str) -> dict[str, str]:
+    """A dry run's text split per component: name -> its lines."""
+    blocks, name = {}, None
+    for line in text.splitlines():
+        if line.startswith("[") and line.endswith("]"):
+            name = line[1:-1]
+            blocks[name] = ""
+        elif name is not None:
+            blocks[name] += line + "\n"
+    return blocks
+
+
+def test_training_ranks_with_tensor_parallelism_get_cuda_device_max_connections_1(tmp_path, tiny_models, monkeypatch):
+    """megatron's TP layers overlap their communication with the weight-gradient matmul and rely
+    on CUDA_DEVICE_MAX_CONNECTIONS=1 for the order (before: never set): the policy at TP=2 gets
+    it, the critic at TP=1 and the inference servers do not."""
+    config = tmp_path / "run.yaml"
+    model = tiny_models["qwen3"]
+    config.write_text(f"""
+model: {{hf_config: {model}, seq_len: 128, tp: 2}}
+algorithm: {{type: sao}}
+value: {{model: {{hf_config: {model}, seq_len: 128}}}}
+orchestrator: {{num_steps: 2, batch_size: 4, group_size: 1, max_prompt_tokens: 32, max_completion_tokens: 16}}
+inference: {{num_servers: 1, tp: 2, weight_update: safetensors, publish_dir: {tmp_path}/published}}
+deployment: {{nodes: 1, gpus_per_node: 8, inference_gpus: 2, policy_gpus: 2, num_value_gpus_per_train_node: 2}}
+logging: {{dir: {tmp_path}/run}}
+""")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5")
+    out = io.StringIO()
+    assert run_local(str(config), dry_run=True, out=out) == 0
+    blocks = _component_blocks(out.getvalue())
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in blocks["policy"] and "--nproc_per_node 2" in blocks["policy"]
+    for name in ("critic", "inference_0", "router", "orchestrator"):
+        assert "CUDA_DEVICE_MAX_CONNECTIONS" not in blocks[name], name
+    cpu = load_config(config, ["deployment.device=cpu", "inference.backend=vllm-cpu"])
+    assert training_env(cpu, "policy") == {}  # only CUDA has device connections
 
 
 def test_probe_never_binds_all_interfaces_and_skips_ports_taken_on_either_address(monkeypatch):
