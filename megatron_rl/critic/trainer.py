@@ -30,7 +30,7 @@ from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.data.types import MicroBatch, ScoreResult, TrainingSample
 from megatron_rl.models.lora import apply_lora
 from megatron_rl.models.value_model import build_value_model, freeze_attention, set_head_only
-from megatron_rl.trainer.optimizer import reload_main_params, restart_untouched_adam_state
+from megatron_rl.trainer.optimizer import Trainable, reload_main_params, restart_untouched_adam_state
 from megatron_rl.trainer.resume import CheckpointMismatch, complete_steps, run_resume_step
 from megatron_rl.trainer.role import RoleTrainer
 from megatron_rl.trainer.snapshot import wait_for_snapshot
@@ -188,9 +188,7 @@ class CriticTrainer(RoleTrainer):
         the weights the optimizer steps from (fp32 masters, or the hybrid optimizer's copies under
         CPU offload), restarts the backbone's Adam state (the old moments belong to other weights)."""
         path = wait_for_snapshot(self.resolved.layout.paths.policy_snapshots, step, self.value.snapshot.wait_timeout_s)
-        load_backbone(self.model, path)
-        reload_main_params(self.trainable)
-        restart_untouched_adam_state(self.trainable, reset_moments=True)
+        load_snapshot_backbone(self.model, self.trainable, path)
         self.snapshots_loaded.append(step)
         if dist.get_rank() == 0:
             self.log.info("critic: loaded the policy snapshot version %d from %s", step, path)
@@ -243,6 +241,16 @@ class CriticTrainer(RoleTrainer):
             + (f" | {record['update_skipped']} optimizer step(s) SKIPPED: non-finite loss or gradients "
                f"({record['skipped_steps']} skipped so far)" if record.get("update_skipped") else "")
         )  # fmt: skip
+
+
+def load_snapshot_backbone(model: torch.nn.Module, trainable: Trainable, path) -> None:
+    """Collective. The backbone of the policy snapshot (a dist checkpoint directory) at `path`
+    into `model` and into the weights its optimizer steps from (fp32 masters, or the hybrid
+    optimizer's copies under CPU offload: `reload_main_params`); the backbone's Adam state
+    restarts (its moments belong to other weights)."""
+    load_backbone(model, path)
+    reload_main_params(trainable)
+    restart_untouched_adam_state(trainable, reset_moments=True)
 
 
 def _summary(phase: str, step: int, results: list[dict], head_only: bool, seconds: float) -> dict:

@@ -1,5 +1,7 @@
 """tests/gpu (the GPU check script) on this CPU machine: run.sh claims nothing without CUDA; the
-checks themselves run at toy sizes on CPU (gloo) and say which ones need CUDA; the MFU
+checks themselves run at toy sizes on CPU (gloo; the offload check on megatron's hybrid optimizer
+with its host copies emulated) and say which ones need CUDA; the default run's limits fit its
+budget and 8 minutes, and a check whose limit no longer fits is NOT RUN, saying why; the MFU
 arithmetic counts FLOPs as written down by hand."""
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import sys
 from pathlib import Path
 
 from megatron_rl.config import Architecture
-from tests.gpu.checks import model_flops
+from tests.gpu.checks import CPU_LIMIT_S, DEFAULT_BUDGET_S, LIMIT_S, REGISTRY, model_flops
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,11 +37,14 @@ def test_checks_run_at_toy_sizes_on_cpu(tmp_path):
     status = {r["check"]: r["status"] for r in report["checks"]}
     assert status == {
         "nccl": "PASS", "te_spec": "NOT RUN", "bf16_policy": "PASS", "bf16_critic": "PASS",
-        "offload": "NOT RUN", "policy_process": "PASS", "critic_process": "PASS", "vllm": "NOT RUN",
+        "offload": "PASS", "policy_process": "PASS", "critic_process": "PASS", "vllm": "NOT RUN",
         "throughput": "PASS",
     }  # fmt: skip
     checks = {r["check"]: r for r in report["checks"]}
-    assert "CUDA" in checks["offload"]["detail"] and "CUDA" in checks["te_spec"]["detail"]
+    assert "CUDA" in checks["te_spec"]["detail"]
+    offload = checks["offload"]["figures"]
+    assert offload["gpu_fp32_masters_offload_1.0"] == 0 and offload["max_bf16_ulps_snapshot_offload_vs_not"] <= 2
+    assert checks["critic_process"]["figures"]["head_only"] == [True, False]
     policy = checks["bf16_policy"]["figures"]
     assert policy["loss_bf16"][1] < policy["loss_bf16"][0] and policy["mean_abs_output_diff"] < 0.02
     assert [row["tokens"] for row in checks["throughput"]["figures"]["rows"]] == [64, 128]
@@ -54,6 +59,29 @@ def test_a_spent_budget_starts_no_check(tmp_path):
     assert proc.returncode == 0, proc.stderr
     [record] = json.loads(out.read_text())["checks"]
     assert record["status"] == "NOT RUN" and "time budget" in record["detail"]
+
+
+def test_the_default_run_starts_every_check_within_8_minutes():
+    # Each check gets its whole limit: the limits add up to the default budget at most (before:
+    # 1,230 s of limits in a 420 s budget), and the budget leaves the driver 30 s of 8 minutes.
+    assert sum(LIMIT_S.values()) <= DEFAULT_BUDGET_S <= 8 * 60 - 30
+    assert len({check.name for check in REGISTRY}) == len(REGISTRY)
+    assert all(check.limit_s > 0 and check.shows for check in REGISTRY)
+
+
+def test_a_check_whose_limit_no_longer_fits_is_not_run_and_says_why(tmp_path):
+    # Before: started with what was left and killed there, reported FAIL "timed out".
+    out = tmp_path / "gpu.json"
+    budget = CPU_LIMIT_S - 1
+    args = ["--cpu", "--budget-s", str(budget), "--only", "nccl", "--out", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.check", *args], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    [record] = json.loads(out.read_text())["checks"]
+    assert record["status"] == "NOT RUN", record
+    assert record["detail"] == (
+        f"not started: {budget} s of the time budget ({budget} s) left, and it may take {CPU_LIMIT_S} s "
+        "(run it alone: --only nccl)"
+    )
 
 
 def test_model_flops_by_hand():

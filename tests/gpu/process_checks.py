@@ -86,10 +86,14 @@ def check_policy_process(cpu: bool) -> dict:
 
 
 def check_critic_process(cpu: bool) -> dict:
-    """`megatron-rl critic` on one rank (on the device): HTTP scoring, then two value-training
-    steps from a ZMQ grid stream lower the value loss of the same sequences; checkpointed."""
+    """`megatron-rl critic` on one rank (on the device, bf16): HTTP scoring, then two value-
+    training steps from a ZMQ grid stream, the first head-only (value.head_only_warmup_steps 1),
+    the second full (the backbone's Adam state restarts: on a GPU TE's FusedAdam keeps `step` per
+    group), lower the value loss of the same sequences; checkpointed."""
     import asyncio
+    import json
 
+    from megatron_rl.config import load_resolved
     from megatron_rl.critic.client import HttpValueScorer
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.tiny import make_tiny_model
@@ -101,7 +105,14 @@ def check_critic_process(cpu: bool) -> dict:
         tmp = Path(tmp)
         hf_dir = make_tiny_model("qwen3", tmp / "model", seed=3, hidden_size=128)
         deployment = {} if cpu else {"device": "cuda"}
-        resolved, path = critic_config(tmp, hf_dir, world=1, num_steps=2, deployment=deployment)
+        # lr 1e-4: the first full step moves every backbone weight by about lr (fresh Adam state)
+        _, path = critic_config(tmp, hf_dir, world=1, num_steps=2, deployment=deployment, head_only_warmup_steps=1,
+                                optimizer={"lr": 1e-4, "grad_clip": 1.0})  # fmt: skip
+        if not cpu:  # critic_config writes float32 models
+            data = json.loads(path.read_text())
+            data["value"]["model"]["dtype"] = "bfloat16"
+            path.write_text(json.dumps(data))
+        resolved = load_resolved(path)
         samples = training_samples(8, resolved.layout.critic_architecture.vocab_size, seed=21)
         request = [s.token_ids.tolist() for s in samples]
         grid = pack_into_grid(samples, resolved.value.model.seq_len, 1)
@@ -126,13 +137,16 @@ def check_critic_process(cpu: bool) -> dict:
                     losses, status = asyncio.run(run(sender))
                 except Exception as exc:
                     raise AssertionError(f"{exc}; critic log:\n{ranks.output()[-3000:]}") from exc
+        records = [json.loads(line) for line in (tmp / "logs" / "critic_metrics.jsonl").read_text().splitlines()]
         figures = {
             "value_losses": losses,
+            "head_only": [r["head_only"] for r in records if r.get("phase") == "rl"],
+            "dtype": resolved.value.model.dtype,
             "trained_step": status["trained_step"],
             "checkpoint": (tmp / "checkpoints" / "critic" / "latest").read_text().strip(),
             "seconds": time.perf_counter() - began,
         }
-    if not losses[-1] < losses[0] or figures["checkpoint"] != "step_00000001":
+    if not losses[-1] < losses[0] or figures["checkpoint"] != "step_00000001" or figures["head_only"] != [True, False]:
         raise AssertionError(f"the critic process on this device: {figures}")
     return figures
 
@@ -157,11 +171,13 @@ def check_vllm(cpu: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         hf_dir = make_tiny_model("qwen3", tmp / "model", seed=3, hidden_size=128)
+        # eager (no CUDA graphs, no compilation): start-up in seconds, within the check's limit
+        extra = ["--dtype", "float32"] + ([] if cpu else ["--enforce-eager"])
         server = VllmServer(hf_dir, free_port(), tmp / "vllm.log", device="cpu" if cpu else "cuda", max_model_len=256,
-                            gpu_memory_utilization=0.3, extra_args=["--dtype", "float32"])  # fmt: skip
+                            gpu_memory_utilization=0.3, extra_args=extra)  # fmt: skip
         try:
             began = time.perf_counter()
-            server.wait_ready(timeout_s=LIMIT_S["vllm"] - 60)
+            server.wait_ready(timeout_s=LIMIT_S["vllm"] - 40)
             startup_s = time.perf_counter() - began
             arch = read_architecture(hf_dir)
             model = build_gpt_model(arch)

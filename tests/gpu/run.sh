@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The GPU checks (tests/gpu/check.py says what each one shows): one table, at most ~8 minutes on
-# one H200, the record in benchmarks/results/gpu.json (and in $OUT when that is set).
+# The GPU checks (python -m tests.gpu.check --list says what each one shows): one table, within
+# 8 minutes on one H200 (a 450 s budget that every check's limit fits in), the record in
+# benchmarks/results/gpu.json (and in $OUT when that is set).
 #   bash tests/gpu/run.sh                       every check
 #   bash tests/gpu/run.sh --only offload vllm   some
-#   bash tests/gpu/run.sh --budget-s 300        start no check after 300 s
+#   bash tests/gpu/run.sh --budget-s 300        start a check only while its limit fits in what is
+#                                               left of 300 s (the others: NOT RUN, saying why)
 # Without CUDA it says so and exits 0, claiming nothing. Python: $PYTHON, else .venv/bin/python,
 # else python3. A .whl/ folder in the checkout (bash tests/gpu/wheels.sh) is installed first, for
 # machines whose python3 has CUDA torch but not this project's other packages.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-cd "$root"
+cd "$root" || exit 1
 py="${PYTHON:-}"
 if [ -z "$py" ]; then
   if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
