@@ -86,18 +86,21 @@ def everything_one_process(weights):
     return run_ranks(policy_step, 1, ARCH, weights, 1, 1, EVERYTHING, 0.3, 0.8)[0]
 
 
-@pytest.mark.parametrize("tp, cp, world", [(1, 1, 2), (1, 2, 2), (2, 1, 2)])
-def test_every_option_at_dp2_cp2_tp2_equals_one_process(weights, everything_one_process, tp, cp, world):
+@pytest.mark.parametrize("tp, cp, pp, world", [(1, 1, 1, 2), (1, 2, 1, 2), (2, 1, 1, 2), (1, 1, 2, 2)])
+def test_every_option_at_dp2_cp2_tp2_pp2_equals_one_process(weights, everything_one_process, tp, cp, pp, world):
     reference, reference_params, _ = everything_one_process
     assert reference["optimizer_steps"] == 4
     assert 0 < reference["rollout_rs_masked_fraction"] < 1 and reference["rollout_is_flagged_fraction"] > 0
     assert abs(reference["rollout_is_batch_norm_factor"] - 1.0) > 1e-3
-    for record, params, _ in run_ranks(policy_step, world, ARCH, weights, tp, cp, EVERYTHING, 0.3, 0.8):
+    seen = set()
+    for record, params, _ in run_ranks(policy_step, world, ARCH, weights, tp, cp, EVERYTHING, 0.3, 0.8, 1e-3, None, pp):
         for key, value in reference.items():
             if isinstance(value, float) and key != "lr":
-                assert record[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (tp, cp, key)
-        for name, value in reference_params.items():
-            torch.testing.assert_close(params[name], value, atol=2e-5, rtol=0, msg=f"{name} tp={tp} cp={cp}")
+                assert record[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (tp, cp, pp, key)
+        for name, value in params.items():  # a pipeline stage holds its own layers
+            torch.testing.assert_close(value, reference_params[name], atol=2e-5, rtol=0, msg=f"{name} {tp=} {cp=} {pp=}")
+        seen |= set(params)
+    assert seen == set(reference_params)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -148,7 +151,7 @@ def _samples_with_policy_logprobs(model, temperature, perturbation_scale, seed=1
 
 
 def policy_step(rank, world_size, arch, full, tp, cp, algorithm, perturbation_scale, temperature, lr=1e-3,
-                sampler_temperature=None):  # fmt: skip
+                sampler_temperature=None, pp=1):  # fmt: skip
     """One policy RL step (policy_update) on samples whose sampler log-probs are the policy's own
     at `sampler_temperature` (default `temperature`) plus a perturbation; returns (record, full
     parameters after the step, the perturbation's k1 / k3)."""
@@ -166,8 +169,8 @@ def policy_step(rank, world_size, arch, full, tp, cp, algorithm, perturbation_sc
     load_full_state_dict(probe, full)
     samples, perturbation = _samples_with_policy_logprobs(probe, sampler_temperature or temperature, perturbation_scale)
     del probe
-    parallel.initialize_model_parallel(tp=tp, cp=cp)
-    model = build_gpt_model(arch, tp=tp, cp=cp)
+    parallel.initialize_model_parallel(tp=tp, cp=cp, pp=pp)
+    model = build_gpt_model(arch, tp=tp, cp=cp, pp=pp)
     load_full_state_dict(model, full)
     # adam_eps as in test_train_step: summation-order noise on near-zero gradients stays small.
     trainable = build_trainable(model, OptimizerConfig(lr=lr, grad_clip=1.0, adam_eps=1e-6), total_steps=20)
