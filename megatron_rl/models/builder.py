@@ -2,7 +2,11 @@
 
 No gate on a model name: every family maps onto the same GPT building blocks (RMSNorm, RoPE,
 SwiGLU, GQA, optional q/k-norm, optional MoE). The TransformerEngine layer spec is used when TE
-is importable and CUDA is present, the local spec otherwise.
+is importable, CUDA is present and CP = 1, the local spec otherwise. MoE routes in float32
+(`moe_router_dtype`, as vLLM and transformers do: their softmax over the router logits is
+float32) and runs its experts as one grouped GEMM where the TE spec has TE's grouped linear
+(`moe_grouped_gemm`; megatron's other grouped path, GroupedMLP, needs the `grouped_gemm`
+package, and the stand-in for neither exists on CPU, so the local spec keeps one GEMM per expert).
 """
 
 from __future__ import annotations
@@ -23,13 +27,36 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def transformer_engine_available() -> bool:
-    if compat.CPU_MODE:
+    """TE importable on a CUDA machine (the TE layer spec's requirement)."""
+    if not (compat.MACHINE.cuda and compat.MACHINE.transformer_engine):
         return False
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def te_grouped_linear_available() -> bool:
+    """TE's GroupedLinear, which megatron's TE spec needs for grouped-GEMM experts (TE >= 1.9)."""
+    if not transformer_engine_available():
+        return False
+    from megatron.core.extensions import transformer_engine as te_extension
+
+    return getattr(te_extension, "TEColumnParallelGroupedLinear", None) is not None
+
+
+def uses_transformer_engine(context_parallel_size: int = 1, transformer_engine: bool | None = None) -> bool:
+    """Whether a model is built with the TE spec: `transformer_engine` if given, else TE when
+    available and CP = 1 (the Ulysses core attention is a local-spec module). Asking for TE
+    where it cannot be used raises."""
+    if transformer_engine is None:
+        return transformer_engine_available() and context_parallel_size == 1
+    if transformer_engine and (not transformer_engine_available() or context_parallel_size > 1):
+        raise ValueError(
+            "the TransformerEngine layer spec needs TE importable, CUDA and context_parallel_size 1"
+        )
+    return transformer_engine
 
 
 def transformer_config(
@@ -39,9 +66,11 @@ def transformer_config(
     pp: int = 1,
     ep: int = 1,
     dtype: str = "float32",
+    transformer_engine: bool | None = None,
     **overrides,
 ):
-    """The megatron TransformerConfig for `arch` at the given parallel degrees."""
+    """The megatron TransformerConfig for `arch` at the given parallel degrees, for the layer
+    spec that `uses_transformer_engine(cp, transformer_engine)` picks."""
 
     params_dtype = DTYPES[dtype]
     moe = arch.num_experts > 0
@@ -87,7 +116,9 @@ def transformer_config(
             num_moe_experts=arch.num_experts,
             moe_router_topk=arch.num_experts_per_tok,
             moe_ffn_hidden_size=arch.moe_intermediate_size,
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=uses_transformer_engine(cp, transformer_engine)
+            and te_grouped_linear_available(),
+            moe_router_dtype="fp32",
             moe_router_load_balancing_type="none",
             # softmax over the top-k logits == softmax over all, then renormalised top-k.
             moe_router_pre_softmax=not arch.moe_norm_topk_prob,
@@ -97,20 +128,26 @@ def transformer_config(
     return TransformerConfig(**fields)
 
 
-def layer_spec(arch: Architecture, context_parallel_size: int = 1, transformer_engine: bool | None = None):
+def layer_spec(
+    arch: Architecture,
+    context_parallel_size: int = 1,
+    transformer_engine: bool | None = None,
+    moe_grouped_gemm: bool = False,
+):
     """TE spec with TE on CUDA, local spec otherwise; Ulysses core attention when CP > 1.
-    `transformer_engine` True/False asks for one spec (True fails without TE or with CP > 1)."""
+    `transformer_engine` True/False asks for one spec (True fails without TE or with CP > 1).
+    `moe_grouped_gemm` (the config's) needs the TE spec with TE's grouped linear."""
 
     num_experts = arch.num_experts or None
-    if transformer_engine is None:
-        transformer_engine = transformer_engine_available() and context_parallel_size == 1
+    transformer_engine = uses_transformer_engine(context_parallel_size, transformer_engine)
+    if moe_grouped_gemm and not (transformer_engine and te_grouped_linear_available()):
+        raise ValueError(
+            "moe_grouped_gemm needs the TransformerEngine spec with TE's grouped linear (TE >= 1.9); "
+            "this model is built with the local spec"
+        )
     if transformer_engine:
-        if not transformer_engine_available() or context_parallel_size > 1:
-            raise ValueError(
-                "the TransformerEngine layer spec needs TE importable, CUDA and context_parallel_size 1"
-            )
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm
+            num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=arch.qk_norm
         )
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
@@ -135,17 +172,19 @@ def build_gpt_model(
     seq_len: int | None = None,
     model_class=None,
     transformer_engine: bool | None = None,
+    device: torch.device | str | None = None,
     **config_kwargs,
 ):
     """A megatron GPTModel (or `model_class`, a GPTModel subclass such as the value model) for
     this pipeline stage, pre/post process from parallel_state; `transformer_engine` as in
-    `layer_spec` (default: TE when available)."""
+    `layer_spec` (default: TE when available); on `device` (default: this process's device;
+    "meta" for a structure without storage, built under `torch.device("meta")`)."""
 
     model_class = model_class or GPTModel
-    config = config or transformer_config(arch, **config_kwargs)
+    config = config or transformer_config(arch, transformer_engine=transformer_engine, **config_kwargs)
     model = model_class(
         config,
-        layer_spec(arch, config.context_parallel_size, transformer_engine),
+        layer_spec(arch, config.context_parallel_size, transformer_engine, config.moe_grouped_gemm),
         vocab_size=arch.vocab_size,
         max_sequence_length=seq_len or arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -154,4 +193,4 @@ def build_gpt_model(
         position_embedding_type=position_embedding_type(config.context_parallel_size),
         rotary_base=int(arch.rope_theta),
     )
-    return model.to(compat.device())
+    return model.to(device or compat.device())

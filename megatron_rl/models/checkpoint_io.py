@@ -47,7 +47,9 @@ def read_architecture(hf_directory: Path) -> Architecture:
 
 
 def read_hf_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF directory (model.safetensors or an index of shards)."""
+    """All tensors of an HF directory (model.safetensors or an index of shards), memory-mapped:
+    safetensors maps each file, so a tensor's bytes are read (into the page cache, not the
+    process's own memory) only when it is used."""
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
@@ -67,37 +69,62 @@ def read_hf_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+class HFShardWriter:
+    """Writes HF safetensors shards as tensors arrive, holding at most one shard in memory:
+    `add` groups of tensors, then `close` names the files (`model.safetensors` when one shard,
+    `model-0000i-of-0000n.safetensors` plus the index otherwise) and returns their paths."""
+
+    def __init__(self, directory: Path, max_shard_bytes: int = 4 << 30):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._written: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name in sorted(tensors):
+            tensor = tensors[name].contiguous()
+            if self._pending and self._pending_bytes + tensor.nbytes > self.max_shard_bytes:
+                self._flush()
+            self._pending[name] = tensor
+            self._pending_bytes += tensor.nbytes
+            self.total_bytes += tensor.nbytes
+
+    def _flush(self) -> None:
+        path = self.directory / f"model-{len(self._written) + 1:05d}.safetensors.partial"
+        save_file(self._pending, str(path), metadata={"format": "pt"})
+        self._written.append((path, list(self._pending)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> list[Path]:
+        if self._pending or not self._written:
+            self._flush()
+        count = len(self._written)
+        if count == 1:
+            names = ["model.safetensors"]
+        else:
+            names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        paths, weight_map = [], {}
+        for (partial, tensor_names), name in zip(self._written, names):
+            partial.rename(self.directory / name)
+            paths.append(self.directory / name)
+            weight_map.update({tensor: name for tensor in tensor_names})
+        if count > 1:
+            (self.directory / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, indent=2)
+            )
+        return paths
+
+
 def write_hf_state_dict(
     state: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int = 4 << 30
 ) -> list[Path]:
     """Writes safetensors shards (with an index when more than one) and returns their paths."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(state):
-        tensor = state[name].contiguous()
-        if shards[-1] and size + tensor.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += tensor.nbytes
-    if len(shards) == 1:
-        paths = [directory / "model.safetensors"]
-    else:
-        paths = [
-            directory / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-        ]
-    weight_map = {}
-    for path, shard in zip(paths, shards):
-        save_file(shard, str(path), metadata={"format": "pt"})
-        weight_map.update({name: path.name for name in shard})
-    if len(shards) > 1:
-        total = sum(t.nbytes for t in state.values())
-        (directory / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-        )
-    return paths
+    writer = HFShardWriter(directory, max_shard_bytes)
+    writer.add(state)
+    return writer.close()
 
 
 def copy_hf_side_files(source: Path, destination: Path) -> list[str]:

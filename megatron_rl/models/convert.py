@@ -1,22 +1,43 @@
-"""HF <-> converted megatron checkpoints, in one process (TP=PP=EP=1; the saved
-dist_checkpointing checkpoint reshards to any layout on load). Used by tools/convert_*.py."""
+"""HF <-> converted megatron checkpoints, in one process, without building the model's weights.
+
+The structure of the checkpoint (keys, global shapes, layer and expert offsets, the gate/up
+pieces of gated `linear_fc1`) is that of the local-spec model at TP = PP = EP = 1, read from the
+model's own `sharded_state_dict()` on a model built on the meta device (no storage). Its data are
+the HF tensors themselves, in the checkpoint's dtype:
+
+- HF -> megatron: the safetensors are memory-mapped; renamed tensors are saved straight from
+  the mapping and gate/up are saved as the two pieces megatron's checkpoint stores anyway, so the
+  only new memory is the fused `linear_qkv` of each layer (q, k, v interleaved per group).
+- megatron -> HF: the checkpoint is loaded once, in its dtype, into buffers of its size (no
+  model, no fp32 copy, no clones), and written one decoder layer at a time to safetensors shards
+  of at most 4 GiB.
+
+The saved dist_checkpointing checkpoint reshards to any layout on load, and loads into the local
+or the TE spec (`spec_keys.py`). Used by tools/convert_*.py.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from pathlib import Path
 
 import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
 from megatron_rl import parallel
 from megatron_rl.models import checkpoint_io as io
 from megatron_rl.models.builder import build_gpt_model
-from megatron_rl.models.hf_mapping import ConversionError, hf_to_megatron, megatron_to_hf
-from megatron_rl.models.sharding import full_parameters, load_full_state_dict
-from megatron_rl.models.value_model import build_value_model
+from megatron_rl.models.hf_mapping import ConversionError, MegatronStateFromHF, family_mapping, megatron_to_hf
+from megatron_rl.models.spec_keys import checkpoint_keys, plan_load
+from megatron_rl.models.value_model import build_value_model, initial_value_head
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_HEAD = ("value_head.weight", "value_head.bias")
 
 
 def _single_process_group() -> None:
@@ -29,10 +50,29 @@ def _single_process_group() -> None:
     parallel.initialize_model_parallel()
 
 
-def _build(arch, value_model: bool, head_init_std: float = 0.0):
-    if value_model:
-        return build_value_model(arch, head_init_std=head_init_std)
-    return build_gpt_model(arch)
+def checkpoint_structure(arch, value_model: bool) -> tuple[dict, dict[str, tuple[int, ...]]]:
+    """(The sharded state dict of the local-spec model at TP = PP = EP = 1 on the meta device,
+    each parameter's shape by name). Collective-free; needs megatron's parallel state."""
+    builder = build_value_model if value_model else build_gpt_model
+    with torch.device("meta"):
+        model = builder(
+            arch,
+            transformer_engine=False,
+            device="meta",
+            use_cpu_initialization=True,
+            perform_initialization=False,
+        )
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return model.sharded_state_dict(), shapes
+
+
+def _pieces(factory: ShardedTensorFactory, data: torch.Tensor) -> list[ShardedTensor]:
+    """The ShardedTensors a gated-fc1 factory saves, built on `data` (views of it)."""
+    return factory.build_fn(factory.key, data, factory.replica_id, factory.flattened_range)
+
+
+def _with_data(entry: ShardedTensor, data: torch.Tensor) -> ShardedTensor:
+    return dataclasses.replace(entry, data=data, dtype=data.dtype)
 
 
 def hf_to_checkpoint(
@@ -43,50 +83,124 @@ def hf_to_checkpoint(
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     arch = io.read_architecture(hf_dir)
     hf_state = io.read_hf_state_dict(hf_dir)
-    full = hf_to_megatron(hf_state, arch, value_model=value_model)
-    _single_process_group()
-    model = _build(arch, value_model, head_init_std)
-    expected = full_parameters(model)
-    missing = sorted(set(expected) - set(full) - {"value_head.weight", "value_head.bias"})
-    if missing:
-        raise ConversionError(f"converted state has no tensor for {missing[:5]}")
-    load_full_state_dict(model, {**expected, **full})  # the value head keeps its initialisation
+    full = MegatronStateFromHF(hf_state, arch, value_model=value_model)
     if (out_dir / io.MODEL_DIR).exists() and any((out_dir / io.MODEL_DIR).iterdir()):
         raise io.CheckpointError(f"{out_dir / io.MODEL_DIR}: not empty; refusing to overwrite a checkpoint")
+    _single_process_group()
+    structure, shapes = checkpoint_structure(arch, value_model)
+    missing = sorted(set(shapes) - set(full) - set(_HEAD))
+    if missing:
+        raise ConversionError(f"converted state has no tensor for {missing[:5]}")
+    head = {}
+    if value_model and "value_head.weight" not in full:
+        head = initial_value_head(shapes["value_head.weight"][1], head_init_std)
+
+    state = {}
+    for name, entry in structure.items():
+        if isinstance(entry, ShardedObject):
+            state[name] = entry
+            continue
+        if name.startswith("value_head.") and name not in full:
+            tensor = head[name.removeprefix("value_head.")]
+        else:
+            tensor = full[name]
+        if tuple(tensor.shape) != shapes[name]:
+            raise ConversionError(
+                f"{name}: converted shape {tuple(tensor.shape)} != model shape {shapes[name]}"
+            )
+        if isinstance(entry, ShardedTensorFactory):
+            parts = full.concatenated_parts(name)
+            if parts is None:
+                raise ConversionError(f"{name}: a factory-saved tensor that is not gate/up")
+            state[name] = [_with_data(piece, part) for piece, part in zip(_pieces(entry, entry.data), parts)]
+        else:
+            state[name] = _with_data(entry, tensor)
     (out_dir / io.MODEL_DIR).mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(model.sharded_state_dict(), str(out_dir / io.MODEL_DIR))
+    dist_checkpointing.save(state, str(out_dir / io.MODEL_DIR))
     copied = io.copy_hf_side_files(hf_dir, out_dir / io.HF_DIR)
     io.write_meta(out_dir, arch, value_model, str(hf_dir))
     kind = "value model" if value_model else "GPT model"
-    head = ""
+    described = ""
     if value_model:
-        head = (
+        described = (
             " (value head from the HF checkpoint)"
             if "value_head.weight" in hf_state
             else f" (value head initialised, std {head_init_std})"
         )
+    parameters = sum(torch.Size(shape).numel() for shape in shapes.values())
     return [
-        f"{kind} {arch.family}: {len(list(model.parameters()))} tensors, {sum(p.numel() for p in model.parameters()):,} parameters{head}",
+        f"{kind} {arch.family}: {len(shapes)} tensors, {parameters:,} parameters{described}",
         f"wrote {out_dir / io.MODEL_DIR} (megatron dist_checkpointing), {out_dir / io.META_FILE}",
         f"copied {', '.join(copied)} to {out_dir / io.HF_DIR}",
     ]
 
 
+def _group_of(name: str) -> int:
+    """The decoder layer a state-dict entry belongs to; -1 for the rest (embeddings, heads)."""
+    match = _LAYER.match(name)
+    return int(match[1]) if match else -1
+
+
+def load_checkpoint_tensors(checkpoint_dir: Path, arch, value_model: bool) -> dict[str, torch.Tensor]:
+    """The full megatron tensors of a converted (or training) checkpoint written with either
+    layer spec, in the checkpoint's dtypes, loaded into buffers of exactly that size (gate/up
+    loaded in place into their fused tensor)."""
+    dist_dir = Path(checkpoint_dir) / io.MODEL_DIR
+    structure, _ = checkpoint_structure(arch, value_model)
+    tensors = {k: v for k, v in structure.items() if not isinstance(v, ShardedObject)}
+    plan = plan_load(tensors, checkpoint_keys(dist_dir))
+    dtypes = {
+        key: meta.dtype for key, meta in dist_checkpointing.load_tensors_metadata(str(dist_dir)).items()
+    }
+    template, fused = {}, {}
+    for name, entry in plan.state_dict.items():
+        if entry.key not in dtypes:
+            raise ConversionError(f"{dist_dir}: no tensor {entry.key!r} (for {name})")
+        dtype = dtypes[entry.key]
+        if isinstance(entry, ShardedTensorFactory):
+            fused[name] = torch.empty(entry.data.shape, dtype=dtype)
+            template[name] = _pieces(entry, fused[name])
+        else:
+            template[name] = _with_data(entry, torch.empty(entry.local_shape, dtype=dtype))
+    loaded = dist_checkpointing.load(template, str(dist_dir))
+    for name, pieces in list(loaded.items()):
+        if name in fused:
+            in_place = all(p.data_ptr() == v.data_ptr() for p, v in zip(fused[name].chunk(2), pieces))
+            loaded[name] = fused[name] if in_place else torch.cat(pieces)
+    return loaded
+
+
 def load_checkpoint_full(checkpoint_dir: Path, hf_config_dir: Path | None = None):
-    """(arch, value_model, full megatron state dict) of a converted checkpoint."""
+    """(arch, value_model, full megatron state dict) of a converted checkpoint, in its dtypes."""
 
     checkpoint_dir = Path(checkpoint_dir)
     meta = io.read_meta(checkpoint_dir)
     arch = io.read_architecture(hf_config_dir) if hf_config_dir else io.Architecture(**meta["architecture"])
     _single_process_group()
-    model = _build(arch, meta["value_model"])
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(checkpoint_dir / io.MODEL_DIR))
-    model.load_state_dict(state)
-    return arch, meta["value_model"], full_parameters(model)
+    return arch, meta["value_model"], load_checkpoint_tensors(checkpoint_dir, arch, meta["value_model"])
 
 
 def checkpoint_to_hf(checkpoint_dir: Path, out_dir: Path, hf_config_dir: Path) -> list[str]:
-    arch, value_model, full = load_checkpoint_full(checkpoint_dir, hf_config_dir)
-    paths = io.write_hf_state_dict(megatron_to_hf(full, arch, value_model), Path(out_dir))
+    """Writes the HF safetensors of a converted checkpoint (loaded once in its dtype, written one
+    decoder layer at a time)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    meta = io.read_meta(checkpoint_dir)
+    arch, value_model = io.read_architecture(hf_config_dir), meta["value_model"]
+    _single_process_group()
+    mapping = family_mapping(arch, value_model)
+    expected = set(mapping.renames) | {name for _, hf_names, _, _ in mapping.fused for name in hf_names}
+    full = load_checkpoint_tensors(checkpoint_dir, arch, value_model)
+    writer = io.HFShardWriter(Path(out_dir))
+    written: set[str] = set()
+    for group in sorted({_group_of(name) for name in full}):
+        # Each layer's tensors are dropped once written (the writer holds at most one shard).
+        layer = {name: full.pop(name) for name in [n for n in full if _group_of(n) == group]}
+        hf = megatron_to_hf(layer, arch, value_model, partial=True)
+        writer.add(hf)
+        written |= set(hf)
+    absent = sorted(expected - written)
+    if absent:
+        raise ConversionError(f"{checkpoint_dir}: the checkpoint gives no tensor for HF {absent[:5]}")
+    paths = writer.close()
     copied = io.copy_hf_side_files(Path(hf_config_dir), Path(out_dir))
     return [f"wrote {', '.join(str(p) for p in paths)}", f"copied {', '.join(copied)} from {hf_config_dir}"]
