@@ -4,6 +4,11 @@
 
 --value-model writes a critic: the backbone plus a value head (read from the HF directory when
 it holds value_head.* tensors, otherwise initialised: zeros, or normal with --head-init-std).
+
+The checkpoint keeps the HF tensors' dtype and loads into the local or the TransformerEngine
+layer spec at any TP/PP/EP. No model is built: the safetensors are memory-mapped and saved as they
+are, so the process needs little more memory than the fused q/k/v of every layer (about 2% of a
+Qwen3-30B-A3B checkpoint) whatever the model's size.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
     python tools/convert_megatron_to_hf.py --megatron DIR --out DIR --hf-config DIR
 
 --hf-config is the HF directory whose config.json (and tokenizer files) describe the model.
-A value model's head is written as value_head.weight / value_head.bias.
+A value model's head is written as value_head.weight / value_head.bias. The checkpoint may come
+from either layer spec (local or TransformerEngine); it is loaded once, in its own dtype, and
+written a layer at a time into safetensors shards of at most 4 GiB.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ index, `{E}` an expert index. Fused tensors are built by small transforms:
 - `fuse_gate_up` / `split_gate_up`: linear_fc1 is [gate; up].
 
 A value model (critic) has no lm_head; its head is `value_head.weight` / `value_head.bias` on
-both sides so it round-trips.
+both sides so it round-trips. `MegatronStateFromHF` is the same conversion done lazily, a tensor
+when it is asked for (loading and converting without a copy of the model).
 """
 
 from __future__ import annotations
