@@ -347,7 +347,16 @@ def check_fits(resolved: ResolvedConfig, plan: list[GpuMemory]) -> list[str]:
 def format_plan(resolved: ResolvedConfig, plan: list[GpuMemory]) -> str:
     """The plan as a table, in GiB per GPU."""
     budget = resolved.deployment.gpu_memory_gb
-    columns = ["weights", "reference", "gradients", "optimizer", "activations", "overhead", "kv_cache", "reserve"]
+    columns = [
+        "weights",
+        "reference",
+        "gradients",
+        "optimizer",
+        "activations",
+        "overhead",
+        "kv_cache",
+        "reserve",
+    ]
     lines = [
         f"memory plan (GiB per GPU; budget deployment.gpu_memory_gb = {budget:g}"
         + ("" if resolved.deployment.device == "cuda" else "; deployment.device cpu: not checked")

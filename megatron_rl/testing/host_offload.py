@@ -50,7 +50,9 @@ def install() -> None:
     if _installed:
         return
     if torch.cuda.is_available():
-        raise RuntimeError("host_offload.install() emulates CUDA's devices on CPU; with CUDA use the real thing")
+        raise RuntimeError(
+            "host_offload.install() emulates CUDA's devices on CPU; with CUDA use the real thing"
+        )
     original = hybrid_optimizer.HybridDeviceOptimizer._get_sub_optimizer_param_groups
 
     def sort_parameters(self, offload_fraction):

@@ -44,9 +44,13 @@ def test_resume_after_restart_reproduces_the_uninterrupted_losses(weights, tmp_p
 def test_resume_with_the_optimizer_offloaded_reproduces_the_uninterrupted_losses(weights, tmp_path):
     # megatron's hybrid device optimizer (its host copies emulated on CPU), DP=2, bf16
     options = (1, 2, True, "bfloat16")  # tp, keep_last, offload, dtype
-    uninterrupted = run_ranks(resumable_training, 2, ARCH, weights, str(tmp_path / "a"), range(4), None, *options)[0]
+    uninterrupted = run_ranks(
+        resumable_training, 2, ARCH, weights, str(tmp_path / "a"), range(4), None, *options
+    )[0]
     run_ranks(resumable_training, 2, ARCH, weights, str(tmp_path / "b"), range(2), 1, *options)
-    resumed = run_ranks(resumable_training, 2, ARCH, weights, str(tmp_path / "b"), range(2, 4), None, *options)[0]
+    resumed = run_ranks(
+        resumable_training, 2, ARCH, weights, str(tmp_path / "b"), range(2, 4), None, *options
+    )[0]
     assert resumed == {2: uninterrupted[2], 3: uninterrupted[3]}
     assert len(set(uninterrupted.values())) == 4
 
@@ -98,7 +102,17 @@ def test_keep_last_prunes_old_checkpoints(weights, tmp_path):
 
 
 def resumable_training(
-    rank, world_size, arch, full, directory, steps, save_at=None, tp=1, keep_last=2, offload=False, dtype="float32"
+    rank,
+    world_size,
+    arch,
+    full,
+    directory,
+    steps,
+    save_at=None,
+    tp=1,
+    keep_last=2,
+    offload=False,
+    dtype="float32",
 ):
     """Runs `steps` (a range) of SAO train_step on per-step samples; loads the latest checkpoint in
     `directory` first if there is one; saves after step `save_at`. `offload`: the optimizer on
@@ -148,7 +162,11 @@ def _trained(arch, full):
     trainable = build_trainable(model, OptimizerConfig(lr=1e-3), total_steps=4)
     dp = parallel_state.get_data_parallel_world_size()
     grid = pack_into_grid(training_samples(6, arch.vocab_size, seed=0), 64, dp)
-    train_step(trainable, grid[parallel_state.get_data_parallel_rank()], policy_loss_func(AlgorithmConfig(type="sao")))
+    train_step(
+        trainable,
+        grid[parallel_state.get_data_parallel_rank()],
+        policy_loss_func(AlgorithmConfig(type="sao")),
+    )
     return model, trainable
 
 
@@ -172,8 +190,9 @@ def optimizer_checkpoint_bytes(rank, world_size, arch, full):
         metadata = {"distrib_optim_sharding_type": sharding}
         figures[sharding] = {
             kind: tensor_bytes(
-                trainable.optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=kind == "load",
-                                                       metadata=metadata)  # fmt: skip
+                trainable.optimizer.sharded_state_dict(
+                    model.sharded_state_dict(), is_loading=kind == "load", metadata=metadata
+                )  # fmt: skip
             )
             for kind in ("save", "load")
         }

@@ -167,10 +167,18 @@ def _hybrid_bytes(hybrid) -> dict:
     nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
     host_copies = list(hybrid.gpu_params_map_cpu_copy.values())
     assert all(host_offload.is_host_copy(t) for t in host_copies)
-    host_moments = [s[k] for o in hybrid.cpu_optimizers for s in o.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    host_moments = [
+        s[k] for o in hybrid.cpu_optimizers for s in o.state.values() for k in ("exp_avg", "exp_avg_sq")
+    ]
     device = hybrid.gpu_optimizer
-    device_copies = [p for g in device.param_groups for p in g["params"] if p in hybrid.fp32_param_to_orig_param] if device else []
-    device_moments = [s[k] for s in device.state.values() for k in ("exp_avg", "exp_avg_sq")] if device else []
+    device_copies = (
+        [p for g in device.param_groups for p in g["params"] if p in hybrid.fp32_param_to_orig_param]
+        if device
+        else []
+    )
+    device_moments = (
+        [s[k] for s in device.state.values() for k in ("exp_avg", "exp_avg_sq")] if device else []
+    )
     return {
         "elements": sum(p.numel() for g in hybrid.param_groups for p in g["params"]),
         "host_elements": sum(t.numel() for t in host_copies),

@@ -17,7 +17,9 @@ ARCH = DENSE.model_copy(update=dict(num_layers=2))
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_offloaded_training_matches_no_offload_with_no_fp32_masters_on_the_device(dtype):
-    runs = {fraction: run_ranks(offload_training, 2, ARCH, dtype, fraction)[0] for fraction in (None, 0.5, 1.0)}
+    runs = {
+        fraction: run_ranks(offload_training, 2, ARCH, dtype, fraction)[0] for fraction in (None, 0.5, 1.0)
+    }
     reference = runs[None]
     # Without offload the distributed optimizer keeps an fp32 master of each bf16 parameter
     # shard on the model's device (that is right there: the GPU holds the optimizer).
@@ -73,8 +75,12 @@ def offload_training(rank, world_size, arch, dtype, fraction):
         grid = pack_into_grid(training_samples(6, arch.vocab_size, seed=step), 64, dp)
         losses.append(train_step(trainable, grid[data_rank], loss_func)["loss"])
     distributed = getattr(trainable.optimizer, "chained_optimizers", None) or [trainable.optimizer]
-    masters = sum(t.numel() for o in distributed for g in o.shard_fp32_from_float16_groups for t in g if t is not None)
-    shards = sum(p.numel() for o in distributed for g in o.shard_float16_groups + o.shard_fp32_groups for p in g)
+    masters = sum(
+        t.numel() for o in distributed for g in o.shard_fp32_from_float16_groups for t in g if t is not None
+    )
+    shards = sum(
+        p.numel() for o in distributed for g in o.shard_float16_groups + o.shard_fp32_groups for p in g
+    )
     shards_16bit = sum(p.numel() for o in distributed for g in o.shard_float16_groups for p in g)
     host = 0
     for hybrid in hybrid_optimizers(trainable.optimizer):

@@ -174,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
             limit = CPU_LIMIT_S if args.cpu else LIMIT_S[name]
             left = budget - (time.monotonic() - began)
             if left < limit:
-                records.append({"check": name, "status": "NOT RUN", "detail": not_started(name, left, budget, limit)})
+                records.append(
+                    {"check": name, "status": "NOT RUN", "detail": not_started(name, left, budget, limit)}
+                )
                 continue
             records.append(run_check(name, args.cpu, limit, Path(tmp)))
     report = {"environment": environment(), "mode": "cpu-smoke" if args.cpu else "cuda",

@@ -23,28 +23,58 @@ class Check:
 # all checks add up to at most DEFAULT_BUDGET_S (tests/distributed/test_gpu_check.py asserts it):
 # a new check takes its seconds from the others' or the default run no longer fits 8 minutes.
 REGISTRY = [
-    Check("nccl", 20, "the default and megatron groups on the collective device: all-reduce, broadcast_bytes"),
-    Check("te_spec", 35, "TransformerEngine layer spec vs the local spec, same weights, packed THD input: TE's "
-          "bf16 log-probs are no further from the local float32 ones than 2x the local bf16 ones (+0.02)"),
-    Check("bf16_policy", 30, "one SAO train_step in bf16 vs float32 from the same weights: finite, log-probs "
-          "close, grad norm within 5%, the loss on the batch falls in both"),
+    Check(
+        "nccl", 20, "the default and megatron groups on the collective device: all-reduce, broadcast_bytes"
+    ),
+    Check(
+        "te_spec",
+        35,
+        "TransformerEngine layer spec vs the local spec, same weights, packed THD input: TE's "
+        "bf16 log-probs are no further from the local float32 ones than 2x the local bf16 ones (+0.02)",
+    ),
+    Check(
+        "bf16_policy",
+        30,
+        "one SAO train_step in bf16 vs float32 from the same weights: finite, log-probs "
+        "close, grad norm within 5%, the loss on the batch falls in both",
+    ),
     Check("bf16_critic", 30, "the same for the value model and the value loss"),
-    Check("offload", 70, "megatron's hybrid device optimizer (optimizer.cpu_offload, precision-aware) at "
-          "offload fractions 0.5 and 1 vs no offload: no fp32 master on the GPU, the same bf16 weights after "
-          "two steps (within 2 units in the last place); a checkpoint saved after step 1 resumes to the "
-          "uninterrupted step-2 loss and weights; a policy snapshot loaded into an offloaded bf16 critic "
-          "is what its next full step trains (the same weights as without offload, far from the old ones)"),
-    Check("policy_process", 55, "`megatron-rl train-policy` under torchrun (one rank, bf16): two steps from a "
-          "ZMQ grid stream, finite metrics, a checkpoint, published HF weights that moved"),
-    Check("critic_process", 55, "`megatron-rl critic` on one rank (bf16): HTTP scoring, a head-only warm-up "
-          "step then a full step from ZMQ (the GPU's fused Adam keeps its step per group) that lower the "
-          "value loss of the scored sequences, a checkpoint"),
-    Check("vllm", 100, "the vLLM GPU build (eager mode, for its start-up time) serves a tiny model, takes "
-          "published weights (path (a), safetensors + reload) and then generates what transformers predicts"),
-    Check("throughput", 55, "tokens/s and MFU of forward+backward (bf16; the local spec, and TE's where it is "
-          "installed) of a dense 1.7B shape at 4K/8K/16K tokens, against an 8192^3 bf16 matmul measured in the "
-          "same run (goal 40%), and the activation memory measured (CUDA's peak above weights and gradients) "
-          "beside the memory plan's estimate"),
+    Check(
+        "offload",
+        70,
+        "megatron's hybrid device optimizer (optimizer.cpu_offload, precision-aware) at "
+        "offload fractions 0.5 and 1 vs no offload: no fp32 master on the GPU, the same bf16 weights after "
+        "two steps (within 2 units in the last place); a checkpoint saved after step 1 resumes to the "
+        "uninterrupted step-2 loss and weights; a policy snapshot loaded into an offloaded bf16 critic "
+        "is what its next full step trains (the same weights as without offload, far from the old ones)",
+    ),
+    Check(
+        "policy_process",
+        55,
+        "`megatron-rl train-policy` under torchrun (one rank, bf16): two steps from a "
+        "ZMQ grid stream, finite metrics, a checkpoint, published HF weights that moved",
+    ),
+    Check(
+        "critic_process",
+        55,
+        "`megatron-rl critic` on one rank (bf16): HTTP scoring, a head-only warm-up "
+        "step then a full step from ZMQ (the GPU's fused Adam keeps its step per group) that lower the "
+        "value loss of the scored sequences, a checkpoint",
+    ),
+    Check(
+        "vllm",
+        100,
+        "the vLLM GPU build (eager mode, for its start-up time) serves a tiny model, takes "
+        "published weights (path (a), safetensors + reload) and then generates what transformers predicts",
+    ),
+    Check(
+        "throughput",
+        55,
+        "tokens/s and MFU of forward+backward (bf16; the local spec, and TE's where it is "
+        "installed) of a dense 1.7B shape at 4K/8K/16K tokens, against an 8192^3 bf16 matmul measured in the "
+        "same run (goal 40%), and the activation memory measured (CUDA's peak above weights and gradients) "
+        "beside the memory plan's estimate",
+    ),
 ]
 CHECKS = [check.name for check in REGISTRY]
 LIMIT_S = {check.name: check.limit_s for check in REGISTRY}
@@ -299,7 +329,9 @@ def check_offload(cpu: bool) -> dict:
         if fraction is not None:  # the precision-aware path: megatron made no fp32 master on the GPU
             figures[f"gpu_fp32_masters_offload_{fraction}"] = _device_fp32_masters(trainable)
             [hybrid] = hybrid_optimizers(trainable.optimizer)
-            figures[f"offloaded_elements_{fraction}"] = sum(t.numel() for t in hybrid.gpu_params_map_cpu_copy.values())
+            figures[f"offloaded_elements_{fraction}"] = sum(
+                t.numel() for t in hybrid.gpu_params_map_cpu_copy.values()
+            )
         del trainable
     figures["losses_no_offload"] = losses[None]
     for fraction in (0.5, 1.0):
@@ -334,7 +366,9 @@ def check_offload(cpu: bool) -> dict:
 def _device_fp32_masters(trainable) -> int:
     """Elements of fp32 master shards megatron's distributed optimizer keeps beside the model."""
     optimizers = getattr(trainable.optimizer, "chained_optimizers", None) or [trainable.optimizer]
-    return sum(t.numel() for o in optimizers for g in o.shard_fp32_from_float16_groups for t in g if t is not None)
+    return sum(
+        t.numel() for o in optimizers for g in o.shard_fp32_from_float16_groups for t in g if t is not None
+    )
 
 
 def _snapshot_into_offloaded_critic(arch, batches) -> dict:

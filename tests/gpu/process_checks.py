@@ -137,7 +137,9 @@ def check_critic_process(cpu: bool) -> dict:
                     losses, status = asyncio.run(run(sender))
                 except Exception as exc:
                     raise AssertionError(f"{exc}; critic log:\n{ranks.output()[-3000:]}") from exc
-        records = [json.loads(line) for line in (tmp / "logs" / "critic_metrics.jsonl").read_text().splitlines()]
+        records = [
+            json.loads(line) for line in (tmp / "logs" / "critic_metrics.jsonl").read_text().splitlines()
+        ]
         figures = {
             "value_losses": losses,
             "head_only": [r["head_only"] for r in records if r.get("phase") == "rl"],
@@ -146,7 +148,11 @@ def check_critic_process(cpu: bool) -> dict:
             "checkpoint": (tmp / "checkpoints" / "critic" / "latest").read_text().strip(),
             "seconds": time.perf_counter() - began,
         }
-    if not losses[-1] < losses[0] or figures["checkpoint"] != "step_00000001" or figures["head_only"] != [True, False]:
+    if (
+        not losses[-1] < losses[0]
+        or figures["checkpoint"] != "step_00000001"
+        or figures["head_only"] != [True, False]
+    ):
         raise AssertionError(f"the critic process on this device: {figures}")
     return figures
 

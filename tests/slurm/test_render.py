@@ -113,7 +113,9 @@ def test_training_steps_with_tensor_parallelism_export_cuda_device_max_connectio
     script.write_text(render(resolved, tmp_path / "run.yaml"))
     lint = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout
-    calls = {line.split()[1]: line for line in script.read_text().splitlines() if line.startswith("torchrun_step ")}
+    calls = {
+        line.split()[1]: line for line in script.read_text().splitlines() if line.startswith("torchrun_step ")
+    }
     assert calls["policy"].endswith(" train-policy ALL,CUDA_DEVICE_MAX_CONNECTIONS=1")
     assert calls["critic"].endswith(" critic ALL")
     assert '--export="$8"' in script.read_text()

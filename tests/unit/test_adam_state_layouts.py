@@ -55,7 +55,9 @@ def _critic_like(tensor_step: bool, seed: int = 0):
     """A head group and two backbone groups (as megatron's standard overrides make them)."""
     generator = torch.Generator().manual_seed(seed)
     shapes = {"head": [(1, 8), (1,)], "backbone": [(8, 8), (16, 8)], "norms": [(8,), (8,)]}
-    params = {k: [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in v] for k, v in shapes.items()}
+    params = {
+        k: [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in v] for k, v in shapes.items()
+    }
     groups = [{"params": params["head"], HEAD_GROUP_KEY: True}, {"params": params["backbone"]},
               {"params": params["norms"]}]  # fmt: skip
     optimizer = GroupStepAdamW(groups, tensor_step)
