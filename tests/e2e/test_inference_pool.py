@@ -67,7 +67,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(vllm_pool):
 def test_sampled_logprobs_are_of_the_tempered_distribution(vllm_pool):
     """At T = 0.7 the sampler returns log softmax(logits / 0.7) of each sampled token (vLLM's
     --logprobs-mode processed_logprobs), the distribution the trainer's ratio uses; vLLM's default
-    would return log softmax(logits), off by up to 0.33 on this model (measured)."""
+    would return log softmax(logits), off by up to 0.31 on this model (benchmarks/logprobs_modes.py)."""
     pool, _, tmp = vllm_pool
     _, weights = install(pool, tmp, seed=13)
     sampling = SamplingParams(temperature=0.7, max_tokens=12, seed=5)
