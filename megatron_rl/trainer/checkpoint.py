@@ -39,6 +39,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as ps
 
+from megatron_rl.models.spec_keys import EXTRA_STATE, checkpoint_keys, plan_load
 from megatron_rl.trainer import atomic_dir
 from megatron_rl.trainer.optimizer import (
     Trainable,
@@ -102,6 +103,26 @@ def _check_layout(path: Path, meta: dict) -> None:
             "To start this layout from its weights alone, load them as a backbone (value.model.checkpoint) "
             "or convert them"
         )  # fmt: skip
+
+
+def _check_layer_spec(path: Path, model_state: dict) -> None:
+    """A training checkpoint resumes with the layer spec (TransformerEngine or local) it was written
+    with: the other spec names some weights differently (models/spec_keys.py) and its optimizer
+    state is laid out by parameter order, which the specs do not share. Weights alone load across
+    specs (trainer.weights.load_backbone), so the error says how."""
+    saved = checkpoint_keys(path / "dist")
+    plan = plan_load(model_state, saved)
+    requested = {getattr(entry, "key", None) for entry in model_state.values()}
+    # TE's modules save `_extra_state` objects the local spec's do not ask for.
+    unasked = sorted(k for k in saved if k.endswith(EXTRA_STATE) and k not in requested)
+    if plan.renamed or plan.left_out or unasked:
+        differing = sorted(plan.renamed.values()) + sorted(plan.left_out) + unasked
+        raise ValueError(
+            f"{path}: written with the other layer spec (TransformerEngine vs megatron's local spec: "
+            f"{len(differing)} keys differ, e.g. {differing[0]}); a training checkpoint resumes only with the "
+            f"spec it was written with (same TE availability and CP = 1 vs > 1). To start from its weights, "
+            f"set model.checkpoint (or value.model.checkpoint) to {path / 'dist'}: weights load across specs"
+        )
 
 
 def _optimizer_state(trainable: Trainable, model_state: dict, sharding: str, is_loading: bool = False) -> dict:
@@ -198,6 +219,7 @@ def load_checkpoint(directory: str | Path, trainable: Trainable, step: int | Non
     unify_adam_steps(trainable)  # one step count per optimizer, as megatron checkpoints it
     model = trainable.model[0].module
     model_state = model.sharded_state_dict()
+    _check_layer_spec(path, model_state)
     template = {"model": model_state, "optimizer": _optimizer_state(trainable, model_state, sharding, is_loading=True)}
     loaded = dist_checkpointing.load(template, str(path / "dist"))
     model.load_state_dict(loaded["model"])

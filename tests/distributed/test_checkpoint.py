@@ -75,6 +75,21 @@ def test_a_checkpoint_refuses_another_tensor_parallel_layout_by_name(weights, tm
         run_ranks(resumable_training, 2, ARCH, weights, str(tmp_path), range(1, 2), None, 2)
 
 
+@pytest.mark.parametrize("saved_with, resumed_with", [("te", "local"), ("local", "te")])
+def test_a_checkpoint_refuses_the_other_layer_spec_by_name(saved_with, resumed_with, tmp_path):
+    """TransformerEngine and local specs name some weights differently and order their
+    parameters differently (the optimizer state follows that order): resuming across them is
+    refused, saying how to start from the weights instead (dense and MoE; TE's modules are
+    megatron_rl/testing/te_standins.py's on CPU)."""
+    moe = ARCH.model_copy(update=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+    for arch, name in ((ARCH, "dense"), (moe, "moe")):
+        directory = str(tmp_path / name)
+        run_ranks(spec_checkpoint, 1, arch, directory, saved_with, True)
+        run_ranks(spec_checkpoint, 1, arch, directory, saved_with, False)  # the same spec resumes
+        with pytest.raises(RuntimeError, match=r"written with the other layer spec .*set model.checkpoint"):
+            run_ranks(spec_checkpoint, 1, arch, directory, resumed_with, False)
+
+
 def test_the_default_cuda_generator_is_saved_and_restored(weights, tmp_path):
     before, after = run_ranks(cuda_generator_roundtrip, 1, ARCH, weights, str(tmp_path))[0]
     assert torch.equal(before, after)  # the draws after a load repeat the draws after the save
@@ -99,6 +114,27 @@ def test_keep_last_prunes_old_checkpoints(weights, tmp_path):
 
 
 # Rank functions: module-level, so that the spawned ranks can import them.
+
+
+def spec_checkpoint(rank, world_size, arch, directory, spec, save):
+    """A `spec` ("te": megatron's TE spec with the CPU stand-ins, or "local") model's trainable:
+    one step then checkpoint 0 (`save`), or a load of the latest."""
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.testing.te_standins import build_te_style_model
+    from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.trainer.step import policy_loss_func, train_step
+
+    parallel.initialize_model_parallel()
+    model = build_te_style_model(arch) if spec == "te" else build_gpt_model(arch, transformer_engine=False)
+    trainable = build_trainable(model, OptimizerConfig(lr=1e-3), total_steps=4)
+    if save:
+        grid = pack_into_grid(training_samples(3, arch.vocab_size), 64, 1)
+        train_step(trainable, grid[0], policy_loss_func(AlgorithmConfig(type="sao")))
+        save_checkpoint(directory, 0, trainable)
+    else:
+        assert load_checkpoint(directory, trainable)["step"] == 0
 
 
 def resumable_training(
