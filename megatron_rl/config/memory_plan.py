@@ -48,7 +48,14 @@ OVERHEAD_GIB = 5.0  # CUDA context, NCCL buffers, allocator fragmentation: an al
 # Per offloaded optimizer element on the host: fp32 master 4, exp_avg 4, exp_avg_sq 4, and the
 # pinned fp32 gradient copy the hybrid optimizer keeps for the host step 4.
 HOST_OFFLOAD_BYTES = 16
-LOGIT_BYTES = 10  # per logit: the bf16 output, its fp32 copy for the log-softmax, its fp32 gradient
+# The log-prob kernel (models/logprobs.py) keeps the logits (model dtype) and writes one gradient
+# of the same dtype; its fp32 temporaries are chunk-sized: measured 20.1 B per logit of a chunk of
+# CHUNK_ELEMENTS, bounded here by 24 (tests/distributed/test_logprobs.py). Before it, 28 B per
+# bf16 logit at the forward+backward peak.
+LOGITS_PER_LOGIT = 2  # the logits and their gradient, each in the model's dtype
+LOGPROB_CHUNK_ELEMENTS = 1 << 24  # models.logprobs.CHUNK_ELEMENTS (config imports nothing of ours)
+LOGPROB_CHUNK_BYTES_PER_ELEMENT = 24
+LOGPROB_CHUNK_BYTES = LOGPROB_CHUNK_BYTES_PER_ELEMENT * LOGPROB_CHUNK_ELEMENTS
 VLLM_RESERVE_GIB = 4.0  # vLLM's activations, CUDA graphs and sampler beside weights and KV cache
 
 
@@ -213,7 +220,7 @@ def activation_bytes(
     in_flight = pp - stage if pp > 1 else 1
     total = kept * in_flight
     if stage == pp - 1 and not value_model:
-        total += tokens * arch.vocab_size / tp * LOGIT_BYTES
+        total += tokens * arch.vocab_size / tp * LOGITS_PER_LOGIT * b + LOGPROB_CHUNK_BYTES
     return total
 
 
