@@ -38,10 +38,10 @@ def test_checks_run_at_toy_sizes_on_cpu(tmp_path):
     assert status == {
         "nccl": "PASS", "te_spec": "NOT RUN", "bf16_policy": "PASS", "bf16_critic": "PASS",
         "offload": "PASS", "policy_process": "PASS", "critic_process": "PASS", "vllm": "NOT RUN",
-        "throughput": "PASS",
+        "te_checkpoints": "NOT RUN", "throughput": "PASS",
     }  # fmt: skip
     checks = {r["check"]: r for r in report["checks"]}
-    assert "CUDA" in checks["te_spec"]["detail"]
+    assert "CUDA" in checks["te_spec"]["detail"] and "CUDA" in checks["te_checkpoints"]["detail"]
     offload = checks["offload"]["figures"]
     assert offload["gpu_fp32_masters_offload_1.0"] == 0 and offload["max_bf16_ulps_snapshot_offload_vs_not"] <= 2
     assert checks["critic_process"]["figures"]["head_only"] == [True, False]
