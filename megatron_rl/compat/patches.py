@@ -233,7 +233,9 @@ def _patch_distributed_optimizer_torch_adam() -> None:
     original = distrib.DistributedOptimizer.sharded_state_dict
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
-        if is_loading:
+        # megatron's hybrid device optimizer (cpu_offload) makes its own state with dummy_step;
+        # torch-Adam-shaped state here would lack its `master_param` (a KeyError at load).
+        if is_loading and type(self.optimizer).__name__ != "HybridDeviceOptimizer":
             with torch.no_grad():
                 for group in self.optimizer.param_groups:
                     for param in group["params"]:
