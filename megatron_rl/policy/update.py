@@ -32,11 +32,10 @@ from megatron_rl.algorithms import aggregation, rollout_correction
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data.types import MicroBatch
 from megatron_rl.faults import kill_point
-from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
 from megatron_rl.trainer.batches import RankBatch, rank_batch
-from megatron_rl.trainer.forward import forward_only
 from megatron_rl.trainer.optimizer import Trainable
 from megatron_rl.trainer.step import (
+    forward_logprobs,
     policy_loss_func,
     reduce_statistics,
     set_reference_logprobs,
@@ -86,13 +85,8 @@ def token_views(batches: list[RankBatch]) -> list[rollout_correction.TokenView]:
 def recompute_old_logprobs(model, batches: list[RankBatch], temperature: float) -> None:
     """pi_old: the policy's own log-probabilities before the step's first update, into every
     batch's `old_logprobs` (last pipeline stage)."""
-    outputs = forward_only(
-        model,
-        batches,
-        lambda logits, batch: megatron_vocab_parallel_logprobs(logits[0], batch.targets, temperature)[0],
-    )
-    for batch, logprobs in zip(batches, outputs or []):
-        batch.old_logprobs = logprobs.detach()
+    for batch, logprobs in zip(batches, forward_logprobs(model, batches, temperature) or []):
+        batch.old_logprobs = logprobs
 
 
 def correct_rollouts(settings: UpdateSettings, batches: list[RankBatch]) -> dict:

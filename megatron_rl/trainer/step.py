@@ -190,18 +190,23 @@ def _reduce_op(key: str):
     return ReduceOp.MAX if key.endswith("_max") else ReduceOp.MIN if key.endswith("_min") else ReduceOp.SUM
 
 
-def set_reference_logprobs(reference, batches: list[RankBatch], temperature: float = 1.0) -> None:
-    """Log-probabilities of the next tokens under the frozen `reference` model's
-    softmax(logits / temperature), into every batch's `ref_logprobs` (last pipeline stage; the
-    loss is only computed there)."""
-
+def forward_logprobs(model, batches: list[RankBatch], temperature: float = 1.0) -> list | None:
+    """Forward-only log-probabilities of every batch's next tokens under `model`'s
+    softmax(logits / temperature), detached: a list on the last pipeline stage (where losses are
+    computed), None on the others."""
     outputs = forward_only(
-        reference,
+        model,
         batches,
         lambda logits, batch: megatron_vocab_parallel_logprobs(logits[0], batch.targets, temperature)[0],
     )
-    for batch, logprobs in zip(batches, outputs or []):
-        batch.ref_logprobs = logprobs.detach()
+    return None if outputs is None else [logprobs.detach() for logprobs in outputs]
+
+
+def set_reference_logprobs(reference, batches: list[RankBatch], temperature: float = 1.0) -> None:
+    """The frozen `reference` model's log-probabilities (`forward_logprobs`) into every batch's
+    `ref_logprobs`."""
+    for batch, logprobs in zip(batches, forward_logprobs(reference, batches, temperature) or []):
+        batch.ref_logprobs = logprobs
 
 
 def policy_loss_func(config: AlgorithmConfig, temperature: float = 1.0) -> LossFunc:
