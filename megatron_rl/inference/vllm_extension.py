@@ -19,7 +19,15 @@ through `POST /collective_rpc` on every server:
         tensors, as they arrive, to the worker's own `reload_weights(weights_iterator=...)`
         (vLLM's in-place reload, which also redoes the post-load processing such as the CPU
         backend's weight repacking; calling `model.load_weights` directly fails there), returns
-        the tensor count.
+        the tensor count. vLLM's reload is layer-wise: a module's tensors are buffered until it
+        has them all (a fused MoE layer: every expert's). The publisher sends one decoder layer
+        at a time, from every owner, and each tensor handed on owns its storage (copied out of
+        its bucket), so what is buffered is at most about one layer plus the bucket in flight;
+    get_weight_update_memory()
+        the last update's figures: `tensors`, `received_bytes`, `peak_held_bytes` (the most
+        bytes of received buckets and copies alive at once: received but not yet consumed by the
+        model) and `held_after_bytes` (still alive when the reload returned; 0 unless vLLM kept
+        something).
 
 The class is mixed into vLLM's worker, so `self.reload_weights` and `self.device` are vLLM's; it
 uses nothing else of vLLM except the worker's rank.
@@ -31,7 +39,7 @@ import os
 
 import torch
 
-from megatron_rl.transport.weight_buckets import WeightUpdateGroup, receive_weight_stream
+from megatron_rl.transport.weight_buckets import HeldBytes, WeightUpdateGroup, receive_weight_stream
 
 
 def _worker_rank(worker) -> int:
@@ -45,6 +53,7 @@ def _worker_rank(worker) -> int:
 
 class WeightReceiverExtension:
     _weight_group: WeightUpdateGroup | None = None
+    _update_memory: dict | None = None
     weights_version: int = int(os.environ.get("MEGATRON_RL_WEIGHTS_VERSION", "0"))
 
     def get_weights_version(self) -> int:
@@ -76,14 +85,16 @@ class WeightReceiverExtension:
             raise RuntimeError("receive_weights before init_weight_update_group")
         group = self._weight_group
         device = group.device if group.backend == "nccl" else torch.device("cpu")
-        count = 0
-
-        def weights():
-            nonlocal count
-            for bucket in receive_weight_stream(group, src=0, device=device):
-                count += len(bucket)
-                yield from bucket
-
-        self.reload_weights(weights_iterator=weights())
+        held = HeldBytes()
+        self.reload_weights(weights_iterator=receive_weight_stream(group, src=0, device=device, held=held))
+        self._update_memory = {
+            "tensors": held.tensors,
+            "received_bytes": held.received,
+            "peak_held_bytes": held.peak,
+            "held_after_bytes": held.current,
+        }
         self.weights_version = version
-        return count
+        return held.tensors
+
+    def get_weight_update_memory(self) -> dict | None:
+        return self._update_memory

@@ -15,7 +15,8 @@ when it is asked for (loading and converting without a copy of the model).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +24,8 @@ import torch
 from megatron_rl.config import Architecture
 
 # One-to-one renames, per layer.
-LAYER_RENAMES = {
-    "model.layers.{L}.input_layernorm.weight": "decoder.layers.{L}.input_layernorm.weight",
+INPUT_NORM_RENAMES = {"model.layers.{L}.input_layernorm.weight": "decoder.layers.{L}.input_layernorm.weight"}
+ATTENTION_OUTPUT_RENAMES = {
     "model.layers.{L}.self_attn.o_proj.weight": "decoder.layers.{L}.self_attention.linear_proj.weight",
     "model.layers.{L}.post_attention_layernorm.weight": "decoder.layers.{L}.pre_mlp_layernorm.weight",
 }
@@ -33,14 +34,12 @@ QK_NORM_RENAMES = {
     "model.layers.{L}.self_attn.k_norm.weight": "decoder.layers.{L}.self_attention.k_layernorm.weight",
 }
 DENSE_MLP_RENAMES = {"model.layers.{L}.mlp.down_proj.weight": "decoder.layers.{L}.mlp.linear_fc2.weight"}
-MOE_RENAMES = {
-    "model.layers.{L}.mlp.gate.weight": "decoder.layers.{L}.mlp.router.weight",
+ROUTER_RENAMES = {"model.layers.{L}.mlp.gate.weight": "decoder.layers.{L}.mlp.router.weight"}
+EXPERT_RENAMES = {
     "model.layers.{L}.mlp.experts.{E}.down_proj.weight": "decoder.layers.{L}.mlp.experts.local_experts.{E}.linear_fc2.weight",
 }
-GLOBAL_RENAMES = {
-    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
-    "model.norm.weight": "decoder.final_layernorm.weight",
-}
+EMBEDDING_RENAMES = {"model.embed_tokens.weight": "embedding.word_embeddings.weight"}
+FINAL_NORM_RENAMES = {"model.norm.weight": "decoder.final_layernorm.weight"}
 OUTPUT_RENAMES = {"lm_head.weight": "output_layer.weight"}
 VALUE_HEAD_RENAMES = {"value_head.weight": "value_head.weight", "value_head.bias": "value_head.bias"}
 
@@ -97,41 +96,93 @@ def split_gate_up(fc1: torch.Tensor, arch: Architecture | None = None) -> tuple[
 
 
 @dataclass(frozen=True)
-class FamilyMapping:
-    """Everything needed to convert one family, expanded for one architecture."""
+class MappedTensor:
+    """One megatron tensor and the HF tensors it is made of: one (a rename), or several joined
+    by `fuse(*hf_tensors, arch)` and taken apart by `split(megatron_tensor, arch)`."""
 
-    renames: dict[str, str]  # HF name -> megatron name
-    fused: list[tuple[str, tuple[str, ...], object, object]]  # (megatron, HF names, fuse, split)
+    megatron: str
+    hf: tuple[str, ...]
+    fuse: Callable | None = None
+    split: Callable | None = None
+
+
+def _renamed(table: dict[str, str]) -> list[MappedTensor]:
+    return [MappedTensor(mg, (hf,)) for hf, mg in table.items()]
+
+
+def layer_templates(arch: Architecture) -> tuple[list[MappedTensor], list[MappedTensor]]:
+    """(one decoder layer's tensors except experts, one expert's tensors) with `{L}` and `{E}`
+    unfilled, in the order a layer is published: a module of vLLM's processes its tensors only
+    once it has all of them (q/k/v, gate/up, and every expert of a fused MoE layer), so each
+    module's tensors travel together and each expert's gate, up and down together."""
+    layer = [
+        *_renamed(INPUT_NORM_RENAMES),
+        MappedTensor(*QKV, fuse_qkv, split_qkv),
+        *(_renamed(QK_NORM_RENAMES) if arch.qk_norm else []),
+        *_renamed(ATTENTION_OUTPUT_RENAMES),
+    ]
+    if not arch.num_experts:
+        return [
+            *layer,
+            MappedTensor(*DENSE_FC1, fuse_gate_up, split_gate_up),
+            *_renamed(DENSE_MLP_RENAMES),
+        ], []
+    expert = [MappedTensor(*EXPERT_FC1, fuse_gate_up, split_gate_up), *_renamed(EXPERT_RENAMES)]
+    return [*layer, *_renamed(ROUTER_RENAMES)], expert
+
+
+@dataclass(frozen=True)
+class FamilyMapping:
+    """Everything needed to convert one family, expanded for one architecture: `tensors` in
+    publishing order (the embeddings, each decoder layer in turn, with each expert's tensors
+    together, then the final norm and the output layer or value head)."""
+
+    tensors: list[MappedTensor]
+
+    @property
+    def renames(self) -> dict[str, str]:
+        """HF name -> megatron name of the one-to-one tensors."""
+        return {t.hf[0]: t.megatron for t in self.tensors if t.fuse is None}
+
+    @property
+    def fused(self) -> list[tuple[str, tuple[str, ...], Callable, Callable]]:
+        """(megatron name, HF names, fuse, split) of the fused tensors."""
+        return [(t.megatron, t.hf, t.fuse, t.split) for t in self.tensors if t.fuse is not None]
 
 
 def family_mapping(arch: Architecture, value_model: bool = False) -> FamilyMapping:
-    """The name table for `arch` with every {L} and {E} filled in."""
-    renames: dict[str, str] = dict(GLOBAL_RENAMES)
-    if value_model:
-        renames.update(VALUE_HEAD_RENAMES)
-    elif not arch.tie_word_embeddings:
-        renames.update(OUTPUT_RENAMES)
-    layer_tables = [LAYER_RENAMES] + ([QK_NORM_RENAMES] if arch.qk_norm else [])
-    layer_tables.append(MOE_RENAMES if arch.num_experts else DENSE_MLP_RENAMES)
-    fused_templates = [(QKV, fuse_qkv, split_qkv)]
-    fused_templates.append(
-        (EXPERT_FC1, fuse_gate_up, split_gate_up)
-        if arch.num_experts
-        else (DENSE_FC1, fuse_gate_up, split_gate_up)
-    )
-    experts = range(arch.num_experts) if arch.num_experts else [None]
-    fused = []
+    """The name table for `arch` with every {L} and {E} filled in, in publishing order."""
+    tensors = _renamed(EMBEDDING_RENAMES)
+    per_layer, per_expert = layer_templates(arch)
     for layer in range(arch.num_layers):
-        for table in layer_tables:
-            for hf, mg in table.items():
-                for expert in experts if "{E}" in hf else [None]:
-                    renames[_fill(hf, layer, expert)] = _fill(mg, layer, expert)
-        for (mg, hf_names), fuse, split in fused_templates:
-            for expert in experts if "{E}" in mg else [None]:
-                fused.append(
-                    (_fill(mg, layer, expert), tuple(_fill(h, layer, expert) for h in hf_names), fuse, split)
-                )
-    return FamilyMapping(renames, fused)
+        tensors += [_filled(t, layer, None) for t in per_layer]
+        for expert in range(arch.num_experts or 0):
+            tensors += [_filled(t, layer, expert) for t in per_expert]
+    tensors += _renamed(FINAL_NORM_RENAMES)
+    if value_model:
+        tensors += _renamed(VALUE_HEAD_RENAMES)
+    elif not arch.tie_word_embeddings:
+        tensors += _renamed(OUTPUT_RENAMES)
+    return FamilyMapping(tensors)
+
+
+def _filled(template: MappedTensor, layer: int, expert: int | None) -> MappedTensor:
+    return MappedTensor(
+        _fill(template.megatron, layer, expert),
+        tuple(_fill(h, layer, expert) for h in template.hf),
+        template.fuse,
+        template.split,
+    )
+
+
+def decoder_layer_of(hf_name: str) -> int | None:
+    """The decoder layer `L` of an HF tensor named `model.layers.{L}.…`; None for the others
+    (embeddings, final norm, output layer, value head)."""
+    match = _LAYER_NAME.match(hf_name)
+    return int(match.group(1)) if match else None
+
+
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def _fill(template: str, layer: int, expert: int | None) -> str:
@@ -154,12 +205,10 @@ class MegatronStateFromHF(Mapping):
         self._hf, self._arch = hf, arch
         mapping = family_mapping(arch, value_model)
         self._sources: dict[str, tuple[tuple[str, ...], object]] = {}
-        for hf_name, mg_name in mapping.renames.items():
-            if hf_name in VALUE_HEAD_RENAMES and hf_name not in hf:
+        for tensor in mapping.tensors:
+            if tensor.hf[0] in VALUE_HEAD_RENAMES and tensor.hf[0] not in hf:
                 continue  # a backbone without a head: the value head keeps its initialisation
-            self._sources[mg_name] = ((hf_name,), None)
-        for mg_name, hf_names, fuse, _ in mapping.fused:
-            self._sources[mg_name] = (hf_names, fuse)
+            self._sources[tensor.megatron] = (tensor.hf, tensor.fuse)
         used = {name for names, _ in self._sources.values() for name in names}
         ignorable = {"lm_head.weight"} if value_model or arch.tie_word_embeddings else set()
         unused = sorted(set(hf) - used - ignorable)
@@ -207,23 +256,21 @@ def hf_to_megatron(
 def megatron_to_hf(
     mg: dict[str, torch.Tensor], arch: Architecture, value_model: bool = False, partial: bool = False
 ) -> dict[str, torch.Tensor]:
-    """HF state dict (on-disk names) from a full megatron state dict. With `partial`, tensors
-    absent from `mg` are skipped (one pipeline stage's or expert rank's share)."""
-    mapping = family_mapping(arch, value_model)
+    """HF state dict (on-disk names) from a full megatron state dict, in publishing order
+    (`family_mapping`). With `partial`, tensors absent from `mg` are skipped (one pipeline stage's
+    or expert rank's share)."""
     out: dict[str, torch.Tensor] = {}
-    for hf_name, mg_name in mapping.renames.items():
-        if mg_name not in mg:
+    for mapped in family_mapping(arch, value_model).tensors:
+        if mapped.megatron not in mg:
             if partial:
                 continue
             raise ConversionError(
-                f"megatron checkpoint has no tensor {mg_name!r} (needed for HF {hf_name!r})"
+                f"megatron checkpoint has no tensor {mapped.megatron!r} (needed for HF {list(mapped.hf)})"
             )
-        out[hf_name] = mg[mg_name]
-    for mg_name, hf_names, _, split in mapping.fused:
-        if mg_name not in mg:
-            if partial:
-                continue
-            raise ConversionError(f"megatron checkpoint has no tensor {mg_name!r}")
-        for name, tensor in zip(hf_names, split(mg[mg_name], arch)):
-            out[name] = tensor.contiguous()
+        tensor = mg[mapped.megatron]
+        if mapped.split is None:
+            out[mapped.hf[0]] = tensor
+            continue
+        for name, part in zip(mapped.hf, mapped.split(tensor, arch), strict=True):
+            out[name] = part.contiguous()
     return out

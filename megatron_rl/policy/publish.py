@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 from megatron_rl.config import Architecture, ResolvedConfig
 from megatron_rl.inference.vllm_control import VllmControl
 from megatron_rl.models.checkpoint_io import copy_hf_side_files
-from megatron_rl.models.hf_mapping import megatron_to_hf
+from megatron_rl.models.hf_mapping import EMBEDDING_RENAMES, decoder_layer_of, megatron_to_hf
 from megatron_rl.models.sharding import gather_full_parameters
 from megatron_rl.trainer import atomic_dir
 from megatron_rl.transport import weight_buckets as wb
@@ -59,7 +59,9 @@ def owned_hf_tensors(model, arch: Architecture) -> dict:
     """Collective: the HF-named tensors this rank is responsible for publishing (TP shards
     gathered; one rank per pipeline stage owns its non-expert tensors, one rank per (stage,
     expert-parallel rank) its experts); empty on other ranks."""
-    full = gather_full_parameters(model)
+    # The live parameters where nothing is gathered: publishing reads them before the next
+    # optimizer step changes them, so a clone of every parameter would only cost memory.
+    full = gather_full_parameters(model, copy=False)
     writes_dense, writes_experts, _ = _writer_roles()
     mine = {
         k: v
@@ -67,6 +69,23 @@ def owned_hf_tensors(model, arch: Architecture) -> dict:
         if (".experts." in k and writes_experts) or (".experts." not in k and writes_dense)
     }
     return megatron_to_hf(mine, arch, partial=True)
+
+
+def stream_parts(hf: dict[str, torch.Tensor], num_layers: int) -> list[dict[str, torch.Tensor]]:
+    """`hf` cut into the parts of a layer-by-layer weight stream, `num_layers + 2` of them (some
+    empty): the embeddings, decoder layer 0, ..., decoder layer num_layers - 1, then the rest
+    (final norm, output layer, value head); each part keeps `hf`'s order."""
+    parts: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers + 2)]
+    for name, tensor in hf.items():
+        layer = decoder_layer_of(name)
+        if layer is None:
+            position = 0 if name in EMBEDDING_RENAMES else num_layers + 1
+        elif 0 <= layer < num_layers:
+            position = 1 + layer
+        else:
+            raise ValueError(f"{name}: decoder layer {layer}, but the model has {num_layers} layers")
+        parts[position][name] = tensor
+    return parts
 
 
 def _sha256(path: Path) -> str:
@@ -142,9 +161,14 @@ class BroadcastPublisher:
     WeightReceiverExtension). `connect()` (policy rank 0) asks every worker to join the group
     (ranks 1.. in server order) while rank 0 hosts it. `publish(model, version)` is
     collective over the policy's ranks: rank 0 pauses the servers and starts their
-    `receive_weights`, broadcasts its own tensors, relays every other owning rank's tensors
-    (sent to it point to point, bucket by bucket), ends the stream, then resets the prefix cache
-    and resumes the servers. Metadata travels as msgpack bytes in tensors, never pickle.
+    `receive_weights`, then streams the model one decoder layer at a time (`stream_parts`: the
+    embeddings, each layer, the rest): for each part, every rank that owns tensors of it in rank
+    order (pipeline stages, expert-parallel ranks), rank 0 broadcasting its own and relaying the
+    others' (sent to it point to point, bucket by bucket), each owner's share of a part in
+    buckets of its own. So vLLM's layer-wise reload, which processes a module (a fused MoE
+    layer: every expert) once it has all its tensors, completes each layer before the next one
+    arrives and buffers at most about one layer. Rank 0 then ends the stream, resets the prefix
+    cache and resumes the servers. Metadata travels as msgpack bytes in tensors, never pickle.
     """
 
     def __init__(
@@ -222,11 +246,11 @@ class BroadcastPublisher:
     def publish(self, model, version: int) -> int:
         """Collective over the policy's ranks; returns the number of tensors sent (rank 0)."""
 
-        owned = owned_hf_tensors(model, self.arch)
-        flags = torch.tensor([1 if owned else 0], dtype=torch.int64, device=self.device)
-        everyone = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, flags)
-        owners = [r for r, f in enumerate(everyone) if int(f.item())]
+        parts = stream_parts(owned_hf_tensors(model, self.arch), self.arch.num_layers)
+        counts = torch.tensor([len(part) for part in parts], dtype=torch.int64, device=self.device)
+        everyone = [torch.zeros_like(counts) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, counts)
+        owned_counts = torch.stack(everyone).tolist()  # [rank][part]: tensors that rank sends
         rank = dist.get_rank()
         sent = 0
         if rank == 0:
@@ -238,12 +262,15 @@ class BroadcastPublisher:
                 threads, _, errors = self._on_every_server(
                     lambda i, c: c.collective_rpc("receive_weights", {"version": version})
                 )
-                for owner in owners:
-                    if owner == 0:
-                        wb.broadcast_weights(owned, self.group, 0, self.bucket_bytes, self.device)
-                        sent += len(owned)
-                    else:
-                        sent += wb.relay_weights_p2p(owner, self.group, 0, self.device)
+                for position, part in enumerate(parts):
+                    for owner, counts_of_owner in enumerate(owned_counts):
+                        if not counts_of_owner[position]:
+                            continue
+                        if owner == 0:
+                            wb.broadcast_weights(part, self.group, 0, self.bucket_bytes, self.device)
+                            sent += len(part)
+                        else:
+                            sent += wb.relay_weights_p2p(owner, self.group, 0, self.device)
                 wb.broadcast_end(self.group, 0, self.device)
                 self._join(threads, errors, self.timeout_s)
                 for control in self.controls:
@@ -251,8 +278,10 @@ class BroadcastPublisher:
             finally:  # never leave the servers paused, whatever failed above
                 for control in self.controls:
                     control.resume()
-        elif owned:
-            wb.send_weights_p2p(owned, 0, self.bucket_bytes, self.device)
+        else:  # in the order rank 0 relays: part by part
+            for part in parts:
+                if part:
+                    wb.send_weights_p2p(part, 0, self.bucket_bytes, self.device)
         dist.barrier()
         return sent
 
@@ -273,8 +302,11 @@ class SafetensorsPublisher:
     """Path (a): `publish_hf_weights` into `directory`, with the HF side files (config.json,
     tokenizer) from `side_files` so that each version loads on its own."""
 
-    def __init__(self, arch: Architecture, directory: str | Path, side_files: Path | None = None, keep_last: int = 2):
-        self.arch, self.directory, self.side_files, self.keep_last = arch, Path(directory), side_files, keep_last
+    def __init__(
+        self, arch: Architecture, directory: str | Path, side_files: Path | None = None, keep_last: int = 2
+    ):
+        self.arch, self.directory = arch, Path(directory)
+        self.side_files, self.keep_last = side_files, keep_last
 
     def publish(self, model, version: int) -> Path:
         return publish_hf_weights(

@@ -80,7 +80,51 @@ def test_a_failed_broadcast_still_resumes_every_inference_server():
     assert calls == [["pause", "receive_weights", "resume"]] * 2
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_publishing_reads_the_live_parameters_without_a_model_copy(family, tiny_models):
+    """owned_hf_tensors at TP = 1 (what both paths publish) gives the policy's HF tensors and
+    creates no storage but the q, k and v split out of each fused linear_qkv (interleaved per
+    query group, so not views): every other tensor is the live parameter or a view of it
+    (aabdc61: gather_full_parameters cloned every parameter first, the model's bytes more)."""
+    allocated, qkv_bytes, model_bytes, aliased, mismatched = run_ranks(
+        owned_tensor_allocations, 1, tiny_models[family]
+    )[0]
+    print(
+        f"{family}: owned_hf_tensors allocates {allocated} B (q/k/v splits {qkv_bytes} B; model {model_bytes} B)"
+    )
+    assert mismatched == []
+    assert allocated == qkv_bytes, (allocated, qkv_bytes, model_bytes)
+    assert aliased > 0
+
+
 # Rank functions: module-level, so that the spawned ranks can import them.
+
+
+def owned_tensor_allocations(rank, world_size, hf_dir):
+    """(bytes owned_hf_tensors allocates, bytes of the fused qkv parameters, model bytes, HF
+    tensors sharing a parameter's storage, names whose value differs from a copying gather)."""
+    from megatron_rl.models.checkpoint_io import read_architecture
+    from megatron_rl.models.hf_mapping import megatron_to_hf
+    from megatron_rl.models.sharding import gather_full_parameters
+    from megatron_rl.policy.publish import owned_hf_tensors
+    from megatron_rl.testing.memory import AllocationTracker
+    from megatron_rl.trainer.weights import load_initial_weights
+
+    parallel.initialize_model_parallel()
+    arch = read_architecture(hf_dir)
+    model = build_gpt_model(arch)
+    load_initial_weights(model, hf_dir, arch)
+    with AllocationTracker() as tracker:
+        owned = owned_hf_tensors(model, arch)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    aliased = sum(t.untyped_storage().data_ptr() in params for t in owned.values())
+    expected = megatron_to_hf(gather_full_parameters(model, copy=True), arch)
+    mismatched = [n for n in expected if n not in owned or not torch.equal(owned[n], expected[n])]
+    qkv = sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if n.endswith("linear_qkv.weight")
+    )
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return tracker.peak, qkv, model_bytes, aliased, mismatched
 
 
 def publish_weights(rank, world_size, arch, full, tp, ep, directory, step, hf_dir, input_ids):
@@ -96,6 +140,7 @@ def publish_weights(rank, world_size, arch, full, tp, ep, directory, step, hf_di
     with torch.no_grad():
         out = model(input_ids, torch.arange(input_ids.shape[1]).expand_as(input_ids), attention_mask=None)
     return gather_vocab(out), str(path)
+
 
 class RecordingControl:
     """An inference server's control that records what it was asked (no server)."""
@@ -115,10 +160,12 @@ class RecordingControl:
     def collective_rpc(self, method, kwargs):
         self.calls.append(method)
 
+
 def publish_failing_mid_broadcast(rank, world_size):
     """BroadcastPublisher.publish on one rank whose stream fails after the servers were paused;
     returns (the error text, each server's calls)."""
     from megatron_rl.policy import publish
+    from megatron_rl.testing.ranks import DENSE
     from megatron_rl.transport import weight_buckets
 
     def lost(*args, **kwargs):
@@ -127,7 +174,7 @@ def publish_failing_mid_broadcast(rank, world_size):
     publish.owned_hf_tensors = lambda model, arch: {}
     weight_buckets.broadcast_end = lost
     controls = [RecordingControl(), RecordingControl()]
-    publisher = publish.BroadcastPublisher(None, controls, "127.0.0.1", 0, backend="gloo", timeout_s=5)
+    publisher = publish.BroadcastPublisher(DENSE, controls, "127.0.0.1", 0, backend="gloo", timeout_s=5)
     publisher.group = object()  # connected (the stream itself is what fails)
     try:
         publisher.publish(None, version=3)

