@@ -50,7 +50,7 @@ def weights():
 def test_n_times_e_updates_ratio_one_first_then_moving_and_the_clip_acts(weights):
     algorithm = dict(type="ppo", policy_minibatches=4, policy_epochs=2, old_logprobs="recompute")
     ((record, _, perturbation),) = run_ranks(policy_step, 1, ARCH, weights, 1, 1, algorithm, 0.5, 1.0, 3e-2)
-    assert record["optimizer_steps"] == 8
+    assert record["optimizer_steps"] == 8 and record["scheduler_steps"] == 8  # the LR schedule counts updates
     # pi_old is the policy itself before the first update: its ratio is 1 exactly, token by token.
     assert record["ratio_mean_first"] == 1.0 and record["clip_fraction_first"] == 0.0
     assert abs(record["ratio_mean_last"] - 1.0) > 1e-3 and record["clip_fraction_last"] > 0
@@ -79,6 +79,15 @@ def test_log_probs_are_of_the_sampling_temperature(weights):
     assert tempered["ratio_mean_first"] == pytest.approx(1.0, abs=1e-6)
     assert tempered["mismatch_kl"] < 1e-10
     assert abs(untempered["ratio_mean_first"] - 1.0) > 1e-3 and untempered["mismatch_kl"] > 1e-4
+
+
+def test_the_entropy_bonus_lowers_the_loss_by_coef_times_the_entropy(weights):
+    plain = {"type": "ppo", "old_logprobs": "recompute"}
+    ((without, _, _),) = run_ranks(policy_step, 1, ARCH, weights, 1, 1, plain, 0.1, 1.0)
+    ((with_bonus, _, _),) = run_ranks(policy_step, 1, ARCH, weights, 1, 1, {**plain, "entropy_coef": 0.1}, 0.1, 1.0)
+    assert with_bonus["entropy"] == without["entropy"] > 1.0
+    assert with_bonus["loss"] == pytest.approx(without["loss"] - 0.1 * without["entropy"], rel=1e-6)
+    assert with_bonus["grad_norm"] != without["grad_norm"]  # the entropy's gradient reaches the model
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +188,7 @@ def policy_step(rank, world_size, arch, full, tp, cp, algorithm, perturbation_sc
     grid = pack_minibatches(samples, config.policy_minibatches, (1, 0), SEQ_LEN, dp, cp)
     settings = UpdateSettings(config, temperature, loss_scale_factor=16)
     record = policy_update(trainable, grid[parallel_state.get_data_parallel_rank()], settings)
+    record["scheduler_steps"] = trainable.scheduler.num_steps
     return record, gather_full_parameters(model), perturbation
 
 

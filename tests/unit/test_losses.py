@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.algorithms.losses import ppo_clip_loss, sao_dis_loss, value_loss
+from megatron_rl.algorithms.losses import (
+    entropy_bonus,
+    ppo_clip_loss,
+    reference_kl,
+    reference_kl_loss,
+    sao_dis_loss,
+    value_loss,
+)
 
 
 def random_tokens(n: int, seed: int):
@@ -164,3 +171,54 @@ def test_extreme_ratios_give_finite_loss_and_gradients(loss_name):
         assert (logprobs.grad[0, :2] == 0).all()  # beyond the clamp: no gradient
         assert logprobs.grad[0, 4:].abs().min() > 0  # in band: the usual gradient
         assert abs(loss.item()) < 1e9
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "low_var_kl"])
+def test_reference_kl_estimators_are_verls(estimator):
+    """k1 = log pi - log pi_ref; k2 = k1^2 / 2; k3 = low_var_kl = exp(-k1) + k1 - 1 with verl's
+    clamps; values and gradients token by token, weights and mask applied."""
+    logprobs, ref, _, mask = random_tokens(300, 7)
+    weights = torch.rand(300, dtype=torch.float64) + 0.5
+    loss, metrics = reference_kl_loss(logprobs, ref, mask, estimator, weights)
+    loss.backward()
+    k = logprobs.detach() - ref
+    expected = {"k1": k, "k2": 0.5 * k**2}.get(estimator)
+    if expected is None:
+        expected = torch.clamp(torch.exp(torch.clamp(-k, -20, 20)) + torch.clamp(-k, -20, 20).neg() - 1, max=10)
+    torch.testing.assert_close(reference_kl(logprobs.detach(), ref, estimator), expected)
+    torch.testing.assert_close(loss.detach(), (expected * weights)[mask].sum())
+    torch.testing.assert_close(metrics["kl_ref_sum"], expected[mask].sum())
+    gradient = {"k1": torch.ones_like(k), "k2": k}.get(estimator, 1 - torch.exp(-k))
+    inside = torch.abs(k) < 20
+    torch.testing.assert_close(logprobs.grad[inside], torch.where(mask, gradient * weights, 0.0)[inside])
+    with pytest.raises(ValueError, match="algorithm.kl_estimator: unknown 'k4'"):
+        reference_kl(logprobs, ref, "k4")
+
+
+def test_entropy_bonus_is_the_weighted_masked_sum():
+    g = torch.Generator().manual_seed(2)
+    entropy = torch.rand(50, generator=g, dtype=torch.float64).requires_grad_()
+    mask = torch.rand(50, generator=g) < 0.6
+    weights = torch.rand(50, generator=g, dtype=torch.float64)
+    bonus = entropy_bonus(entropy, mask, weights)
+    bonus.backward()
+    torch.testing.assert_close(bonus.detach(), (entropy.detach() * weights)[mask].sum())
+    torch.testing.assert_close(entropy.grad, torch.where(mask, weights, 0.0))
+
+
+@pytest.mark.parametrize("loss_name", ["ppo", "sao"])
+def test_policy_losses_weight_each_token(loss_name):
+    """Per-token weights (loss aggregation x rollout correction) multiply each token's loss and
+    gradient; None is weight 1 exactly."""
+    logprobs, old, advantages, mask = random_tokens(300, 5)
+    weights = torch.rand(300, dtype=torch.float64)
+    fn = ppo_clip_loss if loss_name == "ppo" else sao_dis_loss
+    plain, _ = fn(logprobs, old, advantages, mask)
+    plain.backward()
+    plain_grad = logprobs.grad.clone()
+    logprobs.grad = None
+    weighted, _ = fn(logprobs, old, advantages, mask, weights=weights)
+    weighted.backward()
+    torch.testing.assert_close(logprobs.grad, plain_grad * weights)
+    ones, _ = fn(logprobs.detach(), old, advantages, mask, weights=torch.ones(300, dtype=torch.float64))
+    assert ones == plain.detach()
