@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
                 vocab_size=64, tokenizer="char",
             )  # fmt: skip
             layouts = [(pp, ep) for pp, ep in LAYOUTS if layers % pp == 0]
-            for update in measure_updates(hf_dir, layouts, bucket_bytes, Path(tmp) / f"worker{layers}"):
+            for update in measure_updates(
+                hf_dir, layouts, bucket_bytes, Path(tmp) / f"worker{layers}", fresh=False
+            ):
                 model_bytes = sum(t.numel() * t.element_size() for t in update.state.values())
                 layer = largest_layer_bytes(update.state)
                 peak = update.record["peak_held_bytes"]

