@@ -94,14 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     plain = statistics.median(times["plain (N=1, sampler)"])
     tokens = sum(s.num_action_tokens for s in samples)
     rows = []
-    print(f"{'variant':<22}{'s/step (median)':>16}{'min':>8}{'max':>8}{'/ plain':>9}{'recompute s':>13}")
+    print(f"{'variant':<22}{'s/step (median)':>16}{'min':>8}{'max':>8}{'/ plain':>9}{'recompute s':>13}"
+          f"{'correction s':>14}{'train s':>9}")  # fmt: skip
     for name, values in times.items():
         median = statistics.median(values)
-        recompute = splits[name].get("recompute")
-        print(f"{name:<22}{median:>16.3f}{min(values):>8.3f}{max(values):>8.3f}{median / plain:>9.2f}"
-              f"{(f'{recompute:.3f}' if recompute is not None else '-'):>13}")  # fmt: skip
+        split = {key: splits[name].get(key) for key in ("recompute", "correction", "train")}
+        cells = "".join(f"{(f'{split[k]:.3f}' if split[k] is not None else '-'):>{w}}"
+                        for k, w in (("recompute", 13), ("correction", 14), ("train", 9)))  # fmt: skip
+        print(f"{name:<22}{median:>16.3f}{min(values):>8.3f}{max(values):>8.3f}{median / plain:>9.2f}{cells}")
         rows.append({"variant": name, "median_s": median, "min_s": min(values), "max_s": max(values),
-                     "ratio_to_plain": median / plain, "recompute_s": recompute})  # fmt: skip
+                     "ratio_to_plain": median / plain, **{f"{k}_s": v for k, v in split.items()}})  # fmt: skip
     figure = statistics.median(times["N=4 + recompute"])
     out = write_result(
         "minibatches", figure, plain, figure / plain,

@@ -155,7 +155,8 @@ def policy_update(
     """Every optimizer step of one RL step; returns the step's metrics (identical on every rank):
     `optimizer_steps`, the loss and ratio statistics over all updates and of the first and the
     last, the mismatch between the trainer's pre-update log-probs and the sampler's, the
-    rollout-correction statistics, and the time split (`time`: reference, recompute, train)."""
+    rollout-correction statistics, and the time split (`time`: reference, recompute (the forward
+    pass), correction (the mismatch metrics and rollout correction), train)."""
     algorithm, times = settings.algorithm, {}
     cp_rank = parallel_state.get_context_parallel_rank()
     cp_size = parallel_state.get_context_parallel_world_size()
@@ -168,8 +169,10 @@ def policy_update(
     if algorithm.old_logprobs == "recompute":
         began = time.perf_counter()
         recompute_old_logprobs(trainable.model[0], batches, settings.temperature)
-        mismatch = correct_rollouts(settings, batches)
         times["recompute"] = time.perf_counter() - began
+        began = time.perf_counter()
+        mismatch = correct_rollouts(settings, batches)
+        times["correction"] = time.perf_counter() - began
     set_aggregation(settings, batches)
     loss = policy_loss_func(algorithm, settings.temperature)
     began = time.perf_counter()
