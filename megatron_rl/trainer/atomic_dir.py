@@ -10,6 +10,10 @@ between those two renames leaves `NAME.replaced` and no `NAME`: readers take `NA
 for `NAME` (it is complete), and the writer's next `begin` renames it back. So at every instant
 each committed name is readable, and `latest` never names a missing version.
 
+Pruning and replacing delete whole trees, which is not atomic: a directory is first renamed to
+`NAME.stale` (one rename: the name is gone for readers at once), then deleted; a process killed
+while deleting leaves a `.stale` directory, which no reader takes and the next `begin` removes.
+
 Names: `step_%08d` for training checkpoints (a training step), `version_%08d` for policy
 versions (published weights, snapshots: version v = the weights after step v - 1); `name()`
 makes both.
@@ -33,6 +37,7 @@ from megatron_rl.faults import kill_point
 LATEST = "latest"
 PARTIAL = ".partial"
 REPLACED = ".replaced"
+STALE = ".stale"
 
 
 def name(kind: str, number: int) -> str:
@@ -77,12 +82,25 @@ def collective_write(
     dist.barrier()
 
 
+def remove(path: Path) -> None:
+    """Deletes the directory `path` so that its name disappears at once: renamed to
+    `NAME.stale` first (an interrupted deletion leaves only that), then removed."""
+    doomed = path.with_name(path.name + STALE)
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    os.rename(path, doomed)
+    shutil.rmtree(doomed)
+
+
 def recover(root: Path) -> None:
-    """Writer side: finishes or undoes an interrupted replacement (see the module docstring)."""
+    """Writer side: finishes or undoes an interrupted replacement (see the module docstring) and
+    finishes interrupted deletions."""
+    for doomed in Path(root).glob(f"*{STALE}"):
+        shutil.rmtree(doomed)
     for old in Path(root).glob(f"*{REPLACED}"):
         final = old.with_name(old.name.removesuffix(REPLACED))
         if final.exists():
-            shutil.rmtree(old)
+            remove(old)
         else:
             os.rename(old, final)
 
@@ -106,7 +124,7 @@ def commit(root: Path, partial: Path, keep_last: int, pattern: str) -> Path:
     old = final.with_name(final.name + REPLACED)
     if final.exists():
         if old.exists():
-            shutil.rmtree(old)
+            remove(old)
         os.rename(final, old)
         kill_point("commit.replacing")
     os.rename(partial, final)
@@ -114,16 +132,16 @@ def commit(root: Path, partial: Path, keep_last: int, pattern: str) -> Path:
     pointer.write_text(final.name)
     os.replace(pointer, root / LATEST)
     if old.exists():
-        shutil.rmtree(old)
+        remove(old)
     complete = sorted(p for p in root.glob(pattern) if p.is_dir() and is_committed_name(p.name))
     for stale in complete[:-keep_last]:
         if stale != final:
-            shutil.rmtree(stale)
+            remove(stale)
     return final
 
 
 def is_committed_name(name: str) -> bool:
-    return not name.endswith((PARTIAL, REPLACED))
+    return not name.endswith((PARTIAL, REPLACED, STALE))
 
 
 def resolve(root: Path, name: str, required_file: str) -> Path | None:
@@ -137,7 +155,7 @@ def resolve(root: Path, name: str, required_file: str) -> Path | None:
 
 def committed(root: Path, pattern: str, required_file: str) -> dict[str, Path]:
     """Every complete committed name matching `pattern` -> the directory to read it from."""
-    names = {p.name.removesuffix(REPLACED) for p in Path(root).glob(pattern) if not p.name.endswith(PARTIAL)}
+    names = {p.name.removesuffix(REPLACED) for p in Path(root).glob(pattern) if not p.name.endswith((PARTIAL, STALE))}
     found = {name: resolve(root, name, required_file) for name in names}
     return {name: path for name, path in sorted(found.items()) if path is not None}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +66,32 @@ def test_kill_points_are_checked():
     with pytest.raises(ValueError, match="MEGATRON_RL_KILL_AT='nowhere@1': expected POINT@STEP"):
         faults._parse("nowhere@1")
     assert faults._parse("checkpoint.written@3") == ("checkpoint.written", 3)
+
+
+def test_a_prune_cut_short_leaves_no_committed_name_half_deleted(tmp_path, monkeypatch):
+    """A process killed while deleting an old version (pruning at keep_last, or the old copy of a
+    redone one) must not leave a committed name with some of its files gone: the name is
+    renamed away before the tree is deleted (found by the kill/restart test: a committed
+    version_00000001 without its manifest)."""
+    write_version(tmp_path, "v1", "one")
+    write_version(tmp_path, "v2", "two")
+    real_rmtree = atomic_dir.shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):  # deletes the manifest, then the process "dies"
+        (Path(path) / "manifest.json").unlink()
+        raise SystemExit("killed while deleting")
+
+    monkeypatch.setattr(atomic_dir.shutil, "rmtree", killed_midway)
+    partial = atomic_dir.begin(tmp_path, "v3")
+    (partial / "data.txt").write_text("three")
+    (partial / "manifest.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        atomic_dir.commit(tmp_path, partial, keep_last=2, pattern="v*")  # prunes v1
+    monkeypatch.setattr(atomic_dir.shutil, "rmtree", real_rmtree)
+    for path in tmp_path.iterdir():
+        if path.is_dir() and atomic_dir.is_committed_name(path.name):
+            assert (path / "manifest.json").is_file(), path
+    assert sorted(atomic_dir.committed(tmp_path, "v*", "manifest.json")) == ["v2", "v3"]
+    assert atomic_dir.latest(tmp_path, "manifest.json") == tmp_path / "v3"
+    atomic_dir.begin(tmp_path, "v4")  # the next writer finishes the deletion
+    assert not list(tmp_path.glob(f"*{atomic_dir.STALE}"))
