@@ -8,28 +8,40 @@ from megatron_rl.algorithms.advantages import (
 )
 from megatron_rl.algorithms.base import (
     Algorithm,
-    GRPOAlgorithm,
+    CriticAlgorithm,
     InProcessScorer,
-    PPOAlgorithm,
-    SAOAlgorithm,
+    OutcomeAlgorithm,
     ScoreReplyError,
     ValueScorer,
     make_algorithm,
 )
-from megatron_rl.algorithms.losses import ppo_clip_loss, sao_dis_loss, value_loss
+from megatron_rl.algorithms.losses import (
+    Sequences,
+    cispo_loss,
+    gspo_loss,
+    ppo_clip_loss,
+    sao_dis_loss,
+    value_loss,
+)
+from megatron_rl.algorithms.registry import advantage_estimator, policy_loss, policy_loss_for
 
 __all__ = [
     "Algorithm",
-    "GRPOAlgorithm",
+    "CriticAlgorithm",
     "InProcessScorer",
-    "PPOAlgorithm",
-    "SAOAlgorithm",
+    "OutcomeAlgorithm",
     "ScoreReplyError",
+    "Sequences",
     "ValueScorer",
+    "advantage_estimator",
+    "cispo_loss",
     "decoupled_gae",
     "grpo_advantages",
+    "gspo_loss",
     "length_adaptive_lambda",
     "make_algorithm",
+    "policy_loss",
+    "policy_loss_for",
     "ppo_clip_loss",
     "sao_dis_loss",
     "skip_observation_gae",

@@ -1,4 +1,12 @@
-"""Advantages: skip-observation GAE (PPO, SAO) and group-normalised rewards (GRPO).
+"""Advantages: skip-observation GAE (PPO, SAO; needs the critic's values) and the outcome
+estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++, REINFORCE++ with a group baseline), which see only
+each member's scalar reward.
+
+Outcome estimators take the step's groups as a list of 1-D float64 tensors of member rewards and
+return each member's advantage in the same shape (`algorithms.registry` documents the protocol).
+Group-relative ones use the member's own group; the REINFORCE++ ones normalise over the whole
+step batch. Definitions follow verl 0.9.1 (`verl.trainer.ppo.core_algos`); where they differ it
+is said at the function.
 
 All GAE arithmetic is float64. CPU tensors go through a compiled single-pass scan
 (`_gae_kernel`, numba); other devices (or a machine without numba) through the vectorised
@@ -194,3 +202,78 @@ def grpo_advantages(
     squares = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, centered**2)
     std = torch.sqrt(squares / (counts - 1).clamp(min=1))
     return centered / (std[group] + eps)
+
+
+# -- outcome estimators over a step's groups ------------------------------------------------------
+
+WHITEN_EPS = 1e-8  # verl_F.masked_whiten: (x - mean) * rsqrt(var + 1e-8)
+
+
+def _by_group(groups: list[torch.Tensor], normalize_std: bool, eps: float = 1e-6) -> list[torch.Tensor]:
+    """`grpo_advantages` over the step's groups, split back per group."""
+    if not groups:
+        return []
+    sizes = [g.numel() for g in groups]
+    group_ids = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor(sizes))
+    return list(torch.split(grpo_advantages(torch.cat(groups), group_ids, normalize_std, eps), sizes))
+
+
+def _centered(groups: list[torch.Tensor]) -> list[torch.Tensor]:
+    """R_i - mean of the member's group (a group of one: 0, it has no baseline)."""
+    return _by_group(groups, normalize_std=False)
+
+
+def group_normalised(groups: list[torch.Tensor], eps: float = 1e-6) -> list[torch.Tensor]:
+    """GRPO: (R_i - mean_g) / (std_g + eps), std unbiased (`grpo_advantages`).
+    verl gives a group of one its raw reward (mean 0, std 1); here it gets 0, like a group of
+    equal rewards: one sample has no baseline to be better or worse than."""
+    return _by_group(groups, normalize_std=True, eps=eps)
+
+
+def group_mean_centered(groups: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Dr. GRPO (Liu et al., 2025): R_i - mean_g, no division by the std (verl: grpo with
+    norm_adv_by_std_in_grpo=False). A group of one gets 0."""
+    return _centered(groups)
+
+
+def leave_one_out(groups: list[torch.Tensor]) -> list[torch.Tensor]:
+    """RLOO (Ahmadian et al., 2024): R_i - mean of the other members = n / (n - 1) * (R_i - mean_g),
+    verl's formula. verl leaves a group of one its raw reward; here it gets 0."""
+    return [c * (g.numel() / (g.numel() - 1)) if g.numel() > 1 else c for g, c in zip(groups, _centered(groups))]
+
+
+def batch_whitened(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """(x - mean) / sqrt(var + 1e-8) over every member of the step (var unbiased); fewer than two
+    members in all: 0. verl whitens over action tokens (masked_whiten), so there a sample counts
+    as often as it has tokens; here each sample counts once: its advantage is one scalar."""
+    flat = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
+    if flat.numel() < 2:
+        return [torch.zeros_like(v) for v in values]
+    mean, var = flat.mean(), flat.var(unbiased=True)
+    scale = torch.rsqrt(var + WHITEN_EPS)
+    return [(v - mean) * scale for v in values]
+
+
+def reinforce_plus_plus(groups: list[torch.Tensor]) -> list[torch.Tensor]:
+    """REINFORCE++ (Hu, 2025): the return, whitened over the whole step batch. With one outcome
+    reward at the last token the return is R at every token for gamma 1; verl's per-token
+    discount (gamma < 1) is not applied: `algorithm.gamma` is GAE's."""
+    return batch_whitened(groups)
+
+
+def reinforce_plus_plus_baseline(groups: list[torch.Tensor]) -> list[torch.Tensor]:
+    """REINFORCE++ with a group baseline: R_i - mean_g, then whitened over the step batch
+    (verl's reinforce_plus_plus_baseline; a group of one is centred to 0 here, verl keeps R)."""
+    return batch_whitened(_centered(groups))
+
+
+def masked_whiten(rows: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """verl's masked_whiten over all rows together: (x - mean) * rsqrt(var + 1e-8) with mean and
+    unbiased var over the masked entries of every row; 0 off the mask. Fewer than two masked
+    entries: the rows unchanged (verl raises)."""
+    flat = torch.cat([r[m] for r, m in zip(rows, masks)]) if rows else torch.zeros(0, dtype=torch.float64)
+    if flat.numel() < 2:
+        return rows
+    mean, var = flat.mean(), flat.var(unbiased=True)
+    scale = torch.rsqrt(var + WHITEN_EPS)
+    return [torch.where(m, (r - mean) * scale, 0.0) for r, m in zip(rows, masks)]

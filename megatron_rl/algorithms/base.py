@@ -1,14 +1,17 @@
-"""The orchestrator side of an algorithm: GRPOAlgorithm, PPOAlgorithm, SAOAlgorithm prepare each
-group's advantages (and for critic algorithms values and returns) before it is trained on.
+"""The orchestrator side of an algorithm: its advantages (and for critic algorithms values and
+returns), prepared for a whole training step before it is trained on.
 
-`make_algorithm(config.algorithm, scorer)` picks the class from `algorithm.type`. PPO and SAO
-call an injected `ValueScorer` (HTTP in critic/, in-process in tests) once per group. The
-trainer side, the policy loss, is `losses.policy_objective(config)`: the policy trainer needs
-no scorer.
+`make_algorithm(config.algorithm, scorer)` picks the kind from `algorithm.advantage`: `gae`
+(PPO, SAO presets) is a `CriticAlgorithm`, which calls an injected `ValueScorer` (HTTP in critic/,
+in-process in tests) once per group and runs skip-observation GAE; every other estimator is an
+`OutcomeAlgorithm` over the step's member rewards (algorithms/registry.py: the protocol, the
+built-ins, plug-ins). The trainer side, the policy loss, is `registry.policy_loss_for(config)`:
+the policy trainer needs no scorer.
 """
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 
 from megatron_rl.algorithms import advantages as adv
+from megatron_rl.algorithms import registry
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data.types import ScoreResult, TrainingSample
 
@@ -53,7 +57,7 @@ def _pad(rows: Sequence[np.ndarray], dtype: torch.dtype, fill=0) -> torch.Tensor
 
 
 class Algorithm(ABC):
-    """What the orchestrator needs from an algorithm: `prepare_group`."""
+    """What the orchestrator needs from an algorithm: `prepare_batch` over a step's groups."""
 
     needs_critic = False
 
@@ -61,30 +65,57 @@ class Algorithm(ABC):
         self.config = config
 
     @abstractmethod
-    async def prepare_group(self, samples: list[TrainingSample]) -> None:
-        """Annotates `advantages` (and for critic algorithms `values`, `returns`) in place."""
-
-
-class GRPOAlgorithm(Algorithm):
-    """Group-normalised outcome rewards on every action token; no critic."""
+    async def prepare_batch(self, groups: list[list[TrainingSample]]) -> None:
+        """Annotates `advantages` (and for critic algorithms `values`, `returns`) in place, for
+        every sample of the step's admitted groups."""
 
     async def prepare_group(self, samples: list[TrainingSample]) -> None:
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-        group_ids = torch.tensor([s.group_id for s in samples])
-        scalars = adv.grpo_advantages(rewards, group_ids, self.config.normalize_advantage_std)
-        for sample, value in zip(samples, scalars.tolist()):
-            sample.advantages = np.where(sample.loss_mask, value, 0.0).astype(np.float32)
+        """`prepare_batch` of a step made of this one group."""
+        await self.prepare_batch([samples])
 
 
-class PPOAlgorithm(Algorithm):
-    """Critic values from the scorer, skip-observation GAE (the trainer's loss: losses.policy_objective)."""
+class OutcomeAlgorithm(Algorithm):
+    """One scalar advantage per member from the step's rewards (`algorithm.advantage`: grpo,
+    dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline or a plug-in), on every action token."""
+
+    def __init__(self, config: AlgorithmConfig):
+        super().__init__(config)
+        self.estimator = registry.advantage_for(config)
+
+    async def prepare_batch(self, groups: list[list[TrainingSample]]) -> None:
+        rewards = [torch.tensor([s.reward for s in group], dtype=torch.float64) for group in groups]
+        scalars = self.estimator(rewards)
+        name = f"algorithm.advantage {self.config.advantage!r}"
+        if not isinstance(scalars, list | tuple) or len(scalars) != len(groups):
+            got = len(scalars) if isinstance(scalars, list | tuple) else type(scalars).__name__
+            raise ValueError(f"{name} returned {got} advantage tensors for {len(groups)} groups (one per group)")
+        for group, values, given in zip(groups, scalars, rewards):
+            values = torch.as_tensor(values, dtype=torch.float64)
+            if values.shape != given.shape:
+                raise ValueError(
+                    f"{name} returned shape {tuple(values.shape)} for group {group[0].group_id} of "
+                    f"{len(group)} members (expected {tuple(given.shape)})"
+                )
+            if not torch.isfinite(values).all():
+                raise ValueError(f"{name} returned non-finite advantages for group {group[0].group_id}: {values.tolist()}")
+            for sample, value in zip(group, values.tolist()):
+                sample.advantages = np.where(sample.loss_mask, value, 0.0).astype(np.float32)
+
+
+class CriticAlgorithm(Algorithm):
+    """Critic values from the scorer (one request per group, all groups at once), skip-observation
+    GAE per group, and with `whiten_advantages` the step's advantages whitened over all its action
+    tokens (verl's masked_whiten on GAE advantages)."""
 
     needs_critic = True
 
     def __init__(self, config: AlgorithmConfig, scorer: ValueScorer | None):
         super().__init__(config)
         if scorer is None:
-            raise ValueError(f"algorithm.type '{config.type}' needs a ValueScorer (the critic), got None")
+            raise ValueError(
+                f"algorithm.advantage '{config.advantage}' (algorithm.type '{config.type}') needs a ValueScorer "
+                "(the critic), got None"
+            )
         self.scorer = scorer
 
     async def score_samples(self, samples: list[TrainingSample]) -> None:
@@ -127,22 +158,21 @@ class PPOAlgorithm(Algorithm):
             sample.advantages = advantages[i, : len(sample)].numpy().astype(np.float32)
             sample.returns = returns[i, : len(sample)].numpy().astype(np.float32)
 
-    async def prepare_group(self, samples: list[TrainingSample]) -> None:
-        await self.score_samples(samples)
-        if samples:
-            self.compute_advantages(samples)
-
-
-class SAOAlgorithm(PPOAlgorithm):
-    """PPO's scoring and GAE; the trainer side differs (the DIS loss: losses.policy_objective)."""
+    async def prepare_batch(self, groups: list[list[TrainingSample]]) -> None:
+        await asyncio.gather(*[self.score_samples(group) for group in groups])
+        for group in groups:
+            if group:
+                self.compute_advantages(group)
+        if self.config.whiten_advantages:
+            samples = [s for group in groups for s in group]
+            rows = [torch.from_numpy(s.advantages.astype(np.float64)) for s in samples]
+            masks = [torch.from_numpy(s.loss_mask) for s in samples]
+            for sample, row in zip(samples, adv.masked_whiten(rows, masks)):
+                sample.advantages = row.numpy().astype(np.float32)
 
 
 def make_algorithm(config: AlgorithmConfig, scorer: ValueScorer | None = None) -> Algorithm:
-    """The algorithm named by `config.type`."""
-    if config.type == "grpo":
-        return GRPOAlgorithm(config)
-    if config.type == "ppo":
-        return PPOAlgorithm(config, scorer)
-    if config.type == "sao":
-        return SAOAlgorithm(config, scorer)
-    raise ValueError(f"algorithm.type: unknown algorithm {config.type!r} (expected grpo, ppo or sao)")
+    """The algorithm `config.advantage` calls for: a CriticAlgorithm for gae, else an OutcomeAlgorithm."""
+    if config.needs_critic:
+        return CriticAlgorithm(config, scorer)
+    return OutcomeAlgorithm(config)

@@ -1,6 +1,6 @@
-"""Token-level losses: PPO clip, SAO's direct double-sided importance sampling (DIS), value,
-KL to a reference policy (k1 / k2 / k3), entropy; and `policy_objective(config)`, the policy loss
-an algorithm trains with.
+"""The losses: policy losses (PPO clip, SAO's direct double-sided importance sampling (DIS), GSPO's
+sequence-level ratio, CISPO's clipped IS weight), value, KL to a reference policy (k1 / k2 / k3),
+entropy. `algorithms.registry.policy_loss` picks the policy loss a config trains with.
 
 Every loss is a sum over masked tokens, not a mean: the trainer's models set megatron's
 `calculate_per_token_loss`, so megatron divides the gradients by the global normaliser (the
@@ -9,17 +9,17 @@ the others) and the result does not depend on how tokens were packed or sharded.
 losses take optional per-token `weights` (detached): the loss aggregation's per-token factor
 times the rollout-correction weight (algorithms/rollout_correction.py); None means 1.
 Each returns (loss sum, metrics); metrics are summed statistics of this call (`*_sum` and
-`num_tokens`) so the trainer can reduce them globally, plus min/max where useful.
+`num_tokens`) so the trainer can reduce them globally, plus min/max where useful. Policy losses
+also take `sequences` (a `Sequences`: the packed row's sequence boundaries, with sums over a
+whole sequence even when context parallelism split it across ranks); token-level losses ignore it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
+from dataclasses import dataclass, field
 
 import torch
-
-from megatron_rl.config import AlgorithmConfig
 
 # |log pi - log pi_old| above this is clamped before exp (SAO's reference clamps at 20): in float32
 # exp overflows at 88.7, and a masked inf ratio still sends 0 * inf = NaN back through torch.where.
@@ -54,6 +54,46 @@ def _ratio_metrics(
     }
 
 
+def _no_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+@dataclass
+class Sequences:
+    """The sequences of one packed row, as a loss on one rank sees them.
+
+    `cu_seqlens` [S + 1]: the boundaries in the full row (a padding tail is the last segment);
+    `of_token` [n]: the sequence each of this rank's tokens belongs to; `count`: S. `reduce` sums a
+    [S] tensor over the context-parallel ranks that share the row (identity without CP), so
+    `sum` and `mean` are over whole sequences however they were split. Both are detached: use them
+    for weights and ratios (as GSPO's sg[s_i]), and let gradients flow through per-token terms."""
+
+    cu_seqlens: torch.Tensor
+    of_token: torch.Tensor
+    count: int
+    reduce: Callable[[torch.Tensor], torch.Tensor] = field(default=_no_reduce)
+
+    @classmethod
+    def single(cls, lengths: list[int], device=None) -> Sequences:
+        """Back-to-back sequences of these lengths on one rank (tests, single-process tools)."""
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int64, device=device)
+        cu[1:] = torch.cumsum(torch.as_tensor(lengths, dtype=torch.int64, device=device), 0)
+        of_token = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.as_tensor(lengths))
+        return cls(cu, of_token, len(lengths))
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """[S] float64: each whole sequence's sum of `values` [n] (detached)."""
+        local = torch.zeros(self.count, dtype=torch.float64, device=values.device)
+        local.index_add_(0, self.of_token, values.detach().to(torch.float64))
+        return self.reduce(local)
+
+    def mean(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[S] float64: each whole sequence's mean of `values` over its `mask`ed tokens (0 when none)."""
+        mask = mask.bool()
+        sums = self.sum(torch.where(mask, values.detach().to(torch.float64), 0.0))
+        return sums / self.sum(mask.to(torch.float64)).clamp(min=1.0)
+
+
 def _weighted_sum(per_token: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     if weights is not None:
         per_token = per_token * weights
@@ -69,6 +109,7 @@ def ppo_clip_loss(
     eps_high: float = 0.2,
     dual_clip: float | None = None,
     weights: torch.Tensor | None = None,
+    sequences: Sequences | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """sum_t mask_t * w_t * -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t).
 
@@ -100,6 +141,7 @@ def sao_dis_loss(
     eps_low: float = 0.3,
     eps_high: float = 5.0,
     weights: torch.Tensor | None = None,
+    sequences: Sequences | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SAO's DIS: sum_t mask_t * w_t * -1[1 - eps_low < r_t < 1 + eps_high] * r_t * A_t.
 
@@ -114,6 +156,71 @@ def sao_dis_loss(
     loss = _weighted_sum(per_token, mask & inside, weights)
     metrics = _ratio_metrics(ratio, log_ratio, mask)
     metrics["clipped_sum"] = (mask & ~inside).sum().to(torch.float64)  # tokens the band masked out
+    return loss, metrics
+
+
+# verl clamps GSPO's log sequence ratio at 10 from above (compute_policy_loss_gspo).
+GSPO_LOG_RATIO_MAX = 10.0
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    weights: torch.Tensor | None = None,
+    sequences: Sequences | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al., 2025), in verl's token form (GSPO-token): with the sequence ratio
+    s_i = exp(mean over i's action tokens of log r_t) and, per token,
+    s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)] (its value is s_i, its gradient s_i * grad log pi(y_t)):
+        sum_t mask_t * w_t * -min(s_it A_t, clip(s_it, 1 - eps_low, 1 + eps_high) A_t).
+    The mean runs over each whole sequence (`sequences`, across CP ranks), so packing and CP
+    give the loss of the unpacked sequence. log s_it is clamped at 10 from above, as verl does.
+    With one advantage per sequence (outcome estimators) this is the paper's sequence objective;
+    the paper aggregates per sequence (`loss_aggregation: seq-mean-token-mean`, the default when
+    `policy_loss: gspo`). `clipped_sum` counts tokens whose clipped term is the larger loss."""
+    if sequences is None:
+        raise ValueError("gspo_loss: needs `sequences` (the packed row's sequence boundaries)")
+    mask = mask.bool()
+    log_ratio, ratio = _log_ratio(logprobs, old_logprobs)
+    sequence_log_ratio = sequences.mean(log_ratio, mask)[sequences.of_token].to(logprobs.dtype)
+    log_s = torch.clamp(logprobs - logprobs.detach() + sequence_log_ratio, max=GSPO_LOG_RATIO_MAX)
+    s = torch.exp(log_s)
+    unclipped = -s * advantages
+    clipped = -torch.clamp(s, 1.0 - eps_low, 1.0 + eps_high) * advantages
+    per_token = torch.maximum(unclipped, clipped)
+    loss = _weighted_sum(per_token, mask, weights)
+    metrics = _ratio_metrics(ratio, log_ratio, mask)
+    metrics["clipped_sum"] = ((clipped > unclipped) & mask).sum().to(torch.float64)
+    metrics["sequence_ratio_sum"] = torch.where(mask, s.detach(), 0.0).sum().to(torch.float64)
+    return loss, metrics
+
+
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    weights: torch.Tensor | None = None,
+    sequences: Sequences | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, 2025), verl's form: sum_t mask_t * w_t * -sg[clip(r_t, 1 - eps_low,
+    1 + eps_high)] * A_t * log pi(y_t). The clipped ratio is a detached weight, so every token
+    keeps a gradient (PPO's clip zeroes it); `eps_low` 1 leaves the weight unbounded below, as the
+    paper does. The loss value carries log pi (its gradient is what matters); `clipped_sum`
+    counts tokens whose weight was clipped."""
+    mask = mask.bool()
+    log_ratio, ratio = _log_ratio(logprobs, old_logprobs)
+    weight = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high).detach()
+    per_token = -weight * advantages * logprobs
+    loss = _weighted_sum(per_token, mask, weights)
+    metrics = _ratio_metrics(ratio, log_ratio, mask)
+    metrics["clipped_sum"] = ((ratio.detach() != weight) & mask).sum().to(torch.float64)
     return loss, metrics
 
 
@@ -194,12 +301,6 @@ def entropy_bonus(
     return _weighted_sum(entropy, mask.bool(), weights)
 
 
+# A bound policy loss: f(logprobs, old_logprobs, advantages, mask, *, sequences, weights)
+# -> (loss sum, metric sums); algorithms/registry.py documents the protocol.
 PolicyObjective = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-def policy_objective(config: AlgorithmConfig) -> PolicyObjective:
-    """The policy loss `algorithm.type` trains with, as `f(logprobs, old_logprobs, advantages,
-    mask, weights=None)`: SAO's DIS band, or the clipped PPO objective (GRPO and PPO)."""
-    if config.type == "sao":
-        return partial(sao_dis_loss, eps_low=config.eps_low, eps_high=config.eps_high)
-    return partial(ppo_clip_loss, eps_low=config.eps_low, eps_high=config.eps_high, dual_clip=config.dual_clip)

@@ -1,5 +1,6 @@
-"""The `algorithm` section: GRPO, PPO or SAO, their coefficients, and how a step's update is made
-(mini-batch epochs, the ratio's denominator, rollout correction, loss aggregation, entropy and KL)."""
+"""The `algorithm` section: a preset (GRPO, PPO or SAO) and the parts it fills (the advantage
+estimator, the policy loss), their coefficients, and how a step's update is made (mini-batch
+epochs, the ratio's denominator, rollout correction, loss aggregation, entropy and KL)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,30 @@ from pydantic import Field, field_validator, model_validator
 
 from megatron_rl.config.base import Strict
 
-# Defaults that differ by algorithm; anything the user sets wins.
+# The parts each preset (`algorithm.type`) chooses: (advantage, policy_loss). `algorithm.advantage`
+# and `algorithm.policy_loss` win over it.
+PRESET_PARTS: dict[str, tuple[str, str]] = {
+    "grpo": ("grpo", "ppo_clip"),
+    "ppo": ("gae", "ppo_clip"),
+    "sao": ("gae", "dis"),
+}
+ADVANTAGES = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+# Estimators whose baseline is the member's group: a group needs two members or more.
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+POLICY_LOSSES = ("ppo_clip", "dis", "gspo", "cispo")
+
+# Defaults that differ by preset or by policy loss; anything the user sets wins (the loss's
+# defaults over the preset's).
 ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
     "grpo": {"eps_low": 0.2, "eps_high": 0.2, "length_adaptive_alpha": None},
     "ppo": {"eps_low": 0.2, "eps_high": 0.2, "length_adaptive_alpha": None},
     # SAO paper (Hou et al., arXiv 2607.07508) defaults.
     "sao": {"eps_low": 0.3, "eps_high": 5.0, "length_adaptive_alpha": 1.5},
+}
+# GSPO paper (Zheng et al., arXiv 2507.18071): a sequence-level ratio needs a narrow band, and
+# its loss is a mean per sequence (verl recommends seq-mean-token-mean with it too).
+POLICY_LOSS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gspo": {"eps_low": 3e-4, "eps_high": 4e-4, "loss_aggregation": "seq-mean-token-mean"},
 }
 
 LossAggregation = Literal[
@@ -135,11 +154,19 @@ class RolloutCorrectionConfig(Strict):
 
 class AlgorithmConfig(Strict):
     type: Literal["grpo", "ppo", "sao"]
+    # The parts (default: the preset's, PRESET_PARTS): a built-in name or "package.module:name"
+    # (algorithms/registry.py has the protocols), with keyword arguments for a plug-in.
+    advantage: str | None = None
+    advantage_args: dict[str, Any] = Field(default_factory=dict)
+    policy_loss: str | None = None
+    policy_loss_args: dict[str, Any] = Field(default_factory=dict)
+    # gae: whiten the step's advantages over all its action tokens (verl's masked_whiten).
+    whiten_advantages: bool = False
     gamma: float = Field(default=1.0, ge=0, le=1)
     policy_lambda: float = Field(default=0.95, ge=0, le=1)
     value_lambda: float = Field(default=1.0, ge=0, le=1)
     length_adaptive_alpha: float | None = Field(default=None, gt=0)
-    eps_low: float = Field(default=0.2, ge=0, lt=1)
+    eps_low: float = Field(default=0.2, ge=0, le=1)
     eps_high: float = Field(default=0.2, ge=0)
     dual_clip: float | None = Field(default=None, gt=1)
     value_clip: float | None = Field(default=None, gt=0)
@@ -148,7 +175,8 @@ class AlgorithmConfig(Strict):
     # k3 = low_var_kl = exp(-k1) + k1 - 1 (clamped like verl's).
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
     entropy_coef: float = Field(default=0.0, ge=0)  # an entropy bonus on action tokens
-    normalize_advantage_std: bool = True  # GRPO: divide by the group's std
+    # The grpo preset without an explicit `advantage`: False means dr_grpo (no division by the std).
+    normalize_advantage_std: bool = True
     # Each step's samples are split (seeded, whole samples) into this many mini-batches; the
     # policy makes policy_minibatches x policy_epochs optimizer steps before publishing.
     policy_minibatches: int = Field(default=1, ge=1)
@@ -163,10 +191,42 @@ class AlgorithmConfig(Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _type_defaults(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("type") in ALGORITHM_DEFAULTS:
-            return {**ALGORITHM_DEFAULTS[data["type"]], **data}
-        return data
+    def _preset_defaults(cls, data: Any) -> Any:
+        """The preset's parts and defaults, then the policy loss's, then what the user set."""
+        if not isinstance(data, dict) or data.get("type") not in PRESET_PARTS:
+            return data
+        advantage, policy_loss = PRESET_PARTS[data["type"]]
+        if advantage == "grpo" and data.get("normalize_advantage_std") is False:
+            advantage = "dr_grpo"
+        advantage = data.get("advantage") or advantage
+        policy_loss = data.get("policy_loss") or policy_loss
+        defaults = {**ALGORITHM_DEFAULTS[data["type"]], **POLICY_LOSS_DEFAULTS.get(policy_loss, {})}
+        return {**defaults, **data, "advantage": advantage, "policy_loss": policy_loss}
+
+    @field_validator("advantage", "policy_loss")
+    @classmethod
+    def _known_part(cls, value: str | None, info) -> str | None:
+        known = ADVANTAGES if info.field_name == "advantage" else POLICY_LOSSES
+        if value is not None and ":" not in value and value not in known:
+            raise ValueError(
+                f"algorithm.{info.field_name}: unknown {value!r}; choose from {list(known)} "
+                "or give a plug-in as 'package.module:name'"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _std_agrees(self) -> AlgorithmConfig:
+        if self.advantage == "grpo" and not self.normalize_advantage_std:
+            raise ValueError(
+                "algorithm.normalize_advantage_std: false contradicts algorithm.advantage 'grpo' (which divides "
+                "by the group's std); use advantage 'dr_grpo' for the group mean alone"
+            )
+        return self
+
+    @property
+    def needs_critic(self) -> bool:
+        """The advantage estimator reads the critic's values (gae)."""
+        return self.advantage == "gae"
 
     @property
     def optimizer_steps_per_step(self) -> int:

@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from megatron_rl.config.algorithm import GROUP_ADVANTAGES
 from megatron_rl.config.model import Architecture
+from megatron_rl.config.plugins import PluginError, is_plugin, load_plugin
 from megatron_rl.config.run import Config
 
 
@@ -23,21 +25,46 @@ class Context:
 
 
 def algorithm_has_its_critic(ctx: Context) -> list[str]:
-    algorithm, value = ctx.config.algorithm.type, ctx.config.value
-    if algorithm in ("ppo", "sao") and value is None:
-        return [f"value: algorithm.type '{algorithm}' needs a value section (the critic); none is given"]
-    if algorithm == "grpo" and value is not None:
-        return ["value: algorithm.type 'grpo' takes no value section (GRPO has no critic); remove it"]
+    algorithm, value = ctx.config.algorithm, ctx.config.value
+    chosen = f"algorithm.advantage '{algorithm.advantage}' (algorithm.type '{algorithm.type}')"
+    if algorithm.needs_critic and value is None:
+        return [f"value: {chosen} needs a value section (the critic's values); none is given"]
+    if not algorithm.needs_critic and value is not None:
+        return [f"value: {chosen} reads no critic, so the value section would train one for nothing; remove it"]
     return []
 
 
-def grpo_groups_have_two_samples(ctx: Context) -> list[str]:
-    group_size = ctx.config.orchestrator.group_size
-    if ctx.config.algorithm.type == "grpo" and group_size < 2:
+def group_baselines_have_two_samples(ctx: Context) -> list[str]:
+    group_size, advantage = ctx.config.orchestrator.group_size, ctx.config.algorithm.advantage
+    if advantage in GROUP_ADVANTAGES and group_size < 2:
         return [
-            f"orchestrator.group_size: GRPO normalises rewards within a group and needs at least 2, got {group_size}"
+            f"orchestrator.group_size: algorithm.advantage '{advantage}' takes its baseline from the other members "
+            f"of a group and needs at least 2, got {group_size}"
         ]
     return []
+
+
+def plugins_import_and_fit(ctx: Context) -> list[str]:
+    """Every "package.module:name" of the config imports here and accepts its protocol's call."""
+    algorithm, orchestrator, errors = ctx.config.algorithm, ctx.config.orchestrator, []
+    named = [
+        ("policy_loss", "algorithm.policy_loss", algorithm.policy_loss, tuple(algorithm.policy_loss_args)),
+        ("advantage", "algorithm.advantage", algorithm.advantage, tuple(algorithm.advantage_args)),
+        ("environment", "orchestrator.environment", orchestrator.environment, ()),
+    ]
+    named += [("environment", f"orchestrator.eval[{i}].environment", e.environment, ())
+              for i, e in enumerate(orchestrator.eval)]  # fmt: skip
+    for kind, key, name, keywords in named:
+        if name is not None and is_plugin(name):
+            try:
+                load_plugin(kind, name, key, keywords)
+            except PluginError as error:
+                errors.append(str(error))
+    for key, name, arguments in (("algorithm.policy_loss_args", algorithm.policy_loss, algorithm.policy_loss_args),
+                                 ("algorithm.advantage_args", algorithm.advantage, algorithm.advantage_args)):  # fmt: skip
+        if arguments and not is_plugin(name or ""):
+            errors.append(f"{key}: only a plug-in takes arguments; {name!r} is built in (its settings are algorithm keys)")
+    return errors
 
 
 def seq_len_holds_the_longest_sample(ctx: Context) -> list[str]:
@@ -207,7 +234,8 @@ def update_options_fit_together(ctx: Context) -> list[str]:
 
 RULES: tuple[Callable[[Context], list[str]], ...] = (
     algorithm_has_its_critic,
-    grpo_groups_have_two_samples,
+    group_baselines_have_two_samples,
+    plugins_import_and_fit,
     seq_len_holds_the_longest_sample,
     critic_vocabulary_is_the_policys,
     value_pretraining_has_data_and_steps,

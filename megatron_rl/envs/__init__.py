@@ -10,10 +10,13 @@ resumed run sees the same prompts from the same cursor.
     make_environment("procedural", dataset="reverse", seed=0)   # tiny-model tasks, no download
     make_environment("math", dataset="data/math.jsonl")         # {"prompt", "answer"}, math-verify
     make_environment("calculator", dataset=None, seed=0)        # multi-turn tool use
+    make_environment("my_pkg.tasks:Sudoku", dataset=..., seed=0)  # a plug-in: called with
+                                                                  # dataset=, seed=; an Environment
 """
 
 from __future__ import annotations
 
+from megatron_rl.config.plugins import PluginError, is_plugin, load_plugin
 from megatron_rl.envs.base import Environment, Turn
 from megatron_rl.envs.calculator import CalculatorEnvironment
 from megatron_rl.envs.math import MathEnvironment
@@ -22,10 +25,21 @@ from megatron_rl.envs.procedural import ProceduralTask
 ENVIRONMENTS = {"procedural": ProceduralTask, "math": MathEnvironment, "calculator": CalculatorEnvironment}
 
 
-def make_environment(name: str, dataset: str | None = None, seed: int = 0) -> Environment:
+def make_environment(
+    name: str, dataset: str | None = None, seed: int = 0, key: str = "orchestrator.environment"
+) -> Environment:
+    """The built-in environment `name`, or the plug-in "package.module:name" called with
+    `dataset=` and `seed=` (a class or a factory; it must return an `Environment`)."""
+    if is_plugin(name):
+        environment = load_plugin("environment", name, key)(dataset=dataset, seed=seed)
+        if not isinstance(environment, Environment):
+            raise PluginError(
+                f"{key}: {name!r} returned a {type(environment).__name__}, not a megatron_rl.envs.Environment"
+            )
+        return environment
     if name not in ENVIRONMENTS:
         raise ValueError(
-            f"orchestrator.environment: unknown environment {name!r} (known: {sorted(ENVIRONMENTS)})"
+            f"{key}: unknown environment {name!r} (known: {sorted(ENVIRONMENTS)})"
         )
     return ENVIRONMENTS[name](dataset=dataset, seed=seed)
 

@@ -24,7 +24,8 @@ class Evaluator:
     def __init__(self, eval_configs, client, encoder, default_max_tokens: int, seed: int):
         self.sets = []
         for config in eval_configs:
-            env = make_environment(config.environment, config.dataset, config.seed)
+            env = make_environment(config.environment, config.dataset, config.seed,
+                                   key=f"orchestrator.eval ({config.name}).environment")
             sampling = SamplingParams(temperature=config.temperature, top_p=1.0,
                                       max_tokens=config.max_completion_tokens or default_max_tokens, seed=seed)  # fmt: skip
             self.sets.append((config, env, sampling))

@@ -35,6 +35,7 @@ from megatron_rl.faults import kill_point
 from megatron_rl.trainer.batches import RankBatch, rank_batch
 from megatron_rl.trainer.optimizer import Trainable
 from megatron_rl.trainer.step import (
+    cp_reduce,
     forward_logprobs,
     policy_loss_func,
     reduce_statistics,
@@ -58,15 +59,6 @@ class UpdateSettings:
 
 def is_last_stage() -> bool:
     return parallel_state.is_pipeline_last_stage()
-
-
-def cp_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
-    """`tensor` summed (op "sum") or maximised ("max") over this rank's CP group."""
-    if parallel_state.get_context_parallel_world_size() == 1:
-        return tensor
-    reduce_op = torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX
-    torch.distributed.all_reduce(tensor, op=reduce_op, group=parallel_state.get_context_parallel_group())
-    return tensor
 
 
 def token_views(batches: list[RankBatch]) -> list[rollout_correction.TokenView]:

@@ -19,7 +19,8 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch.distributed import ReduceOp
 
-from megatron_rl.algorithms.losses import entropy_bonus, policy_objective, reference_kl_loss, value_loss
+from megatron_rl.algorithms.losses import Sequences, entropy_bonus, reference_kl_loss, value_loss
+from megatron_rl.algorithms.registry import policy_loss_for
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data.types import MicroBatch
 from megatron_rl.faults import kill_point
@@ -209,14 +210,28 @@ def set_reference_logprobs(reference, batches: list[RankBatch], temperature: flo
         batch.ref_logprobs = logprobs
 
 
+def cp_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """`tensor` summed (op "sum") or maximised ("max") in place over this rank's CP group."""
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return tensor
+    reduce_op = ReduceOp.SUM if op == "sum" else ReduceOp.MAX
+    torch.distributed.all_reduce(tensor, op=reduce_op, group=parallel_state.get_context_parallel_group())
+    return tensor
+
+
+def batch_sequences(batch: RankBatch) -> Sequences:
+    """The batch's row of sequences for a policy loss, with sums over the CP group."""
+    return Sequences(batch.cu_seqlens, batch.sequence_of_token, batch.num_sequences, cp_reduce)
+
+
 def policy_loss_func(config: AlgorithmConfig, temperature: float = 1.0) -> LossFunc:
-    """`algorithm.type`'s policy loss (`policy_objective`) on vocab-parallel log-probabilities of
+    """`algorithm.policy_loss` (registry.policy_loss_for) on vocab-parallel log-probabilities of
     softmax(logits / temperature) of the next tokens, plus `kl_coef` * KL(policy || reference)
     per action token (`kl_estimator`) when `algorithm.kl_coef` > 0 (the batch then carries
     reference log-probabilities: train_step with `reference`), minus `entropy_coef` * entropy.
     Each term is weighted per token by the batch's `aggregation_weights`; the policy term also by
     its `correction_weights` (rollout correction)."""
-    objective, kl_coef, entropy_coef = policy_objective(config), config.kl_coef, config.entropy_coef
+    objective, kl_coef, entropy_coef = policy_loss_for(config), config.kl_coef, config.entropy_coef
 
     def loss(logits: torch.Tensor, batch: RankBatch):
         logprobs, entropy = megatron_vocab_parallel_logprobs(logits[0], batch.targets, temperature)
@@ -227,7 +242,7 @@ def policy_loss_func(config: AlgorithmConfig, temperature: float = 1.0) -> LossF
             else (aggregation if correction is None else aggregation * correction)
         )
         loss_sum, metrics = objective(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask,
-                                      weights=policy_weights)  # fmt: skip
+                                      sequences=batch_sequences(batch), weights=policy_weights)  # fmt: skip
         metrics = {k: v for k, v in metrics.items() if k.endswith("_sum")}
         metrics["entropy_sum"] = (entropy.detach() * batch.loss_mask).sum().to(torch.float64)
         if kl_coef > 0:

@@ -131,6 +131,23 @@ def test_loss_aggregation_at_cp2_equals_a_plain_per_sequence_reference(weights, 
     assert record["loss"] == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.parametrize("loss", ["gspo", "cispo"])
+def test_sequence_and_weight_losses_at_dp2_and_cp2_equal_one_process(weights, loss):
+    """GSPO's sequence ratio spans whole sequences that CP splits over two ranks (Sequences.sum
+    reduces over the CP group); CISPO keeps every token's gradient. Four updates each, so the
+    ratios move and the clip acts."""
+    algorithm = {"type": "grpo", "policy_loss": loss, "policy_minibatches": 2, "policy_epochs": 2,
+                 "old_logprobs": "recompute"}  # fmt: skip
+    ((reference, reference_params, _),) = run_ranks(policy_step, 1, ARCH, weights, 1, 1, algorithm, 0.0, 1.0, 3e-3)
+    assert reference["optimizer_steps"] == 4 and reference["clip_fraction_last"] > 0
+    for cp in (1, 2):  # DP = 2, then CP = 2
+        for record, params, _ in run_ranks(policy_step, 2, ARCH, weights, 1, cp, algorithm, 0.0, 1.0, 3e-3):
+            for key in ("loss", "ratio_mean_last", "clip_fraction_last", "approx_kl", "grad_norm"):
+                assert record[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-6), (loss, cp, key)
+            for name, value in params.items():
+                torch.testing.assert_close(value, reference_params[name], atol=2e-5, rtol=0, msg=f"{loss} {cp=} {name}")
+
+
 # Rank functions: module-level, so that the spawned ranks can import them.
 
 

@@ -9,15 +9,14 @@ import pytest
 import torch
 
 from megatron_rl.algorithms import (
-    GRPOAlgorithm,
+    CriticAlgorithm,
     InProcessScorer,
-    PPOAlgorithm,
-    SAOAlgorithm,
+    OutcomeAlgorithm,
     ScoreReplyError,
     decoupled_gae,
     make_algorithm,
 )
-from megatron_rl.algorithms.losses import policy_objective
+from megatron_rl.algorithms.registry import policy_loss_for
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data import ScoreResult, TrainingSample
 
@@ -55,12 +54,13 @@ def run(coro):
 
 def test_make_algorithm_picks_classes_and_sao_defaults():
     scorer = InProcessScorer(fake_critic)
-    assert isinstance(make_algorithm(AlgorithmConfig(type="grpo")), GRPOAlgorithm)
-    assert type(make_algorithm(AlgorithmConfig(type="ppo"), scorer)) is PPOAlgorithm
+    assert isinstance(make_algorithm(AlgorithmConfig(type="grpo")), OutcomeAlgorithm)
+    assert type(make_algorithm(AlgorithmConfig(type="ppo"), scorer)) is CriticAlgorithm
     sao = make_algorithm(AlgorithmConfig(type="sao"), scorer)
-    assert isinstance(sao, SAOAlgorithm) and sao.needs_critic
+    assert isinstance(sao, CriticAlgorithm) and sao.needs_critic
     assert (sao.config.eps_low, sao.config.eps_high, sao.config.length_adaptive_alpha) == (0.3, 5.0, 1.5)
-    with pytest.raises(ValueError, match="'ppo' needs a ValueScorer"):
+    assert (sao.config.advantage, sao.config.policy_loss) == ("gae", "dis")
+    with pytest.raises(ValueError, match=r"'gae' \(algorithm.type 'ppo'\) needs a ValueScorer"):
         make_algorithm(AlgorithmConfig(type="ppo"))
 
 
@@ -110,14 +110,14 @@ def test_score_reply_with_wrong_sequence_count_is_rejected():
     short = InProcessScorer(
         lambda b: ScoreResult(values=fake_critic(b).values[:-1], bootstrap_values=[0.0] * len(b))
     )
-    algorithm = PPOAlgorithm(AlgorithmConfig(type="ppo"), short)
+    algorithm = CriticAlgorithm(AlgorithmConfig(type="ppo"), short)
     with pytest.raises(
         ScoreReplyError, match=r"group 4: 2 value rows and 3 bootstrap values for 3 sequences"
     ):
         run(algorithm.prepare_group(make_group(4, [6, 7, 8])))
     missing_boot = InProcessScorer(lambda b: ScoreResult(values=fake_critic(b).values, bootstrap_values=[]))
     with pytest.raises(ScoreReplyError, match="0 bootstrap values"):
-        run(PPOAlgorithm(AlgorithmConfig(type="ppo"), missing_boot).prepare_group(make_group(4, [6, 7])))
+        run(CriticAlgorithm(AlgorithmConfig(type="ppo"), missing_boot).prepare_group(make_group(4, [6, 7])))
 
 
 def test_score_reply_with_wrong_length_is_rejected():
@@ -126,14 +126,14 @@ def test_score_reply_with_wrong_length_is_rejected():
         reply.values[1] = reply.values[1][:-1]
         return reply
 
-    algorithm = SAOAlgorithm(AlgorithmConfig(type="sao"), InProcessScorer(truncating))
+    algorithm = CriticAlgorithm(AlgorithmConfig(type="sao"), InProcessScorer(truncating))
     group = make_group(9, [6, 7, 8])
     with pytest.raises(ScoreReplyError, match=r"group 9, sequence 1: 6 values for 7 tokens"):
         run(algorithm.prepare_group(group))
 
 
 def test_grpo_broadcasts_group_advantage_onto_action_tokens():
-    algorithm = GRPOAlgorithm(AlgorithmConfig(type="grpo"))
+    algorithm = OutcomeAlgorithm(AlgorithmConfig(type="grpo"))
     group = make_group(0, [6, 8, 10, 12], seed=3)
     run(algorithm.prepare_group(group))
     rewards = np.array([s.reward for s in group])
@@ -150,7 +150,7 @@ def test_the_policy_objective_is_dis_for_sao_and_clip_otherwise(algorithm_type):
     old = logprobs + torch.empty(100, dtype=torch.float64).uniform_(-1, 1, generator=g)
     advantages = torch.randn(100, generator=g, dtype=torch.float64)
     mask = torch.ones(100, dtype=torch.bool)
-    loss, _ = policy_objective(AlgorithmConfig(type=algorithm_type))(logprobs, old, advantages, mask)
+    loss, _ = policy_loss_for(AlgorithmConfig(type=algorithm_type))(logprobs, old, advantages, mask)
     ratio = torch.exp(logprobs - old)
     if algorithm_type == "sao":  # the SAO defaults: band (0.7, 6.0)
         inside = (ratio > 0.7) & (ratio < 6.0)

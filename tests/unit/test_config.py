@@ -101,13 +101,13 @@ def test_ppo_and_sao_need_a_value_section():
         data = base(algorithm)
         del data["value"]
         del data["deployment"]["num_value_gpus_per_train_node"]
-        assert f"value: algorithm.type '{algorithm}' needs a value section" in errors_of(data)
+        assert f"value: algorithm.advantage 'gae' (algorithm.type '{algorithm}') needs a value section" in errors_of(data)
 
 
 def test_grpo_takes_no_value_section_and_needs_groups():
     data = base("grpo")
     data["value"] = base("sao")["value"]
-    assert "'grpo' takes no value section" in errors_of(data)
+    assert "algorithm.advantage 'grpo' (algorithm.type 'grpo') reads no critic" in errors_of(data)
     data = base("grpo")
     data["orchestrator"]["group_size"] = 1
     assert "orchestrator.group_size" in errors_of(data)
@@ -271,7 +271,7 @@ def test_check_config_cli(tmp_path):
     bad.write_text(yaml.safe_dump(data))
     done = _cli("check-config", str(bad))
     assert done.returncode == 2
-    assert "value: algorithm.type 'sao' needs a value section" in done.stderr
+    assert "value: algorithm.advantage 'gae' (algorithm.type 'sao') needs a value section" in done.stderr
     assert str(bad) in done.stderr
 
 

@@ -1,0 +1,117 @@
+"""One registry for the parts of an algorithm, built-in and plug-in: advantage estimators and
+policy losses (environments: `megatron_rl.envs.make_environment`). A config names a part by a
+built-in name or by an import path "package.module:name"; `check-config` imports a plug-in and
+checks its signature (config/plugins.py), and each process that calls it imports it again.
+
+The protocols, each documented here once:
+
+**Advantage estimator** (`algorithm.advantage`, keyword arguments `algorithm.advantage_args`):
+
+    estimator(groups: list[torch.Tensor], **advantage_args) -> list[torch.Tensor]
+
+`groups` holds one 1-D float64 tensor per admitted group of the training step, its members'
+rewards in branch order; the estimator returns each member's scalar advantage in the same
+shapes. It sees the whole step at once, so a batch-level estimator normalises over all groups
+(REINFORCE++). The orchestrator puts a member's advantage on each of its action tokens.
+`gae` is the one built-in that is not of this kind: it needs the critic's per-token values.
+
+**Policy loss** (`algorithm.policy_loss`, keyword arguments `algorithm.policy_loss_args`):
+
+    loss(logprobs, old_logprobs, advantages, mask, *, sequences, weights, **policy_loss_args)
+        -> (loss_sum: 0-d tensor, metrics: dict[str, 0-d tensor])
+
+on one packed micro-batch of one rank, all [n] tensors of the next token: `logprobs` of
+softmax(logits / T) with gradient, `old_logprobs` (the ratio's denominator), `advantages`,
+`mask` (bool: action tokens); `sequences` a `losses.Sequences` (the row's sequence boundaries,
+with sums over whole sequences across context-parallel ranks); `weights` None or per-token
+detached factors (loss aggregation times rollout correction) to multiply the per-token loss by.
+Return the *sum* over masked tokens, not a mean: the trainer divides by the global normaliser of
+`algorithm.loss_aggregation`. Metrics whose names end in `_sum` are summed over every
+micro-batch and rank and reported per token (`num_tokens`, `ratio_sum`, `clipped_sum`,
+`approx_kl_sum` feed ratio_mean, clip_fraction, approx_kl); other entries are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from megatron_rl.algorithms import advantages as adv
+from megatron_rl.algorithms import losses
+from megatron_rl.config import AlgorithmConfig
+from megatron_rl.config.plugins import is_plugin, load_plugin
+
+AdvantageEstimator = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "grpo": adv.group_normalised,
+    "dr_grpo": adv.group_mean_centered,
+    "rloo": adv.leave_one_out,
+    "reinforce_pp": adv.reinforce_plus_plus,
+    "reinforce_pp_baseline": adv.reinforce_plus_plus_baseline,
+}
+
+# Built-in losses, and the algorithm keys each reads (as keyword arguments of the same name,
+# except dual_clip which only ppo_clip takes).
+POLICY_LOSSES: dict[str, tuple[Callable, tuple[str, ...]]] = {
+    "ppo_clip": (losses.ppo_clip_loss, ("eps_low", "eps_high", "dual_clip")),
+    "dis": (losses.sao_dis_loss, ("eps_low", "eps_high")),
+    "gspo": (losses.gspo_loss, ("eps_low", "eps_high")),
+    "cispo": (losses.cispo_loss, ("eps_low", "eps_high")),
+}
+
+
+def advantage_estimator(name: str, **arguments: Any) -> AdvantageEstimator:
+    """The estimator `name` (built-in or "package.module:name"), with `arguments` bound."""
+    if name == "gae":
+        raise ValueError(
+            "algorithm.advantage 'gae' is not an outcome estimator: it needs the critic's values per token "
+            "(algorithms.base.CriticAlgorithm computes it per group)"
+        )
+    if is_plugin(name):
+        estimator = load_plugin("advantage", name, "algorithm.advantage", tuple(arguments))
+    elif name in ADVANTAGE_ESTIMATORS:
+        if arguments:
+            raise ValueError(f"algorithm.advantage_args: the built-in {name!r} takes none, got {sorted(arguments)}")
+        return ADVANTAGE_ESTIMATORS[name]
+    else:
+        raise ValueError(
+            f"algorithm.advantage: unknown {name!r}; choose from {['gae', *ADVANTAGE_ESTIMATORS]} or "
+            "'package.module:name'"
+        )
+    return partial(estimator, **arguments) if arguments else estimator
+
+
+def policy_loss(name: str, **arguments: Any) -> losses.PolicyObjective:
+    """The policy loss `name` (built-in or "package.module:name"), with `arguments` bound (a
+    built-in's coefficients, a plug-in's `policy_loss_args`)."""
+    if is_plugin(name):
+        target = load_plugin("policy_loss", name, "algorithm.policy_loss", tuple(arguments))
+    elif name in POLICY_LOSSES:
+        target, accepted = POLICY_LOSSES[name]
+        unknown = sorted(set(arguments) - set(accepted))
+        if unknown:
+            raise ValueError(f"algorithm.policy_loss {name!r} takes {list(accepted)}, not {unknown}")
+    else:
+        raise ValueError(
+            f"algorithm.policy_loss: unknown {name!r}; choose from {list(POLICY_LOSSES)} or 'package.module:name'"
+        )
+    return partial(target, **arguments)
+
+
+def advantage_for(config: AlgorithmConfig) -> AdvantageEstimator:
+    """The outcome estimator `config` names (not for gae)."""
+    return advantage_estimator(config.advantage, **config.advantage_args)
+
+
+def policy_loss_for(config: AlgorithmConfig) -> losses.PolicyObjective:
+    """The policy loss `config` trains with: a built-in bound to the config's coefficients, or a
+    plug-in bound to `policy_loss_args`."""
+    if is_plugin(config.policy_loss):
+        return policy_loss(config.policy_loss, **config.policy_loss_args)
+    _, accepted = POLICY_LOSSES[config.policy_loss]
+    coefficients = {"eps_low": config.eps_low, "eps_high": config.eps_high, "dual_clip": config.dual_clip}
+    return policy_loss(config.policy_loss, **{key: coefficients[key] for key in accepted})

@@ -1,0 +1,373 @@
+"""The algorithm toolbox (algorithms/registry.py): each outcome estimator and each new policy loss
+against a plain reference written here as a loop, gradients included; presets and parts in the
+config; plug-ins, and the errors a wrong import path or signature gives."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_rl.algorithms import Sequences, make_algorithm
+from megatron_rl.algorithms import advantages as adv
+from megatron_rl.algorithms.losses import cispo_loss, gspo_loss
+from megatron_rl.algorithms.registry import advantage_estimator, policy_loss, policy_loss_for
+from megatron_rl.config import AlgorithmConfig, ConfigError, parse_config
+from megatron_rl.config.plugins import PluginError, load_plugin
+from megatron_rl.data import TrainingSample
+from megatron_rl.envs import Environment, make_environment
+from megatron_rl.testing.configs import base
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "plugins"
+
+
+@pytest.fixture()
+def example_parts(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    yield
+    sys.modules.pop("my_rl_parts", None)
+
+
+def random_groups(seed: int) -> list[torch.Tensor]:
+    """Groups of 1 to 6 members, some with equal rewards."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for _ in range(7):
+        size = int(rng.integers(1, 7))
+        rewards = rng.normal(size=size) if rng.random() < 0.7 else np.full(size, float(rng.integers(0, 2)))
+        groups.append(torch.tensor(rewards, dtype=torch.float64))
+    return groups
+
+
+def loop_reference(name: str, groups: list[torch.Tensor]) -> list[list[float]]:
+    """The estimators as loops over members (verl's definitions; a group of one gets no baseline)."""
+    out = []
+    for g in groups:
+        r = g.tolist()
+        n = len(r)
+        mean = sum(r) / n
+        if name == "grpo":
+            std = math.sqrt(sum((x - mean) ** 2 for x in r) / (n - 1)) if n > 1 else 0.0
+            out.append([(x - mean) / (std + 1e-6) if n > 1 else 0.0 for x in r])
+        elif name == "dr_grpo":
+            out.append([x - mean if n > 1 else 0.0 for x in r])
+        elif name == "rloo":
+            out.append([x - (sum(r) - x) / (n - 1) if n > 1 else 0.0 for x in r])
+        elif name in ("reinforce_pp", "reinforce_pp_baseline"):
+            out.append([x - mean if n > 1 else 0.0 for x in r] if name.endswith("baseline") else r)
+    if name.startswith("reinforce_pp"):
+        flat = [x for row in out for x in row]
+        mean = sum(flat) / len(flat)
+        var = sum((x - mean) ** 2 for x in flat) / (len(flat) - 1)
+        out = [[(x - mean) / math.sqrt(var + 1e-8) for x in row] for row in out]
+    return out
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_each_estimator_equals_its_loop_reference(name, seed):
+    groups = random_groups(seed)
+    got = advantage_estimator(name)(groups)
+    assert [tuple(g.shape) for g in got] == [tuple(g.shape) for g in groups]
+    for row, expected in zip(got, loop_reference(name, groups)):
+        np.testing.assert_allclose(row.numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_batch_estimators_normalise_over_the_whole_step_not_per_group():
+    groups = [torch.tensor([1.0, 0.0]), torch.tensor([5.0, 5.0, 4.0])]
+    whole = torch.cat(advantage_estimator("reinforce_pp")(groups))
+    assert whole.mean().abs() < 1e-12 and whole.std() == pytest.approx(1.0, abs=1e-6)
+    alone = advantage_estimator("reinforce_pp")(groups[:1])[0]
+    assert not torch.allclose(alone, whole[:2])  # its value depends on the other group
+
+
+def test_gae_is_not_an_outcome_estimator_and_unknown_names_are_refused():
+    with pytest.raises(ValueError, match="needs the critic's values"):
+        advantage_estimator("gae")
+    with pytest.raises(ValueError, match=r"algorithm.advantage: unknown 'grop'"):
+        advantage_estimator("grop")
+    with pytest.raises(ValueError, match=r"algorithm.policy_loss: unknown 'ppo'"):
+        policy_loss("ppo")
+
+
+def test_masked_whiten_of_gae_advantages_is_over_every_action_token_of_the_step():
+    rng = np.random.default_rng(0)
+    rows = [torch.tensor(rng.normal(size=n)) for n in (5, 9, 3)]
+    masks = [torch.tensor(rng.random(len(r)) < 0.6) for r in rows]
+    masks[0][0] = masks[0][1] = True
+    got = adv.masked_whiten(rows, masks)
+    flat = [x for r, m in zip(rows, masks) for x, keep in zip(r.tolist(), m.tolist()) if keep]
+    mean = sum(flat) / len(flat)
+    var = sum((x - mean) ** 2 for x in flat) / (len(flat) - 1)
+    for r, m, g in zip(rows, masks, got):
+        expected = [(x - mean) / math.sqrt(var + 1e-8) if keep else 0.0 for x, keep in zip(r.tolist(), m.tolist())]
+        np.testing.assert_allclose(g.numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def critic_group(group_id, rewards, seed):
+    rng = np.random.default_rng(seed)
+    samples = []
+    for branch, reward in enumerate(rewards):
+        n = 8 + branch
+        mask = np.arange(n) >= 3
+        samples.append(TrainingSample(token_ids=rng.integers(0, 50, n), loss_mask=mask, inference_logprobs=np.zeros(n),
+                                      reward=reward, group_id=group_id, branch_index=branch, episode_done=True))  # fmt: skip
+    return samples
+
+
+def test_critic_algorithm_whitens_the_steps_advantages_when_asked():
+    from megatron_rl.algorithms import InProcessScorer
+    from megatron_rl.data import ScoreResult
+
+    def scorer(batched):
+        return ScoreResult(values=[np.linspace(0, 1, len(ids), dtype=np.float32) for ids in batched],
+                           bootstrap_values=[0.0] * len(batched))  # fmt: skip
+
+    plain = make_algorithm(AlgorithmConfig(type="ppo"), InProcessScorer(scorer))
+    whitened = make_algorithm(AlgorithmConfig(type="ppo", whiten_advantages=True), InProcessScorer(scorer))
+    groups_a = [critic_group(0, [1.0, 0.0], 0), critic_group(1, [0.5, 0.2, 0.9], 1)]
+    groups_b = [critic_group(0, [1.0, 0.0], 0), critic_group(1, [0.5, 0.2, 0.9], 1)]
+    asyncio.run(plain.prepare_batch(groups_a))
+    asyncio.run(whitened.prepare_batch(groups_b))
+    rows = [torch.tensor(s.advantages, dtype=torch.float64) for g in groups_a for s in g]
+    masks = [torch.tensor(s.loss_mask) for g in groups_a for s in g]
+    expected = adv.masked_whiten(rows, masks)
+    got = [s.advantages for g in groups_b for s in g]
+    for e, g in zip(expected, got):
+        np.testing.assert_allclose(g, e.numpy(), atol=1e-6)
+    flat = np.concatenate([g[m.numpy()] for g, m in zip(got, masks)])
+    assert abs(flat.mean()) < 1e-5 and flat.std(ddof=1) == pytest.approx(1.0, abs=1e-4)
+
+
+def outcome_group(group_id, rewards):
+    return [TrainingSample(token_ids=np.arange(6), loss_mask=np.arange(6) >= 2, inference_logprobs=np.zeros(6),
+                           reward=r, group_id=group_id, branch_index=i) for i, r in enumerate(rewards)]  # fmt: skip
+
+
+def test_outcome_algorithm_puts_each_members_advantage_on_its_action_tokens():
+    groups = [outcome_group(0, [1.0, 0.0, 0.5]), outcome_group(1, [0.2, 0.4])]
+    asyncio.run(make_algorithm(AlgorithmConfig(type="grpo", advantage="rloo")).prepare_batch(groups))
+    expected = loop_reference("rloo", [torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0.2, 0.4])])
+    for group, values in zip(groups, expected):
+        for sample, value in zip(group, values):
+            np.testing.assert_allclose(sample.advantages[sample.loss_mask], value, atol=1e-6)
+            assert (sample.advantages[~sample.loss_mask] == 0).all()
+
+
+# -- losses --------------------------------------------------------------------------------------
+
+
+def packed_tokens(seed: int, lengths=(5, 8, 3, 6)):
+    """Four packed sequences: the first two with a sequence ratio of about e^0.01 and e^-0.01 (and an
+    advantage of that sign: GSPO clips them), the others with ratios within 1e-3 of 1."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    sequence = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    logprobs = (-torch.rand(n, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    shift = torch.tensor([-0.01, 0.01, 0.0, 0.0], dtype=torch.float64)[sequence]
+    old = logprobs.detach() + shift + torch.empty(n, dtype=torch.float64).uniform_(-1e-3, 1e-3, generator=g)
+    mask = torch.rand(n, generator=g) < 0.75
+    mask[torch.tensor(lengths).cumsum(0) - 1] = True  # every sequence has an action token
+    signs = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    per_sequence_advantage = signs * (0.5 + torch.rand(len(lengths), generator=g, dtype=torch.float64))
+    advantages = per_sequence_advantage[sequence] * mask
+    weights = torch.rand(n, generator=g, dtype=torch.float64)
+    return logprobs, old, advantages, mask, weights, Sequences.single(list(lengths)), list(lengths)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_gspo_equals_a_per_sequence_loop_with_its_gradient(seed):
+    logprobs, old, advantages, mask, weights, sequences, lengths = packed_tokens(seed)
+    eps_low, eps_high = 3e-3, 4e-3
+    loss, metrics = gspo_loss(logprobs, old, advantages, mask, eps_low, eps_high, weights=weights, sequences=sequences)
+    loss.backward()
+    expected_loss, expected_grad, clipped, start = 0.0, torch.zeros_like(old), 0, 0
+    lp = logprobs.detach()
+    for length in lengths:
+        tokens = [t for t in range(start, start + length) if mask[t]]
+        if tokens:
+            s = math.exp(sum(float(lp[t] - old[t]) for t in tokens) / len(tokens))  # the sequence ratio
+            for t in tokens:
+                a, w = float(advantages[t]), float(weights[t])
+                unclipped, bounded = -s * a, -min(max(s, 1 - eps_low), 1 + eps_high) * a
+                expected_loss += w * max(unclipped, bounded)
+                if bounded > unclipped:
+                    clipped += 1  # the clipped branch: constant, no gradient
+                else:
+                    expected_grad[t] = -w * a * s  # d(sg[s] * pi / sg[pi]) / d log pi = s
+        start += length
+    assert float(loss) == pytest.approx(expected_loss, rel=1e-10, abs=1e-12)
+    torch.testing.assert_close(logprobs.grad, expected_grad, rtol=1e-10, atol=1e-12)
+    assert float(metrics["clipped_sum"]) == clipped
+    assert 0 < clipped < int(mask.sum())  # both branches were exercised
+
+
+def test_gspo_packed_equals_each_sequence_alone():
+    logprobs, old, advantages, mask, _, sequences, lengths = packed_tokens(4)
+    packed, _ = gspo_loss(logprobs, old, advantages, mask, sequences=sequences)
+    alone, start = 0.0, 0
+    for length in lengths:
+        part = slice(start, start + length)
+        loss, _ = gspo_loss(logprobs[part], old[part], advantages[part], mask[part], sequences=Sequences.single([length]))
+        alone += float(loss)
+        start += length
+    assert float(packed) == pytest.approx(alone, rel=1e-12)
+
+
+def test_gspo_without_sequences_is_refused():
+    logprobs, old, advantages, mask, *_ = packed_tokens(0)
+    with pytest.raises(ValueError, match="needs `sequences`"):
+        gspo_loss(logprobs, old, advantages, mask)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cispo_equals_a_token_loop_and_its_weight_is_detached(seed):
+    logprobs, old, advantages, mask, weights, sequences, _ = packed_tokens(seed)
+    old = logprobs.detach() + torch.linspace(-0.5, 0.5, len(old), dtype=torch.float64)  # some ratios outside the band
+    loss, metrics = cispo_loss(logprobs, old, advantages, mask, 0.2, 0.28, weights=weights, sequences=sequences)
+    loss.backward()
+    expected_loss, expected_grad, clipped = 0.0, torch.zeros_like(old), 0
+    for t in range(len(old)):
+        if not mask[t]:
+            continue
+        r = math.exp(float(logprobs[t] - old[t]))
+        w = min(max(r, 0.8), 1.28)
+        clipped += w != r
+        expected_loss += -float(weights[t]) * w * float(advantages[t]) * float(logprobs[t])
+        expected_grad[t] = -float(weights[t]) * w * float(advantages[t])  # the weight is a constant
+    assert float(loss) == pytest.approx(expected_loss, rel=1e-10)
+    torch.testing.assert_close(logprobs.grad, expected_grad, rtol=1e-10, atol=1e-12)
+    assert float(metrics["clipped_sum"]) == clipped > 0
+    assert (logprobs.grad[mask] != 0).sum() == (advantages[mask] != 0).sum()  # no token loses its gradient
+
+
+def test_policy_loss_for_binds_the_configs_coefficients():
+    logprobs, old, advantages, mask, _, sequences, _ = packed_tokens(1)
+    config = AlgorithmConfig(type="grpo", policy_loss="gspo")
+    assert (config.eps_low, config.eps_high, config.loss_aggregation) == (3e-4, 4e-4, "seq-mean-token-mean")
+    got, _ = policy_loss_for(config)(logprobs, old, advantages, mask, sequences=sequences, weights=None)
+    expected, _ = gspo_loss(logprobs, old, advantages, mask, 3e-4, 4e-4, sequences=sequences)
+    assert float(got) == float(expected)
+    mine = AlgorithmConfig(type="grpo", policy_loss="gspo", eps_low=0.1, loss_aggregation="token-mean")
+    assert (mine.eps_low, mine.eps_high, mine.loss_aggregation) == (0.1, 4e-4, "token-mean")  # the user's win
+
+
+# -- config: presets and parts ---------------------------------------------------------------------
+
+
+def test_presets_fill_the_parts_and_explicit_parts_win():
+    parts = lambda **kw: (lambda c: (c.advantage, c.policy_loss))(AlgorithmConfig(**kw))  # noqa: E731
+    assert parts(type="grpo") == ("grpo", "ppo_clip")
+    assert parts(type="grpo", normalize_advantage_std=False) == ("dr_grpo", "ppo_clip")
+    assert parts(type="ppo") == ("gae", "ppo_clip")
+    assert parts(type="sao") == ("gae", "dis")
+    assert parts(type="sao", policy_loss="cispo") == ("gae", "cispo")
+    assert parts(type="grpo", advantage="reinforce_pp") == ("reinforce_pp", "ppo_clip")
+    assert AlgorithmConfig(type="sao", advantage="rloo").eps_high == 5.0  # the preset's coefficients stay
+    resolved = AlgorithmConfig(type="grpo", normalize_advantage_std=False)
+    assert AlgorithmConfig(**resolved.model_dump()) == resolved  # the resolved file reads back the same
+
+
+def test_bad_parts_are_errors_that_name_the_key():
+    with pytest.raises(ValueError, match=r"algorithm.advantage: unknown 'rlo'.*package.module:name"):
+        AlgorithmConfig(type="grpo", advantage="rlo")
+    with pytest.raises(ValueError, match=r"algorithm.policy_loss: unknown 'gpso'"):
+        AlgorithmConfig(type="grpo", policy_loss="gpso")
+    with pytest.raises(ValueError, match=r"normalize_advantage_std: false contradicts algorithm.advantage 'grpo'"):
+        AlgorithmConfig(type="grpo", advantage="grpo", normalize_advantage_std=False)
+
+
+def config_errors(data) -> str:
+    with pytest.raises(ConfigError) as raised:
+        parse_config(data)
+    return str(raised.value)
+
+
+def test_combinations_are_config_errors_naming_both_keys():
+    data = base("grpo")
+    data["algorithm"]["advantage"] = "gae"
+    assert "value: algorithm.advantage 'gae' (algorithm.type 'grpo') needs a value section" in config_errors(data)
+    data = base("grpo")
+    data["algorithm"]["advantage"] = "rloo"
+    data["orchestrator"]["group_size"] = 1
+    assert "orchestrator.group_size: algorithm.advantage 'rloo'" in config_errors(data)
+    data = base("sao")
+    data["algorithm"]["advantage"] = "reinforce_pp"
+    assert "value: algorithm.advantage 'reinforce_pp' (algorithm.type 'sao') reads no critic" in config_errors(data)
+    data = base("grpo")
+    data["algorithm"]["policy_loss_args"] = {"clip": 2}
+    assert "algorithm.policy_loss_args: only a plug-in takes arguments" in config_errors(data)
+
+
+# -- plug-ins ------------------------------------------------------------------------------------
+
+
+def test_plugins_load_and_run(example_parts):
+    loss = policy_loss("my_rl_parts:tempered_pg_loss", clip=1.5)
+    logprobs, old, advantages, mask, weights, sequences, _ = packed_tokens(2)
+    value, metrics = loss(logprobs, old, advantages, mask, sequences=sequences, weights=weights)
+    value.backward()
+    assert torch.isfinite(value) and float(metrics["num_tokens"]) == int(mask.sum())
+    assert logprobs.grad[~mask].abs().sum() == 0 and logprobs.grad[mask].abs().sum() > 0
+    estimator = advantage_estimator("my_rl_parts:median_baseline", shift=0.5)
+    got = estimator([torch.tensor([1.0, 3.0, 2.0])])
+    torch.testing.assert_close(got[0], torch.tensor([-0.5, 1.5, 0.5], dtype=torch.float32))
+    environment = make_environment("my_rl_parts:ShortReverse", dataset=None, seed=3)
+    assert isinstance(environment, Environment) and 2 <= len(environment.row(0)["word"]) <= 3
+
+
+def test_a_wrong_import_path_or_signature_names_the_key_and_the_path(example_parts, tmp_path, monkeypatch):
+    with pytest.raises(PluginError, match=r"algorithm.policy_loss: cannot import module 'no_such_module' of 'no_such_module:f'"):
+        policy_loss("no_such_module:f")
+    with pytest.raises(PluginError, match=r"algorithm.policy_loss: module 'my_rl_parts' has no 'missing'"):
+        policy_loss("my_rl_parts:missing")
+    with pytest.raises(PluginError, match=r"algorithm.advantage: 'my_rl_parts:torch' is a module, not a callable"):
+        advantage_estimator("my_rl_parts:torch")
+    (tmp_path / "bad_parts.py").write_text(
+        "def loss(logprobs, old_logprobs, advantages):\n    return 0, {}\n"
+        "def estimator(groups, *, alpha):\n    return groups\n"
+        "def not_an_env(dataset=None, seed=0):\n    return 3\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError, match=r"algorithm.policy_loss: 'bad_parts:loss' cannot be called as a policy_loss plug-in is"):
+        policy_loss("bad_parts:loss")
+    with pytest.raises(PluginError, match=r"'bad_parts:estimator' cannot be called.*alpha"):
+        advantage_estimator("bad_parts:estimator")  # a required keyword the config does not give
+    advantage_estimator("bad_parts:estimator", alpha=1.0)
+    with pytest.raises(PluginError, match=r"orchestrator.environment: 'bad_parts:not_an_env' returned a int, not"):
+        make_environment("bad_parts:not_an_env")
+    with pytest.raises(PluginError, match=r"cannot be called as a policy_loss plug-in"):
+        load_plugin("policy_loss", "my_rl_parts:tempered_pg_loss", "algorithm.policy_loss", ("beta",))
+
+
+def test_an_estimator_that_returns_the_wrong_shape_is_named():
+    groups = [outcome_group(0, [1.0, 0.0]), outcome_group(1, [0.2, 0.4, 0.1])]
+    algorithm = make_algorithm(AlgorithmConfig(type="grpo"))
+    algorithm.estimator = lambda rewards: rewards[:1]
+    with pytest.raises(ValueError, match=r"algorithm.advantage 'grpo' returned 1 advantage tensors for 2 groups"):
+        asyncio.run(algorithm.prepare_batch(groups))
+    algorithm.estimator = lambda rewards: [r[:1] for r in rewards]
+    with pytest.raises(ValueError, match=r"returned shape \(1,\) for group 0 of 2 members"):
+        asyncio.run(algorithm.prepare_batch(groups))
+    algorithm.estimator = lambda rewards: [r * float("nan") for r in rewards]
+    with pytest.raises(ValueError, match="non-finite advantages for group 0"):
+        asyncio.run(algorithm.prepare_batch(groups))
+
+
+def test_check_config_imports_plugins_and_names_a_bad_one(example_parts):
+    data = base("grpo")
+    data["algorithm"].update(policy_loss="my_rl_parts:tempered_pg_loss", policy_loss_args={"clip": 3.0},
+                             advantage="my_rl_parts:median_baseline")  # fmt: skip
+    data["orchestrator"]["environment"] = "my_rl_parts:ShortReverse"
+    resolved = parse_config(data)
+    assert resolved.algorithm.policy_loss == "my_rl_parts:tempered_pg_loss"
+    data["algorithm"]["policy_loss_args"] = {"beta": 3.0}
+    assert "algorithm.policy_loss: 'my_rl_parts:tempered_pg_loss' cannot be called" in config_errors(data)
+    data["algorithm"]["policy_loss_args"] = {}
+    data["orchestrator"]["environment"] = "my_rl_parts:Nothing"
+    assert "orchestrator.environment: module 'my_rl_parts' has no 'Nothing'" in config_errors(data)
