@@ -28,6 +28,7 @@ def tempered_pg_loss(logprobs, old_logprobs, advantages, mask, *, sequences, wei
         "num_tokens": mask.sum().double(),
         "ratio_sum": torch.where(mask, ratio, 0.0).sum().double(),
         "clipped_sum": (mask & (ratio > clip)).sum().double(),
+        "tempered_weight_sum": torch.where(mask, torch.clamp(ratio, max=clip), 0.0).sum().double(),
     }
     return loss, metrics
 

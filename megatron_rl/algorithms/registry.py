@@ -27,8 +27,9 @@ with sums over whole sequences across context-parallel ranks); `weights` None or
 detached factors (loss aggregation times rollout correction) to multiply the per-token loss by.
 Return the *sum* over masked tokens, not a mean: the trainer divides by the global normaliser of
 `algorithm.loss_aggregation`. Metrics whose names end in `_sum` are summed over every
-micro-batch and rank and reported per token (`num_tokens`, `ratio_sum`, `clipped_sum`,
-`approx_kl_sum` feed ratio_mean, clip_fraction, approx_kl); other entries are dropped.
+micro-batch and rank: `num_tokens`, `ratio_sum`, `clipped_sum`, `approx_kl_sum` feed the policy's
+ratio_mean, clip_fraction and approx_kl (with _first and _last), and any other `NAME_sum` is
+reported as NAME, its mean per action token over the step's updates; other entries are dropped.
 """
 
 from __future__ import annotations

@@ -187,6 +187,11 @@ def _means(metrics: dict) -> dict:
     }
 
 
+# Statistics summarise_updates reports under names of their own.
+KNOWN_SUMS = frozenset(("ratio_sum", "clipped_sum", "approx_kl_sum", "entropy_sum", "kl_ref_sum", "log_ratio_sum",
+                        "ratio_squared_sum"))  # fmt: skip
+
+
 def summarise_updates(updates: list[dict], epochs: int, mismatch: dict | None, times: dict) -> dict:
     """One step's metrics from its updates' reduced metrics (`epochs` passes over the step's
     samples)."""
@@ -211,6 +216,10 @@ def summarise_updates(updates: list[dict], epochs: int, mismatch: dict | None, t
         "lr": last.get("lr"),
         "time": times,
     }
+    # Every other summed statistic of the loss (GSPO's sequence ratio, a plug-in's own): its mean per
+    # action token over all updates, under its name without `_sum`.
+    for key in sorted({k for u in updates for k in u if k.endswith("_sum") and k not in KNOWN_SUMS}):
+        record.setdefault(key.removesuffix("_sum"), sum(u.get(key, 0.0) for u in updates) / tokens)
     if mismatch is None:  # sampler: the first update's ratio is the mismatch (no update before it)
         first_tokens = max(first.get("num_tokens", 0.0), 1.0)
         mismatch = {

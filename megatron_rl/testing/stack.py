@@ -15,9 +15,12 @@ from megatron_rl.parallel import free_port
 from megatron_rl.testing.processes import RankProcesses
 
 
-def stack_config(tmp_path, model_dir, algorithm: str, num_steps: int, pool, **orchestrator):
-    """(resolved, resolved_json_path) of a tiny CPU run on `pool`'s model; keyword arguments
-    override the orchestrator section."""
+def stack_config(tmp_path, model_dir, algorithm: str | dict, num_steps: int, pool, overrides=(), **orchestrator):
+    """(resolved, resolved_json_path) of a tiny CPU run on `pool`'s model; `algorithm` is the
+    preset's name or a whole algorithm section; keyword arguments override the orchestrator
+    section, then `overrides` ("KEY=VALUE", as `--set` takes them) anything."""
+    section = {"type": algorithm} if isinstance(algorithm, str) else dict(algorithm)
+    algorithm = section["type"]
     ports = [free_port() for _ in range(4)]
     config = {
         "model": {
@@ -27,7 +30,7 @@ def stack_config(tmp_path, model_dir, algorithm: str, num_steps: int, pool, **or
             "dtype": "float32",
         },
         "optimizer": {"lr": 1e-3, "grad_clip": 1.0},
-        "algorithm": {"type": algorithm},
+        "algorithm": section,
         "orchestrator": {
             "num_steps": num_steps,
             "batch_size": 3,
@@ -59,7 +62,7 @@ def stack_config(tmp_path, model_dir, algorithm: str, num_steps: int, pool, **or
         "checkpoint": {"dir": str(tmp_path / "checkpoints"), "save_interval": 1},
         "logging": {"dir": str(tmp_path / "logs"), "console": False},
     }
-    if algorithm != "grpo":
+    if section.get("advantage", "gae" if algorithm != "grpo" else "grpo") == "gae":
         config["value"] = {
             "model": {
                 "hf_config": str(model_dir),
@@ -75,7 +78,7 @@ def stack_config(tmp_path, model_dir, algorithm: str, num_steps: int, pool, **or
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"config-{num_steps}.yaml"
     path.write_text(yaml.safe_dump(config))
-    resolved = load_config(path)
+    resolved = load_config(path, list(overrides))
     resolved_path = tmp_path / f"resolved-{num_steps}.json"
     resolved_path.write_text(resolved.to_json())
     return resolved, resolved_path

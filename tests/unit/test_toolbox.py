@@ -371,3 +371,17 @@ def test_check_config_imports_plugins_and_names_a_bad_one(example_parts):
     data["algorithm"]["policy_loss_args"] = {}
     data["orchestrator"]["environment"] = "my_rl_parts:Nothing"
     assert "orchestrator.environment: module 'my_rl_parts' has no 'Nothing'" in config_errors(data)
+
+
+def test_the_plugins_page_shows_the_example_loss_and_the_tested_assignments(example_parts):
+    import inspect
+
+    import my_rl_parts
+
+    from tests.e2e.test_toolbox_examples import PLUGIN_SETS
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text()
+    assert inspect.getsource(my_rl_parts.tempered_pg_loss) in page
+    for assignment in PLUGIN_SETS:
+        key, _, value = assignment.partition("=")
+        assert f"--set {assignment}" in page or f'--set "{assignment}"' in page, assignment
