@@ -34,19 +34,21 @@ from megatron_rl.config.run import (
     CheckpointConfig,
     Config,
     DeploymentConfig,
+    DynamicSamplingConfig,
     EvalConfig,
     InferenceConfig,
     LoggingConfig,
     OrchestratorConfig,
+    OverlongConfig,
     TransportConfig,
 )
 from megatron_rl.config.value import ServiceConfig, SnapshotConfig, ValueConfig
 
 __all__ = [
     "ALGORITHM_DEFAULTS", "HF_MODEL_TYPES", "AdmissionConfig", "AlgorithmConfig", "Architecture",
-    "CheckpointConfig", "Config", "ConfigError", "DeploymentConfig", "EvalConfig", "Family",
+    "CheckpointConfig", "Config", "ConfigError", "DeploymentConfig", "DynamicSamplingConfig", "EvalConfig", "Family",
     "InferenceConfig", "Layout", "LoggingConfig", "LoraConfig", "ModelConfig", "ModelLayout",
-    "OptimizerConfig", "OrchestratorConfig", "RecomputeConfig", "ResolvedConfig", "RunPaths",
+    "OptimizerConfig", "OrchestratorConfig", "OverlongConfig", "RecomputeConfig", "ResolvedConfig", "RunPaths",
     "ServiceConfig", "SnapshotConfig", "Strict", "TransportConfig", "ValueConfig", "apply_overrides",
     "load_config", "load_resolved", "parse_config", "resolve", "secret_from_env",
 ]  # fmt: skip

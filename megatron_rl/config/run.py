@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from megatron_rl.config.algorithm import AlgorithmConfig
 from megatron_rl.config.base import Strict, secret_from_env
@@ -19,6 +19,31 @@ class AdmissionConfig(Strict):
     reject_identical_rewards: bool = False  # GRPO: a group whose rewards are all equal has no signal
     min_completion_tokens: int = Field(default=1, ge=0)
     drop_truncated: bool = False
+
+
+class DynamicSamplingConfig(Strict):
+    """DAPO's dynamic sampling with a bound: the dispatcher replaces rejected groups until
+    `batch_size` are admitted, consuming at most `batch_size + max_extra_groups` groups of the
+    ordered stream for one step (the extra ones: rejected by an admission rule or dropped as
+    stale). At the bound, `on_limit` says what happens: "train" ships the groups admitted so far
+    as a smaller batch (none yet: it ships the first one admitted, never an empty step); "wait"
+    keeps going until the batch is full and records that the bound was passed; "stop" raises,
+    naming the rejections by rule (verl's DAPO raises past `max_num_gen_batches`)."""
+
+    max_extra_groups: int = Field(ge=0)
+    on_limit: Literal["train", "wait", "stop"] = "train"
+
+
+class OverlongConfig(Strict):
+    """DAPO's overlong shaping. "penalty": the soft overlong punishment added to the reward
+    before advantages, 0 up to `max_completion_tokens - buffer_tokens` completion tokens, then
+    falling linearly to `-penalty_factor` at `max_completion_tokens`. "mask": overlong filtering,
+    a truncated sample stays in its group (its reward counts in the group's statistics) but
+    carries no loss (its loss mask is all False)."""
+
+    buffer_tokens: int = Field(gt=0)
+    penalty_factor: float = Field(default=1.0, ge=0)
+    mode: Literal["penalty", "mask"] = "penalty"
 
 
 class EvalConfig(Strict):
@@ -52,12 +77,30 @@ class OrchestratorConfig(Strict):
     top_p: float = Field(default=1.0, gt=0, le=1)
     seed: int = 0
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    dynamic_sampling: DynamicSamplingConfig | None = None  # None: replace rejected groups without bound
+    overlong: OverlongConfig | None = None  # None: no length shaping
     environment: Literal["procedural", "math", "calculator"] = "procedural"
     # procedural: the task (reverse, copy, count); math / calculator: a JSONL file of {prompt, answer}
     dataset: str | None = None
     # Apply the tokenizer's chat template to prompts (once, when the tokenizer has one).
     chat_template: bool = True
     eval: list[EvalConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _overlong_fits(self) -> OrchestratorConfig:
+        overlong = self.overlong
+        if overlong is not None and overlong.buffer_tokens >= self.max_completion_tokens:
+            raise ValueError(
+                f"orchestrator.overlong.buffer_tokens ({overlong.buffer_tokens}) must be less than "
+                f"orchestrator.max_completion_tokens ({self.max_completion_tokens}): the buffer is the last "
+                "part of the completion budget"
+            )
+        if overlong is not None and overlong.mode == "mask" and self.admission.drop_truncated:
+            raise ValueError(
+                "orchestrator.overlong.mode 'mask' keeps truncated samples in their group without loss, "
+                "orchestrator.admission.drop_truncated removes them from it: choose one"
+            )
+        return self
 
 
 class InferenceConfig(Strict):

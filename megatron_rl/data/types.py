@@ -26,6 +26,9 @@ class TrainingSample:
     rollout cut off by its token budget). A single-turn answer cut off at the length limit and
     graded is done: bootstrapping it would add V to a terminal reward, which at gamma 1 grows
     the values without bound.
+
+    `reward` is what the advantages see: the environment's reward plus any shaping
+    (`orchestrator.overlong`); `score` is the environment's own reward (default: `reward`).
     """
 
     token_ids: np.ndarray  # [T] int64
@@ -41,8 +44,11 @@ class TrainingSample:
     bootstrap_value: float | None = None
     advantages: np.ndarray | None = None  # [T] float32
     returns: np.ndarray | None = None  # [T] float32
+    score: float | None = None  # the environment's reward before shaping
 
     def __post_init__(self) -> None:
+        if self.score is None:
+            self.score = self.reward
         self.token_ids = np.asarray(self.token_ids, dtype=np.int64)
         self.loss_mask = np.asarray(self.loss_mask, dtype=bool)
         self.inference_logprobs = np.asarray(self.inference_logprobs, dtype=np.float32)

@@ -1,8 +1,10 @@
 """The orchestrator's step loop: one training step of DESIGN.md's data flow (steps 1 to 7).
 
-For step n: the dispatcher hands over `batch_size` admitted groups (generation of later batches
-goes on meanwhile, within the lead gate) -> PPO/SAO: `prepare_group` per group (one `/score`
-request with every branch, skip-observation GAE); GRPO: group advantages, no critic -> pack
+For step n: the dispatcher hands over `batch_size` admitted groups, or fewer at the
+`orchestrator.dynamic_sampling` bound with on_limit "train" (generation of later batches goes on
+meanwhile, within the lead gate; the sink has added any overlong penalty to the rewards) ->
+PPO/SAO: `prepare_group` per group (one `/score` request with every branch, skip-observation
+GAE); GRPO: group advantages, no critic -> pack
 twice (critic layout; policy layout, split into `algorithm.policy_minibatches` mini-batches seeded
 by (orchestrator.seed, n), each its own balanced grid; both padded for the layout's sequence
 parallel) -> critic grid -> wait until the critic's `/status` says step n trained -> policy grid
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from megatron_rl.algorithms import make_algorithm
@@ -62,7 +65,7 @@ class Orchestrator:
             raise OrchestratorError(
                 f"algorithm.type {resolved.algorithm.type} needs the critic (a value section)"
             )
-        self.sink = TrainSink(o.admission)
+        self.sink = TrainSink(o.admission, o.overlong, o.max_completion_tokens)
         self.shipped_log: list = []  # (step, TrainingSample) of every shipped sample
 
         self.sampling = SamplingParams.from_config(o)
@@ -70,8 +73,9 @@ class Orchestrator:
             Evaluator(o.eval, client, encoder, o.max_completion_tokens, o.seed) if o.eval else None
         )
         self.dispatcher = Dispatcher(
-            self._start_group, self.sink.admit, o.batch_size, o.max_async_level, o.max_off_policy_steps,
+            self._start_group, self.sink.judge, o.batch_size, o.max_async_level, o.max_off_policy_steps,
             weights.version, next_group_id=state.group_for_step(state.step), shipped_batches=state.step,
+            dynamic_sampling=o.dynamic_sampling,
         )  # fmt: skip
 
     async def _start_group(self, group_id: int, row_index: int):
@@ -82,17 +86,19 @@ class Orchestrator:
     async def run(self) -> int:
         """Runs the remaining steps; returns the number of steps run."""
         o = self.resolved.orchestrator
-        empty_steps, ran = 0, 0
+        empty_steps, ran, rejected = 0, 0, Counter()
         follower = asyncio.ensure_future(self._follow_versions())
         try:
             for step in range(self.state.step, o.num_steps):
                 record = await self.run_step(step)
                 ran += 1
-                empty_steps = empty_steps + 1 if record["groups_admitted"] == 0 else 0
+                empty = record["groups_admitted"] == 0
+                empty_steps = empty_steps + 1 if empty else 0
+                rejected = rejected + Counter(record["groups_rejected"]) if empty else Counter()
                 if empty_steps >= o.max_empty_steps:
                     raise OrchestratorError(
                         f"stopping: {empty_steps} consecutive steps admitted no group "
-                        f"(rejected by rule: {dict(self.sink.counters.rejected_groups)}; check orchestrator.admission)"
+                        f"(rejected by rule: {dict(rejected)}; check orchestrator.admission)"
                     )
         finally:
             follower.cancel()
@@ -120,8 +126,6 @@ class Orchestrator:
             times["eval"] = time.perf_counter() - mark
         mark = time.perf_counter()
         first_group = self.dispatcher.next_to_ship
-        self.sink.counters.reset()
-        stale_before = self.dispatcher.stale_dropped
         batch = await self.dispatcher.next_batch(step, self.timeouts.batch_s)
         times["generate"] = time.perf_counter() - mark
         samples = [s for _, group_samples in batch for s in group_samples]
@@ -151,8 +155,8 @@ class Orchestrator:
         times["total"] = time.perf_counter() - began
         self.state.advance(step, first_group, self.dispatcher.next_to_ship)
         record = step_metrics(
-            step, batch, samples, self.sink.counters, self.dispatcher, stale_before, times, status,
-            live_version=self.weights.version(),
+            step, batch, samples, self.dispatcher.last_counts, self.dispatcher, times, status,
+            live_version=self.weights.version(), batch_size=o.batch_size, overlong=o.overlong,
         )  # fmt: skip
         record.update(evaluation)
         self.record_metrics(record)

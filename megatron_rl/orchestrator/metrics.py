@@ -1,7 +1,9 @@
 """One JSON line of orchestrator metrics per step (`logging.dir/orchestrator_metrics.jsonl`)
 and a console line: rewards, pass rate, lengths, truncation, admission counts by rule, stale
-drops, the off-policy lag histogram, advantages, the critic's values and explained variance of
-the returns, the train-inference mismatch KL reported by the policy, and the step's time split."""
+drops, dynamic sampling's cost (groups generated for the step, extra generation as a fraction of
+the batch, the bound hit, a smaller batch), overlong shaping, the off-policy lag histogram,
+advantages, the critic's values and explained variance of the returns, the train-inference
+mismatch KL reported by the policy, and the step's time split."""
 
 from __future__ import annotations
 
@@ -29,9 +31,24 @@ def _stats(prefix: str, values) -> dict:
             f"{prefix}_min": float(values.min()), f"{prefix}_max": float(values.max())}  # fmt: skip
 
 
+def overlong_metrics(samples, overlong) -> dict:
+    """How many samples the length shaping touched: `overlong_shaped` (a nonzero penalty),
+    `overlong_penalty_mean` (over every sample of the step), `overlong_masked` (mask mode: every
+    truncated sample), `score_mean` (the environment's reward before shaping)."""
+    penalties = [s.reward - s.score for s in samples]
+    masking = overlong is not None and overlong.mode == "mask"
+    return {
+        "score_mean": float(np.mean([s.score for s in samples])) if samples else None,
+        "overlong_shaped": sum(1 for p in penalties if p != 0.0),
+        "overlong_penalty_mean": float(np.mean(penalties)) if samples else None,
+        "overlong_masked": sum(1 for s in samples if s.truncated) if masking else 0,
+    }
+
+
 def step_metrics(
-    step, batch, samples, counters, dispatcher, stale_before, times, critic_status, live_version
+    step, batch, samples, counts, dispatcher, times, critic_status, live_version, batch_size, overlong=None
 ) -> dict:
+    """`counts`: the dispatcher's StepCounts of this step; `overlong`: the OverlongConfig or None."""
     members = [m for group, _ in batch for m in group.members if m.status == "finished"]
     passed = [m.passed for m in members if m.passed is not None]
     mask = [s.loss_mask for s in samples]
@@ -43,12 +60,18 @@ def step_metrics(
         "completion_tokens_mean": float(np.mean([m.sum() for m in mask])) if samples else None,
         "sequence_tokens_mean": float(np.mean([len(s) for s in samples])) if samples else None,
         "truncation_rate": float(np.mean([s.truncated for s in samples])) if samples else None,
+        "groups_generated": counts.generated,
         "groups_admitted": len(batch),
         "group_ids": [group.group_id for group, _ in batch],
         "samples": len(samples),
-        "groups_rejected": dict(counters.rejected_groups),
-        "members_dropped": dict(counters.dropped_members),
-        "stale_dropped": dispatcher.stale_dropped - stale_before,
+        "groups_rejected": dict(counts.rejected),
+        "members_dropped": dict(counts.members_dropped),
+        "stale_dropped": counts.stale,
+        "extra_generation": max(0, counts.generated - batch_size) / batch_size,
+        "dynamic_sampling_limit_hit": counts.limit_hit,
+        "batch_partial": counts.partial,
+        "groups_restarted": counts.restarted,
+        **overlong_metrics(samples, overlong),
         "off_policy_lag": {str(k): v for k, v in sorted(dispatcher.lag_histogram.items())},
         "advantage_mean": float(advantages.mean()) if advantages.size else None,
         "advantage_std": float(advantages.std()) if advantages.size else None,
@@ -98,7 +121,7 @@ class MetricsWriter:
         parts = [
             f"step {record['step']}",
             f"reward {reward:.4f}" if reward is not None else "reward -",
-            f"groups {record['groups_admitted']}",
+            f"groups {record['groups_admitted']}/{record['groups_generated']}",
             f"stale {record['stale_dropped']}",
             f"ev {ev:.3f}" if ev is not None else "",
             f"mismatch_kl {kl:.2e}" if kl is not None else "",
