@@ -3,7 +3,9 @@
     python benchmarks/demo_learning.py [--algos sao,ppo,grpo,ppo-n4] [--seeds 0,1,2] [--steps 50] [--out runs/curves]
 
 Besides the three algorithms, `--algos` takes the variants in VARIANTS (an algorithm with config
-overrides): `ppo-n4` is PPO with 4 mini-batch updates per step (`algorithm.policy_minibatches=4`).
+overrides): `ppo-n4` is PPO with 4 mini-batch updates per step (`algorithm.policy_minibatches=4`);
+`rloo`, `dr_grpo`, `reinforce_pp`, `gspo`, `cispo` are the algorithm toolbox's parts on the demo's
+GRPO setting. `--result NAME` names the results file (default demo_learning).
 
 Runs `launch/demo.sh`'s job (`megatron_rl.launch.demo.run_demo`, the full CPU stack) once per
 algorithm and seed, one after the other, then prints the summary table (mean reward of the first
@@ -26,7 +28,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # name: (algorithm, run-config overrides)
-VARIANTS = {"ppo-n4": ("ppo", ["algorithm.policy_minibatches=4"])}
+VARIANTS = {
+    "ppo-n4": ("ppo", ["algorithm.policy_minibatches=4"]),
+    # The algorithm toolbox on the demo's GRPO setting (16 prompts x 4 a step).
+    "rloo": ("grpo", ["algorithm.advantage=rloo"]),
+    "dr_grpo": ("grpo", ["algorithm.advantage=dr_grpo", "algorithm.loss_aggregation=seq-mean-token-sum-norm"]),
+    "reinforce_pp": ("grpo", ["algorithm.advantage=reinforce_pp"]),
+    "gspo": ("grpo", ["algorithm.policy_loss=gspo", "algorithm.policy_minibatches=2", "algorithm.old_logprobs=recompute"]),
+    "cispo": ("grpo", ["algorithm.policy_loss=cispo", "algorithm.eps_high=0.28", "algorithm.policy_minibatches=2",
+                       "algorithm.old_logprobs=recompute"]),
+}
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -74,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     parser.add_argument("--out", type=Path, default=Path("runs/curves"))
+    parser.add_argument("--result", default="demo_learning", help="benchmarks/results/NAME.json")
     args = parser.parse_args(argv)
     algos, seeds = args.algos.split(","), [int(s) for s in args.seeds.split(",")]
     runs, records = {}, []
@@ -106,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = min(r["rise"] for r in records)
     first = sum(r["first5"] for r in records) / len(records)
     path = write_result(
-        "demo_learning", figure=worst, reference=first, ratio=worst / first if first else float("inf"),
+        args.result, figure=worst, reference=first, ratio=worst / first if first else float("inf"),
         params={"steps": args.steps, "algos": algos, "seeds": seeds, **DEFAULTS},
         runs=records, note="figure: smallest rise (last 5 minus first 5 steps' mean reward) over all runs; "
         "reference: mean reward of the first 5 steps",

@@ -3,14 +3,29 @@ logging; and `Config`, all sections together."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from megatron_rl.config.algorithm import AlgorithmConfig
 from megatron_rl.config.base import Strict, secret_from_env
 from megatron_rl.config.model import ModelConfig, OptimizerConfig
 from megatron_rl.config.value import ValueConfig
+
+BUILTIN_ENVIRONMENTS = ("procedural", "math", "calculator")
+
+
+def _environment_name(value: str) -> str:
+    if ":" not in value and value not in BUILTIN_ENVIRONMENTS:
+        raise ValueError(
+            f"unknown environment {value!r}; choose from {list(BUILTIN_ENVIRONMENTS)} or give a plug-in "
+            "as 'package.module:name' (called with dataset=, seed=, returning an Environment)"
+        )
+    return value
+
+
+# A built-in environment's name, or a plug-in's import path (envs.make_environment).
+EnvironmentName = Annotated[str, AfterValidator(_environment_name)]
 
 
 class AdmissionConfig(Strict):
@@ -50,7 +65,7 @@ class EvalConfig(Strict):
     """A held-out evaluation set: run at step 0 and every `interval` steps, never trained on."""
 
     name: str
-    environment: Literal["procedural", "math", "calculator"] = "procedural"
+    environment: EnvironmentName = "procedural"
     dataset: str | None = None
     num_examples: int = Field(default=64, gt=0)
     samples_per_example: int = Field(default=1, gt=0)  # k of pass@k
@@ -79,7 +94,7 @@ class OrchestratorConfig(Strict):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     dynamic_sampling: DynamicSamplingConfig | None = None  # None: replace rejected groups without bound
     overlong: OverlongConfig | None = None  # None: no length shaping
-    environment: Literal["procedural", "math", "calculator"] = "procedural"
+    environment: EnvironmentName = "procedural"
     # procedural: the task (reverse, copy, count); math / calculator: a JSONL file of {prompt, answer}
     dataset: str | None = None
     # Apply the tokenizer's chat template to prompts (once, when the tokenizer has one).

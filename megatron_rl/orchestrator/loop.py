@@ -3,8 +3,8 @@
 For step n: the dispatcher hands over `batch_size` admitted groups, or fewer at the
 `orchestrator.dynamic_sampling` bound with on_limit "train" (generation of later batches goes on
 meanwhile, within the lead gate; the sink has added any overlong penalty to the rewards) ->
-PPO/SAO: `prepare_group` per group (one `/score` request with every branch, skip-observation
-GAE); GRPO: group advantages, no critic -> pack
+`prepare_batch` over the step's groups (gae: one `/score` request per group with every branch,
+skip-observation GAE; outcome estimators: the step's rewards, no critic) -> pack
 twice (critic layout; policy layout, split into `algorithm.policy_minibatches` mini-batches seeded
 by (orchestrator.seed, n), each its own balanced grid; both padded for the layout's sequence
 parallel) -> critic grid -> wait until the critic's `/status` says step n trained -> policy grid
@@ -63,7 +63,7 @@ class Orchestrator:
         self.algorithm = make_algorithm(resolved.algorithm, critic.scorer if critic is not None else None)
         if self.algorithm.needs_critic and critic is None:
             raise OrchestratorError(
-                f"algorithm.type {resolved.algorithm.type} needs the critic (a value section)"
+                f"algorithm.advantage {resolved.algorithm.advantage!r} needs the critic (a value section)"
             )
         self.sink = TrainSink(o.admission, o.overlong, o.max_completion_tokens)
         self.shipped_log: list = []  # (step, TrainingSample) of every shipped sample
@@ -131,7 +131,7 @@ class Orchestrator:
         samples = [s for _, group_samples in batch for s in group_samples]
         self.shipped_log += [(step, s) for s in samples]
         mark = time.perf_counter()
-        await asyncio.gather(*[self.algorithm.prepare_group(group_samples) for _, group_samples in batch])
+        await self.algorithm.prepare_batch([group_samples for _, group_samples in batch])
         times["score"] = time.perf_counter() - mark
         layout = self.resolved.layout
         if self.critic is not None:
