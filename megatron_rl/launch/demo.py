@@ -42,7 +42,7 @@ from megatron_rl.launch.local import run_local
 from megatron_rl.launch.plot import plot_runs, summary_table
 
 ROOT = Path(__file__).resolve().parents[2]
-# Chosen by measurement (README "The demo", benchmarks/demo_learning.py): `count` rises from the
+# Chosen by measurement (docs/getting-started/demo.md, benchmarks/demo_learning.py): `count` rises from the
 # random initialisation for all three algorithms at 64 rollouts a step with a character vocabulary.
 DEFAULTS = {"steps": 50, "task": "count", "sft_steps": 0, "rollouts": 64, "lr": 3.0e-3}
 

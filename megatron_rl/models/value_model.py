@@ -3,8 +3,8 @@
 `value_head = Linear(in_features, 1)` where `in_features` is read from the policy-style output
 layer the backbone builds (never hard-coded, never gated on a model name). The model returns one
 float32 value per token position, `[batch, seq]`: position t holds the head applied to the final
-hidden state at t, i.e. the value of the state before token t + 1 (DESIGN.md, "Critic value
-alignment"). On pipeline parallel the head lives on the last stage.
+hidden state at t, i.e. the value of the state before token t + 1
+(docs/concepts/critic-alignment.md). On pipeline parallel the head lives on the last stage.
 """
 
 from __future__ import annotations

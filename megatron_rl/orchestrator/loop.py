@@ -1,4 +1,4 @@
-"""The orchestrator's step loop: one training step of DESIGN.md's data flow (steps 1 to 7).
+"""The orchestrator's step loop: one training step of docs/concepts/data-flow.md (steps 1 to 7).
 
 For step n: the dispatcher hands over `batch_size` admitted groups, or fewer at the
 `orchestrator.dynamic_sampling` bound with on_limit "train" (generation of later batches goes on

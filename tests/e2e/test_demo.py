@@ -2,7 +2,7 @@
 figure, the inference servers move to the new policy version every step, and the train-inference
 mismatch KL stays below 1e-3 (float32). The SAO run is the learning check (in the style of
 prime-rl's check_reward_goes_up): 20 steps, and the mean reward of the last 5 must exceed the
-first 5 by LEARNING_MARGIN. Measured (benchmarks/demo_learning.py, README "The demo"): over 20
+first 5 by LEARNING_MARGIN. Measured (benchmarks/demo_learning.py, docs/getting-started/demo.md): over 20
 steps (steps 15-19 against 0-4) the rise was +0.29 to +0.45 for SAO, PPO and GRPO at seeds 0-2."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The package layout's import rule (DESIGN.md, "Package layout"): a module imports only modules
+"""The package layout's import rule (docs/contributing.md, "Import order"): a module imports only modules
 listed above it. `faults` (kill points) and `lifetime` (children bound to their starter) import nothing of ours and sit with `config`; `testing`
 (helpers for tests and benchmarks) may import everything."""
 
