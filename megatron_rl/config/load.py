@@ -48,10 +48,15 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
     if data["inference"]["weight_update"] == "safetensors" and not data["inference"]["publish_dir"]:
         # Path (a) needs a directory: without one the policy would publish nothing.
         data["inference"]["publish_dir"] = str(Path(data["checkpoint"]["dir"]) / "published")
-    # Every process reads the resolved file from its own working directory: make paths absolute.
+    # Every process reads the resolved file from its own working directory: the model files a
+    # config names (HF config, weights, the servers' HF directory) are relative to its file.
+    def absolute(path: str | None) -> str | None:
+        return str((base_dir / path).resolve()) if path and not Path(path).is_absolute() else path
+
     for section in (data["model"], data["value"]["model"] if data["value"] else None):
-        if section and section["hf_config"] and not Path(section["hf_config"]).is_absolute():
-            section["hf_config"] = str((base_dir / section["hf_config"]).resolve())
+        if section:
+            section["hf_config"], section["checkpoint"] = absolute(section["hf_config"]), absolute(section["checkpoint"])
+    data["inference"]["model_dir"] = absolute(data["inference"]["model_dir"])
     layout = Layout(
         policy=policy_layout,
         critic=critic_layout,
@@ -119,8 +124,10 @@ def apply_overrides(data: dict, assignments: list[str]) -> dict:
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> ResolvedConfig:
-    """Reads a user's YAML config, with `KEY=VALUE` overrides; relative paths in it are
-    relative to the file's directory."""
+    """Reads a user's YAML config, with `KEY=VALUE` overrides. Relative paths of model files
+    (`hf_config`, `checkpoint` of each model, `inference.model_dir`) are relative to the file's
+    directory; run outputs (`checkpoint.dir`, `logging.dir`, `inference.publish_dir`) and
+    datasets to the working directory the run starts in."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(str(path), ["file not found"])
