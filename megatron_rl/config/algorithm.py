@@ -94,20 +94,23 @@ class RolloutCorrectionConfig(Strict):
     `rollout_rs_threshold` (one for all, or one per rule; `*_k1` rules take "L_U" ratio bounds, the
     others one upper bound)."""
 
-    rollout_is: Literal["token", "sequence", "geometric"] | None = None
-    rollout_is_threshold: float | str = 2.0
-    rollout_is_batch_normalize: bool = False
-    rollout_rs: str | None = None
-    rollout_rs_threshold: float | str | None = None
+    rollout_is: Literal["token", "sequence", "geometric"] | None = Field(default=None, description="The importance weight's level: per token, the product over the sequence, or its geometric mean; null: no weights.")
+    rollout_is_threshold: float | str = Field(default=2.0, description='A number U truncates the weights at U (TIS); "L_U" zeroes weights outside [L, U] (MIS / IcePop).')
+    rollout_is_batch_normalize: bool = Field(default=False, description="Divide the weights by their mean over the batch (verl's rollout_is_batch_normalize).")
+    rollout_rs: str | None = Field(default=None, description="Comma-separated rejection rules (verl's, e.g. token_k1, seq_mean_k3) that drop tokens or sequences from the loss; null: none.")
+    rollout_rs_threshold: float | str | None = Field(default=None, description='The rejection rules\' thresholds: one for all or one per rule, comma-separated; *_k1 rules take "L_U" ratio bounds, the others one upper bound.')
 
     @field_validator("rollout_is_threshold")
     @classmethod
     def _is_bounds(cls, value):
+        """rollout_is_threshold is a positive number or "lower_upper" with lower <= upper."""
         parse_bounds(value, "rollout_is_threshold")
         return value
 
     @model_validator(mode="after")
     def _rejection_rules(self) -> RolloutCorrectionConfig:
+        """Each rollout_rs rule is known and has a valid threshold (one for all or one per rule);
+        rollout_rs_threshold needs rollout_rs; at least one of rollout_is and rollout_rs is set."""
         self.rejection_rules()  # raises on bad rules or thresholds
         if self.rollout_is is None and self.rollout_rs is None:
             raise ValueError("set rollout_is, rollout_rs or both (or leave rollout_correction out)")
@@ -153,41 +156,33 @@ class RolloutCorrectionConfig(Strict):
 
 
 class AlgorithmConfig(Strict):
-    type: Literal["grpo", "ppo", "sao"]
-    # The parts (default: the preset's, PRESET_PARTS): a built-in name or "package.module:name"
-    # (algorithms/registry.py has the protocols), with keyword arguments for a plug-in.
-    advantage: str | None = None
-    advantage_args: dict[str, Any] = Field(default_factory=dict)
-    policy_loss: str | None = None
-    policy_loss_args: dict[str, Any] = Field(default_factory=dict)
-    # gae: whiten the step's advantages over all its action tokens (verl's masked_whiten).
-    whiten_advantages: bool = False
-    gamma: float = Field(default=1.0, ge=0, le=1)
-    policy_lambda: float = Field(default=0.95, ge=0, le=1)
-    value_lambda: float = Field(default=1.0, ge=0, le=1)
-    length_adaptive_alpha: float | None = Field(default=None, gt=0)
-    eps_low: float = Field(default=0.2, ge=0, le=1)
-    eps_high: float = Field(default=0.2, ge=0)
-    dual_clip: float | None = Field(default=None, gt=1)
-    value_clip: float | None = Field(default=None, gt=0)
-    kl_coef: float = Field(default=0.0, ge=0)
-    # The reference-KL estimator (verl's names): k1 = log pi - log pi_ref; k2 = (k1)^2 / 2;
-    # k3 = low_var_kl = exp(-k1) + k1 - 1 (clamped like verl's).
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
-    entropy_coef: float = Field(default=0.0, ge=0)  # an entropy bonus on action tokens
-    # The grpo preset without an explicit `advantage`: False means dr_grpo (no division by the std).
-    normalize_advantage_std: bool = True
-    # Each step's samples are split (seeded, whole samples) into this many mini-batches; the
-    # policy makes policy_minibatches x policy_epochs optimizer steps before publishing.
-    policy_minibatches: int = Field(default=1, ge=1)
-    policy_epochs: int = Field(default=1, ge=1)
-    # The ratio's denominator: the sampler's log-probs (SAO's definition), or the trainer's own
-    # forward pass before the step's first update.
-    old_logprobs: Literal["sampler", "recompute"] = "sampler"
-    rollout_correction: RolloutCorrectionConfig | None = None
-    loss_aggregation: LossAggregation = "token-mean"
-    # seq-mean-token-sum-norm's constant divisor (Dr. GRPO); default orchestrator.max_completion_tokens.
-    loss_scale_factor: int | None = Field(default=None, gt=0)
+    """The RL algorithm: a preset (`type`) fills the advantage estimator and the policy loss and
+    their defaults; any key set here wins over the preset's (and the policy loss's) defaults."""
+
+    type: Literal["grpo", "ppo", "sao"] = Field(description="The preset: grpo (group baseline, PPO clip), ppo (GAE with a critic, PPO clip) or sao (GAE, SAO's DIS loss).")
+    advantage: str | None = Field(default=None, description="The advantage estimator: a built-in name (gae, grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline) or a plug-in 'package.module:name'; null: the preset's.")
+    advantage_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for a plug-in advantage estimator.")
+    policy_loss: str | None = Field(default=None, description="The policy loss: a built-in name (ppo_clip, dis, gspo, cispo) or a plug-in 'package.module:name'; null: the preset's.")
+    policy_loss_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for a plug-in policy loss.")
+    whiten_advantages: bool = Field(default=False, description="gae: whiten the step's advantages over all its action tokens (verl's masked_whiten).")
+    gamma: float = Field(default=1.0, ge=0, le=1, description="Discount factor per token (GAE, Monte Carlo returns).")
+    policy_lambda: float = Field(default=0.95, ge=0, le=1, description="GAE's lambda for the policy's advantages.")
+    value_lambda: float = Field(default=1.0, ge=0, le=1, description="GAE's lambda for the critic's return targets.")
+    length_adaptive_alpha: float | None = Field(default=None, gt=0, description="Length-adaptive GAE lambda for the policy (VAPO): lambda = 1 - 1 / (alpha * action tokens of the sample); null: policy_lambda.")
+    eps_low: float = Field(default=0.2, ge=0, le=1, description="Lower clip range of the ratio: the ratio is clipped at 1 - eps_low.")
+    eps_high: float = Field(default=0.2, ge=0, description="Upper clip range of the ratio: the ratio is clipped at 1 + eps_high.")
+    dual_clip: float | None = Field(default=None, gt=1, description="Dual-clip PPO: a token with a negative advantage A has its loss bounded by -dual_clip * A; null: no dual clip.")
+    value_clip: float | None = Field(default=None, gt=0, description="Clip the critic's new values to within this of the old ones (PPO value clipping); null: no clipping.")
+    kl_coef: float = Field(default=0.0, ge=0, description="Coefficient of the KL penalty to the reference policy in the loss; 0: none.")
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(default="k3", description="The reference-KL estimator (verl's names): k1 = log pi - log pi_ref; k2 = (k1)^2 / 2; k3 = low_var_kl = exp(-k1) + k1 - 1 (clamped like verl's).")
+    entropy_coef: float = Field(default=0.0, ge=0, description="Coefficient of an entropy bonus on action tokens; 0: none.")
+    normalize_advantage_std: bool = Field(default=True, description="The grpo preset without an explicit advantage: false means dr_grpo (no division by the group's std).")
+    policy_minibatches: int = Field(default=1, ge=1, description="Mini-batches each step's samples are split into (seeded, whole samples); the policy makes policy_minibatches x policy_epochs optimizer steps before publishing.")
+    policy_epochs: int = Field(default=1, ge=1, description="Passes over each step's mini-batches.")
+    old_logprobs: Literal["sampler", "recompute"] = Field(default="sampler", description="The ratio's denominator: the sampler's log-probs (SAO's definition), or the trainer's own forward pass before the step's first update.")
+    rollout_correction: RolloutCorrectionConfig | None = Field(default=None, description="Importance weights / rejection against the train-inference mismatch; null: none.")
+    loss_aggregation: LossAggregation = Field(default="token-mean", description="How token losses become the step's loss (verl's loss_agg_mode).")
+    loss_scale_factor: int | None = Field(default=None, gt=0, description="seq-mean-token-sum-norm's constant divisor (Dr. GRPO), in tokens; null: orchestrator.max_completion_tokens.")
 
     @model_validator(mode="before")
     @classmethod
@@ -206,6 +201,7 @@ class AlgorithmConfig(Strict):
     @field_validator("advantage", "policy_loss")
     @classmethod
     def _known_part(cls, value: str | None, info) -> str | None:
+        """advantage and policy_loss name a built-in part or a plug-in ('package.module:name')."""
         known = ADVANTAGES if info.field_name == "advantage" else POLICY_LOSSES
         if value is not None and ":" not in value and value not in known:
             raise ValueError(
@@ -216,6 +212,7 @@ class AlgorithmConfig(Strict):
 
     @model_validator(mode="after")
     def _std_agrees(self) -> AlgorithmConfig:
+        """normalize_advantage_std false contradicts advantage grpo (use dr_grpo)."""
         if self.advantage == "grpo" and not self.normalize_advantage_std:
             raise ValueError(
                 "algorithm.normalize_advantage_std: false contradicts algorithm.advantage 'grpo' (which divides "

@@ -18,26 +18,28 @@ HF_MODEL_TYPES: dict[str, Family] = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
 class Architecture(Strict):
     """The backbone's shape, in Hugging Face terms (read from config.json or written inline)."""
 
-    family: Family
-    hidden_size: int = Field(gt=0)
-    num_layers: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    num_key_value_heads: int = Field(gt=0)
-    head_dim: int | None = Field(default=None, gt=0)
-    intermediate_size: int = Field(gt=0)
-    vocab_size: int = Field(gt=0)
-    num_experts: int = Field(default=0, ge=0)
-    num_experts_per_tok: int = Field(default=0, ge=0)
-    moe_intermediate_size: int = Field(default=0, ge=0)
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = Field(default=4096, gt=0)
-    tie_word_embeddings: bool = False
-    qk_norm: bool = False
-    moe_norm_topk_prob: bool = True  # renormalise the top-k router probabilities (Qwen3-MoE)
+    family: Family = Field(description="The model family, which picks the Megatron builder (HF model_type).")
+    hidden_size: int = Field(gt=0, description="Width of the residual stream (HF hidden_size).")
+    num_layers: int = Field(gt=0, description="Number of transformer layers (HF num_hidden_layers).")
+    num_attention_heads: int = Field(gt=0, description="Query heads per layer.")
+    num_key_value_heads: int = Field(gt=0, description="Key/value heads per layer (GQA); divides num_attention_heads.")
+    head_dim: int | None = Field(default=None, gt=0, description="Channels per attention head; null: hidden_size / num_attention_heads.")
+    intermediate_size: int = Field(gt=0, description="Hidden width of the dense MLP.")
+    vocab_size: int = Field(gt=0, description="Vocabulary size (rows of the embedding and output layer).")
+    num_experts: int = Field(default=0, ge=0, description="MoE experts per layer; 0: a dense model.")
+    num_experts_per_tok: int = Field(default=0, ge=0, description="Experts each token is routed to (top-k); in [1, num_experts] for an MoE model.")
+    moe_intermediate_size: int = Field(default=0, ge=0, description="Hidden width of each expert's MLP; required when num_experts > 0.")
+    rope_theta: float = Field(default=10000.0, description="Base of the rotary position embedding's frequencies.")
+    rms_norm_eps: float = Field(default=1e-6, description="Epsilon of the RMSNorm layers.")
+    max_position_embeddings: int = Field(default=4096, gt=0, description="Longest sequence the positional embedding is built for, in tokens.")
+    tie_word_embeddings: bool = Field(default=False, description="Share the input embedding's weights with the output layer.")
+    qk_norm: bool = Field(default=False, description="RMSNorm on queries and keys per head (Qwen3).")
+    moe_norm_topk_prob: bool = Field(default=True, description="Renormalise the top-k router probabilities (Qwen3-MoE).")
 
     @model_validator(mode="after")
     def _check(self) -> Architecture:
+        """Query heads are a multiple of key/value heads; an MoE model routes each token to 1 to
+        num_experts experts and has a moe_intermediate_size."""
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -110,12 +112,13 @@ class RecomputeConfig(Strict):
     (every `num_layers` layers form one checkpointed unit) or block (the first `num_layers`
     layers of each pipeline stage are checkpointed)."""
 
-    granularity: Literal["none", "selective", "full"] = "none"
-    method: Literal["uniform", "block"] | None = None
-    num_layers: int | None = Field(default=None, ge=1)
+    granularity: Literal["none", "selective", "full"] = Field(default="none", description="What is recomputed in the backward pass: nothing, the core attention (selective) or whole layers (full).")
+    method: Literal["uniform", "block"] | None = Field(default=None, description="For granularity full: uniform (every num_layers layers form one checkpointed unit) or block (the first num_layers layers of each pipeline stage).")
+    num_layers: int | None = Field(default=None, ge=1, description="For granularity full: the layers per checkpointed unit (uniform) or checkpointed per pipeline stage (block).")
 
     @model_validator(mode="after")
     def _full_needs_method(self) -> RecomputeConfig:
+        """Granularity full needs method and num_layers; any other granularity takes neither."""
         if self.granularity == "full" and (self.method is None or self.num_layers is None):
             raise ValueError("granularity 'full' needs method (uniform or block) and num_layers")
         if self.granularity != "full" and (self.method is not None or self.num_layers is not None):
@@ -133,47 +136,50 @@ class RecomputeConfig(Strict):
 class ModelConfig(Strict):
     """One Megatron model (the policy, or the critic under `value.model`)."""
 
-    hf_config: str | None = None  # a directory holding config.json
-    architecture: Architecture | None = None  # inline alternative to hf_config
-    checkpoint: str | None = None  # weights: an HF directory or a converted Megatron checkpoint
-    seq_len: int = Field(gt=0)
-    tp: int = Field(default=1, ge=1)
-    cp: int = Field(default=1, ge=1)
-    pp: int = Field(default=1, ge=1)
-    ep: int = Field(default=1, ge=1)
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    recompute: RecomputeConfig = Field(default_factory=RecomputeConfig)
+    hf_config: str | None = Field(default=None, description="A directory holding the HF config.json the architecture is read from (relative to the config file).")
+    architecture: Architecture | None = Field(default=None, description="The architecture written inline, the alternative to hf_config.")
+    checkpoint: str | None = Field(default=None, description="The initial weights: an HF directory or a converted Megatron checkpoint (relative to the config file); null: random initialisation.")
+    seq_len: int = Field(gt=0, description="Longest sequence (prompt + completion) the model trains on, in tokens.")
+    tp: int = Field(default=1, ge=1, description="Tensor-parallel degree.")
+    cp: int = Field(default=1, ge=1, description="Context-parallel degree (a sequence split across ranks).")
+    pp: int = Field(default=1, ge=1, description="Pipeline-parallel degree (stages).")
+    ep: int = Field(default=1, ge=1, description="Expert-parallel degree (MoE models).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="bfloat16", description="Parameter and compute dtype.")
+    recompute: RecomputeConfig = Field(default_factory=RecomputeConfig, description="Activation recomputation.")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
+        """Exactly one of hf_config and architecture gives the architecture."""
         if (self.hf_config is None) == (self.architecture is None):
             raise ValueError("give exactly one of hf_config (a directory with config.json) or architecture")
         return self
 
 
 class OptimizerConfig(Strict):
-    lr: float = Field(default=1e-6, gt=0)
-    min_lr: float = Field(default=0.0, ge=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip: float = Field(default=1.0, ge=0)
-    warmup_steps: int = Field(default=0, ge=0)
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
-    distributed_optimizer: bool = True
-    # Megatron's hybrid device optimizer: this fraction of the (DP-sharded) optimizer state and
-    # its update live on the host (CUDA only; needs the distributed optimizer).
-    cpu_offload: bool = False
-    offload_fraction: float = Field(default=1.0, ge=0, le=1)
-    # Overlap the DP gradient reduce-scatter with the backward pass (megatron DDP buckets).
-    overlap_grad_reduce: bool = False
+    """Adam (Megatron's optimizer) with its learning-rate schedule."""
+
+    lr: float = Field(default=1e-6, gt=0, description="Peak learning rate (Adam).")
+    min_lr: float = Field(default=0.0, ge=0, description="Learning rate the decay ends at (linear, cosine).")
+    weight_decay: float = Field(default=0.0, ge=0, description="Decoupled weight decay (AdamW).")
+    adam_beta1: float = Field(default=0.9, description="Adam's first-moment decay.")
+    adam_beta2: float = Field(default=0.999, description="Adam's second-moment decay.")
+    adam_eps: float = Field(default=1e-8, description="Adam's epsilon.")
+    grad_clip: float = Field(default=1.0, ge=0, description="Clip the global gradient norm to this; 0: no clipping.")
+    warmup_steps: int = Field(default=0, ge=0, description="Optimizer steps of linear warm-up to lr.")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = Field(default="constant", description="The learning rate's schedule after warm-up.")
+    distributed_optimizer: bool = Field(default=True, description="Shard the optimizer state across data-parallel ranks (Megatron's distributed optimizer).")
+    cpu_offload: bool = Field(default=False, description="Megatron's hybrid device optimizer: offload_fraction of the (DP-sharded) optimizer state and its update live on the host (CUDA only; needs the distributed optimizer).")
+    offload_fraction: float = Field(default=1.0, ge=0, le=1, description="The fraction of the optimizer state and update on the host when cpu_offload is on.")
+    overlap_grad_reduce: bool = Field(default=False, description="Overlap the DP gradient reduce-scatter with the backward pass (megatron DDP buckets).")
 
 
 class LoraConfig(Strict):
-    rank: int = Field(gt=0)
-    alpha: float = Field(default=16.0, gt=0)
+    """Low-rank adapters on the critic's backbone (the backbone stays frozen)."""
+
+    rank: int = Field(gt=0, description="Rank of the low-rank adapters.")
+    alpha: float = Field(default=16.0, gt=0, description="LoRA's scale numerator: the adapter's output is scaled by alpha / rank.")
     target_modules: list[str] = Field(
-        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+        description="The Megatron linear layers that get adapters.",
     )
 

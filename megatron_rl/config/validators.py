@@ -25,6 +25,7 @@ class Context:
 
 
 def algorithm_has_its_critic(ctx: Context) -> list[str]:
+    """An advantage estimator that reads a critic (gae) has a value section; any other has none."""
     algorithm, value = ctx.config.algorithm, ctx.config.value
     chosen = f"algorithm.advantage '{algorithm.advantage}' (algorithm.type '{algorithm.type}')"
     if algorithm.needs_critic and value is None:
@@ -35,6 +36,8 @@ def algorithm_has_its_critic(ctx: Context) -> list[str]:
 
 
 def group_baselines_have_two_samples(ctx: Context) -> list[str]:
+    """A group-baseline advantage (grpo, dr_grpo, rloo, reinforce_pp_baseline) needs
+    orchestrator.group_size >= 2."""
     group_size, advantage = ctx.config.orchestrator.group_size, ctx.config.algorithm.advantage
     if advantage in GROUP_ADVANTAGES and group_size < 2:
         return [
@@ -68,6 +71,8 @@ def plugins_import_and_fit(ctx: Context) -> list[str]:
 
 
 def seq_len_holds_the_longest_sample(ctx: Context) -> list[str]:
+    """model.seq_len (and value.model.seq_len) holds orchestrator.max_prompt_tokens +
+    max_completion_tokens."""
     config = ctx.config
     longest = config.orchestrator.max_prompt_tokens + config.orchestrator.max_completion_tokens
     models = [("model", config.model)] + ([("value.model", config.value.model)] if config.value else [])
@@ -80,6 +85,7 @@ def seq_len_holds_the_longest_sample(ctx: Context) -> list[str]:
 
 
 def critic_vocabulary_is_the_policys(ctx: Context) -> list[str]:
+    """The critic's vocab_size equals the policy's (it scores the policy's token ids)."""
     policy, critic = ctx.policy_arch, ctx.critic_arch
     if policy and critic and policy.vocab_size != critic.vocab_size:
         return [
@@ -90,6 +96,7 @@ def critic_vocabulary_is_the_policys(ctx: Context) -> list[str]:
 
 
 def value_pretraining_has_data_and_steps(ctx: Context) -> list[str]:
+    """value.pretrain_jsonl and value.pretrain_steps > 0 are set together or not at all."""
     value = ctx.config.value
     if value is not None and bool(value.pretrain_jsonl) != bool(value.pretrain_steps):
         return [
@@ -115,6 +122,8 @@ SNAPSHOT_FIELDS = (
 
 
 def snapshots_fit_the_critic(ctx: Context) -> list[str]:
+    """value.snapshot.steps lie in 1 .. orchestrator.num_steps - 1 without repeats; snapshots
+    exclude value.lora; the critic's architecture matches the policy's."""
     value = ctx.config.value
     snapshot = value.snapshot if value is not None else None
     if snapshot is None or not snapshot.steps:
@@ -142,7 +151,9 @@ def snapshots_fit_the_critic(ctx: Context) -> list[str]:
 
 
 def offload_and_recompute_are_possible(ctx: Context) -> list[str]:
-    """Optimizer offload and recomputation settings, for the policy and the critic."""
+    """Optimizer offload and recomputation settings, for the policy and the critic: optimizer.cpu_offload
+    needs CUDA and the distributed optimizer; model.recompute.num_layers fits in a pipeline stage's
+    layers (and divides them for method uniform)."""
     config, errors = ctx.config, []
     roles = [("", config.model, config.optimizer, ctx.policy_arch)]
     if config.value is not None:
@@ -172,6 +183,7 @@ def offload_and_recompute_are_possible(ctx: Context) -> list[str]:
 
 
 def roles_fit_on_the_nodes(ctx: Context) -> list[str]:
+    """deployment.inference_gpus + policy_gpus + the critic's GPUs fit in nodes x gpus_per_node."""
     deployment = ctx.config.deployment
     capacity = deployment.nodes * deployment.gpus_per_node
     needed = deployment.inference_gpus + deployment.policy_gpus + ctx.value_gpus
@@ -184,6 +196,7 @@ def roles_fit_on_the_nodes(ctx: Context) -> list[str]:
 
 
 def inference_gpus_match_the_servers(ctx: Context) -> list[str]:
+    """deployment.inference_gpus equals inference.num_servers x inference.tp (and is divisible by tp)."""
     gpus, inference = ctx.config.deployment.inference_gpus, ctx.config.inference
     if gpus % inference.tp:
         return [f"deployment.inference_gpus ({gpus}) must be divisible by inference.tp ({inference.tp})"]
@@ -211,7 +224,9 @@ def training_samples_are_untruncated(ctx: Context) -> list[str]:
 
 
 def update_options_fit_together(ctx: Context) -> list[str]:
-    """Mini-batches, the ratio's denominator, rollout correction and loss aggregation."""
+    """Mini-batches, the ratio's denominator, rollout correction and loss aggregation:
+    algorithm.rollout_correction needs old_logprobs recompute; loss_scale_factor is read only by
+    loss_aggregation seq-mean-token-sum-norm; policy_minibatches is at most batch_size x group_size."""
     algorithm, orchestrator, errors = ctx.config.algorithm, ctx.config.orchestrator, []
     if algorithm.rollout_correction is not None and algorithm.old_logprobs != "recompute":
         errors.append(

@@ -17,6 +17,11 @@ def configure_logging(resolved: ResolvedConfig) -> None:
 
 
 def _check_config(args: argparse.Namespace) -> int:
+    if args.explain is not None:
+        return _explain(args.explain)
+    if args.config is None:
+        print("check-config: give a config file (or --explain KEY)", file=sys.stderr)
+        return 2
     try:
         resolved = load_config(args.config, args.set)
     except ConfigError as exc:
@@ -30,6 +35,35 @@ def _check_config(args: argparse.Namespace) -> int:
             f.write(text)
     print(text)
     print(format_plan(resolved, memory_plan(resolved)), file=sys.stderr)  # stdout stays JSON
+    return 0
+
+
+def _explain(key: str) -> int:
+    from megatron_rl.config.reference import UnknownKey, explain
+
+    try:
+        print(explain(key))
+    except UnknownKey as exc:
+        print(f"check-config --explain: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _config_reference(args: argparse.Namespace) -> int:
+    from megatron_rl.config.reference import missing, render
+
+    gaps = missing()
+    if gaps:  # the page would have empty entries: every key needs a description
+        print("config-reference: the models lack\n" + "\n".join(f"  - {g}" for g in gaps), file=sys.stderr)
+        return 2
+    text = render()
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    else:
+        sys.stdout.write(text)
     return 0
 
 
@@ -93,7 +127,7 @@ def _run(args: argparse.Namespace) -> int:
     from megatron_rl.launch.local import LaunchError, run_local
 
     try:
-        return run_local(args.config, dry_run=args.dry_run)
+        return run_local(args.config, dry_run=args.dry_run, overrides=args.set)
     except (ConfigError, LaunchError) as exc:
         print(str(exc), file=sys.stderr)
         return 2
@@ -125,22 +159,38 @@ def _job_step(args: argparse.Namespace) -> int:
     return job_steps.wait_inference(resolved)
 
 
+def _add_set(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key (dotted path, YAML value; repeatable), e.g. transport.host=10.0.0.5",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser(
         "check-config", help="validate a YAML config and print it resolved (with the derived layout) as JSON"
     )
-    check.add_argument("config", help="a YAML config file")
+    check.add_argument("config", nargs="?", help="a YAML config file")
     check.add_argument("--out", help="also write the resolved JSON here")
+    _add_set(check)
     check.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a key (dotted path, YAML value), e.g. transport.host=10.0.0.5",
-    )
+        "--explain", metavar="KEY",
+        help="print one key's entry of the configuration reference (type, default, range, description, "
+        "rules), e.g. orchestrator.dynamic_sampling.max_extra_groups; no config needed",
+    )  # fmt: skip
     check.set_defaults(func=_check_config)
+    reference = commands.add_parser(
+        "config-reference",
+        help="the configuration reference (every key, its type, default, range and description; the "
+        "cross-field rules), generated from the config models, as Markdown",
+    )
+    reference.add_argument("--out", help="write it here (e.g. docs/reference/configuration.md); default: stdout")
+    reference.set_defaults(func=_config_reference)
     policy = commands.add_parser(
         "train-policy", help="the policy trainer (run under torchrun on the policy's ranks)"
     )
@@ -177,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--dry-run", action="store_true", help="print every command, device set, port and log path"
     )
+    _add_set(run)
     run.set_defaults(func=_run)
     plot = commands.add_parser(
         "plot", help="figure and summary of one or several runs (overlaid)", add_help=False

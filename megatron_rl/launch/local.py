@@ -367,9 +367,11 @@ class Supervisor:
         self.interrupted = True
 
 
-def run_local(config_path: str, dry_run: bool = False, out=None, on_tick=None) -> int:
+def run_local(config_path: str, dry_run: bool = False, out=None, on_tick=None, overrides: list[str] = ()) -> int:
+    """Starts the whole run of the YAML config at `config_path` (with `KEY=VALUE` overrides, as
+    `--set` gives them) on this machine; `dry_run` prints the plan and starts nothing."""
     out = out or sys.stdout
-    resolved = load_config(config_path)
+    resolved = load_config(config_path, list(overrides))
     run_dir = Path(resolved.logging.dir)
     resolved_path = run_dir / "resolved.json"
     devices = assign_devices(resolved, visible_devices(resolved))
