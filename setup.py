@@ -47,7 +47,8 @@ setup(
         "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "mkdocs", "mkdocs-material"],
         # Experiment tracking from the orchestrator: logging.wandb and logging.tensorboard
         # (torch.utils.tensorboard's SummaryWriter needs the tensorboard package).
-        "tracking": ["wandb", "tensorboard"],
+        # wandb < 0.32: the tests read offline runs with `wandb leet inspect` (0.31).
+        "tracking": ["wandb>=0.31,<0.32", "tensorboard>=2.21"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.launch.cli:main"]},
 )
