@@ -64,7 +64,7 @@ class Sequences:
 
     `cu_seqlens` [S + 1]: the boundaries in the full row (a padding tail is the last segment);
     `of_token` [n]: the sequence each of this rank's tokens belongs to; `count`: S. `reduce` sums a
-    [S] tensor over the context-parallel ranks that share the row (identity without CP), so
+    tensor of per-sequence sums ([S] or [k, S]) over the context-parallel ranks that share the row (identity without CP), so
     `sum` and `mean` are over whole sequences however they were split. Both are detached: use them
     for weights and ratios (as GSPO's sg[s_i]), and let gradients flow through per-token terms."""
 
@@ -90,8 +90,21 @@ class Sequences:
     def mean(self, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """[S] float64: each whole sequence's mean of `values` over its `mask`ed tokens (0 when none)."""
         mask = mask.bool()
-        sums = self.sum(torch.where(mask, values.detach().to(torch.float64), 0.0))
-        return sums / self.sum(mask.to(torch.float64)).clamp(min=1.0)
+        local = torch.zeros(2, self.count, dtype=torch.float64, device=values.device)  # one reduction
+        local[0].index_add_(0, self.of_token, torch.where(mask, values.detach().to(torch.float64), 0.0))
+        local[1].index_add_(0, self.of_token, mask.to(torch.float64))
+        sums, counts = self.reduce(local)
+        return sums / counts.clamp(min=1.0)
+
+
+def _clipped_objective(
+    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's per-token -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) and where the clipped
+    term is the larger loss."""
+    unclipped = -ratio * advantages
+    clipped = -torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
+    return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
 def _weighted_sum(per_token: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
@@ -118,10 +131,7 @@ def ppo_clip_loss(
     """
     mask = mask.bool()
     log_ratio, ratio = _log_ratio(logprobs, old_logprobs)
-    unclipped = -ratio * advantages
-    clipped = -torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
-    per_token = torch.maximum(unclipped, clipped)
-    clip_active = clipped > unclipped
+    per_token, clip_active = _clipped_objective(ratio, advantages, eps_low, eps_high)
     if dual_clip is not None:
         bound = -dual_clip * advantages
         dual_active = (advantages < 0) & (per_token > bound)
@@ -189,12 +199,10 @@ def gspo_loss(
     sequence_log_ratio = sequences.mean(log_ratio, mask)[sequences.of_token].to(logprobs.dtype)
     log_s = torch.clamp(logprobs - logprobs.detach() + sequence_log_ratio, max=GSPO_LOG_RATIO_MAX)
     s = torch.exp(log_s)
-    unclipped = -s * advantages
-    clipped = -torch.clamp(s, 1.0 - eps_low, 1.0 + eps_high) * advantages
-    per_token = torch.maximum(unclipped, clipped)
+    per_token, clip_active = _clipped_objective(s, advantages, eps_low, eps_high)
     loss = _weighted_sum(per_token, mask, weights)
     metrics = _ratio_metrics(ratio, log_ratio, mask)
-    metrics["clipped_sum"] = ((clipped > unclipped) & mask).sum().to(torch.float64)
+    metrics["clipped_sum"] = (clip_active & mask).sum().to(torch.float64)
     metrics["sequence_ratio_sum"] = torch.where(mask, s.detach(), 0.0).sum().to(torch.float64)
     return loss, metrics
 
