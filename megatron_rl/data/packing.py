@@ -17,6 +17,7 @@ micro-steps in every mini-batch; one mini-batch is exactly `pack_into_grid`.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,22 +45,63 @@ class _Bin:
     used: int = 0
 
 
-def _first_fit_decreasing(lengths: Sequence[int], seq_len: int, capacity_of) -> list[_Bin]:
+class _FreeSpace:
+    """A max-segment tree over the bins' free tokens: the leftmost bin with room for `n` tokens
+    in O(log bins) (first fit without scanning every bin)."""
+
+    def __init__(self, capacity: int):
+        self.size = 1 << max(0, capacity - 1).bit_length()
+        self.tree = [-1] * (2 * self.size)  # -1: no bin at this leaf yet
+
+    def set(self, index: int, free: int) -> None:
+        node = index + self.size
+        self.tree[node] = free
+        node >>= 1
+        while node:
+            self.tree[node] = max(self.tree[2 * node], self.tree[2 * node + 1])
+            node >>= 1
+
+    def leftmost(self, n: int) -> int | None:
+        """The first bin with at least `n` free tokens, or None."""
+        if self.tree[1] < n:
+            return None
+        node = 1
+        while node < self.size:
+            node = 2 * node if self.tree[2 * node] >= n else 2 * node + 1
+        return node - self.size
+
+
+def _first_fit_decreasing(lengths: Sequence[int], seq_len: int) -> list[_Bin]:
+    """First fit by decreasing length. A bin of `used` tokens takes `n` more when
+    used + n <= seq_len: with seq_len a multiple of the padding unit, that is exactly
+    padded(used + n) <= seq_len."""
     bins: list[_Bin] = []
+    free = _FreeSpace(len(lengths))
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         n = lengths[index]
-        for b in bins:
-            if capacity_of(b.used + n) <= seq_len:
-                b.items.append(index)
-                b.used += n
-                break
-        else:
-            bins.append(_Bin([index], n))
+        k = free.leftmost(n)
+        if k is None:
+            k = len(bins)
+            bins.append(_Bin([], 0))
+        b = bins[k]
+        b.items.append(index)
+        b.used += n
+        free.set(k, seq_len - b.used)
     return bins
 
 
-def _balance(bins: list[_Bin], lengths, costs, dp: int, seq_len: int, capacity_of, max_rounds: int = 500):
-    """Assigns bins to ranks (LPT), then refines by moving/swapping sequences between ranks."""
+def _nearest_first(keys: list[float], target: float):
+    """Indices of the sorted `keys`, alternating outward from `target`: each direction in order
+    of increasing distance (the caller stops a direction once it can no longer improve)."""
+    right = bisect.bisect_left(keys, target)
+    return range(right - 1, -1, -1), range(right, len(keys))
+
+
+def _balance(bins: list[_Bin], lengths, costs, dp: int, seq_len: int, max_rounds: int = 500):
+    """Assigns bins to ranks (LPT), then refines by moving/swapping sequences between the most
+    loaded rank and the others. Each round takes the single move or swap that lowers the pair's
+    maximum the most; candidates are searched outward from the ideal cost (half the gap) in
+    cost order, so a round costs O(n log n) rather than O(n^2)."""
     bin_cost = [sum(costs[i] for i in b.items) for b in bins]
     ranks: list[list[_Bin]] = [[] for _ in range(dp)]
     load = [0.0] * dp
@@ -69,35 +111,48 @@ def _balance(bins: list[_Bin], lengths, costs, dp: int, seq_len: int, capacity_o
         load[r] += bin_cost[k]
 
     def fits(b: _Bin, extra: int) -> bool:
-        return capacity_of(b.used + extra) <= seq_len
+        return b.used + extra <= seq_len
 
     for _ in range(max_rounds):
         hi = max(range(dp), key=lambda r: load[r])
+        most_bins = max(len(r) for r in ranks)
+        mine = sorted((costs[i], i, src) for src in ranks[hi] for i in src.items)
+        mine_costs = [c for c, _, _ in mine]
         best = None  # (new max of the two ranks, action)
+
+        def bound() -> float:
+            return load[hi] - 1e-9 if best is None else min(best[0], load[hi] - 1e-9)
+
         for lo in range(dp):
-            if lo == hi:
+            if lo == hi or load[hi] - load[lo] <= 1e-9:
                 continue
-            for src in ranks[hi]:
-                for i in src.items:
-                    # Move i to a bin of `lo` (or to a new bin there).
-                    new_pair_max = max(load[hi] - costs[i], load[lo] + costs[i])
-                    if new_pair_max < load[hi] - 1e-9 and (best is None or new_pair_max < best[0]):
-                        dst = next((b for b in ranks[lo] if fits(b, lengths[i])), None)
-                        # A new bin on `lo` only where it adds no micro-step to the grid.
-                        if dst is not None or len(ranks[lo]) < max(len(r) for r in ranks):
-                            best = (new_pair_max, ("move", hi, lo, src, i, dst))
-                    for dst in ranks[lo]:
-                        for j in dst.items:
-                            delta = costs[i] - costs[j]
-                            if delta <= 0:
-                                continue
-                            new_pair_max = max(load[hi] - delta, load[lo] + delta)
-                            if new_pair_max >= load[hi] - 1e-9 or (
-                                best is not None and new_pair_max >= best[0]
-                            ):
-                                continue
-                            if fits(src, lengths[j] - lengths[i]) and fits(dst, lengths[i] - lengths[j]):
-                                best = (new_pair_max, ("swap", hi, lo, src, i, dst, j))
+            room = max((seq_len - b.used for b in ranks[lo]), default=-1)
+            # Moves of one sequence from hi to lo: best near cost = gap / 2.
+            for direction in _nearest_first(mine_costs, (load[hi] - load[lo]) / 2):
+                for position in direction:
+                    c, i, src = mine[position]
+                    new_pair_max = max(load[hi] - c, load[lo] + c)
+                    if new_pair_max >= bound():
+                        break
+                    dst = next((b for b in ranks[lo] if fits(b, lengths[i])), None) if room >= lengths[i] else None
+                    # A new bin on `lo` only where it adds no micro-step to the grid.
+                    if dst is not None or len(ranks[lo]) < most_bins:
+                        best = (new_pair_max, ("move", hi, lo, src, i, dst))
+            # Swaps of i (hi) with j (lo), c_i > c_j: best near c_j = c_i - gap / 2.
+            theirs = sorted((costs[j], j, dst) for dst in ranks[lo] for j in dst.items)
+            their_costs = [c for c, _, _ in theirs]
+            for c_i, i, src in mine:
+                for direction in _nearest_first(their_costs, c_i - (load[hi] - load[lo]) / 2):
+                    for position in direction:
+                        c_j, j, dst = theirs[position]
+                        delta = c_i - c_j
+                        if delta <= 0:
+                            break
+                        new_pair_max = max(load[hi] - delta, load[lo] + delta)
+                        if new_pair_max >= bound():
+                            break
+                        if fits(src, lengths[j] - lengths[i]) and fits(dst, lengths[i] - lengths[j]):
+                            best = (new_pair_max, ("swap", hi, lo, src, i, dst, j))
         if best is None:
             break
         action = best[1]
@@ -215,12 +270,9 @@ def pack_into_grid(
         if n == 0:
             raise PackingError(f"sample {i} (group {sample.group_id}, branch {sample.branch_index}) is empty")
 
-    def padded(n: int) -> int:
-        return -(-n // cp) * cp
-
     costs = [cost(n) for n in lengths]
-    bins = _first_fit_decreasing(lengths, seq_len, padded)
-    ranks = _balance(bins, lengths, costs, dp, seq_len, padded)
+    bins = _first_fit_decreasing(lengths, seq_len)
+    ranks = _balance(bins, lengths, costs, dp, seq_len)
     steps = max(1, max(len(r) for r in ranks))
     grid: Grid = []
     for rank_bins in ranks:
