@@ -119,10 +119,7 @@ def _balance(bins: list[_Bin], lengths, costs, dp: int, seq_len: int, max_rounds
         mine = sorted((costs[i], i, src) for src in ranks[hi] for i in src.items)
         mine_costs = [c for c, _, _ in mine]
         best = None  # (new max of the two ranks, action)
-
-        def bound() -> float:
-            return load[hi] - 1e-9 if best is None else min(best[0], load[hi] - 1e-9)
-
+        limit = load[hi] - 1e-9  # what a candidate must beat: the best so far, else load[hi]
         for lo in range(dp):
             if lo == hi or load[hi] - load[lo] <= 1e-9:
                 continue
@@ -132,12 +129,14 @@ def _balance(bins: list[_Bin], lengths, costs, dp: int, seq_len: int, max_rounds
                 for position in direction:
                     c, i, src = mine[position]
                     new_pair_max = max(load[hi] - c, load[lo] + c)
-                    if new_pair_max >= bound():
+                    if new_pair_max >= limit:
                         break
-                    dst = next((b for b in ranks[lo] if fits(b, lengths[i])), None) if room >= lengths[i] else None
+                    dst = None
+                    if room >= lengths[i]:
+                        dst = next(b for b in ranks[lo] if fits(b, lengths[i]))
                     # A new bin on `lo` only where it adds no micro-step to the grid.
                     if dst is not None or len(ranks[lo]) < most_bins:
-                        best = (new_pair_max, ("move", hi, lo, src, i, dst))
+                        best, limit = (new_pair_max, ("move", hi, lo, src, i, dst)), new_pair_max
             # Swaps of i (hi) with j (lo), c_i > c_j: best near c_j = c_i - gap / 2.
             theirs = sorted((costs[j], j, dst) for dst in ranks[lo] for j in dst.items)
             their_costs = [c for c, _, _ in theirs]
@@ -149,10 +148,10 @@ def _balance(bins: list[_Bin], lengths, costs, dp: int, seq_len: int, max_rounds
                         if delta <= 0:
                             break
                         new_pair_max = max(load[hi] - delta, load[lo] + delta)
-                        if new_pair_max >= bound():
+                        if new_pair_max >= limit:
                             break
                         if fits(src, lengths[j] - lengths[i]) and fits(dst, lengths[i] - lengths[j]):
-                            best = (new_pair_max, ("swap", hi, lo, src, i, dst, j))
+                            best, limit = (new_pair_max, ("swap", hi, lo, src, i, dst, j)), new_pair_max
         if best is None:
             break
         action = best[1]
