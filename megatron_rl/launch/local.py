@@ -42,7 +42,8 @@ from megatron_rl.inference.vllm_server import log_tail, signal_group
 from megatron_rl.launch.ports import lost_port, probe_ports
 from megatron_rl.lifetime import bound_to_parent
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# torchrun with its rendezvous store bound to --master_addr only (torch's binds every interface)
+TORCHRUN = [sys.executable, "-m", "megatron_rl.launch.torchrun"]
 CLI = ["-m", "megatron_rl.launch.cli"]
 
 

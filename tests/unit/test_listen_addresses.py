@@ -1,13 +1,24 @@
 """Every listener of ours binds the configured host, never all interfaces: the ZMQ grid sender,
-the critic's HTTP service and the weight-update group's TCPStore (torch's store listens on every
-interface unless handed a bound socket). Read from /proc/net/tcp{,6} while each one listens."""
+the critic's HTTP service, the weight-update group's TCPStore and torchrun's rendezvous store
+(torch's store listens on every interface unless handed a bound socket), and vllm-router's HTTP
+and metrics ports. Read from /proc/net/tcp{,6} while each one listens. The vLLM servers and
+the whole process tree of a real `megatron-rl run` (gloo's and vLLM's own listeners included):
+tests/e2e/test_run_listeners.py."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from megatron_rl.critic.service import CriticState, ScoreQueue, ScoringService
+from megatron_rl.inference.pool import InferencePool
+from megatron_rl.inference.vllm_server import VllmServer
+from megatron_rl.launch.local import TORCHRUN
 from megatron_rl.transport import GridSender
 from megatron_rl.transport.weight_buckets import WeightUpdateGroup
 
@@ -31,6 +42,7 @@ def listen_addresses(port: int) -> set[str]:
 
 
 LOOPBACK = {"0100007F"}  # 127.0.0.1 in /proc/net/tcp's byte order
+ALL_INTERFACES = {"00000000", "00000000000000000000000000000000"}  # 0.0.0.0, ::
 
 
 def test_grid_sender_critic_service_and_weight_store_listen_on_the_configured_host_only():
@@ -48,3 +60,74 @@ def test_grid_sender_critic_service_and_weight_store_listen_on_the_configured_ho
     group = WeightUpdateGroup("127.0.0.1", port, rank=0, world_size=1, backend="gloo", timeout_s=30)
     assert listen_addresses(port) == LOOPBACK
     del group
+
+
+def test_a_plain_torch_store_listens_on_every_interface():
+    """What the two tests above and below guard against: torch's TCPStore given 127.0.0.1 and no
+    socket listens on all interfaces (so the checks can see a violation)."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+    assert listen_addresses(port) & ALL_INTERFACES
+    del store
+
+
+def _wait_listening(port: int, process: subprocess.Popen, timeout_s: float = 120) -> set[str]:
+    deadline = time.monotonic() + timeout_s
+    while not listen_addresses(port):
+        assert process.poll() is None, process.communicate()[0]
+        assert time.monotonic() < deadline, f"nothing listens on {port} after {timeout_s}s"
+        time.sleep(0.1)
+    return listen_addresses(port)
+
+
+def test_torchrun_rendezvous_store_listens_on_master_addr_only(tmp_path):
+    """megatron-rl run's torchrun (megatron_rl.launch.torchrun, also in the SLURM script): the
+    agent's store on --master_addr; the rank finds it there (MASTER_ADDR/PORT) and connects."""
+    rank = tmp_path / "rank.py"
+    done = tmp_path / "done"
+    rank.write_text(
+        "import os, pathlib, sys, time\n"
+        "from datetime import timedelta\n"
+        "import torch.distributed as dist\n"
+        "store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False,\n"
+        "                      timeout=timedelta(seconds=60))\n"
+        "print('connected', flush=True)\n"
+        "while not pathlib.Path(sys.argv[1]).exists():\n"
+        "    time.sleep(0.1)\n"
+    )
+    port = free_port()
+    command = [*TORCHRUN, "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+               str(rank), str(done)]  # fmt: skip
+    agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert _wait_listening(port, agent) == LOOPBACK
+    finally:
+        done.touch()
+        output = agent.communicate(timeout=60)[0]
+    assert agent.returncode == 0 and "connected" in output, output
+
+
+def test_a_rendezvous_port_taken_fails_with_address_in_use(tmp_path):
+    """The launcher's re-probe looks for 'Address already in use' in the log (ports.lost_port)."""
+    from megatron_rl.launch.ports import lost_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [*TORCHRUN, "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                   "-m", "json.tool", "--help"]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and lost_port(result.stdout + result.stderr), result.stderr[-2000:]
+
+
+def test_router_listens_on_the_configured_host_only(tmp_path):
+    port = free_port()
+    worker = VllmServer("fake-model", port, tmp_path / "w.log", name="stand-in",
+                        command=[sys.executable, "-m", "megatron_rl.testing.fake_vllm", "--port", str(port),
+                                 "--name", "w1"])  # fmt: skip
+    router_port = free_port()
+    with InferencePool.launch([worker], router_port, tmp_path) as pool:
+        metrics_port = int(pool.router.command[pool.router.command.index("--prometheus-port") + 1])
+        assert listen_addresses(router_port) == LOOPBACK
+        assert _wait_listening(metrics_port, pool.router.process, timeout_s=10) == LOOPBACK
