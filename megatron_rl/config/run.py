@@ -202,6 +202,7 @@ class WandbConfig(Strict):
 class LoggingConfig(Strict):
     dir: str = Field(default="runs", description="The run's directory: logs, metrics JSONL files, the resolved config (relative to the working directory).")
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level of every process of the run.")
+    inference_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="WARNING", description="Log level of vllm-router and of the inference servers' HTTP layer (uvicorn), whose INFO lines are per request: at INFO the router writes three lines per completion (about 800 bytes) and vLLM one access line. vLLM's engine logs at logging.level.")
     console: bool = Field(default=True, description="One line per step on stdout (metrics JSONL files are always written).")
     wandb: WandbConfig | None = Field(
         default=None,

@@ -265,6 +265,7 @@ class InferencePool:
                     kv_cache_gib=inference.cpu_kv_cache_gib,
                     shutdown_timeout_s=inference.shutdown_timeout_s,
                     seed=resolved.orchestrator.seed,
+                    http_log_level=resolved.logging.inference_level,
                     extra_args=inference.extra_args,
                     api_key=api_key,
                     launch=launch,
@@ -315,6 +316,7 @@ def router_settings(resolved) -> RouterSettings:
         queue_size=max(1024, 4 * in_flight),
         queue_timeout_s=int(inference.request_timeout_s),
         api_key=inference.api_key(),
+        log_level=resolved.logging.inference_level,
     )
 
 

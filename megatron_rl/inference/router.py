@@ -13,7 +13,14 @@ which the pool does after every worker answers `GET /v1/models`. Its options, an
   sized from the config: the defaults (60 s queue timeout, queue of 100) are too small for RL
   batches;
 - `--prometheus-port` on a probed free loopback port: the default 29000 collides between two
-  routers on one machine.
+  routers on one machine;
+- its log level (`logging.inference_level`, WARNING by default) as `RUST_LOG` as well as
+  `--log-level`: vllm-router 0.1.17 ignores `--log-level warning` and logs at INFO, three lines
+  (about 2 KB with colour codes) per routed request; `RUST_LOG` is what its Rust logger reads.
+  It writes ANSI colour codes whatever its output is (`NO_COLOR` too), so it is started through
+  `python -m megatron_rl.inference.router --rust-log LEVEL -- vllm-router ...` (`exec_plain`),
+  which passes its output through a pipe to a forked copy of itself that strips them: the log
+  file holds plain text. The router keeps the pid (exec).
 
 `add_worker(url)` / `remove_worker(url)` / `workers()` use the router's own worker API; the weight
 sync removes a server whose weights are behind and adds it back once it is up to date. The
@@ -22,7 +29,9 @@ process renames itself `vllm::router`; it runs in its own process group and is s
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import shutil
 import signal
 import socket
@@ -39,6 +48,12 @@ from megatron_rl.lifetime import bound_to_parent
 
 SESSION_HEADER = "x-session-id"
 
+# vllm-router's ANSI escape sequences: CSI, ESC [ parameters intermediates final byte
+ANSI_ESCAPE = re.compile(rb"\x1b\[[0-?]*[ -/]*[@-~]")
+# logging.inference_level -> (vllm-router --log-level, RUST_LOG)
+ROUTER_LEVELS = {"DEBUG": ("debug", "debug"), "INFO": ("info", "info"), "WARNING": ("warning", "warn"),
+                 "ERROR": ("error", "error")}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class RouterSettings:
@@ -52,6 +67,7 @@ class RouterSettings:
     queue_size: int = 4096
     queue_timeout_s: int = 3600
     api_key: str | None = None
+    log_level: str = "WARNING"  # logging.inference_level
 
 
 def router_executable() -> list[str]:
@@ -70,12 +86,18 @@ def router_executable() -> list[str]:
 def router_command(
     worker_urls: list[str], host: str, port: int, metrics_port: int, settings: RouterSettings
 ) -> list[str]:
+    if settings.log_level not in ROUTER_LEVELS:
+        raise ValueError(
+            f"router log_level must be one of {sorted(ROUTER_LEVELS)}, got {settings.log_level!r}"
+        )
     if settings.health_failure_threshold < 2:
         raise ValueError(
             f"router health_failure_threshold must be above 1 (got {settings.health_failure_threshold}): "
             "one slow health check must not drop a busy worker"
         )
-    command = router_executable() + [
+    flag, rust_log = ROUTER_LEVELS[settings.log_level]
+    command = [sys.executable, "-m", "megatron_rl.inference.router", "--rust-log", rust_log, "--",
+               *router_executable(),
         "--worker-urls", *worker_urls,
         "--host", host,
         "--port", str(port),
@@ -91,7 +113,7 @@ def router_command(
         "--queue-timeout-secs", str(settings.queue_timeout_s),
         "--prometheus-host", "127.0.0.1",
         "--prometheus-port", str(metrics_port),
-        "--log-level", "warning",
+        "--log-level", flag,
     ]  # fmt: skip
     if settings.api_key:
         command += ["--api-key", settings.api_key]
@@ -197,3 +219,35 @@ def _free_loopback_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def exec_plain(rust_log: str, command: list[str]) -> None:
+    """Execs `command` (this process becomes it) with RUST_LOG=`rust_log`, its stdout and stderr
+    through a pipe to a forked child that writes them to this process's stdout without ANSI
+    escape sequences. The child ignores SIGTERM and SIGINT (the router's process group gets
+    them), so it writes the router's last lines, and ends at end of file, once the router is gone."""
+    os.environ["RUST_LOG"] = rust_log
+    read, write = os.pipe()
+    if os.fork() == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        os.close(write)
+        with os.fdopen(read, "rb") as lines, os.fdopen(1, "wb", buffering=0) as out:
+            for line in lines:
+                out.write(ANSI_ESCAPE.sub(b"", line))
+        os._exit(0)
+    os.dup2(write, 1)
+    os.dup2(write, 2)
+    os.close(read)
+    os.close(write)
+    os.execvp(command[0], command)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description="run vllm-router with a RUST_LOG level and plain-text output"
+    )
+    parser.add_argument("--rust-log", required=True, choices=sorted({v for _, v in ROUTER_LEVELS.values()}))
+    parser.add_argument("command", nargs="+", help="the router's command line, after --")
+    args = parser.parse_args()
+    exec_plain(args.rust_log, args.command)

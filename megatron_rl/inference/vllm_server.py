@@ -8,7 +8,11 @@ GPU `--gpu-memory-utilization` and `CUDA_VISIBLE_DEVICES` set to the devices it 
 `--enforce-eager --dtype float32` with `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache, and
 `--shutdown-timeout` unless it is 0. Always `--logprobs-mode processed_logprobs`: the log-prob
 returned for each sampled token is of the distribution it was sampled from (after temperature),
-which the trainer's ratio needs (measured on vLLM-cpu 0.32: docs/algorithms/policy-update.md, "Temperature"). The process runs in its own process group; `stop()` sends
+which the trainer's ratio needs (measured on vLLM-cpu 0.32: docs/algorithms/policy-update.md, "Temperature").
+`http_log_level` (`logging.inference_level`, WARNING by default) is uvicorn's level
+(`--uvicorn-log-level`); above INFO its access log, one line per request, is off
+(`--disable-uvicorn-access-log`). vLLM's own request log (`--enable-log-requests`) is off by
+default in 0.32 and stays off; its engine logs at its own level. The process runs in its own process group; `stop()` sends
 SIGTERM to the API server, which drains and stops vLLM's engine and workers itself, then SIGKILL
 to whatever is left in the group.
 `wait_ready()` polls `GET /v1/models` until the expected model name is served and fails early,
@@ -31,6 +35,7 @@ from megatron_rl.lifetime import bound_to_parent
 
 EXTENSION = "megatron_rl.inference.vllm_extension.WeightReceiverExtension"
 LOGPROBS_MODE = "processed_logprobs"
+HTTP_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # logging.inference_level
 
 
 class ServerStartError(RuntimeError):
@@ -60,6 +65,7 @@ class VllmServer:
         kv_cache_gib: int = 1,
         shutdown_timeout_s: int = 1,
         seed: int = 0,
+        http_log_level: str = "WARNING",
         weights_version: int = 0,
         api_key: str | None = None,
         extra_args: list[str] | None = None,
@@ -90,6 +96,13 @@ class VllmServer:
             # (vLLM's default, raw_logprobs, is softmax(logits) whatever the temperature).
             "--logprobs-mode", LOGPROBS_MODE,
         ]  # fmt: skip
+        if http_log_level not in HTTP_LOG_LEVELS:
+            raise ValueError(
+                f"vLLM server http_log_level must be one of {HTTP_LOG_LEVELS}, got {http_log_level!r}"
+            )
+        vllm_command += ["--uvicorn-log-level", http_log_level.lower()]
+        if HTTP_LOG_LEVELS.index(http_log_level) > HTTP_LOG_LEVELS.index("INFO"):
+            vllm_command.append("--disable-uvicorn-access-log")  # one INFO line per request
         if shutdown_timeout_s:  # drain, then stop (vLLM's default abort logs an EngineDeadError)
             vllm_command += ["--shutdown-timeout", str(shutdown_timeout_s)]
         server_env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
