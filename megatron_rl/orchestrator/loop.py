@@ -15,19 +15,24 @@ wait has a timeout whose error names what it waited for.
 
 The collaborators are small protocols, so tests drive the loop with in-process fakes:
 `weights` (`version()`, `wait_for(version, timeout_s)`), `critic` (`scorer`, `wait_trained(step,
-timeout_s)`, `send(step, grid)`), `send_policy(step, grid)`.
+timeout_s)`, `send(step, grid)`), `send_policy(step, grid)`. `on_shipped(step, samples)`, when
+given, is called with each step's samples once both grids are sent (tests keep them; production
+passes nothing and the loop keeps no sample past its step). The step's time split is read from
+the event loop's clock (monotonic time; a simulated cluster's virtual clock,
+megatron_rl/testing/sim.py, gives simulated seconds).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_rl.algorithms import make_algorithm
 from megatron_rl.data.packing import pack_into_grid, pack_minibatches
+from megatron_rl.data.types import TrainingSample
 from megatron_rl.inference.rollout import SamplingParams
 from megatron_rl.orchestrator.dispatcher import Dispatcher
 from megatron_rl.orchestrator.evaluation import Evaluator
@@ -52,12 +57,14 @@ class Timeouts:
 
 class Orchestrator:
     def __init__(self, resolved, env, encoder: PromptEncoder, client, weights, critic, send_policy,
-                 state: OrchestratorState, record_metrics, timeouts: Timeouts | None = None):  # fmt: skip
+                 state: OrchestratorState, record_metrics, timeouts: Timeouts | None = None,
+                 on_shipped: Callable[[int, list[TrainingSample]], None] | None = None):  # fmt: skip
         self.resolved = resolved
         self.env, self.encoder, self.client = env, encoder, client
         self.weights, self.critic, self.send_policy = weights, critic, send_policy
         self.state = state
         self.record_metrics = record_metrics
+        self.on_shipped = on_shipped
         self.timeouts = timeouts or Timeouts()
         o = resolved.orchestrator
         self.algorithm = make_algorithm(resolved.algorithm, critic.scorer if critic is not None else None)
@@ -66,7 +73,6 @@ class Orchestrator:
                 f"algorithm.advantage {resolved.algorithm.advantage!r} needs the critic (a value section)"
             )
         self.sink = TrainSink(o.admission, o.overlong, o.max_completion_tokens)
-        self.shipped_log: list = []  # (step, TrainingSample) of every shipped sample
 
         self.sampling = SamplingParams.from_config(o)
         self.evaluator = (
@@ -115,44 +121,46 @@ class Orchestrator:
 
     async def run_step(self, step: int) -> dict:
         o, times = self.resolved.orchestrator, {}
-        began = time.perf_counter()
+        clock = asyncio.get_running_loop().time
+        began = clock()
         # The lead gate: batch n ships only once version >= n - max_async_level is live.
         await self.weights.wait_for(step - o.max_async_level, self.timeouts.weights_s)
-        times["wait_weights"] = time.perf_counter() - began
+        times["wait_weights"] = clock() - began
         evaluation = {}
         if self.evaluator is not None and self.evaluator.due(step):
-            mark = time.perf_counter()
+            mark = clock()
             evaluation = await self.evaluator.run(step)
-            times["eval"] = time.perf_counter() - mark
-        mark = time.perf_counter()
+            times["eval"] = clock() - mark
+        mark = clock()
         first_group = self.dispatcher.next_to_ship
         batch = await self.dispatcher.next_batch(step, self.timeouts.batch_s)
-        times["generate"] = time.perf_counter() - mark
+        times["generate"] = clock() - mark
         samples = [s for _, group_samples in batch for s in group_samples]
-        self.shipped_log += [(step, s) for s in samples]
-        mark = time.perf_counter()
+        mark = clock()
         await self.algorithm.prepare_batch([group_samples for _, group_samples in batch])
-        times["score"] = time.perf_counter() - mark
+        times["score"] = clock() - mark
         layout = self.resolved.layout
         if self.critic is not None:
-            mark = time.perf_counter()
+            mark = clock()
             critic_grid = pack_into_grid(samples, self.resolved.value.model.seq_len, layout.critic.dp,
                                          layout.critic.cp, sequence_parallel_size=layout.critic.sp)  # fmt: skip
             await self.critic.send(step, critic_grid)
             status = await self.critic.wait_trained(step, self.timeouts.critic_s)
-            times["critic_train"] = time.perf_counter() - mark
+            times["critic_train"] = clock() - mark
         else:
             status = None
-        mark = time.perf_counter()
+        mark = clock()
         policy_grid = pack_minibatches(samples, self.resolved.algorithm.policy_minibatches, (o.seed, step),
                                        self.resolved.model.seq_len, layout.policy.dp, layout.policy.cp,
                                        layout.policy.sp)  # fmt: skip
         await self.send_policy(step, policy_grid)
-        times["policy_send"] = time.perf_counter() - mark
+        times["policy_send"] = clock() - mark
+        if self.on_shipped is not None:
+            self.on_shipped(step, samples)
         sync_seconds = getattr(self.weights, "sync_seconds", None)
         if sync_seconds:  # the newest path (a) weight sync (pause, load, reset, resume)
             times["weight_sync"] = sync_seconds[-1]
-        times["total"] = time.perf_counter() - began
+        times["total"] = clock() - began
         self.state.advance(step, first_group, self.dispatcher.next_to_ship)
         record = step_metrics(
             step, batch, samples, self.dispatcher.last_counts, self.dispatcher, times, status,

@@ -25,6 +25,7 @@ from megatron_rl.testing.orchestrator import (
     orchestrator_config,
 )
 from megatron_rl.testing.ranks import DENSE, reference_weights
+from megatron_rl.testing.shipped import ShippedSamples
 from megatron_rl.testing.spawn import run_ranks
 
 MOE = DENSE.model_copy(update=dict(num_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -49,9 +50,10 @@ def orchestrated_grids(tiny_models):
     orchestrator = Orchestrator(
         resolved, make_environment("procedural", None, 0), encoder, FakeClient(weights), weights, critic,
         policy.send, OrchestratorState(None), lambda record: None, Timeouts(batch_s=60, critic_s=60, weights_s=60),
+        on_shipped=ShippedSamples(),
     )  # fmt: skip
     assert asyncio.run(orchestrator.run()) == 1
-    return critic.grids[0], policy.grids[0], [s for _, s in orchestrator.shipped_log]
+    return critic.grids[0], policy.grids[0], [s for _, s in orchestrator.on_shipped.items]
 
 
 def test_both_grids_pad_for_sequence_parallel_and_the_critic_trains_at_tp2(tiny_models):

@@ -35,6 +35,7 @@ from megatron_rl.testing.orchestrator import (
     FakeWeights,
     orchestrator_config,
 )
+from megatron_rl.testing.shipped import ShippedSamples
 
 
 def rule_of(seed: int, group_id: int, reject_rate: float) -> str | None:
@@ -244,6 +245,7 @@ def build(resolved, encoder, env, state=None, train_s=0.0):
     orchestrator = Orchestrator(
         resolved, env, encoder, FakeClient(weights, delay_s=0.002), weights, critic, policy.send,
         state or OrchestratorState(None), records.append, Timeouts(batch_s=60, critic_s=60, weights_s=60),
+        on_shipped=ShippedSamples(),
     )  # fmt: skip
     return orchestrator, policy, critic, records
 
@@ -290,7 +292,7 @@ def test_a_resumed_run_sees_the_same_groups_with_dynamic_sampling(encoder, tmp_p
 
     full, *_ = build(config(4), encoder, RejectingEnvironment(0.5))
     asyncio.run(full.run())
-    expected = sorted({(step, s.group_id) for step, s in full.shipped_log})
+    expected = sorted({(step, s.group_id) for step, s in full.on_shipped.items})
     first, *_ = build(
         config(2), encoder, RejectingEnvironment(0.5), state=OrchestratorState(tmp_path / "s.json")
     )
@@ -299,7 +301,7 @@ def test_a_resumed_run_sees_the_same_groups_with_dynamic_sampling(encoder, tmp_p
     second, *_ = build(config(4), encoder, RejectingEnvironment(0.5), state=state)
     second.weights.current = 2  # the trainers resumed with version 2 live
     asyncio.run(second.run())
-    resumed = sorted({(step, s.group_id) for step, s in [*first.shipped_log, *second.shipped_log]})
+    resumed = sorted({(step, s.group_id) for step, s in [*first.on_shipped.items, *second.on_shipped.items]})
     assert resumed == expected
 
 

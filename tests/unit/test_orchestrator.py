@@ -22,6 +22,7 @@ from megatron_rl.testing.orchestrator import (
     FakeWeights,
     orchestrator_config,
 )
+from megatron_rl.testing.shipped import ShippedSamples
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,7 @@ def build(resolved, encoder, client_kwargs=None, train_s=0.0, state=None, env="p
     orchestrator = Orchestrator(
         resolved, make_environment(env, dataset, resolved.orchestrator.seed), encoder, client, weights, critic,
         policy.send, state or OrchestratorState(None), records.append, Timeouts(batch_s=60, critic_s=60, weights_s=60),
+        on_shipped=ShippedSamples(),
     )  # fmt: skip
     return orchestrator, events, client, critic, policy, records
 
@@ -69,7 +71,7 @@ def test_grpo_never_contacts_a_critic(encoder):
     asyncio.run(orchestrator.run())
     assert critic is None and [e[0] for e in events] == ["policy_grid", "policy_grid"]
     by_group = {}
-    for _, sample in orchestrator.shipped_log:  # group-normalised: one scalar per sample, mean 0 per group
+    for _, sample in orchestrator.on_shipped.items:  # group-normalised: one scalar per sample, mean 0 per group
         values = set(sample.advantages[sample.loss_mask].tolist())
         assert len(values) == 1 and not sample.advantages[~sample.loss_mask].any()
         by_group.setdefault(sample.group_id, []).append(values.pop())
@@ -88,10 +90,10 @@ def test_staleness_and_lead_gate_bounds_hold(encoder, max_off_policy, lead):
     # no shipped sample's (training step - generating version) exceeds the bound, queue time included
     for record in records:
         assert all(int(lag) <= max_off_policy for lag in record["off_policy_lag"])
-    assert orchestrator.shipped_log
-    assert all(step - s.policy_version <= max_off_policy for step, s in orchestrator.shipped_log)
+    assert orchestrator.on_shipped.items
+    assert all(step - s.policy_version <= max_off_policy for step, s in orchestrator.on_shipped.items)
     # ...and at generation: batch n's rollouts started only once version >= n - lead was live
-    assert all(s.policy_version >= step - lead for step, s in orchestrator.shipped_log)
+    assert all(s.policy_version >= step - lead for step, s in orchestrator.on_shipped.items)
     if lead <= max_off_policy:  # nothing can go stale
         assert sum(r["stale_dropped"] for r in records) == 0
 
@@ -130,7 +132,7 @@ def test_multi_turn_tool_rollout_tokens_masks_and_gae(encoder):
         resolved, encoder, {"script": [call, final]}, env="calculator"
     )
     asyncio.run(orchestrator.run())
-    sample = orchestrator.shipped_log[0][1]
+    sample = orchestrator.on_shipped.items[0][1]
     turns = [c["prompt"] for c in client.calls if c["session"] == "group0-branch0"]
     prompt = turns[0]
     observation = tok.encode("<result>6</result>", add_special_tokens=False)
@@ -158,7 +160,7 @@ def test_only_an_unfinished_episode_bootstraps_its_tail(encoder):
     long_answer = tok.encode("xxxxxxxx", add_special_tokens=False)
     orchestrator, *_ = build(resolved, encoder, {"script": [long_answer]}, dataset="count")
     asyncio.run(orchestrator.run())
-    graded = orchestrator.shipped_log[0][1]
+    graded = orchestrator.on_shipped.items[0][1]
     assert graded.truncated and graded.episode_done and graded.bootstrap_value != 0.0
     a, mask = resolved.algorithm, graded.loss_mask.tolist()
     values = graded.values.astype(np.float64)
@@ -172,7 +174,7 @@ def test_only_an_unfinished_episode_bootstraps_its_tail(encoder):
                                    max_completion_tokens=len(call) + 2, seed=0)  # fmt: skip
     orchestrator, *_ = build(resolved, encoder, {"script": [call, call]}, env="calculator")
     asyncio.run(orchestrator.run())
-    cut = orchestrator.shipped_log[0][1]
+    cut = orchestrator.on_shipped.items[0][1]
     assert cut.truncated and not cut.episode_done and cut.reward == 0.0
     mask = cut.loss_mask.tolist()
     reference = per_token_gae(0.0, cut.values.astype(np.float64), mask, cut.bootstrap_value, True, a.gamma,
@@ -184,7 +186,7 @@ def test_resume_continues_with_the_same_prompts(encoder, tmp_path):
     resolved = orchestrator_config("sao", num_steps=4, batch_size=2, group_size=1)
     uninterrupted, *_ = build(resolved, encoder)
     asyncio.run(uninterrupted.run())
-    full = [(step, s.group_id, s.token_ids.tolist()) for step, s in uninterrupted.shipped_log]
+    full = [(step, s.group_id, s.token_ids.tolist()) for step, s in uninterrupted.on_shipped.items]
 
     first = orchestrator_config("sao", num_steps=2, batch_size=2, group_size=1)
     part1, *_ = build(first, encoder, state=OrchestratorState(tmp_path / "state.json"))
@@ -194,7 +196,7 @@ def test_resume_continues_with_the_same_prompts(encoder, tmp_path):
     part2, *_ = build(resolved, encoder, state=state)
     part2.weights.current = 2  # the trainers resumed with version 2 live
     asyncio.run(part2.run())
-    resumed = [(step, s.group_id, s.token_ids.tolist()) for step, s in part2.shipped_log]
+    resumed = [(step, s.group_id, s.token_ids.tolist()) for step, s in part2.on_shipped.items]
     assert [r[:2] for r in resumed] == [r[:2] for r in full if r[0] >= 2]
     # Same rows -> same prompts (the fake's completions are seeded by session, so tokens match too).
     assert resumed == [r for r in full if r[0] >= 2]
@@ -241,7 +243,7 @@ def test_evaluation_runs_held_out_rows_at_step_zero_and_every_interval(encoder):
     assert all(r["eval/copy/errors"] == 0 for r in records if "eval/copy/errors" in r)
     eval_sessions = {c["session"] for c in client.calls if int(c["session"].split("-")[0][5:]) >= 1 << 40}
     assert len(eval_sessions) == 2 * 5 * 2  # two evaluations of 5 rows x 2 samples
-    trained = {s.group_id for _, s in orchestrator.shipped_log}
+    trained = {s.group_id for _, s in orchestrator.on_shipped.items}
     assert all(g < 1 << 40 for g in trained)  # never trained on
 
 
@@ -277,3 +279,50 @@ def test_version_follower_loads_each_new_published_version_and_names_what_it_wai
         return sync.loaded
 
     assert asyncio.run(run()) == [(1, "version_00000001"), (2, "version_00000002")]
+
+
+def reachable(root, kind) -> int:
+    """How many objects of `kind` the object graph from `root` reaches (modules, classes and
+    functions are not followed: they lead to every global of the process)."""
+    import gc
+    import types
+
+    skip = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.CodeType)
+    seen, stack, count = set(), [root], 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, skip):
+            continue
+        seen.add(id(obj))
+        count += isinstance(obj, kind)
+        stack.extend(gc.get_referents(obj))
+    return count
+
+
+@pytest.mark.parametrize("lead", [0, 2])
+def test_production_keeps_no_sample_past_its_step(encoder, lead):
+    """Without an on_shipped hook the orchestrator holds only the groups in flight: what it
+    reaches after 9 steps is what it reaches after 3 (shipped_log held every sample: 13 GB at
+    500 steps of 64 x 16K)."""
+    from megatron_rl.data.types import TrainingSample
+
+    class Forgetful(FakePolicy):  # a trainer that keeps no grid
+        async def send(self, step, grid):
+            await super().send(step, grid)
+            self.grids.clear()
+
+    held = {}
+    for steps in (3, 9):
+        resolved = orchestrator_config("grpo", num_steps=steps, batch_size=3, group_size=2, max_async_level=lead,
+                                       max_off_policy_steps=lead)  # fmt: skip
+        weights = FakeWeights()
+        policy = Forgetful(weights, [], 0.0)
+        orchestrator = Orchestrator(
+            resolved, make_environment("procedural", None, 0), encoder, FakeClient(weights), weights, None,
+            policy.send, OrchestratorState(None), lambda record: None, Timeouts(batch_s=60, critic_s=60, weights_s=60),
+        )  # fmt: skip
+        asyncio.run(orchestrator.run())
+        held[steps] = reachable(orchestrator, TrainingSample)
+        in_flight = resolved.orchestrator.batch_size * (lead + 1) * resolved.orchestrator.group_size
+        assert held[steps] <= in_flight, (steps, held[steps], in_flight)
+    assert held[9] == held[3]
