@@ -71,6 +71,7 @@ def bound_args(argv: list[str]):
         args.rdzv_backend, args.rdzv_endpoint = BACKEND, endpoint
         conf = f"rank={args.node_rank}"
         args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
+        args.node_rank = 0  # carried by rdzv_conf now (else torchrun warns that it ignores it)
     return args
 
 
