@@ -79,6 +79,7 @@ class Dispatcher:
         self.shipped_batches = shipped_batches
         self.running: dict[int, asyncio.Task] = {}
         self.done: dict[int, Verdict] = {}  # finished: admitted (samples) or rejected (None)
+        self._admitted_waiting = 0  # entries of `done` with samples (kept, not recounted per fill)
         self.groups: dict[int, Group] = {}
         self.started_at: dict[int, int] = {}  # group id -> the live version when it started
         self.next_to_ship = next_group_id
@@ -99,8 +100,18 @@ class Dispatcher:
     def occupancy(self) -> int:
         """Groups counted against the gate: running, admitted and waiting, and those already
         taken into the batch being assembled."""
-        admitted_waiting = sum(1 for verdict in self.done.values() if verdict.samples is not None)
-        return len(self.running) + admitted_waiting + self._in_batch
+        return len(self.running) + self._admitted_waiting + self._in_batch
+
+    def _set_done(self, group_id: int, verdict: Verdict) -> None:
+        self._pop_done(group_id)
+        self.done[group_id] = verdict
+        self._admitted_waiting += verdict.samples is not None
+
+    def _pop_done(self, group_id: int) -> Verdict | None:
+        verdict = self.done.pop(group_id, None)
+        if verdict is not None and verdict.samples is not None:
+            self._admitted_waiting -= 1
+        return verdict
 
     def fill(self) -> None:
         """Starts groups while the lead gate allows."""
@@ -117,13 +128,13 @@ class Dispatcher:
             return
         self.running.pop(group_id)
         if task.cancelled():
-            self.done[group_id] = Verdict(None, "cancelled")
+            self._set_done(group_id, Verdict(None, "cancelled"))
         elif task.exception() is not None:
             self._error = task.exception()
         else:
             group = task.result()
             self.groups[group_id] = group
-            self.done[group_id] = self.judge(group)
+            self._set_done(group_id, self.judge(group))
             errors = [m.error for m in group.members if m.status == "failed"]
             self.failed_streak = self.failed_streak + 1 if len(errors) == len(group.members) else 0
             if self.failed_streak >= self.max_failed_streak:  # inference unreachable: say so, stop
@@ -189,7 +200,7 @@ class Dispatcher:
         """Takes the next group of the ordered stream into the step: admitted, rejected or stale."""
         group_id = self.next_to_ship
         self.next_to_ship += 1
-        verdict = self.done.pop(group_id)
+        verdict = self._pop_done(group_id)
         group = self.groups.pop(group_id, None)
         self.started_at.pop(group_id, None)
         counts.generated += 1
@@ -244,7 +255,7 @@ class Dispatcher:
             task = self.running.pop(group_id, None)
             if task is not None:
                 task.cancel()
-            self.done.pop(group_id, None)
+            self._pop_done(group_id)
             self.groups.pop(group_id, None)
             self.started_at.pop(group_id, None)
         rewound, self.next_group_id = self.next_group_id - first, first
