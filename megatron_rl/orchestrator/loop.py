@@ -7,7 +7,7 @@ meanwhile, within the lead gate; the sink has added any overlong penalty to the 
 skip-observation GAE; outcome estimators: the step's rewards, no critic) -> pack
 twice (critic layout; policy layout, split into `algorithm.policy_minibatches` mini-batches seeded
 by (orchestrator.seed, n), each its own balanced grid; both padded for the layout's sequence
-parallel) -> critic grid -> wait until the critic's `/status` says step n trained -> policy grid
+parallel; where both packings are the same, one grid serves both) -> critic grid -> wait until the critic's `/status` says step n trained -> policy grid
 -> the next step (the weights follower moves the inference
 servers to each version the policy publishes; the lead gate waits for it). After
 `max_empty_steps` consecutive steps with no admitted group the run stops saying why. Every
@@ -73,6 +73,7 @@ class Orchestrator:
                 f"algorithm.advantage {resolved.algorithm.advantage!r} needs the critic (a value section)"
             )
         self.sink = TrainSink(o.admission, o.overlong, o.max_completion_tokens)
+        self.one_packing = self._policy_packs_like_the_critic()
 
         self.sampling = SamplingParams.from_config(o)
         self.evaluator = (
@@ -83,6 +84,17 @@ class Orchestrator:
             weights.version, next_group_id=state.group_for_step(state.step), shipped_batches=state.step,
             dynamic_sampling=o.dynamic_sampling,
         )  # fmt: skip
+
+    def _policy_packs_like_the_critic(self) -> bool:
+        """True when the policy's packing would equal the critic's: one mini-batch and the same
+        seq_len, DP, CP and sequence-parallel sizes (packing is deterministic), so the critic
+        grid is sent to the policy too instead of packing (copying) every token a second time."""
+        r = self.resolved
+        if r.value is None or r.algorithm.policy_minibatches != 1:
+            return False
+        critic, policy = r.layout.critic, r.layout.policy
+        same_layout = (critic.dp, critic.cp, critic.sp) == (policy.dp, policy.cp, policy.sp)
+        return same_layout and r.value.model.seq_len == r.model.seq_len
 
     async def _start_group(self, group_id: int, row_index: int):
         o = self.resolved.orchestrator
@@ -140,6 +152,7 @@ class Orchestrator:
         await self.algorithm.prepare_batch([group_samples for _, group_samples in batch])
         times["score"] = clock() - mark
         layout = self.resolved.layout
+        critic_grid = None
         if self.critic is not None:
             mark = clock()
             critic_grid = pack_into_grid(samples, self.resolved.value.model.seq_len, layout.critic.dp,
@@ -150,9 +163,12 @@ class Orchestrator:
         else:
             status = None
         mark = clock()
-        policy_grid = pack_minibatches(samples, self.resolved.algorithm.policy_minibatches, (o.seed, step),
-                                       self.resolved.model.seq_len, layout.policy.dp, layout.policy.cp,
-                                       layout.policy.sp)  # fmt: skip
+        if critic_grid is not None and self.one_packing:  # the same packing: do not pack (copy) twice
+            policy_grid = critic_grid
+        else:
+            policy_grid = pack_minibatches(samples, self.resolved.algorithm.policy_minibatches, (o.seed, step),
+                                           self.resolved.model.seq_len, layout.policy.dp, layout.policy.cp,
+                                           layout.policy.sp)  # fmt: skip
         await self.send_policy(step, policy_grid)
         times["policy_send"] = clock() - mark
         if self.on_shipped is not None:

@@ -326,3 +326,28 @@ def test_production_keeps_no_sample_past_its_step(encoder, lead):
         in_flight = resolved.orchestrator.batch_size * (lead + 1) * resolved.orchestrator.group_size
         assert held[steps] <= in_flight, (steps, held[steps], in_flight)
     assert held[9] == held[3]
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_one_grid_serves_both_models_where_their_packings_are_equal(encoder, minibatches):
+    """Same seq_len, DP, CP and sequence parallel and one mini-batch: the policy gets the critic's
+    grid (packing every token once), equal to the policy's own packing; otherwise it is packed."""
+    from megatron_rl.data.packing import pack_minibatches
+
+    resolved = orchestrator_config("sao", group_size=2, num_steps=2)
+    resolved.algorithm.policy_minibatches = minibatches
+    orchestrator, _, _, critic, policy, _ = build(resolved, encoder)
+    asyncio.run(orchestrator.run())
+    assert orchestrator.one_packing == (minibatches == 1)
+    for step in range(2):
+        samples = [s for shipped_step, s in orchestrator.on_shipped.items if shipped_step == step]
+        own = pack_minibatches(samples, minibatches, (resolved.orchestrator.seed, step), resolved.model.seq_len,
+                               resolved.layout.policy.dp)  # fmt: skip
+        assert (policy.grids[step] is critic.grids[step]) == (minibatches == 1)
+        got = [mb for rank in policy.grids[step] for mb in rank]
+        expected = [mb for rank in own for mb in rank]
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected):
+            assert a.minibatch == b.minibatch and a.is_dummy == b.is_dummy
+            for name, array in a.arrays().items():
+                np.testing.assert_array_equal(array, b.arrays()[name], err_msg=name)
