@@ -3,7 +3,7 @@ logging; and `Config`, all sections together."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
@@ -12,7 +12,13 @@ from megatron_rl.config.base import Strict, secret_from_env
 from megatron_rl.config.model import ModelConfig, OptimizerConfig
 from megatron_rl.config.value import ValueConfig
 
-BUILTIN_ENVIRONMENTS = ("procedural", "math", "calculator")
+# The built-in environments and their classes, by import path (config sits below envs; a test
+# checks this against envs.ENVIRONMENTS).
+BUILTIN_ENVIRONMENTS = {
+    "procedural": "megatron_rl.envs.procedural:ProceduralTask",
+    "math": "megatron_rl.envs.math:MathEnvironment",
+    "calculator": "megatron_rl.envs.calculator:CalculatorEnvironment",
+}
 
 
 def _environment_name(value: str) -> str:
@@ -68,6 +74,7 @@ class EvalConfig(Strict):
     name: str = Field(description="The set's name, the prefix of its metrics.")
     environment: EnvironmentName = Field(default="procedural", description="A built-in environment (procedural, math, calculator) or a plug-in 'package.module:name'.")
     dataset: str | None = Field(default=None, description="procedural: the task (reverse, copy, count); math / calculator: a JSONL file of {prompt, answer}.")
+    environment_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor beyond dataset and seed (calculator: max_turns, low, high, ops, question, instruction; a plug-in: its own).")
     num_examples: int = Field(default=64, gt=0, description="Prompts in the set.")
     samples_per_example: int = Field(default=1, gt=0, description="Completions per prompt (k of pass@k).")
     temperature: float = Field(default=0.0, ge=0, description="Sampling temperature; 0: greedy.")
@@ -95,19 +102,26 @@ class OrchestratorConfig(Strict):
     overlong: OverlongConfig | None = Field(default=None, description="DAPO's overlong shaping; null: no length shaping.")
     environment: EnvironmentName = Field(default="procedural", description="A built-in environment (procedural, math, calculator) or a plug-in 'package.module:name'.")
     dataset: str | None = Field(default=None, description="procedural: the task (reverse, copy, count); math / calculator: a JSONL file of {prompt, answer}.")
+    environment_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor beyond dataset and seed (calculator: max_turns, low, high, ops, question, instruction; a plug-in: its own).")
     chat_template: bool = Field(default=True, description="Apply the tokenizer's chat template to prompts (once, when the tokenizer has one).")
+    train_on_observations: bool = Field(default=False, description="Ablation: observation tokens are trained on as actions (loss mask 1, the sampler's log-probabilities of them from the next turn's prompt_logprobs; a last observation with no turn after it stays masked), to measure what skip-observation GAE buys. Needs temperature 1.")
     eval: list[EvalConfig] = Field(default_factory=list, description="Held-out evaluation sets, never trained on.")
 
     @model_validator(mode="after")
-    def _overlong_fits(self) -> OrchestratorConfig:
-        """overlong.buffer_tokens is less than max_completion_tokens, and overlong mode mask is
-        not combined with admission.drop_truncated."""
+    def _settings_fit(self) -> OrchestratorConfig:
+        """overlong.buffer_tokens is less than max_completion_tokens, overlong mode mask is not
+        combined with admission.drop_truncated, train_on_observations samples at temperature 1."""
         overlong = self.overlong
         if overlong is not None and overlong.buffer_tokens >= self.max_completion_tokens:
             raise ValueError(
                 f"orchestrator.overlong.buffer_tokens ({overlong.buffer_tokens}) must be less than "
                 f"orchestrator.max_completion_tokens ({self.max_completion_tokens}): the buffer is the last "
                 "part of the completion budget"
+            )
+        if self.train_on_observations and self.temperature != 1.0:
+            raise ValueError(
+                f"orchestrator.train_on_observations takes the observations' log-probabilities from vLLM's "
+                f"prompt_logprobs, which are of the model at temperature 1; orchestrator.temperature is {self.temperature}"
             )
         if overlong is not None and overlong.mode == "mask" and self.admission.drop_truncated:
             raise ValueError(

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from megatron_rl.config.algorithm import GROUP_ADVANTAGES
 from megatron_rl.config.model import Architecture
-from megatron_rl.config.plugins import PluginError, is_plugin, load_plugin
-from megatron_rl.config.run import Config
+from megatron_rl.config.plugins import PluginError, check_call, is_plugin, load_object, load_plugin
+from megatron_rl.config.run import BUILTIN_ENVIRONMENTS, Config
 
 
 @dataclass(frozen=True)
@@ -53,16 +53,19 @@ def plugins_import_and_fit(ctx: Context) -> list[str]:
     named = [
         ("policy_loss", "algorithm.policy_loss", algorithm.policy_loss, tuple(algorithm.policy_loss_args)),
         ("advantage", "algorithm.advantage", algorithm.advantage, tuple(algorithm.advantage_args)),
-        ("environment", "orchestrator.environment", orchestrator.environment, ()),
+        ("environment", "orchestrator.environment", orchestrator.environment, tuple(orchestrator.environment_args)),
     ]
-    named += [("environment", f"orchestrator.eval[{i}].environment", e.environment, ())
+    named += [("environment", f"orchestrator.eval[{i}].environment", e.environment, tuple(e.environment_args))
               for i, e in enumerate(orchestrator.eval)]  # fmt: skip
     for kind, key, name, keywords in named:
-        if name is not None and is_plugin(name):
-            try:
+        try:
+            if name is not None and is_plugin(name):
                 load_plugin(kind, name, key, keywords)
-            except PluginError as error:
-                errors.append(str(error))
+            elif kind == "environment" and keywords:  # a built-in environment's constructor keywords
+                target = load_object(BUILTIN_ENVIRONMENTS[name], key)
+                check_call(kind, target, f"{key}_args", name, keywords)
+        except PluginError as error:
+            errors.append(str(error))
     for key, name, arguments in (("algorithm.policy_loss_args", algorithm.policy_loss, algorithm.policy_loss_args),
                                  ("algorithm.advantage_args", algorithm.advantage, algorithm.advantage_args)):  # fmt: skip
         if arguments and not is_plugin(name or ""):

@@ -10,13 +10,17 @@ resumed run sees the same prompts from the same cursor.
     make_environment("procedural", dataset="reverse", seed=0)   # tiny-model tasks, no download
     make_environment("math", dataset="data/math.jsonl")         # {"prompt", "answer"}, math-verify
     make_environment("calculator", dataset=None, seed=0)        # multi-turn tool use
+    make_environment("calculator", args={"max_turns": 2})       # constructor keywords
     make_environment("my_pkg.tasks:Sudoku", dataset=..., seed=0)  # a plug-in: called with
                                                                   # dataset=, seed=; an Environment
+
+`args` (`orchestrator.environment_args`) are more keyword arguments of the constructor; a
+keyword it does not take is an error naming the key and the constructor's signature.
 """
 
 from __future__ import annotations
 
-from megatron_rl.config.plugins import PluginError, is_plugin, load_plugin
+from megatron_rl.config.plugins import PluginError, check_call, is_plugin, load_plugin
 from megatron_rl.envs.base import Environment, Turn
 from megatron_rl.envs.calculator import CalculatorEnvironment
 from megatron_rl.envs.math import MathEnvironment
@@ -26,22 +30,27 @@ ENVIRONMENTS = {"procedural": ProceduralTask, "math": MathEnvironment, "calculat
 
 
 def make_environment(
-    name: str, dataset: str | None = None, seed: int = 0, key: str = "orchestrator.environment"
-) -> Environment:
+    name: str, dataset: str | None = None, seed: int = 0, key: str = "orchestrator.environment",
+    args: dict | None = None,
+) -> Environment:  # fmt: skip
     """The built-in environment `name`, or the plug-in "package.module:name" called with
-    `dataset=` and `seed=` (a class or a factory; it must return an `Environment`)."""
+    `dataset=`, `seed=` and `args` (a class or a factory; it must return an `Environment`)."""
+    args = dict(args or {})
     if is_plugin(name):
-        environment = load_plugin("environment", name, key)(dataset=dataset, seed=seed)
-        if not isinstance(environment, Environment):
-            raise PluginError(
-                f"{key}: {name!r} returned a {type(environment).__name__}, not a megatron_rl.envs.Environment"
-            )
-        return environment
-    if name not in ENVIRONMENTS:
+        factory = load_plugin("environment", name, key, tuple(args))
+    elif name in ENVIRONMENTS:
+        factory = ENVIRONMENTS[name]
+        check_call("environment", factory, f"{key}_args", name, tuple(args))
+    else:
         raise ValueError(
             f"{key}: unknown environment {name!r} (known: {sorted(ENVIRONMENTS)})"
         )
-    return ENVIRONMENTS[name](dataset=dataset, seed=seed)
+    environment = factory(dataset=dataset, seed=seed, **args)
+    if not isinstance(environment, Environment):
+        raise PluginError(
+            f"{key}: {name!r} returned a {type(environment).__name__}, not a megatron_rl.envs.Environment"
+        )
+    return environment
 
 
 __all__ = ["ENVIRONMENTS", "Environment", "Turn", "make_environment"]

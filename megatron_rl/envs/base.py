@@ -12,6 +12,8 @@ class Turn:
     observation: str | None = None  # text the environment appends before the next turn
     done: bool = True
     passed: bool | None = None  # for environments with a pass/fail notion (pass rate, eval accuracy)
+    tool_calls: int = 0  # tool calls in this turn's completion (per-step metric `tool_calls`)
+    tool_errors: int = 0  # of which failed (metric `tool_errors`)
 
 
 class Environment(ABC):
@@ -34,3 +36,9 @@ class Environment(ABC):
     @abstractmethod
     def step(self, row: dict, completions: list[str]) -> Turn:
         """After turn len(completions): the reward when done, or an observation to continue."""
+
+    def demonstration(self, row: dict) -> list[tuple[str, bool]]:
+        """A correct rollout of `row` for a supervised warm start (`launch/warm_start.py`): its
+        segments after the prompt in order, each (text, True) for the model's own turns or
+        (text, False) for the environment's observations; the end-of-sequence token follows."""
+        raise NotImplementedError(f"{type(self).__name__} has no demonstrations for a supervised warm start")

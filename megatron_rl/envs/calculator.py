@@ -59,26 +59,47 @@ def format_number(value: float) -> str:
 
 
 class CalculatorEnvironment(Environment):
+    """Generated rows: `a OP b` with a, b uniform in [low, high] and OP from `ops`, asked as
+    `question` (a format string of a, op, b); `instruction` is appended to every prompt (rows of a
+    JSONL dataset too). `max_turns` counts completions: the last one must be the answer."""
+
     stop = ("</calc>",)
 
-    def __init__(self, dataset: str | None = None, seed: int = 0, max_turns: int = 4):
-        self.max_turns = max_turns
-        self.seed = seed
+    def __init__(
+        self, dataset: str | None = None, seed: int = 0, max_turns: int = 4, low: int = 10, high: int = 999,
+        ops: str = "+-*", question: str = "What is {a} {op} {b}?",
+        instruction: str = " You may use <calc>expression</calc>.",
+    ):  # fmt: skip
+        if max_turns < 1:
+            raise ValueError(f"orchestrator.environment_args.max_turns: at least 1, got {max_turns}")
+        if not 0 <= low <= high:
+            raise ValueError(f"orchestrator.environment_args: need 0 <= low <= high, got low {low}, high {high}")
+        if not ops or set(ops) - set("+-*"):
+            raise ValueError(f"orchestrator.environment_args.ops: a string of + - *, got {ops!r}")
+        try:
+            question.format(a=1, op="+", b=2)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"orchestrator.environment_args.question: a format string of {{a}}, {{op}}, {{b}}; {question!r}: {exc!r}"
+            ) from None
+        self.max_turns, self.seed = max_turns, seed
+        self.low, self.high, self.ops, self.question, self.instruction = low, high, ops, question, instruction
         self._rows = ShuffledRows(load_jsonl_rows(dataset), seed) if dataset else None
 
     def row(self, index: int) -> dict:
         if self._rows is not None:
             return self._rows(index)
         rng = random.Random(f"calculator:{self.seed}:{index}")
-        a, b, op = rng.randint(10, 999), rng.randint(10, 999), rng.choice("+-*")
+        a, b, op = rng.randint(self.low, self.high), rng.randint(self.low, self.high), rng.choice(self.ops)
         return {
             "index": index,
-            "prompt": f"What is {a} {op} {b}?",
+            "prompt": self.question.format(a=a, op=op, b=b),
+            "expression": f"{a}{op}{b}",
             "answer": format_number(evaluate(f"{a}{op}{b}")),
         }
 
     def prompt(self, row: dict) -> str:
-        return row["prompt"] + " You may use <calc>expression</calc>."
+        return row["prompt"] + self.instruction
 
     def step(self, row: dict, completions: list[str]) -> Turn:
         last = completions[-1]
@@ -89,8 +110,15 @@ class CalculatorEnvironment(Environment):
             return Turn(reward=1.0 if correct else 0.0, passed=correct)
         try:
             value = evaluate(call.group(1))
-        except ValueError:
-            return Turn(reward=0.0, passed=False)  # a tool error ends the rollout
-        if len(completions) >= self.max_turns:
-            return Turn(reward=0.0, passed=False)
-        return Turn(observation=f"<result>{format_number(value)}</result>", done=False)
+        except ValueError:  # a tool error ends the rollout
+            return Turn(reward=0.0, passed=False, tool_calls=1, tool_errors=1)
+        if len(completions) >= self.max_turns:  # a call where the answer had to be
+            return Turn(reward=0.0, passed=False, tool_calls=1)
+        return Turn(observation=f"<result>{format_number(value)}</result>", done=False, tool_calls=1)
+
+    def demonstration(self, row: dict) -> list[tuple[str, bool]]:
+        """Call the tool on the row's expression, then answer with its result."""
+        if "expression" not in row:
+            raise ValueError(f"calculator row {row.get('index')}: no 'expression' to demonstrate a call with")
+        result = format_number(evaluate(row["expression"]))
+        return [(f"<calc>{row['expression']}</calc>", True), (f"<result>{result}</result>", False), (result, True)]

@@ -59,3 +59,6 @@ class ProceduralTask(Environment):
         return Turn(
             reward=self.reward(row, completions[-1]), passed=answer_text(completions[-1]) == row["answer"]
         )
+
+    def demonstration(self, row: dict) -> list[tuple[str, bool]]:
+        return [(row["answer"], True)]

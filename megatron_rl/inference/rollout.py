@@ -38,6 +38,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_tokens: int = 64
     seed: int | None = None
+    prompt_logprobs: bool = False  # also return the log-probability of every prompt token
 
     @classmethod
     def from_config(cls, orchestrator) -> SamplingParams:
@@ -46,6 +47,7 @@ class SamplingParams:
             top_p=orchestrator.top_p,
             max_tokens=orchestrator.max_completion_tokens,
             seed=orchestrator.seed,
+            prompt_logprobs=orchestrator.train_on_observations,
         )
 
 
@@ -56,6 +58,7 @@ class Completion:
     finish_reason: str  # "stop" (EOS or a stop token) or "length"
     policy_version: int
     worker: str  # the worker that answered, or the router's URL when the router chose it
+    prompt_logprobs: list[float] | None = None  # with SamplingParams.prompt_logprobs (nan at 0)
 
     @property
     def truncated(self) -> bool:
@@ -66,10 +69,15 @@ class _Logprobs(msgspec.Struct):
     token_logprobs: list[float | None]
 
 
+class _PromptLogprob(msgspec.Struct):
+    logprob: float
+
+
 class _Choice(msgspec.Struct):
     token_ids: list[int] | None = None
     logprobs: _Logprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, _PromptLogprob] | None] | None = None
 
 
 class _CompletionReply(msgspec.Struct):
@@ -128,6 +136,8 @@ class RolloutClient:
         seed = sampling.seed if seed is None else seed
         if seed is not None:
             body["seed"] = int(seed)
+        if sampling.prompt_logprobs:  # vLLM: 0 = the prompt token's own log-probability only
+            body["prompt_logprobs"] = 0
         if stop:  # e.g. the end of a tool call; the stop string stays in the tokens
             body["stop"] = list(stop)
             body["include_stop_str_in_output"] = True
@@ -173,7 +183,7 @@ class RolloutClient:
                 f"completion for session {session_id!r} failed on {who}: HTTP {response.status_code}: "
                 f"{response.text[:500]}"
             )
-        return self._parse(response.content, version, target)
+        return self._parse(response.content, version, target, prompt_ids if sampling.prompt_logprobs else None)
 
     def _failed_worker(self, message: str, target: str) -> str | None:
         if target != self.router_url:
@@ -191,7 +201,7 @@ class RolloutClient:
             return None
         return candidates[zlib.crc32(session_id.encode()) % len(candidates)]
 
-    def _parse(self, payload: bytes, version: int, target: str) -> Completion:
+    def _parse(self, payload: bytes, version: int, target: str, prompt_ids: list[int] | None = None) -> Completion:
         try:
             reply = msgspec.json.decode(payload, type=_CompletionReply)
         except msgspec.ValidationError as exc:
@@ -214,7 +224,25 @@ class RolloutClient:
             finish_reason=choice.finish_reason or "stop",
             policy_version=version,
             worker=target,
+            prompt_logprobs=None if prompt_ids is None else _prompt_logprobs(choice, prompt_ids, target),
         )
+
+
+def _prompt_logprobs(choice: _Choice, prompt_ids: list[int], target: str) -> list[float]:
+    """The log-probability of each prompt token (nan for the first, which has no context)."""
+    entries = choice.prompt_logprobs
+    if entries is None or len(entries) != len(prompt_ids):
+        got = "none" if entries is None else len(entries)
+        raise RolloutError(f"{target}: asked for prompt_logprobs of {len(prompt_ids)} tokens, got {got}")
+    values = []
+    for position, (entry, token) in enumerate(zip(entries, prompt_ids)):
+        if entry is None:
+            values.append(float("nan"))
+        elif str(token) in entry:
+            values.append(float(entry[str(token)].logprob))
+        else:
+            raise RolloutError(f"{target}: prompt_logprobs at position {position} do not include token {token}")
+    return values
 
 
 @dataclass
@@ -229,6 +257,7 @@ class TokenTrajectory:
     logprobs: list[float] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)
     finish_reason: str = ""
+    observation_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -244,9 +273,19 @@ class TokenTrajectory:
         self.finish_reason = completion.finish_reason
 
     def add_observation(self, token_ids: list[int]) -> None:
+        self.observation_spans.append((len(self.token_ids), len(self.token_ids) + len(token_ids)))
         self.token_ids += [int(t) for t in token_ids]
         self.loss_mask += [False] * len(token_ids)
         self.logprobs += [0.0] * len(token_ids)
+
+    def observation_as_action(self, span: tuple[int, int], logprobs: list[float]) -> None:
+        """Ablation (`orchestrator.train_on_observations`): the observation tokens of `span`
+        become actions with the sampler's log-probabilities `logprobs` of them."""
+        start, end = span
+        if len(logprobs) != end - start:
+            raise ValueError(f"observation tokens {start}:{end}: {len(logprobs)} log-probabilities")
+        self.loss_mask[start:end] = [True] * (end - start)
+        self.logprobs[start:end] = [float(x) for x in logprobs]
 
     @property
     def policy_version(self) -> int:

@@ -25,7 +25,7 @@ class Evaluator:
         self.sets = []
         for config in eval_configs:
             env = make_environment(config.environment, config.dataset, config.seed,
-                                   key=f"orchestrator.eval ({config.name}).environment")
+                                   key=f"orchestrator.eval ({config.name}).environment", args=config.environment_args)
             sampling = SamplingParams(temperature=config.temperature, top_p=1.0,
                                       max_tokens=config.max_completion_tokens or default_max_tokens, seed=seed)  # fmt: skip
             self.sets.append((config, env, sampling))

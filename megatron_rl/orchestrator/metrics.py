@@ -1,5 +1,6 @@
 """One JSON line of orchestrator metrics per step (`logging.dir/orchestrator_metrics.jsonl`)
-and a console line: rewards, pass rate, lengths, truncation, admission counts by rule, stale
+and a console line: rewards, pass rate, lengths, truncation, multi-turn rollouts (turns, tool
+calls and errors, observation tokens, the token budget), admission counts by rule, stale
 drops, dynamic sampling's cost (groups generated for the step, extra generation as a fraction of
 the batch, the bound hit, a smaller batch), overlong shaping, the off-policy lag histogram,
 advantages, the critic's values and explained variance of the returns, the train-inference
@@ -45,6 +46,23 @@ def overlong_metrics(samples, overlong) -> dict:
     }
 
 
+def turn_metrics(members) -> dict:
+    """Multi-turn rollouts of the step's finished members: `turns_mean` (completions per
+    rollout), `tool_calls` and `tool_errors` (totals), `observation_tokens_mean` (tokens the
+    environment appended, loss mask 0), `budget_exhausted_rate` (rollouts cut by the token budget
+    before their episode ended: bootstrapped by the critic's value)."""
+    if not members:
+        return {"turns_mean": None, "tool_calls": 0, "tool_errors": 0, "observation_tokens_mean": None,
+                "budget_exhausted_rate": None}  # fmt: skip
+    return {
+        "turns_mean": float(np.mean([m.turns for m in members])),
+        "tool_calls": int(sum(m.tool_calls for m in members)),
+        "tool_errors": int(sum(m.tool_errors for m in members)),
+        "observation_tokens_mean": float(np.mean([m.observation_tokens for m in members])),
+        "budget_exhausted_rate": float(np.mean([m.budget_exhausted for m in members])),
+    }
+
+
 def step_metrics(
     step, batch, samples, counts, dispatcher, times, critic_status, live_version, batch_size, overlong=None
 ) -> dict:
@@ -60,6 +78,7 @@ def step_metrics(
         "completion_tokens_mean": float(np.mean([m.sum() for m in mask])) if samples else None,
         "sequence_tokens_mean": float(np.mean([len(s) for s in samples])) if samples else None,
         "truncation_rate": float(np.mean([s.truncated for s in samples])) if samples else None,
+        **turn_metrics(members),
         "groups_generated": counts.generated,
         "groups_admitted": len(batch),
         "group_ids": [group.group_id for group, _ in batch],

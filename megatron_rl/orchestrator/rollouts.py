@@ -2,7 +2,10 @@
 
 The prompt text gets the tokenizer's chat template once (`PromptEncoder`); each completion
 extends the exact token sequence (`TokenTrajectory`), its text (decoded from those ids) goes to
-the environment, and an observation is tokenised once and appended with loss mask 0. The whole
+the environment, and an observation is tokenised once and appended with loss mask 0 (with
+`orchestrator.train_on_observations`, an ablation, mask 1 and the sampler's log-probabilities of
+its tokens from the next turn's `prompt_logprobs`; a last observation with no turn after it stays
+masked). The whole
 rollout has `max_completion_tokens` of budget across turns (completions and observations).
 A member that raises is `failed` (its error kept), one cancelled is `cancelled`: a group always
 completes, with whatever members finished.
@@ -51,6 +54,11 @@ class Member:
     truncated: bool = False  # ended without EOS (the length limit or the token budget)
     episode_done: bool = False  # the environment ended the episode (its reward is final)
     error: str | None = None
+    turns: int = 0  # completions in the rollout
+    tool_calls: int = 0
+    tool_errors: int = 0
+    observation_tokens: int = 0  # appended by the environment (loss mask 0)
+    budget_exhausted: bool = False  # cut by the rollout's token budget before the episode ended
 
     @property
     def num_completion_tokens(self) -> int:
@@ -81,7 +89,7 @@ async def run_member(
     trajectory = TokenTrajectory(prompt_ids=encoder.prompt(env.prompt(row)))
     prompt_len, texts = len(trajectory.prompt_ids), []
     session = f"group{group_id}-branch{branch}"
-    turn_result = None
+    turn_result, tool_calls, tool_errors, observation_tokens = None, 0, 0, 0
     for turn in range(env.max_turns):
         remaining = budget - (len(trajectory.token_ids) - prompt_len)
         if remaining <= 0:
@@ -91,19 +99,28 @@ async def run_member(
             seed=None if sampling.seed is None else request_seed(sampling.seed, group_id, branch, turn),
             stop=list(env.stop) or None,
         )  # fmt: skip
+        if completion.prompt_logprobs is not None and trajectory.observation_spans:  # the ablation
+            start, end = span = trajectory.observation_spans[-1]
+            trajectory.observation_as_action(span, completion.prompt_logprobs[start:end])
         trajectory.add_completion(completion)
         texts.append(encoder.decode(completion.token_ids))
         turn_result = env.step(row, texts)
+        tool_calls, tool_errors = tool_calls + turn_result.tool_calls, tool_errors + turn_result.tool_errors
         if turn_result.done or completion.finish_reason == "length":
             break
         observation = encoder.observation(turn_result.observation or "")
-        trajectory.add_observation(observation[: max(0, budget - (len(trajectory.token_ids) - prompt_len))])
-    truncated = trajectory.finish_reason == "length" or (turn_result is not None and not turn_result.done)
+        observation = observation[: max(0, budget - (len(trajectory.token_ids) - prompt_len))]
+        trajectory.add_observation(observation)
+        observation_tokens += len(observation)
+    done = turn_result is not None and turn_result.done
+    truncated = trajectory.finish_reason == "length" or not done
     return Member(
         branch_index=branch, status="finished", trajectory=trajectory,
-        reward=turn_result.reward if turn_result is not None and turn_result.done else 0.0,
+        reward=turn_result.reward if done else 0.0,
         passed=turn_result.passed if turn_result is not None else None, truncated=truncated,
-        episode_done=turn_result is not None and turn_result.done,
+        episode_done=done, turns=len(texts), tool_calls=tool_calls, tool_errors=tool_errors,
+        observation_tokens=observation_tokens,
+        budget_exhausted=not done and len(trajectory.token_ids) - prompt_len >= budget,
     )  # fmt: skip
 
 

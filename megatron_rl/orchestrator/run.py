@@ -124,8 +124,9 @@ def attach_pool(resolved) -> InferencePool:
     return InferencePool.attach(controls, router, inference.served_model_name)
 
 
-async def orchestrate(resolved, pool: InferencePool, tokenizer=None) -> int:
-    """Runs the configured steps against `pool`; returns the number of steps run."""
+async def orchestrate(resolved, pool: InferencePool, tokenizer=None, on_shipped=None) -> int:
+    """Runs the configured steps against `pool`; returns the number of steps run. `on_shipped`:
+    the Orchestrator's hook, called with (step, samples) once a step's grids are sent (tests)."""
     from transformers import AutoTokenizer
 
     o, layout = resolved.orchestrator, resolved.layout
@@ -158,8 +159,9 @@ async def orchestrate(resolved, pool: InferencePool, tokenizer=None) -> int:
                            timeout_s=resolved.inference.request_timeout_s, version_source=follower.version,
                            api_key=resolved.inference.api_key(),
                            on_worker_failure=lambda url: log.warning("inference server %s failed a request", url))  # fmt: skip
-    orchestrator = Orchestrator(resolved, make_environment(o.environment, o.dataset, o.seed), encoder, client,
-                                follower, critic, send_policy, state, metrics, timeouts)  # fmt: skip
+    environment = make_environment(o.environment, o.dataset, o.seed, args=o.environment_args)
+    orchestrator = Orchestrator(resolved, environment, encoder, client, follower, critic, send_policy, state, metrics,
+                                timeouts, on_shipped=on_shipped)  # fmt: skip
     follower.start()
     finished = False
     try:

@@ -18,7 +18,8 @@ from megatron_rl.inference.rollout import Completion
 
 class FakeClient:
     """Completions of random tokens (seeded by session and turn); `fail` maps (group, branch)
-    to an exception raised for that member; `script` gives fixed completions per turn."""
+    to an exception raised for that member's first request, or (group, branch, turn) for its
+    request of that turn (a failure mid-rollout); `script` gives fixed completions per turn."""
 
     def __init__(self, weights, vocab: int = 500, eos: int | None = None, delay_s: float = 0.0,
                  fail=None, script: list[list[int]] | None = None):  # fmt: skip
@@ -32,8 +33,9 @@ class FakeClient:
         turn = sum(1 for c in self.calls if c["session"] == session_id)
         self.calls.append({"session": session_id, "prompt": list(prompt_ids), "version": version})
         group, branch = (int(x.removeprefix("group").removeprefix("branch")) for x in session_id.split("-"))
-        if (group, branch) in self.fail:
-            raise self.fail[(group, branch)]
+        for key in ((group, branch), (group, branch, turn)):
+            if key in self.fail:
+                raise self.fail[key]
         rng = random.Random(f"{session_id}:{turn}")
         await asyncio.sleep(self.delay_s * rng.random())
         limit = max_tokens or sampling.max_tokens

@@ -59,7 +59,7 @@ def test_entries_show_type_default_range_and_description():
     assert "## Cross-field rules" in page
     for rule in reference.RULES:
         assert f"**{rule.__name__}**" in page
-    assert "**_overlong_fits**" in page and "**_std_agrees**" in page
+    assert "**_settings_fit**" in page and "**_std_agrees**" in page
 
 
 def test_explain_prints_a_keys_entry():
