@@ -4,7 +4,8 @@
 request order. Connection failures (critic still starting, restarting, or briefly unreachable)
 and 503 replies are retried (httpx, the package's one HTTP client library) with exponential backoff up to `retries` times; a request that
 takes longer than `timeout_s` raises CriticTimeout; a 400 raises CriticRequestError with the
-critic's message. Every error names the URL.
+critic's message. Every error names the URL. `transport` (an httpx transport) replaces the
+network, e.g. by the simulated critic of megatron_rl/testing/sim.py.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ class HttpValueScorer:
         backoff_s: float = 0.25,
         max_backoff_s: float = 8.0,
         token: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ):
         self.url = url.rstrip("/")
+        self.transport = transport
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -57,7 +60,8 @@ class HttpValueScorer:
         loop = asyncio.get_running_loop()
         if self._http is None or self._http.is_closed or self._http_loop is not loop:
             self._http = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s)
+                timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s),
+                transport=self.transport,
             )
             self._http_loop = loop
         return self._http

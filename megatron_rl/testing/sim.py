@@ -1,0 +1,440 @@
+"""A simulated cluster: the REAL orchestrator against stand-ins that spend simulated time.
+
+What runs for real, unchanged: `Orchestrator` (dispatcher, TrainSink, rollouts of each group,
+`prepare_batch` with the critic's `HttpValueScorer` — one `/score` per group, JSON encoded and
+decoded by the client — both packings, both ZMQ `GridSender`s with real `GridReceiver`s on
+loopback that decode and checksum every grid item, `VersionFollower`'s path (b) bookkeeping, the
+`MetricsWriter` JSONL and the `OrchestratorState` checkpoint after every step).
+
+The stand-ins (timing models in megatron_rl/testing/sim_models.py):
+
+- **inference** (the rollout client's place): the router's session hash picks a server; each
+  server runs at most `concurrency_per_server` requests (the rest queue, in order); a request
+  takes prompt / prefill rate + completion / decode rate, its completion length drawn from a
+  lognormal (seeded by the request's seed) cut at the token budget (finish "length"); during a
+  weight broadcast every server pauses its running requests;
+- **critic** (behind an in-process httpx transport: `/score`, `/status`, `/health`): a score
+  request takes a fixed overhead plus its forward FLOPs; a training step (after its grid
+  arrived over ZMQ) its training FLOPs, times a per-step spread; both share the critic's GPUs;
+- **policy**: receives the policy grid over ZMQ, trains its FLOPs, broadcasts (the servers
+  pause) and the version goes live.
+
+Time: the whole run is one asyncio loop on a virtual clock (megatron_rl/testing/virtual_clock.py):
+simulated seconds pass only in sleeps, so minutes of a step run in milliseconds, and code that
+spends CPU spends no simulated time (a grid's time on the wire is modelled: bytes /
+`wire_bytes_per_s`). Same seed, same events at the same simulated times.
+
+CPU: `orchestrator_cpu_s` is the process CPU time of the run minus what the stand-ins spent
+(each stand-in's code is timed with its thread's CPU clock, the ZMQ receiver threads whole), so
+it is the orchestrator's own work: rollout bookkeeping, admission, score-request encoding and
+reply decoding, GAE, packing, grid encoding and sending, polling, metrics and checkpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import msgspec
+import numpy as np
+
+from megatron_rl.config import load_config, parse_config
+from megatron_rl.critic.client import HttpValueScorer
+from megatron_rl.inference.rollout import Completion
+from megatron_rl.orchestrator.loop import Orchestrator, Timeouts
+from megatron_rl.orchestrator.metrics import MetricsWriter
+from megatron_rl.orchestrator.rollouts import PromptEncoder
+from megatron_rl.orchestrator.run import VersionFollower
+from megatron_rl.orchestrator.state import OrchestratorState
+from megatron_rl.testing.sim_models import (
+    ClusterModel,
+    SimEnvironment,
+    SimTokenizer,
+    forward_flops,
+    group_of,
+    seed_flops_per_gpu_s,
+    spread,
+    training_passes,
+)
+from megatron_rl.testing.sim_transport import GridLink
+from megatron_rl.testing.virtual_clock import run_virtual
+
+
+class CpuLedger:
+    """CPU seconds the stand-ins spent, from any thread (`with ledger:` times a block on the
+    calling thread's CPU clock)."""
+
+    def __init__(self):
+        self.seconds, self._lock, self._local = 0.0, threading.Lock(), threading.local()
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self.seconds += seconds
+
+    def __enter__(self):
+        self._local.began = time.thread_time()
+
+    def __exit__(self, *exc):
+        self.add(time.thread_time() - self._local.began)
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()
+
+
+class Server:
+    """One inference server: a slot limit, pauses for weight broadcasts, busy-time integrals."""
+
+    def __init__(self, index: int, concurrency: int):
+        self.index, self.slots = index, asyncio.Semaphore(concurrency)
+        self.pauses: list[tuple[float, float]] = []  # (start, end) of each broadcast
+        self.active, self.since = 0, 0.0
+        self.busy_s = 0.0  # time with at least one running request
+        self.slot_s = 0.0  # running requests x time
+
+    def _account(self) -> None:
+        now = _now()
+        if self.active:
+            self.busy_s += now - self.since
+            self.slot_s += self.active * (now - self.since)
+        self.since = now
+
+    def paused_within(self, start: float, end: float) -> float:
+        return sum(max(0.0, min(end, b) - max(start, a)) for a, b in self.pauses)
+
+    async def run(self, seconds: float) -> None:
+        """Holds a slot for `seconds` of work; broadcasts overlapping it add their length."""
+        async with self.slots:
+            self._account()
+            self.active += 1
+            try:
+                began, owed = _now(), seconds
+                while owed > 1e-9:
+                    await asyncio.sleep(owed)
+                    owed = seconds - ((_now() - began) - self.paused_within(began, _now()))
+            finally:
+                self._account()
+                self.active -= 1
+
+
+class SimInference:
+    """The rollout client's stand-in (`complete`, like RolloutClient's)."""
+
+    def __init__(self, cluster: SimCluster, num_servers: int):
+        self.cluster, m = cluster, cluster.model
+        self.servers = [Server(k, m.concurrency_per_server) for k in range(num_servers)]
+        self.completion_tokens: list[int] = []
+
+    async def complete(self, prompt_ids, sampling, session_id, max_tokens=None, seed=None, stop=None):
+        m, c = self.cluster.model, self.cluster
+        version = c.follower.version()  # like RolloutClient: the version live when sent
+        limit = max_tokens or sampling.max_tokens
+        with c.ledger:
+            draw = seed if seed is not None else zlib.crc32(session_id.encode())
+            rng = np.random.default_rng([c.seed, draw])
+            n = int(
+                max(
+                    m.completion_min_tokens,
+                    rng.lognormal(np.log(m.completion_median_tokens), m.completion_sigma),
+                )
+            )
+            n = min(n, limit)
+            server = self.servers[zlib.crc32(session_id.encode()) % len(self.servers)]
+            seconds = len(prompt_ids) / m.prefill_tokens_per_s + n / m.decode_tokens_per_s
+        c.event("request", group_of(prompt_ids), server.index)
+        await server.run(seconds)
+        with c.ledger:
+            tokens = rng.integers(1, c.vocab_size, n).tolist()
+            logprobs = (-3.0 * rng.random(n)).tolist()
+            self.completion_tokens.append(n)
+        return Completion(tokens, logprobs, "length" if n >= limit else "stop", policy_version=version,
+                          worker=f"sim-server-{server.index}")  # fmt: skip
+
+    def pause(self, start: float, seconds: float) -> None:
+        for server in self.servers:
+            server.pauses.append((start, start + seconds))
+
+
+class _ScoreBody(msgspec.Struct):
+    batched_token_ids: list[list[int]]
+
+
+class SimCritic:
+    """The critic's HTTP service (an httpx transport) and trainer; one GPU group for both."""
+
+    def __init__(self, cluster: SimCluster, resolved):
+        self.cluster, self.resolved = cluster, resolved
+        value = resolved.value
+        self.arch, self.gpus = value.model.architecture, resolved.layout.critic.world_size
+        self.passes = training_passes(value.model, value.epochs_per_step)
+        self.gpu = asyncio.Lock()
+        self.trained_step = -1
+        self.score_calls: list[tuple[int, int, bool]] = []  # (group, sequences, all of that group)
+        self.request_bytes = self.reply_bytes = 0
+        rng = np.random.default_rng(cluster.seed)
+        pool = [msgspec.json.encode(v) for v in rng.normal(size=4096).astype(np.float32).tolist()]
+        self._values = b",".join(pool)  # reply values: a prefix of this JSON list, repeated
+        self._offsets = np.cumsum([len(p) + 1 for p in pool])
+        self.transport = httpx.MockTransport(self.handle)
+        self.link = GridLink(cluster, "critic", resolved.layout.critic.dp, self._train)
+
+    def _values_json(self, n: int) -> bytes:
+        whole, rest = divmod(n, len(self._offsets))
+        parts = [self._values] * whole + ([self._values[: int(self._offsets[rest - 1]) - 1]] if rest else [])
+        return b"[" + b",".join(parts) + b"]"
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        c = self.cluster
+        if request.url.path == "/health":
+            return httpx.Response(200, content=b'{"ok": true}')
+        if request.url.path == "/status":
+            body = {"trained_step": self.trained_step, "phase": "ready", "busy": self.gpu.locked()}
+            return httpx.Response(200, content=msgspec.json.encode(body))
+        if request.url.path != "/score":
+            return httpx.Response(404, content=b'{"error": "no such endpoint"}')
+        with c.ledger:
+            body = request.content
+            sequences = msgspec.json.decode(body, type=_ScoreBody).batched_token_ids
+            lengths = [len(s) for s in sequences]
+            group = group_of(sequences[0])
+            seconds = c.model.score_overhead_s + forward_flops(self.arch, lengths, False) / (
+                self.gpus * c.flops_per_gpu_s
+            )
+        self.score_calls.append((group, len(sequences), {group_of(s) for s in sequences} == {group}))
+        c.event("score", group, len(sequences))
+        async with self.gpu:
+            await asyncio.sleep(seconds)
+        with c.ledger:
+            values = b",".join(self._values_json(n) for n in lengths)
+            bootstrap = b",".join([b"0.25"] * len(lengths))
+            reply = b'{"values":[' + values + b'],"bootstrap_values":[' + bootstrap + b'],"step":'
+            reply += str(self.trained_step).encode() + b"}"
+            self.request_bytes += len(body)
+            self.reply_bytes += len(reply)
+        return httpx.Response(200, content=reply)
+
+    async def _train(self, step: int, items) -> None:
+        c = self.cluster
+        lengths = [n for item in items for n in item.sequence_lengths]
+        seconds = self.passes * forward_flops(self.arch, lengths, False) / (self.gpus * c.flops_per_gpu_s)
+        async with self.gpu:
+            c.event("critic_train_start", step, len(lengths))
+            await asyncio.sleep(seconds * spread(c.model, c.seed, "critic", step))
+            self.trained_step = step
+        c.event("critic_trained", step, 0)
+
+    # -- what the orchestrator calls (run.py's CriticLink, over the stand-in) -----------------
+    @property
+    def scorer(self):
+        return self._scorer
+
+    def connect(self) -> None:
+        self._scorer = HttpValueScorer(
+            "http://sim-critic", timeout_s=1e9, retries=0, transport=self.transport
+        )
+
+    async def send(self, step: int, grid) -> None:
+        self.cluster.event("critic_grid", step, len(grid[0]))
+        await self.link.send(step, grid)
+
+    async def wait_trained(self, step: int, timeout_s: float) -> dict:
+        return await self._scorer.wait_trained(step, timeout_s=timeout_s)
+
+
+class SimPolicy:
+    """Receives the policy grid over ZMQ, trains, broadcasts; then the version is live."""
+
+    def __init__(self, cluster: SimCluster, resolved):
+        self.cluster, self.resolved = cluster, resolved
+        a = resolved.algorithm
+        self.arch, self.gpus = resolved.model.architecture, resolved.layout.policy.world_size
+        extra = 1 if a.old_logprobs == "recompute" else 0
+        self.passes = training_passes(resolved.model, a.policy_epochs, extra)
+        self.gpu = asyncio.Lock()
+        self.installed = 0
+        self.link = GridLink(cluster, "policy", resolved.layout.policy.dp, self._train)
+
+    async def send(self, step: int, grid) -> None:
+        self.cluster.event("policy_grid", step, len(grid[0]))
+        await self.link.send(step, grid)
+
+    async def _train(self, step: int, items) -> None:
+        c = self.cluster
+        lengths = [n for item in items for n in item.sequence_lengths]
+        seconds = self.passes * forward_flops(self.arch, lengths, True) / (self.gpus * c.flops_per_gpu_s)
+        async with self.gpu:
+            c.event("policy_train_start", step, len(lengths))
+            await asyncio.sleep(seconds * spread(c.model, c.seed, "policy", step))
+            c.inference.pause(_now(), c.model.broadcast_s)
+            c.event("broadcast", step + 1, 0)
+            await asyncio.sleep(c.model.broadcast_s)
+            self.installed = max(self.installed, step + 1)
+        c.event("version_live", step + 1, 0)
+
+
+class SimSync:
+    """VersionFollower's `sync` on path (b): the version the servers run, asked on refresh."""
+
+    def __init__(self, policy: SimPolicy):
+        self.policy, self.version = policy, 0
+
+    def refresh(self) -> None:
+        self.version = self.policy.installed
+
+
+def cluster_config(example: str | Path, run_dir: str | Path, **orchestrator):
+    """The resolved config of `example` (a YAML, e.g. examples/configs/qwen3_30b_a3b_sao.yaml)
+    with `orchestrator` keys replaced and the run's directories under `run_dir`."""
+    data = load_config(example).model_dump(exclude={"layout"}, exclude_none=True)
+    unknown = sorted(
+        set(orchestrator)
+        - set(data["orchestrator"])
+        - set(type(load_config(example).orchestrator).model_fields)
+    )
+    if unknown:
+        raise ValueError(f"cluster_config: unknown orchestrator keys {unknown}")
+    data["orchestrator"].update(orchestrator)
+    data["checkpoint"]["dir"] = str(Path(run_dir) / "checkpoints")
+    data["logging"]["dir"] = str(Path(run_dir) / "logs")
+    return parse_config(data)
+
+
+@dataclass
+class SimResult:
+    """What one simulated run measured (simulated seconds unless named wall or CPU)."""
+
+    steps: int
+    step_end_s: list[float]  # simulated time of each step's end
+    records: list[dict]  # the orchestrator's metrics records
+    events: list[tuple]  # (time, kind, a, b) in order
+    shipped: list[tuple[int, int, int, int]]  # (step, group, branch, policy version) of every sample
+    orchestrator_cpu_s: float
+    standin_cpu_s: float
+    wall_s: float
+    score_calls: list[tuple[int, int, bool]] = field(default_factory=list)
+    score_request_bytes: int = 0
+    score_reply_bytes: int = 0
+    grid_bytes: dict = field(default_factory=dict)  # model -> bytes over the run
+    grid_wall_s: dict = field(default_factory=dict)  # model -> wall seconds publish -> every ack
+    grid_micro_steps: dict = field(default_factory=dict)  # model -> {step: [micro-steps per data rank]}
+    version_at_ship: dict = field(default_factory=dict)  # step -> version live when its policy grid went
+    server_busy: float = 0.0  # fraction of the run a server had a request running (mean over servers)
+    server_slots: float = 0.0  # fraction of the slots in use (mean over servers)
+    completion_tokens: list[int] = field(default_factory=list)
+    params: dict = field(default_factory=dict)
+
+
+class SimCluster:
+    """The stand-ins around one Orchestrator; `run()` returns a SimResult."""
+
+    def __init__(
+        self, resolved, model: ClusterModel | None = None, seed: int = 0, run_dir: str | Path | None = None
+    ):
+        self.model = model or ClusterModel()
+        self.model.check()
+        self.resolved, self.seed = resolved, seed
+        self.vocab_size = self.model.vocab_size or resolved.model.architecture.vocab_size
+        self.ledger = CpuLedger()
+        self.events: list[tuple] = []
+        critic_config = resolved.value.model if resolved.value is not None else resolved.model
+        epochs = resolved.value.epochs_per_step if resolved.value is not None else 1
+        self.flops_per_gpu_s = seed_flops_per_gpu_s(self.model, critic_config, epochs)
+        self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="megatron_rl_sim_"))
+        self.failure: BaseException | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        """A stand-in's task failed: stop the run with it (else the orchestrator waits forever)."""
+        if self.failure is None:
+            self.failure = exc
+            self._main_task.cancel()
+
+    def event(self, kind: str, a, b) -> None:
+        self.events.append((round(_now(), 9), kind, a, b))
+
+    async def _main(self) -> SimResult:
+        r, o = self.resolved, self.resolved.orchestrator
+        self._main_task = asyncio.current_task()
+        servers = self.model.num_servers or r.inference.num_servers
+        self.inference = SimInference(self, servers)
+        self.policy = SimPolicy(self, r)
+        self.critic = SimCritic(self, r) if r.value is not None else None
+        self.follower = VersionFollower(SimSync(self.policy), None)
+        shipped, ends, records = [], [], []
+        writer = MetricsWriter(self.run_dir / "logs", console=False, num_steps=o.num_steps)
+
+        def record(metrics: dict) -> None:
+            writer(metrics)
+            records.append(metrics)
+            ends.append(_now())
+
+        def on_shipped(step, samples) -> None:  # a bounded record: four ints per sample
+            shipped.extend((step, s.group_id, s.branch_index, s.policy_version) for s in samples)
+
+        links = [self.policy.link] + ([self.critic.link] if self.critic else [])
+        for link in links:
+            link.start()
+        if self.critic is not None:
+            self.critic.connect()
+        encoder = PromptEncoder(
+            SimTokenizer(min(self.model.prompt_tokens, o.max_prompt_tokens), self.vocab_size), False
+        )
+        state = OrchestratorState(self.run_dir / "orchestrator" / "state.json", o.seed)
+        orchestrator = Orchestrator(
+            r, SimEnvironment(self.seed), encoder, self.inference, self.follower, self.critic, self.policy.send,
+            state, record, Timeouts(batch_s=1e9, critic_s=1e9, weights_s=1e9), on_shipped=on_shipped,
+        )  # fmt: skip
+        self.follower.start()
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            steps = await orchestrator.run()
+            await self.follower.wait_for(o.num_steps, 1e9)
+        except asyncio.CancelledError:
+            if self.failure is not None:
+                raise RuntimeError(
+                    f"simulated cluster: a stand-in failed: {self.failure!r}"
+                ) from self.failure
+            raise
+        finally:
+            cpu = time.process_time() - cpu
+            wall = time.perf_counter() - wall
+            self.follower.stop()
+            if self.critic is not None:
+                await self.critic.scorer.close()
+            for link in links:
+                link.close()
+        total = _now()
+        result = SimResult(
+            steps=steps, step_end_s=ends, records=records, events=self.events, shipped=shipped,
+            orchestrator_cpu_s=cpu - self.ledger.seconds, standin_cpu_s=self.ledger.seconds, wall_s=wall,
+            grid_bytes={k.name: k.bytes for k in links}, grid_wall_s={k.name: k.wall_s for k in links},
+            grid_micro_steps={k.name: k.micro_steps for k in links},
+            version_at_ship=dict(self.policy.link.version_at_send),
+            server_busy=float(np.mean([s.busy_s for s in self.inference.servers])) / total if total else 0.0,
+            server_slots=float(np.mean([s.slot_s for s in self.inference.servers]))
+            / (total * self.model.concurrency_per_server) if total else 0.0,
+            completion_tokens=self.inference.completion_tokens,
+        )  # fmt: skip
+        if self.critic is not None:
+            result.score_calls = self.critic.score_calls
+            result.score_request_bytes, result.score_reply_bytes = (
+                self.critic.request_bytes,
+                self.critic.reply_bytes,
+            )
+        return result
+
+    def run(self) -> SimResult:
+        return run_virtual(self._main())
+
+
+def steady_step_s(result: SimResult, skip: int = 1) -> float:
+    """Median simulated time between consecutive step ends, after `skip` warm-up intervals."""
+    gaps = [b - a for a, b in zip(result.step_end_s, result.step_end_s[1:])][skip:]
+    if not gaps:
+        raise ValueError(f"steady_step_s: {result.steps} steps leave no interval after {skip} warm-up ones")
+    return float(np.median(gaps))
