@@ -1,11 +1,15 @@
 """The demo's learning curves over seeds: SAO, PPO and GRPO, each from the same random tiny model.
 
     python benchmarks/demo_learning.py [--algos sao,ppo,grpo,ppo-n4] [--seeds 0,1,2] [--steps 50] [--out runs/curves]
+                                       [--task count|copy|reverse|tool]
 
 Besides the three algorithms, `--algos` takes the variants in VARIANTS (an algorithm with config
 overrides): `ppo-n4` is PPO with 4 mini-batch updates per step (`algorithm.policy_minibatches=4`);
 `rloo`, `dr_grpo`, `reinforce_pp`, `gspo`, `cispo` are the algorithm toolbox's parts on the demo's
-GRPO setting. `--result NAME` names the results file (default demo_learning).
+GRPO setting; `sao-obs-actions` is SAO with the observation tokens of a multi-turn task trained on
+as actions (`orchestrator.train_on_observations`, the ablation of skip-observation GAE; with
+`--task tool`). `--task tool` runs the tool demo (its warm start and learning rate).
+`--result NAME` names the results file (default demo_learning).
 
 Runs `launch/demo.sh`'s job (`megatron_rl.launch.demo.run_demo`, the full CPU stack) once per
 algorithm and seed, one after the other, then prints the summary table (mean reward of the first
@@ -37,6 +41,8 @@ VARIANTS = {
     "gspo": ("grpo", ["algorithm.policy_loss=gspo", "algorithm.policy_minibatches=2", "algorithm.old_logprobs=recompute"]),
     "cispo": ("grpo", ["algorithm.policy_loss=cispo", "algorithm.eps_high=0.28", "algorithm.policy_minibatches=2",
                        "algorithm.old_logprobs=recompute"]),
+    # The tool demo's ablation: observations trained on as actions (mask 1).
+    "sao-obs-actions": ("sao", ["orchestrator.train_on_observations=true"]),
 }
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -77,7 +83,7 @@ def reward_figure(runs: dict[str, list[Path]], out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     from _results import write_result
 
-    from megatron_rl.launch.demo import DEFAULTS, run_demo
+    from megatron_rl.launch.demo import DEFAULTS, TASKS, TOOL, run_demo
     from megatron_rl.launch.plot import load_run, plot_runs, summary_table
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     parser.add_argument("--out", type=Path, default=Path("runs/curves"))
     parser.add_argument("--result", default="demo_learning", help="benchmarks/results/NAME.json")
+    parser.add_argument("--task", default=DEFAULTS["task"], choices=TASKS)
     args = parser.parse_args(argv)
+    tool = args.task == "tool"
+    sft_steps, lr = (TOOL["sft_steps"], TOOL["lr"]) if tool else (DEFAULTS["sft_steps"], DEFAULTS["lr"])
     algos, seeds = args.algos.split(","), [int(s) for s in args.seeds.split(",")]
     runs, records = {}, []
     for seed in seeds:  # seed-major: a cut-short sweep still has every algorithm
@@ -101,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 if out.exists():
                     shutil.rmtree(out)
                 algorithm, overrides = VARIANTS.get(algo, (algo, []))
-                code = run_demo(algorithm, args.steps, out, seed, DEFAULTS["sft_steps"], DEFAULTS["task"],
+                code = run_demo(algorithm, args.steps, out, seed, sft_steps, args.task, lr=lr,
                                 overrides=overrides)  # fmt: skip
             if code != 0:
                 print(f"[curves] {algo} seed {seed} exited {code}; see {out}/logs", file=sys.stderr)
@@ -119,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     first = sum(r["first5"] for r in records) / len(records)
     path = write_result(
         args.result, figure=worst, reference=first, ratio=worst / first if first else float("inf"),
-        params={"steps": args.steps, "algos": algos, "seeds": seeds, **DEFAULTS},
+        params={"steps": args.steps, "algos": algos, "seeds": seeds, **DEFAULTS, "task": args.task,
+                "sft_steps": sft_steps, "lr": lr, **({"tool": TOOL} if tool else {})},
         runs=records, note="figure: smallest rise (last 5 minus first 5 steps' mean reward) over all runs; "
         "reference: mean reward of the first 5 steps",
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """`bash launch/demo.sh`: a tiny RL run of the whole system on one CPU machine.
 
     bash launch/demo.sh [--algo sao|ppo|grpo] [--steps N] [--out DIR] [--seed S] [--compare]
-                        [--task count|copy|reverse] [--sft-steps K] [--rollouts R] [--lr LR]
+                        [--task count|copy|reverse|tool] [--sft-steps K] [--rollouts R] [--lr LR]
                         [--dtype float32|bfloat16] [--set KEY=VALUE ...]
 
 Everything of the run goes under `--out` (default `runs/demo-ALGO`): a tiny random qwen3 model
@@ -40,11 +40,17 @@ import yaml
 from megatron_rl.config import apply_overrides
 from megatron_rl.launch.local import run_local
 from megatron_rl.launch.plot import plot_runs, summary_table
+from megatron_rl.launch.warm_start import TOOL_TASK
 
 ROOT = Path(__file__).resolve().parents[2]
 # Chosen by measurement (docs/getting-started/demo.md, benchmarks/demo_learning.py): `count` rises from the
 # random initialisation for all three algorithms at 64 rollouts a step with a character vocabulary.
 DEFAULTS = {"steps": 50, "task": "count", "sft_steps": 0, "rollouts": 64, "lr": 3.0e-3}
+# `--task tool` (docs/getting-started/tool-demo.md): the calculator environment of TOOL_TASK, a
+# warm start on its format until the loss is below TOOL["sft_target_loss"] (at most sft_steps).
+TOOL = {"sft_steps": 300, "sft_target_loss": 0.1, "lr": 5.0e-4, "max_prompt_tokens": 32,
+        "max_completion_tokens": 56}  # fmt: skip
+TASKS = ("count", "copy", "reverse", "tool")
 
 
 def demo_config(
@@ -114,6 +120,12 @@ def _demo_config(out, algo, steps, seed, policy_ckpt, value_ckpt, model, task, r
         "checkpoint": {"dir": str(out / "checkpoints"), "save_interval": 10},
         "logging": {"dir": str(out), "console": True},
     }
+    if task == "tool":  # two turns: the call, then the answer; the observation between them
+        environment, environment_args = TOOL_TASK
+        config["orchestrator"].update(
+            environment=environment, dataset=None, environment_args=environment_args,
+            max_prompt_tokens=TOOL["max_prompt_tokens"], max_completion_tokens=TOOL["max_completion_tokens"],
+        )  # fmt: skip
     if algo == "grpo":
         config["inference"]["weight_broadcast_port"] = 22000 + seed % 1000
         return config
@@ -158,7 +170,10 @@ class ProgressLines:
             kl = record.get("mismatch_kl")
             print(f"[demo] step {record['step']:>3}/{self.num_steps}  reward {record['reward_mean']:.3f}  "
                   f"value loss {value if value is None else f'{value:.4f}'}  "
-                  f"mismatch KL {kl if kl is None else f'{kl:.1e}'}  {record['time']['total']:.1f}s/step  "
+                  f"mismatch KL {kl if kl is None else f'{kl:.1e}'}  "
+                  + (f"tool calls {record['tool_calls'] / record['samples']:.2f}/rollout  "
+                     if record.get("tool_calls") and record.get("samples") else "")
+                  + f"{record['time']['total']:.1f}s/step  "
                   f"~{left:.0f}s left", flush=True)  # fmt: skip
         self.seen = len(lines)
 
@@ -175,7 +190,11 @@ def prepare(out: Path, seed: int, sft_steps: int, task: str = "copy", log=print)
             "qwen3", out / "model-random", seed=seed, hidden_size=128, vocab_size=64, tokenizer="char"
         )
         log(f"[demo] built a random tiny qwen3 (hidden 128, 2 layers, character vocabulary) in {random_model}")
-        if sft_steps > 0:
+        if task == "tool":
+            environment, environment_args = TOOL_TASK
+            warm_start(random_model, model, None, steps=sft_steps, log=log, environment=environment,
+                       environment_args=environment_args, target_loss=TOOL["sft_target_loss"])  # fmt: skip
+        elif sft_steps > 0:
             warm_start(random_model, model, task, steps=sft_steps, log=log)
         else:
             shutil.copytree(random_model, model)
@@ -221,20 +240,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     parser.add_argument("--out", type=Path, default=None, help="run directory (default runs/demo-ALGO)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--sft-steps", type=int, default=DEFAULTS["sft_steps"], help="supervised warm-start steps (0: none)"
-    )
-    parser.add_argument(
-        "--task", default=DEFAULTS["task"], choices=["copy", "reverse", "count"], help="the procedural task"
-    )
+    parser.add_argument("--sft-steps", type=int, default=None,
+                        help=f"supervised warm-start steps (0: none; default {DEFAULTS['sft_steps']}, "
+                             f"tool: up to {TOOL['sft_steps']}, until the loss is below {TOOL['sft_target_loss']})")  # fmt: skip
+    parser.add_argument("--task", default=DEFAULTS["task"], choices=TASKS,
+                        help="a procedural task, or tool: multi-turn calls of a calculator")  # fmt: skip
     parser.add_argument("--rollouts", type=int, default=DEFAULTS["rollouts"], help="rollouts per step")
-    parser.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="the policy's learning rate")
+    parser.add_argument("--lr", type=float, default=None,
+                        help=f"the policy's learning rate (default {DEFAULTS['lr']}, tool {TOOL['lr']})")  # fmt: skip
     parser.add_argument("--compare", action="store_true", help="run SAO, PPO and GRPO and overlay them")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the models' and vLLM's dtype")  # fmt: skip
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a key of the run config (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
+    tool = args.task == "tool"
+    if args.sft_steps is None:
+        args.sft_steps = TOOL["sft_steps"] if tool else DEFAULTS["sft_steps"]
+    if args.lr is None:
+        args.lr = TOOL["lr"] if tool else DEFAULTS["lr"]
+    if tool and args.sft_steps <= 0:
+        raise SystemExit("--sft-steps: the tool task needs a warm start on its format (at least 1 step)")
     if not args.compare:
         return run_demo(
             args.algo,

@@ -1,6 +1,10 @@
-"""A short supervised warm start of a tiny HF model on a procedural task's format (CPU).
+"""A short supervised warm start of a tiny HF model on a demo task's format (CPU).
 
-    python tools/sft_warm_start.py --model DIR --out DIR [--task reverse] [--steps 80] [--lr 3e-3]
+    python tools/sft_warm_start.py --model DIR --out DIR [--task reverse|copy|count|tool] [--steps 80] [--lr 3e-3]
+
+`tool` is the calculator environment as the tool demo sets it (`TOOL_TASK`): a two-digit product
+asked as "47*83=", answered by calling `<calc>47*83</calc>`, reading `<result>3901</result>` and
+writing "3901"; its demonstrations train the two turns of the model and not the observation.
 
 Cross-entropy on the answer tokens (plus the end-of-sequence token) of prompts rendered exactly as
 the orchestrator renders them (the tokenizer's chat template, once), rows from a seed that the
@@ -20,10 +24,23 @@ import torch
 from megatron_rl.envs import make_environment
 from megatron_rl.orchestrator.rollouts import PromptEncoder
 
+# The tool demo's task: products of two-digit numbers (beyond a tiny model without the tool), one
+# call then the answer. environment, environment_args of the run config.
+TOOL_TASK = (
+    "calculator",
+    {"max_turns": 2, "low": 10, "high": 99, "ops": "*", "question": "{a}{op}{b}=", "instruction": ""},
+)
+
 
 def warm_start(model_dir: Path, out: Path, task: str = "reverse", steps: int = 80, lr: float = 3e-3,
-               batch_size: int = 64, seed: int = 7_000_001, log=print) -> list[float]:  # fmt: skip
-    """Returns the loss of every step."""
+               batch_size: int = 64, seed: int = 7_000_001, log=print, environment: str = "procedural",
+               environment_args: dict | None = None, target_loss: float | None = None) -> list[float]:  # fmt: skip
+    """Returns the loss of every step. `environment`, `task` (its dataset) and `environment_args`
+    name the environment whose `demonstration`s are learnt: the model's own segments are trained
+    (with the end-of-sequence token), observations are context only, each segment tokenised on
+    its own as a rollout does. With `target_loss`, training stops early once the mean loss of
+    the last 5 steps is below it (the warm start is a threshold effect: a loss gate gives every
+    seed a like start, a fixed step count does not)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -31,7 +48,8 @@ def warm_start(model_dir: Path, out: Path, task: str = "reverse", steps: int = 8
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     encoder = PromptEncoder(tokenizer)
-    env = make_environment("procedural", task, seed=seed)
+    env = make_environment(environment, task if environment == "procedural" else None, seed=seed,
+                           args=environment_args)  # fmt: skip
     eos = model.generation_config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -42,10 +60,13 @@ def warm_start(model_dir: Path, out: Path, task: str = "reverse", steps: int = 8
         index += batch_size
         sequences, masks = [], []
         for row in rows:
-            prompt = encoder.prompt(env.prompt(row))
-            answer = tokenizer.encode(row["answer"], add_special_tokens=False) + [eos]
-            sequences.append(prompt + answer)
-            masks.append([0] * len(prompt) + [1] * len(answer))
+            sequence = encoder.prompt(env.prompt(row))
+            mask = [0] * len(sequence)
+            for text, action in env.demonstration(row):
+                ids = encoder.observation(text)  # plain encoding, no special tokens
+                sequence, mask = sequence + ids, mask + [int(action)] * len(ids)
+            sequences.append(sequence + [eos])
+            masks.append(mask + [1])
         width = max(len(s) for s in sequences)
         ids = torch.tensor([s + [eos] * (width - len(s)) for s in sequences])
         mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
@@ -57,8 +78,11 @@ def warm_start(model_dir: Path, out: Path, task: str = "reverse", steps: int = 8
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-        if step % 10 == 0 or step == steps - 1:
-            log(f"[sft] step {step} loss {loss.item():.3f}")
+        reached = target_loss is not None and len(losses) >= 5 and sum(losses[-5:]) / 5 < target_loss
+        if step % 10 == 0 or step == steps - 1 or reached:
+            log(f"[sft] step {step} loss {loss.item():.3f}" + (f" (mean of 5 below {target_loss})" if reached else ""))
+        if reached:
+            break
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -71,9 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--task", default="reverse", choices=["reverse", "copy", "count"])
+    parser.add_argument("--task", default="reverse", choices=["reverse", "copy", "count", "tool"])
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args(argv)
-    warm_start(args.model, args.out, args.task, args.steps, args.lr)
+    if args.task == "tool":
+        environment, environment_args = TOOL_TASK
+        warm_start(args.model, args.out, None, args.steps, args.lr, environment=environment,
+                   environment_args=environment_args)  # fmt: skip
+    else:
+        warm_start(args.model, args.out, args.task, args.steps, args.lr)
     return 0

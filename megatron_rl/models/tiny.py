@@ -84,7 +84,7 @@ def _chat_tokenizer(tokenizer, **special):
     return fast
 
 
-CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789 \n:+-*=?.,#"
+CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789 \n:+-*=?.,#<>/()"  # <>/(): tool calls, <calc>(1+2)</calc>
 
 
 def build_char_tokenizer(vocab_size: int):
