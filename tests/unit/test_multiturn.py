@@ -153,7 +153,7 @@ def test_tool_demonstrations_are_what_the_environment_answers(tmp_path):
 
     environment, args = TOOL_TASK
     env = make_environment(environment, seed=11, args=args)
-    tokenizer = build_char_tokenizer(64)
+    tokenizer = build_char_tokenizer(64, tool_characters=True)
     for index in range(20):
         row = env.row(index)
         segments = env.demonstration(row)
@@ -162,9 +162,12 @@ def test_tool_demonstrations_are_what_the_environment_answers(tmp_path):
         assert not first.done and (first.observation, False) == segments[1] and first.tool_calls == 1
         final = env.step(row, actions)
         assert final.done and final.reward == 1.0 and final.passed
-        for text, _ in segments:  # every character of the protocol is in the character vocabulary
+        for text, _ in segments:  # every character of the protocol is in the char-tool vocabulary
             ids = tokenizer.encode(text, add_special_tokens=False)
             assert tokenizer.decode(ids) == text and tokenizer.unk_token_id not in ids
+    plain = build_char_tokenizer(64)  # the count demo's, unchanged: "<" is not in it
+    assert plain.unk_token_id in plain.encode("<calc>", add_special_tokens=False)
+    assert plain.get_vocab() == {t: i for t, i in tokenizer.get_vocab().items() if t not in "<>/()"}
     with pytest.raises(ValueError, match="no 'expression'"):
         env.demonstration({"index": 0, "prompt": "What is 2+2?", "answer": "4"})
 
