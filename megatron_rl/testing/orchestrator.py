@@ -142,3 +142,19 @@ def orchestrator_config(algorithm: str = "sao", checkpoint_dir: str = "checkpoin
         data["value"] = {"model": {"architecture": arch, "seq_len": 256}}
         data["deployment"]["num_value_gpus_per_train_node"] = 2
     return parse_config(data)
+
+
+def per_token_gae(reward, values, mask, bootstrap, bootstrapped, gamma, lam):
+    """The reference for skip-observation GAE: a plain loop over the action tokens only (prompt
+    and observations skipped), the reward on the last one, `bootstrap` after it when
+    `bootstrapped`."""
+    actions = [t for t in range(len(mask)) if mask[t]]
+    advantages = np.zeros(len(mask))
+    next_value, running = (bootstrap if bootstrapped else 0.0), 0.0
+    for k in reversed(range(len(actions))):
+        t = actions[k]
+        delta = (reward if k == len(actions) - 1 else 0.0) + gamma * next_value - values[t]
+        running = delta + gamma * lam * running
+        advantages[t] = running
+        next_value = values[t]
+    return advantages

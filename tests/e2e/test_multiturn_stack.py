@@ -32,6 +32,7 @@ from megatron_rl.inference.rollout import RolloutClient
 from megatron_rl.inference.router import RouterSettings, VllmRouter
 from megatron_rl.orchestrator.rollouts import PromptEncoder
 from megatron_rl.parallel import free_port
+from megatron_rl.testing.orchestrator import per_token_gae
 from megatron_rl.testing.shipped import ShippedSamples
 from megatron_rl.testing.stack import policy_records, reset_pool, run_stack, stack_config
 
@@ -55,20 +56,6 @@ class ScriptedCalls(CalculatorEnvironment):
         if len(completions) < self.max_turns:
             return Turn(observation=f"<result>{row['answer']}</result>", done=False, tool_calls=1)
         return Turn(reward=float(len(completions[-1]) % 2), passed=None)
-
-
-def per_token_gae(reward, values, mask, bootstrap, bootstrapped, gamma, lam):
-    """Plain loop over the action tokens only (observations and prompt skipped)."""
-    actions = [t for t in range(len(mask)) if mask[t]]
-    advantages = np.zeros(len(mask))
-    next_value, running = (bootstrap if bootstrapped else 0.0), 0.0
-    for k in reversed(range(len(actions))):
-        t = actions[k]
-        delta = (reward if k == len(actions) - 1 else 0.0) + gamma * next_value - values[t]
-        running = delta + gamma * lam * running
-        advantages[t] = running
-        next_value = values[t]
-    return advantages
 
 
 def test_multi_turn_tool_rollouts_through_the_real_stack(vllm_pool, tmp_path, monkeypatch):

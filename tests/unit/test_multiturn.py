@@ -37,9 +37,10 @@ def encoder(tiny_models):
     return PromptEncoder(AutoTokenizer.from_pretrained(str(tiny_models["qwen3"])))
 
 
-def run(resolved, encoder, env, client_kwargs):
+def run(resolved, encoder, env, client_kwargs, client_class=FakeClient):
+    """One in-process run; (records, [(step, shipped sample)], client)."""
     weights, events, records = FakeWeights(), [], []
-    client = FakeClient(weights, **client_kwargs)
+    client = client_class(weights, **client_kwargs)
     critic = FakeCritic(events) if resolved.value is not None else None
     orchestrator = Orchestrator(
         resolved, env, encoder, client, weights, critic, FakePolicy(weights, events).send, OrchestratorState(None),
@@ -47,6 +48,13 @@ def run(resolved, encoder, env, client_kwargs):
     )  # fmt: skip
     asyncio.run(asyncio.wait_for(orchestrator.run(), 60))
     return records, orchestrator.on_shipped.items, client
+
+
+def two_times_three(tmp_path):
+    """A calculator over one row, "What is 2*3?"."""
+    dataset = tmp_path / "questions.jsonl"
+    dataset.write_text('{"prompt": "What is 2*3?", "answer": "6"}\n')
+    return make_environment("calculator", str(dataset), seed=0)
 
 
 def test_a_turn_that_fails_mid_rollout_ends_its_member_and_the_group_completes(encoder, tmp_path):
@@ -66,21 +74,14 @@ def test_a_turn_that_fails_mid_rollout_ends_its_member_and_the_group_completes(e
                 completion.logprobs = [-1.0] * len(bad_call)
             return completion
 
-    dataset = tmp_path / "questions.jsonl"
-    dataset.write_text('{"prompt": "What is 2*3?", "answer": "6"}\n')
-    weights, events, records = FakeWeights(), [], []
-    client = Scripted(weights, script=[call, final], fail={(0, 1, 1): RuntimeError("HTTP 503 from worker w1")})
-    orchestrator = Orchestrator(
-        resolved, make_environment("calculator", str(dataset), seed=0), encoder, client, weights, FakeCritic(events),
-        FakePolicy(weights, events).send, OrchestratorState(None), records.append,
-        Timeouts(batch_s=60, critic_s=60, weights_s=60), on_shipped=ShippedSamples(),
-    )  # fmt: skip
-    asyncio.run(asyncio.wait_for(orchestrator.run(), 60))
+    failure = {(0, 1, 1): RuntimeError("HTTP 503 from worker w1")}
+    records, shipped, client = run(resolved, encoder, two_times_three(tmp_path),
+                                   {"script": [call, final], "fail": failure}, Scripted)  # fmt: skip
     record = records[0]
     assert [c["session"] for c in client.calls].count("group0-branch1") == 2  # it failed on its 2nd turn
     assert record["members_dropped"] == {"failed": 1}
     assert record["groups_admitted"] == 1 and record["samples"] == 2
-    by_branch = {s.branch_index: s for _, s in orchestrator.on_shipped.items}
+    by_branch = {s.branch_index: s for _, s in shipped}
     assert set(by_branch) == {0, 2}
     assert by_branch[0].reward == 1.0 and by_branch[0].episode_done  # called, then answered 6
     assert by_branch[2].reward == 0.0 and by_branch[2].episode_done and not by_branch[2].truncated
@@ -189,17 +190,8 @@ def test_train_on_observations_marks_observations_as_actions_with_the_samplers_l
 
     resolved = orchestrator_config("ppo", num_steps=1, batch_size=1, group_size=1, max_completion_tokens=64,
                                    train_on_observations=True)  # fmt: skip
-    dataset = tmp_path / "questions.jsonl"
-    dataset.write_text('{"prompt": "What is 2*3?", "answer": "6"}\n')
-    weights, events, records = FakeWeights(), [], []
-    client = WithPromptLogprobs(weights, script=[call, final])
-    orchestrator = Orchestrator(
-        resolved, make_environment("calculator", str(dataset), seed=0), encoder, client, weights, FakeCritic(events),
-        FakePolicy(weights, events).send, OrchestratorState(None), records.append,
-        Timeouts(batch_s=60, critic_s=60, weights_s=60), on_shipped=ShippedSamples(),
-    )  # fmt: skip
-    asyncio.run(asyncio.wait_for(orchestrator.run(), 60))
-    sample = orchestrator.on_shipped.items[0][1]
+    _, shipped, _ = run(resolved, encoder, two_times_three(tmp_path), {"script": [call, final]}, WithPromptLogprobs)
+    sample = shipped[0][1]
     prompt = len(sample.token_ids) - len(call) - len(observation) - len(final)
     start = prompt + len(call)
     assert sample.loss_mask.tolist() == [False] * prompt + [True] * (len(call) + len(observation) + len(final))

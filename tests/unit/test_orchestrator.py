@@ -21,6 +21,7 @@ from megatron_rl.testing.orchestrator import (
     FakePolicy,
     FakeWeights,
     orchestrator_config,
+    per_token_gae,
 )
 from megatron_rl.testing.shipped import ShippedSamples
 
@@ -105,21 +106,6 @@ def test_a_failed_or_cancelled_member_never_hangs_its_group(encoder):
     asyncio.run(asyncio.wait_for(orchestrator.run(), 30))
     assert records[0]["members_dropped"] == {"failed": 1, "cancelled": 1}
     assert records[0]["samples"] == 4 and records[0]["groups_admitted"] == 2
-
-
-def per_token_gae(rewards_at_last, values, mask, bootstrap, truncated, gamma, lam):
-    """Plain loop over the action tokens only (observations skipped)."""
-    actions = [t for t in range(len(mask)) if mask[t]]
-    advantages = np.zeros(len(mask))
-    next_value, running = (bootstrap if truncated else 0.0), 0.0
-    for k in reversed(range(len(actions))):
-        t = actions[k]
-        reward = rewards_at_last if k == len(actions) - 1 else 0.0
-        delta = reward + gamma * next_value - values[t]
-        running = delta + gamma * lam * running
-        advantages[t] = running
-        next_value = values[t]
-    return advantages
 
 
 def test_multi_turn_tool_rollout_tokens_masks_and_gae(encoder):
