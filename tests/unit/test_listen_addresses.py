@@ -3,7 +3,7 @@ the critic's HTTP service, the weight-update group's TCPStore and torchrun's ren
 (torch's store listens on every interface unless handed a bound socket), and vllm-router's HTTP
 and metrics ports. Read from /proc/net/tcp{,6} while each one listens. The vLLM servers and
 the whole process tree of a real `megatron-rl run` (gloo's and vLLM's own listeners included):
-tests/e2e/test_run_listeners.py."""
+tests/e2e/test_launch_run.py."""
 
 from __future__ import annotations
 
