@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 
 from megatron_rl.inference.vllm_server import ServerStartError, log_tail
 from megatron_rl.lifetime import bound_to_parent
@@ -201,9 +202,17 @@ class VllmRouter:
         self._change("remove_worker", url)
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM to the router's process group, SIGKILL after `timeout_s`; returns once the
+        router is gone and its output filter (`exec_plain`'s child) has written its last lines
+        to the log (the filter outlives the router until end of file: without this wait a
+        caller that reads the log at once could miss the router's shutdown lines)."""
         if self.process is None:
             return
         if self.alive():
+            try:
+                filters = psutil.Process(self.process.pid).children()
+            except psutil.NoSuchProcess:
+                filters = []
             try:
                 os.killpg(self.process.pid, signal.SIGTERM)
                 self.process.wait(timeout_s)
@@ -212,6 +221,7 @@ class VllmRouter:
                 self.process.wait()
             except ProcessLookupError:
                 pass
+            psutil.wait_procs(filters, timeout=timeout_s)
         self._log.close()
 
 
