@@ -40,5 +40,9 @@ class Environment(ABC):
     def demonstration(self, row: dict) -> list[tuple[str, bool]]:
         """A correct rollout of `row` for a supervised warm start (`launch/warm_start.py`): its
         segments after the prompt in order, each (text, True) for the model's own turns or
-        (text, False) for the environment's observations; the end-of-sequence token follows."""
+        (text, False) for the environment's observations; the end-of-sequence token follows.
+
+        Optional: only a warm start calls it, and an environment without correct rollouts to
+        show (math from a JSONL of answers, most plug-ins) is trained by RL alone, so the
+        default names the environment instead of guessing a demonstration."""
         raise NotImplementedError(f"{type(self).__name__} has no demonstrations for a supervised warm start")
