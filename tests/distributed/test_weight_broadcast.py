@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -60,6 +63,13 @@ def stream_keeping_half(rank, world_size, bucket_bytes):
     after_stream = held.current
     values = {n: t.clone() for n, t in kept.items()}
     del kept, tensor
+    deadline = time.monotonic() + 5.0
+    while held.current and time.monotonic() < deadline:
+        # gloo's worker thread lets go of the last broadcast's tensor a moment after the
+        # broadcast returns (it resets its work slot after marking the work done): on a busy
+        # machine a lone-tensor bucket can outlive our own references by a few milliseconds.
+        gc.collect()
+        time.sleep(0.01)
     return order, values, storages, after_stream, held.current, held.peak, held.received, held.tensors
 
 
