@@ -27,7 +27,8 @@ class ServiceConfig(Strict):
 
     host: str = Field(default="127.0.0.1", description="Address the scoring service listens on.")
     port: int = Field(default=8100, gt=0, lt=65536, description="TCP port of the scoring service.")
-    max_batch_sequences: int = Field(default=512, gt=0, description="Most sequences the service scores in one forward pass.")
+    max_batch_sequences: int = Field(default=512, gt=0, description="Most sequences the service scores in one collective pass (the requests waiting together are merged up to this).")
+    isolate_requests: bool = Field(default=True, description="Pack each merged request's sequences into bins of their own, so that a sequence's values are bit for bit those of its request scored alone, whatever arrived with it (runs repeat exactly); false packs merged requests together (fewer forward passes when requests are short, values that differ in the last digits with the merge).")
     request_timeout_s: float = Field(default=600.0, gt=0, description="Timeout of one scoring request, in seconds.")
     token_env: str | None = Field(default=None, description='The name of an environment variable holding a shared token: requests without "Authorization: Bearer <token>" get 401; the orchestrator (started with the run\'s environment) sends it.')
 

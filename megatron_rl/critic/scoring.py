@@ -7,6 +7,13 @@ the critic's seq_len, bins balanced across DP replicas, padded for CP and sequen
 each replica runs its bins (the same number of forwards on every replica, dummies included;
 with pipeline parallel through megatron's forward-only schedule), CP ranks of the last stage
 all-gather their slices, and all-reduces over DP and then PP bring every value to global rank 0.
+With `request_sizes` (the sequences of each merged HTTP request, in order; what the service
+passes unless `value.service.isolate_requests` is false) every request is packed into bins of
+its own, with the same bins whatever else was merged with it, and the bins are spread over the
+DP replicas: a sequence's values are then bit for bit those of its request scored alone (on
+CPU the position of a sequence in a packed row, and its row-mates, change the float32
+rounding). Without it the whole merged batch is packed together (fewer forward passes when
+requests are short).
 Rank 0 gets a ScoreResult in the request's order:
     values[i][t] = V(state before token t) = head output at t - 1 (values[i][0] = 0.0)
     bootstrap_values[i] = head output at the last token.
@@ -21,7 +28,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_rl.data.packing import pack_into_grid
+from megatron_rl.data.packing import attention_cost, dummy_micro_batch, pack_into_grid
 from megatron_rl.data.types import ScoreResult, TrainingSample
 from megatron_rl.parallel import collective_device
 from megatron_rl.trainer.batches import rank_batch
@@ -29,26 +36,59 @@ from megatron_rl.trainer.forward import forward_only
 from megatron_rl.transport.broadcast import broadcast_bytes
 
 
-def _broadcast_request(request: list[list[int]] | None) -> list[list[int]]:
-    """Global rank 0's request on every rank, sent as int64 [count, lengths..., tokens...]."""
+def _broadcast_request(
+    request: list[list[int]] | None, request_sizes: list[int] | None
+) -> tuple[list[list[int]], list[int] | None]:
+    """Global rank 0's request and request sizes on every rank, sent as int64
+    [count, parts, lengths..., sizes..., tokens...] (parts 0: no sizes)."""
     if dist.get_world_size() == 1:
-        return request
+        return request, request_sizes
     data = None
     if dist.get_rank() == 0:
-        flat = [len(request), *(len(ids) for ids in request), *(t for ids in request for t in ids)]
+        sizes = list(request_sizes or [])
+        flat = [len(request), len(sizes), *(len(ids) for ids in request), *sizes,
+                *(t for ids in request for t in ids)]  # fmt: skip
         data = np.asarray(flat, dtype=np.int64).tobytes()
     flat = np.frombuffer(broadcast_bytes(data, 0, device=collective_device()), dtype=np.int64)
-    count = int(flat[0])
-    ends = np.cumsum(flat[1 : 1 + count])
-    tokens = flat[1 + count :]
-    return [tokens[end - n : end].tolist() for n, end in zip(flat[1 : 1 + count], ends)]
+    count, parts = int(flat[0]), int(flat[1])
+    lengths = flat[2 : 2 + count]
+    sizes = [int(n) for n in flat[2 + count : 2 + count + parts]] or None
+    ends = np.cumsum(lengths)
+    tokens = flat[2 + count + parts :]
+    return [tokens[end - n : end].tolist() for n, end in zip(lengths, ends)], sizes
+
+
+def _isolated_grid(samples: list[TrainingSample], request_sizes: list[int], seq_len: int, dp: int, cp: int, sp: int):
+    """grid[data_rank][micro_step] where each bin holds sequences of one request only, packed
+    as that request alone would be (first fit over its own sequences), the bins spread over the
+    replicas heaviest first onto the least loaded, then padded with dummies to equal counts."""
+    if sum(request_sizes) != len(samples) or min(request_sizes, default=1) < 1:
+        raise ValueError(f"score_sequences: request_sizes {request_sizes} do not split {len(samples)} sequences")
+    bins, start = [], 0
+    for size in request_sizes:
+        (row,) = pack_into_grid(samples[start : start + size], seq_len, 1, cp, sequence_parallel_size=sp)
+        for mb in row:
+            mb.sample_index = np.where(mb.sample_index >= 0, mb.sample_index + start, -1)
+            bins.append(mb)
+        start += size
+    load, rows = [0.0] * dp, [[] for _ in range(dp)]
+    costs = [sum(attention_cost(int(n)) for n in np.diff(mb.cu_seqlens)) for mb in bins]
+    for index in sorted(range(len(bins)), key=lambda i: (-costs[i], i)):
+        rank = min(range(dp), key=lambda r: (load[r], r))
+        rows[rank].append(bins[index])
+        load[rank] += costs[index]
+    steps = max(len(row) for row in rows)
+    return [row + [dummy_micro_batch(cp * sp) for _ in range(steps - len(row))] for row in rows]
 
 
 @torch.no_grad()
-def score_sequences(model, request: list[list[int]] | None, seq_len: int) -> ScoreResult | None:
-    """Collective over all critic ranks; returns the ScoreResult on global rank 0, None elsewhere."""
+def score_sequences(
+    model, request: list[list[int]] | None, seq_len: int, request_sizes: list[int] | None = None
+) -> ScoreResult | None:
+    """Collective over all critic ranks; returns the ScoreResult on global rank 0, None elsewhere.
+    `request_sizes` (rank 0's): the sequences of each merged request, packed apart (see above)."""
 
-    sequences = _broadcast_request(request)
+    sequences, request_sizes = _broadcast_request(request, request_sizes)
     dp, cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
     sp = ps.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
     samples = [
@@ -60,7 +100,10 @@ def score_sequences(model, request: list[list[int]] | None, seq_len: int) -> Sco
         )
         for ids in sequences
     ]
-    grid = pack_into_grid(samples, seq_len, dp, cp, sequence_parallel_size=sp)
+    if request_sizes is None:
+        grid = pack_into_grid(samples, seq_len, dp, cp, sequence_parallel_size=sp)
+    else:
+        grid = _isolated_grid(samples, request_sizes, seq_len, dp, cp, sp)
     lengths = np.array([len(ids) for ids in sequences], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     head = torch.zeros(int(offsets[-1]), dtype=torch.float32, device=collective_device())  # head output per token

@@ -194,8 +194,8 @@ class CriticTrainer(RoleTrainer):
             self.log.info("critic: loaded the policy snapshot version %d from %s", step, path)
 
     # -- scoring --------------------------------------------------------------------------------
-    def score(self, request: list[list[int]] | None) -> ScoreResult | None:
-        result = score_sequences(self.model, request, self.value.model.seq_len)
+    def score(self, request: list[list[int]] | None, request_sizes: list[int] | None = None) -> ScoreResult | None:
+        result = score_sequences(self.model, request, self.value.model.seq_len, request_sizes)
         if result is not None:
             result.step = self.trained_step
         return result

@@ -139,9 +139,10 @@ def run_critic(resolved: ResolvedConfig) -> None:
             try:
                 if kind == SCORE:
                     request = [ids for t in taken for ids in t.sequences] if is_rank0 else None
+                    sizes = [len(t.sequences) for t in taken] if is_rank0 and value.service.isolate_requests else None
                     error = None
                     try:
-                        result = trainer.score(request)
+                        result = trainer.score(request, sizes)
                     except Exception as exc:  # answered below; the ranks agree first
                         log.exception("critic: scoring %d merged sequences failed on this rank", arg)
                         error = exc

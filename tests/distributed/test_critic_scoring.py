@@ -49,6 +49,21 @@ def test_batched_scoring_equals_per_sequence_scoring(weights, tp, cp, world, pp)
     assert max(abs(b) for b in boots) > 1e-3  # a non-trivial head
 
 
+@pytest.mark.parametrize("tp,cp,world,pp", [(1, 1, 2, 1), (1, 2, 2, 1), (1, 1, 2, 2)])
+def test_isolated_requests_score_bit_for_bit_as_alone(weights, tp, cp, world, pp):
+    """With the request sizes (value.service.isolate_requests, the default) a merged batch gives
+    every request exactly the values it gets scored alone, whatever arrived with it."""
+    batch, _ = mixed_requests()
+    requests = [batch[:3], batch[3:4], batch[4:8], batch[8:]]
+    merged, alone = run_ranks(critic_scores_isolated, world, ARCH, weights, tp, cp, requests, 64, pp)[0]
+    start = 0
+    for (values, boots), request in zip(alone, requests):
+        for i in range(len(request)):
+            assert merged[0][start + i] == values[i] and merged[1][start + i] == boots[i], (start, i)
+        start += len(request)
+    assert start == len(batch) and max(abs(b) for b in merged[1]) > 1e-3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "tp,cp,world,pp", [(1, 1, 4, 1), (1, 2, 4, 1), (1, 4, 4, 1), (2, 1, 4, 1), (1, 2, 4, 2), (1, 1, 4, 2)]
@@ -83,6 +98,25 @@ def critic_scores(rank, world_size, arch, full, tp, cp, requests, seq_len=64, pp
         if result is not None:
             results.append(([v.tolist() for v in result.values], result.bootstrap_values))
     return results if rank == 0 else None
+
+def critic_scores_isolated(rank, world_size, arch, full, tp, cp, requests, seq_len=64, pp=1):
+    """Scores the requests merged with their sizes, then each alone; rank 0 returns
+    ((values, boots) merged, [(values, boots) of each alone]), other ranks None."""
+    from megatron_rl.critic.scoring import score_sequences
+    from megatron_rl.models.value_model import build_value_model
+
+    parallel.initialize_model_parallel(tp=tp, cp=cp, pp=pp)
+    model = build_value_model(arch, tp=tp, cp=cp, pp=pp)
+    load_full_state_dict(model, full)
+
+    def score(request, sizes):
+        result = score_sequences(model, request if rank == 0 else None, seq_len, sizes if rank == 0 else None)
+        return None if result is None else ([v.tolist() for v in result.values], result.bootstrap_values)
+
+    merged = score([ids for r in requests for ids in r], [len(r) for r in requests])
+    alone = [score(r, [len(r)]) for r in requests]
+    return (merged, alone) if rank == 0 else None
+
 
 def value_model_direct(rank, world_size, arch, full, batch):
     """Head output per token for each sequence alone ([T] float32 each), TP=1, unpacked."""

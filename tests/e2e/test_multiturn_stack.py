@@ -69,7 +69,6 @@ def test_multi_turn_tool_rollouts_through_the_real_stack(vllm_pool, tmp_path, mo
         resolved, resolved_path = stack_config(
             tmp_path, model_dir, "sao", 2, pool, batch_size=4, max_completion_tokens=64,
             environment=f"{__name__}:ScriptedCalls", dataset=None,
-            overrides=["value.service.max_batch_sequences=1"],  # one request per forward: exact values
         )  # fmt: skip
         completions, scores, shipped = defaultdict(list), [], ShippedSamples()
         complete, score = RolloutClient.complete, HttpValueScorer.score

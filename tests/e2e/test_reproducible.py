@@ -6,12 +6,13 @@ ratios, KLs, gradient norm) and every critic figure (value loss of each epoch). 
 differ, and the orchestrator's copy of the policy's newest mismatch KL (whichever policy line
 had arrived when the step's line was written).
 
-The critic's scoring service merges concurrent score requests into one forward pass, and a
-batch's shape changes the float32 rounding of every value in it (measured: the critic's mean
-value of step 1 differed in the 8th digit between two runs, and through the advantages the
-policy's loss of step 2 in the 7th). Scoring each group's request alone
-(`value.service.max_batch_sequences` = the group size) makes the values reproducible; the run
-here sets it. docs/reproducibility.md says what gives this up and what stays reproducible then."""
+The critic's scoring service merges the score requests that arrive together into one collective
+pass; it packs each request into bins of its own (`value.service.isolate_requests`, the default),
+so a request's values do not depend on what arrived with it. Before that option, packing merged
+requests together changed the float32 rounding (measured: the critic's mean value of step 1
+differed in the 8th digit between two runs, and through the advantages the policy's loss of
+step 2 in the 7th). The runs here use the defaults. docs/reproducibility.md says what gives
+this up and what stays reproducible then."""
 
 from __future__ import annotations
 
@@ -49,11 +50,8 @@ def logged(tmp_path, name: str) -> list[dict]:
 def one_run(vllm_pool, tmp_path) -> dict[str, list[dict]]:
     pool, model_dir, _ = vllm_pool
     reset_pool(pool, model_dir)  # the same initial weights, version 0, on every server
-    # SAO: group size 1, so one sequence per score request and per critic forward pass
-    overrides = ["value.service.max_batch_sequences=1"]
-    resolved, resolved_path = stack_config(
-        tmp_path, model_dir, "sao", NUM_STEPS, pool, overrides, temperature=1.0
-    )
+    resolved, resolved_path = stack_config(tmp_path, model_dir, "sao", NUM_STEPS, pool, [], temperature=1.0)
+    assert resolved.value.service.isolate_requests and resolved.value.service.max_batch_sequences > 1
     assert resolved.orchestrator.group_size == 1
     assert resolved.orchestrator.max_async_level == 0
     run_stack(tmp_path, resolved, resolved_path, pool)
