@@ -7,8 +7,10 @@ a token-rate and a FLOPs model, real ZMQ grids and real /score encoding on a vir
    stand-ins') against the simulated step, the fitted exponent of CPU vs rollouts (goal <= 1.1)
    and the share at the largest size (goal < 1%); bytes on the wire per step (score requests and
    replies, both grids) and the grids' transport time at the throughput measured in the run.
-2. Asynchrony: 64 rollouts a step, max_async_level 0, 1 and 2, with generation about as long as
-   training (the default rates): the median step time, async / sync (goal <= 0.6), and the
+2. Asynchrony: 64 rollouts a step, max_async_level 0, 1 and 2, with generation as long as the
+   rest of a synchronous step (--balance, the default: each algorithm's inference rates are
+   scaled so, measured on a level-0 run at the given rates; GRPO has no critic to train, so its
+   servers get faster): the median step time, async / sync (goal <= 0.6), and the
    inference servers' busy fraction with the long completion tail; for group size 1 (SAO) and
    8 (GRPO, examples/configs/qwen3_30b_a3b_grpo.yaml: no critic).
 
@@ -26,7 +28,7 @@ import json
 import math
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -71,16 +73,35 @@ def scale_row(size: int, steps: int, model: ClusterModel, seed: int) -> dict:
     }  # fmt: skip
 
 
+def balanced(example, group_size: int, steps: int, model: ClusterModel, seed: int) -> tuple[ClusterModel, dict]:
+    """The cluster model with the inference rates (decode and prefill) scaled so that one batch's
+    generation takes as long as the rest of a synchronous step (scoring, training, the
+    broadcast): the regime where asynchrony can at best halve the step. Measured on a
+    `max_async_level` 0 run at `model`'s rates (medians after the first step); returns the
+    scaled model and what the calibration measured."""
+    result = simulate(example, model, seed, batch_size=64 // group_size, group_size=group_size, num_steps=steps,
+                      max_async_level=0, max_off_policy_steps=1)  # fmt: skip
+    generate = float(np.median([r["time"]["generate"] for r in result.records[1:]]))
+    rest = steady_step_s(result) - generate
+    factor = generate / rest
+    scaled = replace(model, decode_tokens_per_s=model.decode_tokens_per_s * factor,
+                     prefill_tokens_per_s=model.prefill_tokens_per_s * factor)  # fmt: skip
+    return scaled, {"generate_s": generate, "rest_s": rest, "rate_factor": factor,
+                    "decode_tokens_per_s": scaled.decode_tokens_per_s}  # fmt: skip
+
+
 def async_row(example, group_size: int, level: int, steps: int, model: ClusterModel, seed: int) -> dict:
     result = simulate(example, model, seed, batch_size=64 // group_size, group_size=group_size, num_steps=steps,
                       max_async_level=level, max_off_policy_steps=max(1, level))  # fmt: skip
     train = [r["time"].get("critic_train", 0.0) for r in result.records]
     generate = [r["time"]["generate"] for r in result.records]
+    steady_generate = float(np.median(generate[1:]))
     tokens = np.asarray(result.completion_tokens)
     return {
         "group_size": group_size, "max_async_level": level, "step_s": steady_step_s(result),
         "server_busy": result.server_busy, "server_slots": result.server_slots,
         "first_step_generate_s": generate[0], "first_step_critic_train_s": train[0],
+        "generate_wait_s": steady_generate, "decode_tokens_per_s": model.decode_tokens_per_s,
         "completion_p50": float(np.percentile(tokens, 50)), "completion_p99": float(np.percentile(tokens, 99)),
         "truncated": float(np.mean([r["truncation_rate"] for r in result.records])),
         "stale_dropped": sum(r["stale_dropped"] for r in result.records), "wall_s": result.wall_s,
@@ -101,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, kind, default, text in ClusterModel.flags():
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=default,
                             help=f"{text} (default {default})")  # fmt: skip
+    parser.add_argument(
+        "--balance", action=argparse.BooleanOptionalAction, default=True,
+        help="scale each asynchrony run's inference rates so that generation takes as long as the rest "
+        "of a sync step (measured on a max_async_level 0 run at the given rates)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     model = ClusterModel(**{name: getattr(args, name) for name, *_ in ClusterModel.flags()})
     try:
@@ -126,10 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fitted exponent of CPU vs rollouts: {exponent:.3f} (goal <= 1.1); share at {largest['rollouts']:,}: "
           f"{100 * largest['share']:.3f}% (goal < 1%); grids at the measured {throughput:.0f} MB/s")  # fmt: skip
 
-    async_rows = []
+    async_rows, calibration = [], {}
     for example, group_size in ((SAO, 1), (GRPO, 8)):
+        rates = model
+        if args.balance:
+            rates, calibration[group_size] = balanced(example, group_size, args.async_steps, model, args.seed)
+            c = calibration[group_size]
+            print(f"group size {group_size}: generation {c['generate_s']:.0f} s, the rest of a sync step "
+                  f"{c['rest_s']:.0f} s at --decode-tokens-per-s {model.decode_tokens_per_s:g}: inference "
+                  f"rates x {c['rate_factor']:.3f} (decode {rates.decode_tokens_per_s:.1f} tokens/s)")  # fmt: skip
         for level in (0, 1, 2):
-            async_rows.append(async_row(example, group_size, level, args.async_steps, model, args.seed))
+            async_rows.append(async_row(example, group_size, level, args.async_steps, rates, args.seed))
     print(f"\n2. 64 rollouts a step, {args.async_steps} steps (median step after the first)")
     print(f"{'group':>6}{'async':>6}{'step s':>9}{'/ sync':>8}{'busy':>7}{'slots':>7}{'gen s':>8}{'critic s':>9}"
           f"{'p50 tok':>8}{'p99 tok':>8}{'trunc':>7}")  # fmt: skip
@@ -141,14 +174,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['server_slots']:>7.3f}{r['first_step_generate_s']:>8.0f}{r['first_step_critic_train_s']:>9.0f}"
               f"{r['completion_p50']:>8.0f}{r['completion_p99']:>8.0f}{r['truncated']:>7.3f}")  # fmt: skip
     best = min(ratios[(1, 1)], ratios[(1, 2)])
-    print(
-        f"async / sync, group size 1: {ratios[(1, 1)]:.3f} (level 1), {ratios[(1, 2)]:.3f} (level 2); goal <= 0.6"
-    )
+    for group_size in (1, 8):
+        print(f"async / sync, group size {group_size}: {ratios[(group_size, 1)]:.3f} (level 1), "
+              f"{ratios[(group_size, 2)]:.3f} (level 2); goal <= 0.6")  # fmt: skip
 
     record = dict(
         figure={"cpu_exponent": exponent, "largest_share": largest["share"], "async_over_sync": best},
         reference={"goal_exponent": 1.1, "goal_share": 0.01, "goal_async_over_sync": 0.6},
         ratio=best, params=vars(args) | {"model": asdict(model)}, scale=rows, asynchrony=async_rows,
+        calibration={str(g): c for g, c in calibration.items()},
     )  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=2))

@@ -105,7 +105,8 @@ class GridLink:
         nbytes = sum(item.nbytes for item in items)
         self.bytes += nbytes
         self.micro_steps[step] = [item.micro_steps for item in items]
-        task = asyncio.ensure_future(self._after_the_wire(step, items, nbytes))
+        previous = self._tasks[-1] if self._tasks else None
+        task = asyncio.ensure_future(self._after_the_wire(step, items, nbytes, previous))
         task.add_done_callback(self._check)
         self._tasks.append(task)
 
@@ -113,8 +114,13 @@ class GridLink:
         if not task.cancelled() and task.exception() is not None:
             self.cluster.fail(task.exception())
 
-    async def _after_the_wire(self, step: int, items, nbytes: int) -> None:
+    async def _after_the_wire(self, step: int, items, nbytes: int, previous: asyncio.Task | None) -> None:
+        """The grid's time on the wire, then its training once the previous step's is done: a
+        trainer takes its steps in order (a smaller grid sent right after a bigger one arrives
+        first, and must not be trained first)."""
         await asyncio.sleep(nbytes / self.cluster.model.wire_bytes_per_s)
+        if previous is not None:
+            await asyncio.shield(previous)
         await self.train(step, items)
 
     def close(self) -> None:
