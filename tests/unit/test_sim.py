@@ -104,6 +104,20 @@ def test_grpo_runs_without_a_critic(tmp_path):
     assert [kind for _, kind, *_ in result.events if kind == "version_live"] == ["version_live"] * 2
 
 
+def test_trainers_take_their_steps_in_order_when_grids_arrive_together(tmp_path):
+    # max_async_level 2 ships steps 0-2 at about the same time: a smaller grid sent after a
+    # bigger one is off the wire first, and must still be trained after it
+    resolved = cluster_config(ROOT / "examples/configs/qwen3_30b_a3b_grpo.yaml", tmp_path, batch_size=4, group_size=8,
+                              num_steps=5, max_completion_tokens=64, max_prompt_tokens=32, max_async_level=2,
+                              max_off_policy_steps=2)  # fmt: skip
+    result = SimCluster(resolved, ClusterModel(**SHORT), run_dir=tmp_path).run()
+    trained = [a for _, kind, a, _ in result.events if kind == "policy_train_start"]
+    live = [a for _, kind, a, _ in result.events if kind == "version_live"]
+    assert trained == list(range(5)) and live == list(range(1, 6))
+    shipped = [t for t, kind, *_ in result.events if kind == "policy_grid"]
+    assert shipped[1] - shipped[0] < 1.0  # the grids did come together
+
+
 def test_each_broadcast_delays_the_next_version_on_policy(tmp_path):
     quick = small_run(tmp_path / "quick", model=ClusterModel(**SHORT, broadcast_s=0.0), max_async_level=0)
     slow = small_run(tmp_path / "slow", model=ClusterModel(**SHORT, broadcast_s=500.0), max_async_level=0)
