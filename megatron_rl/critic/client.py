@@ -1,7 +1,7 @@
 """HttpValueScorer: the ValueScorer the orchestrator uses, over the critic's HTTP service.
 
 `await scorer.score(batched_token_ids)` sends one `POST /score` and returns a ScoreResult in
-request order. Connection failures (critic still starting, restarting, or briefly unreachable)
+request order (asking for the binary reply of critic/wire.py: 4 bytes a value, not ~20 of JSON). Connection failures (critic still starting, restarting, or briefly unreachable)
 and 503 replies are retried (httpx, the package's one HTTP client library) with exponential backoff up to `retries` times; a request that
 takes longer than `timeout_s` raises CriticTimeout; a 400 raises CriticRequestError with the
 critic's message. Every error names the URL. `transport` (an httpx transport) replaces the
@@ -17,6 +17,7 @@ import httpx
 import msgspec
 import numpy as np
 
+from megatron_rl.critic.wire import BINARY_VALUES, STEP_HEADER, decode_values
 from megatron_rl.data.types import ScoreResult
 
 
@@ -71,15 +72,16 @@ class HttpValueScorer:
             await self._http.aclose()
         self._http = None
 
-    async def _request(self, method: str, path: str, body: bytes | None = None) -> dict:
+    async def _request(self, method: str, path: str, body: bytes | None = None, accept: str | None = None):
+        """The reply (its JSON decoded, or the httpx response when it came as `accept`)."""
         url = f"{self.url}{path}"
         delay = self.backoff_s
+        headers = {**self.headers, **({"Content-Type": "application/json"} if body else {})}
+        if accept:
+            headers["Accept"] = accept
         for attempt in range(self.retries + 1):
             try:
-                response = await self._client().request(
-                    method, url, content=body,
-                    headers={**self.headers, **({"Content-Type": "application/json"} if body else {})},
-                )  # fmt: skip
+                response = await self._client().request(method, url, content=body, headers=headers)
             except httpx.TimeoutException:
                 raise CriticTimeout(f"critic service {url}: no reply within {self.timeout_s}s") from None
             except httpx.TransportError as exc:
@@ -90,6 +92,8 @@ class HttpValueScorer:
             else:
                 payload = response.content
                 if response.status_code == 200:
+                    if accept and response.headers.get("Content-Type", "").startswith(accept):
+                        return response
                     try:
                         return msgspec.json.decode(payload)
                     except msgspec.DecodeError:
@@ -104,9 +108,16 @@ class HttpValueScorer:
         raise AssertionError("unreachable")
 
     async def score(self, batched_token_ids: list[list[int]]) -> ScoreResult:
+        """Asks for the binary reply (critic/wire.py); a critic that answers JSON is read too."""
         reply = await self._request(
-            "POST", "/score", msgspec.json.encode({"batched_token_ids": batched_token_ids})
+            "POST", "/score", msgspec.json.encode({"batched_token_ids": batched_token_ids}), accept=BINARY_VALUES
         )
+        if isinstance(reply, httpx.Response):
+            try:
+                step = int(reply.headers[STEP_HEADER])
+                return decode_values(reply.content, [len(ids) for ids in batched_token_ids], step)
+            except (KeyError, ValueError) as exc:
+                raise CriticError(f"{self.url}/score: binary reply does not follow the contract: {exc}") from None
         try:
             values = [np.asarray(v, dtype=np.float32) for v in reply["values"]]
             bootstrap = [float(b) for b in reply["bootstrap_values"]]

@@ -3,6 +3,7 @@
 Endpoints (docs/critic-api.md):
     POST /score   {"batched_token_ids": [[int, ...], ...]}
                   -> {"values": [[float, ...], ...], "bootstrap_values": [float, ...], "step": int}
+                  with "Accept: application/x-float32-values": float32 bytes (critic/wire.py)
                   legacy {"token_ids": [int, ...]}
                   -> {"values": [float, ...], "bootstrap_value": float, "step": int}
     GET  /status  last trained step, busy flag, phase, counters, model and layout
@@ -30,6 +31,7 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
+from megatron_rl.critic.wire import BINARY_VALUES, STEP_HEADER, encode_values
 from megatron_rl.data.types import ScoreResult
 
 log = logging.getLogger("megatron_rl.critic.service")
@@ -270,6 +272,10 @@ class ScoringService:
                 return web.json_response({"error": str(exc)}, status=500)
             # the critic failed or is shutting down
             return web.json_response({"error": f"scoring failed: {exc}"}, status=503)
+        if not legacy and BINARY_VALUES in request.headers.get("Accept", ""):
+            return web.Response(
+                body=encode_values(result), content_type=BINARY_VALUES, headers={STEP_HEADER: str(result.step)}
+            )
         if legacy:
             reply = {
                 "values": np.asarray(result.values[0]).tolist(),

@@ -1,7 +1,7 @@
 """A simulated cluster: the REAL orchestrator against stand-ins that spend simulated time.
 
 What runs for real, unchanged: `Orchestrator` (dispatcher, TrainSink, rollouts of each group,
-`prepare_batch` with the critic's `HttpValueScorer` — one `/score` per group, JSON encoded and
+`prepare_batch` with the critic's `HttpValueScorer` — one `/score` per group, a JSON request and a float32 reply, encoded and
 decoded by the client — both packings, both ZMQ `GridSender`s with real `GridReceiver`s on
 loopback that decode and checksum every grid item, `VersionFollower`'s path (b) bookkeeping, the
 `MetricsWriter` JSONL and the `OrchestratorState` checkpoint after every step).
@@ -46,6 +46,7 @@ import numpy as np
 
 from megatron_rl.config import load_config, parse_config
 from megatron_rl.critic.client import HttpValueScorer
+from megatron_rl.critic.wire import BINARY_VALUES, STEP_HEADER
 from megatron_rl.inference.rollout import Completion
 from megatron_rl.orchestrator.loop import Orchestrator, Timeouts
 from megatron_rl.orchestrator.metrics import MetricsWriter
@@ -178,16 +179,14 @@ class SimCritic:
         self.score_calls: list[tuple[int, int, bool]] = []  # (group, sequences, all of that group)
         self.request_bytes = self.reply_bytes = 0
         rng = np.random.default_rng(cluster.seed)
-        pool = [msgspec.json.encode(v) for v in rng.normal(size=4096).astype(np.float32).tolist()]
-        self._values = b",".join(pool)  # reply values: a prefix of this JSON list, repeated
-        self._offsets = np.cumsum([len(p) + 1 for p in pool])
+        self._floats = rng.normal(size=4096).astype("<f4").tobytes()  # reply values, repeated
         self.transport = httpx.MockTransport(self.handle)
         self.link = GridLink(cluster, "critic", resolved.layout.critic.dp, self._train)
 
-    def _values_json(self, n: int) -> bytes:
-        whole, rest = divmod(n, len(self._offsets))
-        parts = [self._values] * whole + ([self._values[: int(self._offsets[rest - 1]) - 1]] if rest else [])
-        return b"[" + b",".join(parts) + b"]"
+    def _values_binary(self, lengths) -> bytes:
+        total = 4 * (len(lengths) + sum(lengths))  # bootstrap values, then every sequence's values
+        whole, rest = divmod(total, len(self._floats))
+        return self._floats * whole + self._floats[:rest]
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         c = self.cluster
@@ -211,13 +210,13 @@ class SimCritic:
         async with self.gpu:
             await asyncio.sleep(seconds)
         with c.ledger:
-            values = b",".join(self._values_json(n) for n in lengths)
-            bootstrap = b",".join([b"0.25"] * len(lengths))
-            reply = b'{"values":[' + values + b'],"bootstrap_values":[' + bootstrap + b'],"step":'
-            reply += str(self.trained_step).encode() + b"}"
+            if BINARY_VALUES not in request.headers.get("Accept", ""):
+                return httpx.Response(406, content=b'{"error": "the simulated critic answers binary replies only"}')
+            reply = self._values_binary(lengths)  # what HttpValueScorer asks for
             self.request_bytes += len(body)
             self.reply_bytes += len(reply)
-        return httpx.Response(200, content=reply)
+        headers = {"Content-Type": BINARY_VALUES, STEP_HEADER: str(self.trained_step)}
+        return httpx.Response(200, content=reply, headers=headers)
 
     async def _train(self, step: int, items) -> None:
         c = self.cluster

@@ -344,8 +344,8 @@ def critic_with_failing_scores(rank, world_size, resolved_path):
             raise PackingError("injected: a 13-token sequence")
         return original_pack(samples, *args, **kwargs)
 
-    def score(self, request):
-        result = original_score(self, request)
+    def score(self, request, request_sizes=None):
+        result = original_score(self, request, request_sizes)
         calls["n"] += 1
         if calls["n"] == 2 and rank == 1:  # the third request (the second was refused while packing)
             raise RuntimeError("injected: rank 1 fails after its collectives")

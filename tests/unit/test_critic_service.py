@@ -169,3 +169,91 @@ def test_a_token_guards_every_endpoint_and_our_client_sends_it(monkeypatch):
             asyncio.run(client(None))
     finally:
         service.stop()
+
+
+def test_binary_and_json_replies_carry_the_same_values_and_our_client_asks_for_binary():
+    """`Accept: application/x-float32-values` gets float32 bytes (critic/wire.py) holding exactly
+    the numbers of the JSON reply, about a fifth of its size; HttpValueScorer asks for it and
+    still reads a JSON reply; a binary body of the wrong size is an error naming the sizes."""
+    import asyncio
+    import socket
+    import threading
+
+    import httpx
+
+    from megatron_rl.critic.client import CriticError, HttpValueScorer
+    from megatron_rl.critic.service import CriticState, ScoringService
+    from megatron_rl.critic.wire import BINARY_VALUES, STEP_HEADER, decode_values, encode_values
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = ScoreQueue()
+    service = ScoringService("127.0.0.1", port, queue, CriticState({}), VOCAB, SEQ_LEN, MAX_BATCH, 60.0)
+    service.start()
+    stop = threading.Event()
+
+    def values_of(ids):  # float32 values with many digits, a function of the ids
+        return (np.sin(np.asarray(ids) * 1.3) / 7.0).astype(np.float32)
+
+    def scorer():  # the critic's main loop, reduced to answering with values_of the ids
+        while not stop.is_set():
+            if queue.wait(0.05):
+                taken = queue.take(MAX_BATCH)
+                merged = [ids for t in taken for ids in t.sequences]
+                values = [values_of(ids) for ids in merged]
+                answer(taken, ScoreResult(values, [float(v[-1] * np.float32(3)) for v in values], 5))
+
+    thread = threading.Thread(target=scorer, daemon=True)
+    thread.start()
+    batch = [[3, 1, 4, 1, 5], [9], [2, 6, 5, 3, 5, 8, 9, 7]]
+    body = b'{"batched_token_ids": ' + str(batch).encode() + b"}"
+    try:
+        json_reply = httpx.post(f"{service.url}/score", content=body)
+        binary = httpx.post(f"{service.url}/score", content=body, headers={"Accept": BINARY_VALUES})
+        assert binary.headers["Content-Type"].startswith(BINARY_VALUES) and binary.headers[STEP_HEADER] == "5"
+        assert len(binary.content) == 4 * (3 + 14) and len(binary.content) * 3 < len(json_reply.content)
+        decoded, as_json = decode_values(binary.content, [len(ids) for ids in batch], 5), json_reply.json()
+        assert all(v.dtype == np.float32 for v in decoded.values)
+        assert [v.tolist() for v in decoded.values] == as_json["values"]  # the same numbers, exactly
+        assert decoded.bootstrap_values == as_json["bootstrap_values"] and as_json["step"] == 5
+        assert all(np.array_equal(v, values_of(ids)) for v, ids in zip(decoded.values, batch))
+        round_trip = decode_values(encode_values(decoded), [5, 1, 8], 5)
+        assert all(np.array_equal(a, b) for a, b in zip(round_trip.values, decoded.values))
+        legacy = httpx.post(f"{service.url}/score", content=b'{"token_ids": [1, 2]}', headers={"Accept": BINARY_VALUES})
+        assert set(legacy.json()) == {"values", "bootstrap_value", "step"}  # the legacy shape stays JSON
+
+        async def ours():
+            client = HttpValueScorer(service.url, retries=0)
+            try:
+                return await client.score(batch)
+            finally:
+                await client.close()
+
+        result = asyncio.run(ours())
+        assert [len(v) for v in result.values] == [5, 1, 8] and result.step == 5
+        assert result.bootstrap_values == [float(np.float32(v[-1] * 3)) for v in result.values]
+    finally:
+        stop.set()
+        service.stop()
+    with pytest.raises(ValueError, match="binary reply of 8 bytes; 2 sequences of 3 tokens need 20"):
+        decode_values(b"\0" * 8, [1, 2], 0)
+
+    def json_only(request):  # a critic that answers JSON whatever is asked
+        reply = {"values": [[0.5, 0.25]], "bootstrap_values": [0.125], "step": 2}
+        return httpx.Response(200, json=reply)
+
+    def wrong_size(request):
+        return httpx.Response(200, content=b"\0" * 4, headers={"Content-Type": BINARY_VALUES, STEP_HEADER: "2"})
+
+    async def against(handler):
+        client = HttpValueScorer("http://critic", retries=0, transport=httpx.MockTransport(handler))
+        try:
+            return await client.score([[1, 2]])
+        finally:
+            await client.close()
+
+    result = asyncio.run(against(json_only))
+    assert result.values[0].tolist() == [0.5, 0.25] and result.bootstrap_values == [0.125] and result.step == 2
+    with pytest.raises(CriticError, match="binary reply does not follow the contract: binary reply of 4 bytes"):
+        asyncio.run(against(wrong_size))
