@@ -56,9 +56,12 @@ def test_moe_update_holds_about_one_decoder_layer(layers, tmp_path):
         # layer by layer: every tensor of a layer (from every owner) before the next layer's
         order = [layer_of(n) for n, _ in record["arrived"] if layer_of(n) is not None]
         assert order == sorted(order), (layout, order)
-        # the extension's own account agrees with the measurement from outside
+        # the extension's own account agrees with the measurement from outside, which also sees
+        # a bucket that gloo's worker thread still holds for a moment after its broadcast
+        # returned (it resets its work slot after marking the work done): at most one bucket more
+        # (CI saw own + 8 KiB once in the full suite)
         own = record["extension"]["peak_held_bytes"]
-        assert own <= peak <= own + PLAN_SLACK, (layout, own, peak)
+        assert own <= peak <= own + PLAN_SLACK + BUCKET_BYTES, (layout, own, peak)
         assert record["extension"]["held_now_bytes"] == 0, layout
         # what the reload left is what vLLM's own load of the policy's tensors gives (packed
         # linear weights and prepacked experts included), and it holds the policy's tensors
