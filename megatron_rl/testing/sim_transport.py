@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import socket
 import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_rl.parallel import free_port
 from megatron_rl.transport import GridReceiver, GridSender
 
 
@@ -31,12 +31,6 @@ class ReceivedItem:
     micro_steps: int
     sequence_lengths: list[int]  # of every real sequence in its micro-batches
     nbytes: int  # array bytes of its frames
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GridLink:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
 from megatron_rl.critic.service import BadRequest, ScoreQueue, answer, parse_score_request
 from megatron_rl.data.types import ScoreResult
+from megatron_rl.parallel import free_port
 
 VOCAB, SEQ_LEN, MAX_BATCH = 100, 16, 4
 
@@ -83,35 +86,42 @@ def test_queue_fail_all_reaches_every_waiting_request():
             future.result(timeout=1)
 
 
-def test_the_largest_valid_request_is_scored_and_a_larger_one_gets_413():
-    """At 64 x 4,096 tokens of 6-digit ids the largest valid body is ~2.1 MB, over aiohttp's 1 MiB
-    default; it is scored. A body over the service's limit is answered 413 with a message."""
-    import socket
+@contextlib.contextmanager
+def serving(vocab, seq_len, max_batch, values, bootstrap, step):
+    """A real ScoringService on a free port, with the critic's main loop reduced to answering
+    each merged sequence with `values(ids)` and `bootstrap(its values)` at `step`."""
     import threading
-
-    import httpx
 
     from megatron_rl.critic.service import CriticState, ScoringService
 
-    vocab, seq_len, max_batch = 151_936, 4096, 64
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     queue = ScoreQueue()
-    service = ScoringService("127.0.0.1", port, queue, CriticState({}), vocab, seq_len, max_batch, 60.0)
+    service = ScoringService("127.0.0.1", free_port(), queue, CriticState({}), vocab, seq_len, max_batch, 60.0)
     service.start()
     stop = threading.Event()
 
-    def scorer():  # the critic's main loop, reduced to answering with zeros
+    def scorer():
         while not stop.is_set():
             if queue.wait(0.05):
                 taken = queue.take(max_batch)
-                merged = [ids for t in taken for ids in t.sequences]
-                answer(taken, ScoreResult([np.zeros(len(ids)) for ids in merged], [0.0] * len(merged), 3))
+                scored = [values(ids) for t in taken for ids in t.sequences]
+                answer(taken, ScoreResult(scored, [bootstrap(v) for v in scored], step))
 
-    thread = threading.Thread(target=scorer, daemon=True)
-    thread.start()
+    threading.Thread(target=scorer, daemon=True).start()
     try:
+        yield service
+    finally:
+        stop.set()
+        service.stop()
+
+
+def test_the_largest_valid_request_is_scored_and_a_larger_one_gets_413():
+    """At 64 x 4,096 tokens of 6-digit ids the largest valid body is ~2.1 MB, over aiohttp's 1 MiB
+    default; it is scored. A body over the service's limit is answered 413 with a message."""
+    import httpx
+
+    vocab, seq_len, max_batch = 151_936, 4096, 64
+    zeros = lambda ids: np.zeros(len(ids))  # noqa: E731
+    with serving(vocab, seq_len, max_batch, zeros, lambda v: 0.0, step=3) as service:
         largest = b'{"batched_token_ids": [' + b", ".join([b"[" + b", ".join([b"151935"] * seq_len) + b"]"] * max_batch) + b"]}"
         assert len(largest) > 2_000_000
         reply = httpx.post(f"{service.url}/score", content=largest, timeout=60)
@@ -121,16 +131,12 @@ def test_the_largest_valid_request_is_scored_and_a_larger_one_gets_413():
         reply = httpx.post(f"{service.url}/score", content=too_big, timeout=60)
         assert reply.status_code == 413
         assert "over this critic's limit" in reply.json()["error"] and "max_batch_sequences" in reply.json()["error"]
-    finally:
-        stop.set()
-        service.stop()
 
 
 def test_a_token_guards_every_endpoint_and_our_client_sends_it(monkeypatch):
     """value.service.token_env: requests without the right bearer token get 401; HttpValueScorer
     with the token is served; a missing variable is an error naming key and variable."""
     import asyncio
-    import socket
 
     import httpx
 
@@ -144,10 +150,7 @@ def test_a_token_guards_every_endpoint_and_our_client_sends_it(monkeypatch):
     with pytest.raises(ConfigError, match="value.service.token_env names the environment variable MISSING_TOKEN"):
         secret_from_env("MISSING_TOKEN", "value.service.token_env")
     assert secret_from_env(None, "value.service.token_env") is None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    service = ScoringService("127.0.0.1", port, ScoreQueue(), CriticState({}), 100, 16, 4, 5.0, token=token)
+    service = ScoringService("127.0.0.1", free_port(), ScoreQueue(), CriticState({}), 100, 16, 4, 5.0, token=token)
     service.start()
     try:
         for path in ("/health", "/status"):
@@ -176,39 +179,18 @@ def test_binary_and_json_replies_carry_the_same_values_and_our_client_asks_for_b
     the numbers of the JSON reply, about a fifth of its size; HttpValueScorer asks for it and
     still reads a JSON reply; a binary body of the wrong size is an error naming the sizes."""
     import asyncio
-    import socket
-    import threading
 
     import httpx
 
     from megatron_rl.critic.client import CriticError, HttpValueScorer
-    from megatron_rl.critic.service import CriticState, ScoringService
     from megatron_rl.critic.wire import BINARY_VALUES, STEP_HEADER, decode_values, encode_values
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = ScoreQueue()
-    service = ScoringService("127.0.0.1", port, queue, CriticState({}), VOCAB, SEQ_LEN, MAX_BATCH, 60.0)
-    service.start()
-    stop = threading.Event()
 
     def values_of(ids):  # float32 values with many digits, a function of the ids
         return (np.sin(np.asarray(ids) * 1.3) / 7.0).astype(np.float32)
 
-    def scorer():  # the critic's main loop, reduced to answering with values_of the ids
-        while not stop.is_set():
-            if queue.wait(0.05):
-                taken = queue.take(MAX_BATCH)
-                merged = [ids for t in taken for ids in t.sequences]
-                values = [values_of(ids) for ids in merged]
-                answer(taken, ScoreResult(values, [float(v[-1] * np.float32(3)) for v in values], 5))
-
-    thread = threading.Thread(target=scorer, daemon=True)
-    thread.start()
     batch = [[3, 1, 4, 1, 5], [9], [2, 6, 5, 3, 5, 8, 9, 7]]
     body = b'{"batched_token_ids": ' + str(batch).encode() + b"}"
-    try:
+    with serving(VOCAB, SEQ_LEN, MAX_BATCH, values_of, lambda v: float(v[-1] * np.float32(3)), step=5) as service:
         json_reply = httpx.post(f"{service.url}/score", content=body)
         binary = httpx.post(f"{service.url}/score", content=body, headers={"Accept": BINARY_VALUES})
         assert binary.headers["Content-Type"].startswith(BINARY_VALUES) and binary.headers[STEP_HEADER] == "5"
@@ -233,9 +215,6 @@ def test_binary_and_json_replies_carry_the_same_values_and_our_client_asks_for_b
         result = asyncio.run(ours())
         assert [len(v) for v in result.values] == [5, 1, 8] and result.step == 5
         assert result.bootstrap_values == [float(np.float32(v[-1] * 3)) for v in result.values]
-    finally:
-        stop.set()
-        service.stop()
     with pytest.raises(ValueError, match="binary reply of 8 bytes; 2 sequences of 3 tokens need 20"):
         decode_values(b"\0" * 8, [1, 2], 0)
 
