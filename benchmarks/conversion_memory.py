@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _checkout  # noqa: F401  (tests/support importable)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -28,7 +30,7 @@ def measure_child(tool: str, args: list[str]) -> None:
     import megatron_rl.compat  # noqa: F401  (before megatron-core)
 
     import megatron_rl.models.convert  # noqa: F401  (what the tool imports: not part of the figure)
-    from megatron_rl.testing.process_memory import peak_anonymous_memory
+    from tests.support.process_memory import peak_anonymous_memory
 
     sys.argv = [tool, *args]
     with peak_anonymous_memory() as memory:

@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401  (tests/support importable)
 from _results import write_result  # benchmarks/ is on sys.path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rl.inference.pool import InferencePool, ServerSpec
     from megatron_rl.models.tiny import make_tiny_model
     from megatron_rl.parallel import free_port
-    from megatron_rl.testing.stack import reset_pool, run_stack, stack_config
+    from tests.support.stack import reset_pool, run_stack, stack_config
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_pipeline_"))
     model = make_tiny_model("qwen3", tmp / "model", seed=3, hidden_size=128)

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401  (tests/support importable)
 from _results import write_result  # benchmarks/ is on sys.path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rl.inference.rollout import RolloutClient, SamplingParams
     from megatron_rl.models.tiny import make_tiny_model
     from megatron_rl.parallel import free_port
-    from megatron_rl.testing.inference import perturbed_weights
+    from tests.support.inference import perturbed_weights
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_rollouts_"))
     model = make_tiny_model("qwen3", tmp / "model", seed=3, hidden_size=args.hidden_size)

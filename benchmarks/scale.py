@@ -1,5 +1,5 @@
 """Scale by simulation: the real orchestrator against a simulated 30B cluster
-(megatron_rl/testing/sim.py: inference servers, critic and policy that spend simulated time from
+(megatron_rl/sim/cluster.py: inference servers, critic and policy that spend simulated time from
 a token-rate and a FLOPs model, real ZMQ grids and real /score encoding on a virtual clock).
 
 1. Scale: SAO (examples/configs/qwen3_30b_a3b_sao.yaml, group size 1, max_async_level 1) at
@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 from _results import write_result  # benchmarks/ is on sys.path when run as a script
 
-from megatron_rl.testing.sim import SimCluster, cluster_config, steady_step_s
-from megatron_rl.testing.sim_models import ClusterModel
+from megatron_rl.sim.cluster import SimCluster, cluster_config, steady_step_s
+from megatron_rl.sim.models import ClusterModel
 
 ROOT = Path(__file__).resolve().parents[1]
 SAO = ROOT / "examples/configs/qwen3_30b_a3b_sao.yaml"

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401  (tests/support importable)
 from _results import write_result  # benchmarks/ is on sys.path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rl.critic.client import HttpValueScorer
     from megatron_rl.models.tiny import make_tiny_model
     from megatron_rl.parallel import free_port
-    from megatron_rl.testing.critic import critic_config, critic_url, start_critic
+    from tests.support.critic import critic_config, critic_url, start_critic
 
     rng = random.Random(0)
     vocab = 512

@@ -9,7 +9,6 @@ from megatron_rl.algorithms.advantages import (
 from megatron_rl.algorithms.base import (
     Algorithm,
     CriticAlgorithm,
-    InProcessScorer,
     OutcomeAlgorithm,
     ScoreReplyError,
     ValueScorer,
@@ -28,7 +27,6 @@ from megatron_rl.algorithms.registry import advantage_estimator, policy_loss, po
 __all__ = [
     "Algorithm",
     "CriticAlgorithm",
-    "InProcessScorer",
     "OutcomeAlgorithm",
     "ScoreReplyError",
     "Sequences",

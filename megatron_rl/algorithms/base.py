@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -30,18 +30,6 @@ class ValueScorer(Protocol):
     """Scores sequences: per-token values and one bootstrap value per sequence, in order."""
 
     async def score(self, batched_token_ids: list[list[int]]) -> ScoreResult: ...
-
-
-class InProcessScorer:
-    """A ValueScorer over a plain function (tests, single-process tools). Records its calls."""
-
-    def __init__(self, score_fn: Callable[[list[list[int]]], ScoreResult]):
-        self.score_fn = score_fn
-        self.calls: list[list[list[int]]] = []
-
-    async def score(self, batched_token_ids: list[list[int]]) -> ScoreResult:
-        self.calls.append(batched_token_ids)
-        return self.score_fn(batched_token_ids)
 
 
 class ScoreReplyError(ValueError):

@@ -5,7 +5,7 @@ request order (asking for the binary reply of critic/wire.py: 4 bytes a value, n
 and 503 replies are retried (httpx, the package's one HTTP client library) with exponential backoff up to `retries` times; a request that
 takes longer than `timeout_s` raises CriticTimeout; a 400 raises CriticRequestError with the
 critic's message. Every error names the URL. `transport` (an httpx transport) replaces the
-network, e.g. by the simulated critic of megatron_rl/testing/sim.py.
+network, e.g. by the simulated critic of megatron_rl/sim/cluster.py.
 """
 
 from __future__ import annotations

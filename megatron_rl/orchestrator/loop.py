@@ -15,11 +15,10 @@ wait has a timeout whose error names what it waited for.
 
 The collaborators are small protocols, so tests drive the loop with in-process fakes:
 `weights` (`version()`, `wait_for(version, timeout_s)`), `critic` (`scorer`, `wait_trained(step,
-timeout_s)`, `send(step, grid)`), `send_policy(step, grid)`. `on_shipped(step, samples)`, when
-given, is called with each step's samples once both grids are sent (tests keep them; production
-passes nothing and the loop keeps no sample past its step). The step's time split is read from
+timeout_s)`, `send(step, grid)`), `send_policy(step, grid)`; the loop keeps no sample past its
+step. The step's time split is read from
 the event loop's clock (monotonic time; a simulated cluster's virtual clock,
-megatron_rl/testing/sim.py, gives simulated seconds).
+megatron_rl/sim/cluster.py, gives simulated seconds).
 """
 
 from __future__ import annotations
@@ -27,12 +26,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_rl.algorithms import make_algorithm
 from megatron_rl.data.packing import pack_into_grid, pack_minibatches
-from megatron_rl.data.types import TrainingSample
 from megatron_rl.inference.rollout import SamplingParams
 from megatron_rl.orchestrator.dispatcher import Dispatcher
 from megatron_rl.orchestrator.evaluation import Evaluator
@@ -57,14 +54,12 @@ class Timeouts:
 
 class Orchestrator:
     def __init__(self, resolved, env, encoder: PromptEncoder, client, weights, critic, send_policy,
-                 state: OrchestratorState, record_metrics, timeouts: Timeouts | None = None,
-                 on_shipped: Callable[[int, list[TrainingSample]], None] | None = None):  # fmt: skip
+                 state: OrchestratorState, record_metrics, timeouts: Timeouts | None = None):  # fmt: skip
         self.resolved = resolved
         self.env, self.encoder, self.client = env, encoder, client
         self.weights, self.critic, self.send_policy = weights, critic, send_policy
         self.state = state
         self.record_metrics = record_metrics
-        self.on_shipped = on_shipped
         self.timeouts = timeouts or Timeouts()
         o = resolved.orchestrator
         self.algorithm = make_algorithm(resolved.algorithm, critic.scorer if critic is not None else None)
@@ -171,8 +166,6 @@ class Orchestrator:
                                            layout.policy.sp)  # fmt: skip
         await self.send_policy(step, policy_grid)
         times["policy_send"] = clock() - mark
-        if self.on_shipped is not None:
-            self.on_shipped(step, samples)
         sync_seconds = getattr(self.weights, "sync_seconds", None)
         if sync_seconds:  # the newest path (a) weight sync (pause, load, reset, resume)
             times["weight_sync"] = sync_seconds[-1]

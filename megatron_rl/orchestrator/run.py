@@ -124,9 +124,8 @@ def attach_pool(resolved) -> InferencePool:
     return InferencePool.attach(controls, router, inference.served_model_name)
 
 
-async def orchestrate(resolved, pool: InferencePool, tokenizer=None, on_shipped=None) -> int:
-    """Runs the configured steps against `pool`; returns the number of steps run. `on_shipped`:
-    the Orchestrator's hook, called with (step, samples) once a step's grids are sent (tests)."""
+async def orchestrate(resolved, pool: InferencePool, tokenizer=None) -> int:
+    """Runs the configured steps against `pool`; returns the number of steps run."""
     from transformers import AutoTokenizer
 
     o, layout = resolved.orchestrator, resolved.layout
@@ -161,7 +160,7 @@ async def orchestrate(resolved, pool: InferencePool, tokenizer=None, on_shipped=
                            on_worker_failure=lambda url: log.warning("inference server %s failed a request", url))  # fmt: skip
     environment = make_environment(o.environment, o.dataset, o.seed, args=o.environment_args)
     orchestrator = Orchestrator(resolved, environment, encoder, client, follower, critic, send_policy, state, metrics,
-                                timeouts, on_shipped=on_shipped)  # fmt: skip
+                                timeouts)  # fmt: skip
     follower.start()
     finished = False
     try:

@@ -35,25 +35,13 @@ from megatron_rl.transport.broadcast import broadcast_bytes
 LossFunc = Callable[[torch.Tensor, RankBatch], tuple[torch.Tensor, dict]]
 
 
-def train_step(
-    trainable: Trainable,
-    micro_batches: list[MicroBatch],
-    loss_func: LossFunc,
-    reference=None,
-    temperature: float = 1.0,
-) -> dict:
-    """Forward/backward over every micro-batch, one optimizer and scheduler step.
-
-    `reference` (a frozen GPT model with the same layout) first gets a forward-only pass that
-    sets `batch.ref_logprobs` (on the last pipeline stage, of softmax(logits / temperature)) for
-    a KL term in `loss_func`. Returns what `train_on_batches` returns.
-    """
+def train_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_func: LossFunc) -> dict:
+    """Forward/backward over every micro-batch, one optimizer and scheduler step: this rank's
+    part of each micro-batch (its CP slice) through `train_on_batches`, which says what it
+    returns."""
     cp_rank = parallel_state.get_context_parallel_rank()
     cp_size = parallel_state.get_context_parallel_world_size()
-    batches = [rank_batch(mb, cp_rank, cp_size) for mb in micro_batches]
-    if reference is not None:
-        set_reference_logprobs(reference, batches, temperature)
-    return train_on_batches(trainable, batches, loss_func)
+    return train_on_batches(trainable, [rank_batch(mb, cp_rank, cp_size) for mb in micro_batches], loss_func)
 
 
 def train_on_batches(trainable: Trainable, batches: list[RankBatch], loss_func: LossFunc) -> dict:
@@ -228,7 +216,7 @@ def policy_loss_func(config: AlgorithmConfig, temperature: float = 1.0) -> LossF
     """`algorithm.policy_loss` (registry.policy_loss_for) on vocab-parallel log-probabilities of
     softmax(logits / temperature) of the next tokens, plus `kl_coef` * KL(policy || reference)
     per action token (`kl_estimator`) when `algorithm.kl_coef` > 0 (the batch then carries
-    reference log-probabilities: train_step with `reference`), minus `entropy_coef` * entropy.
+    reference log-probabilities: `set_reference_logprobs`), minus `entropy_coef` * entropy.
     Each term is weighted per token by the batch's `aggregation_weights`; the policy term also by
     its `correction_weights` (rollout correction)."""
     objective, kl_coef, entropy_coef = policy_loss_for(config), config.kl_coef, config.entropy_coef

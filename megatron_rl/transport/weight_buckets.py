@@ -10,13 +10,12 @@ stream of such plans (one per decoder layer and owning policy rank, relayed thro
 0) ended by an empty plan (`broadcast_end`), read with `receive_weight_stream`, whose tensors
 each own their storage: a consumer that keeps some of them (vLLM's layer-wise reload buffers a
 module's tensors until it has all of them) keeps those bytes, not their whole buckets, and each
-bucket is freed once its last tensor is copied out. `HeldBytes` counts what is still alive.
+bucket is freed once its last tensor is copied out.
 """
 
 from __future__ import annotations
 
 import socket
-import weakref
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 
@@ -204,32 +203,11 @@ def receive_weights(group, src: int, device=None) -> Iterator[tuple[str, torch.T
         yield from _receive_bucket(bucket, group, src, device)
 
 
-class HeldBytes:
-    """What a receiver holds: bytes of the buckets and copies `receive_weight_stream` made that
-    are still alive (`current`), the most at once (`peak`), and in all (`received`, `tensors`)."""
-
-    def __init__(self):
-        self.current = self.peak = self.received = self.tensors = 0
-
-    def hold(self, tensor: torch.Tensor) -> None:
-        """Counts `tensor`'s bytes until it is freed (views of it keep it alive)."""
-        size = tensor.numel() * tensor.element_size()
-        self.current += size
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(tensor, self._release, size)
-
-    def _release(self, size: int) -> None:
-        self.current -= size
-
-
-def receive_weight_stream(
-    group, src: int, device=None, held: HeldBytes | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
+def receive_weight_stream(group, src: int, device=None) -> Iterator[tuple[str, torch.Tensor]]:
     """Receiver side of a whole update: (name, tensor) over every plan until the empty plan that
     ends the stream. Each tensor owns its storage (a copy out of its bucket, or the bucket itself
     when it holds that tensor alone); a bucket is freed as soon as its last tensor is copied out,
-    before that tensor is handed on. `held`, when given, counts buckets and copies while alive."""
-    held = held if held is not None else HeldBytes()
+    before that tensor is handed on."""
     while True:
         plan = decode_plan(broadcast_bytes(None, src, device=device, broadcast=_broadcaster(group)))
         if not plan.buckets:
@@ -237,17 +215,13 @@ def receive_weight_stream(
         for bucket in plan.buckets:
             flat = torch.empty(bucket.numel, dtype=_DTYPES[bucket.dtype], device=device)
             _broadcast(flat, group, src)
-            held.hold(flat)
-            held.received += flat.numel() * flat.element_size()
             alone = len(bucket.entries) == 1
             for index, entry in enumerate(bucket.entries):
                 tensor = flat[entry.offset : entry.offset + entry.numel].view(entry.shape)
                 if not alone:
                     tensor = tensor.clone()
-                    held.hold(tensor)
                 if index == len(bucket.entries) - 1:
                     del flat  # only what was copied out (or the lone tensor's view) holds it now
-                held.tensors += 1
                 yield entry.name, tensor
                 del tensor  # the consumer keeps its own reference, or lets it go
 

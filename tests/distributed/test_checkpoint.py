@@ -15,10 +15,10 @@ import torch
 from megatron_rl import parallel
 from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.sharding import load_full_state_dict
-from megatron_rl.testing.ranks import DENSE, reference_weights
-from megatron_rl.testing.samples import training_samples
-from megatron_rl.testing.spawn import run_ranks
 from megatron_rl.trainer.checkpoint import OPTIMIZER_FORMAT, latest_checkpoint
+from tests.support.ranks import DENSE, reference_weights
+from tests.support.samples import training_samples
+from tests.support.spawn import run_ranks
 
 ARCH = DENSE.model_copy(update=dict(num_layers=2))
 
@@ -80,7 +80,7 @@ def test_a_checkpoint_refuses_the_other_layer_spec_by_name(saved_with, resumed_w
     """TransformerEngine and local specs name some weights differently and order their
     parameters differently (the optimizer state follows that order): resuming across them is
     refused, saying how to start from the weights instead (dense and MoE; TE's modules are
-    megatron_rl/testing/te_standins.py's on CPU)."""
+    tests/support/te_standins.py's on CPU)."""
     moe = ARCH.model_copy(update=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
     for arch, name in ((ARCH, "dense"), (moe, "moe")):
         directory = str(tmp_path / name)
@@ -121,10 +121,10 @@ def spec_checkpoint(rank, world_size, arch, directory, spec, save):
     one step then checkpoint 0 (`save`), or a load of the latest."""
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import pack_into_grid
-    from megatron_rl.testing.te_standins import build_te_style_model
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.trainer.optimizer import build_trainable
     from megatron_rl.trainer.step import policy_loss_func, train_step
+    from tests.support.te_standins import build_te_style_model
 
     parallel.initialize_model_parallel()
     model = build_te_style_model(arch) if spec == "te" else build_gpt_model(arch, transformer_engine=False)
@@ -157,10 +157,10 @@ def resumable_training(
 
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import pack_into_grid
-    from megatron_rl.testing import host_offload
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.trainer.optimizer import build_trainable
     from megatron_rl.trainer.step import policy_loss_func, train_step
+    from tests.support import host_offload
 
     if offload:
         host_offload.install()

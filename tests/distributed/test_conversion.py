@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.config import Architecture
-from megatron_rl.testing.ranks import gather_vocab, hf_logits
-from megatron_rl.testing.spawn import run_ranks
+from tests.support.ranks import gather_vocab, hf_logits
+from tests.support.spawn import run_ranks
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
@@ -233,7 +233,7 @@ def save_te_layout_checkpoint(rank, world_size, hf_dir, out):
     from megatron_rl.models import checkpoint_io as io
     from megatron_rl.models.hf_mapping import hf_to_megatron
     from megatron_rl.models.sharding import load_full_state_dict
-    from megatron_rl.testing.te_standins import build_te_style_model
+    from tests.support.te_standins import build_te_style_model
 
     arch = io.read_architecture(Path(hf_dir))
     parallel.initialize_model_parallel()
@@ -249,7 +249,7 @@ def save_te_layout_checkpoint(rank, world_size, hf_dir, out):
 def conversion_peaks(rank, world_size, hf_dir, work):
     """Peak extra anonymous bytes of hf_to_checkpoint and checkpoint_to_hf, in this process."""
     from megatron_rl.models.convert import checkpoint_to_hf, hf_to_checkpoint
-    from megatron_rl.testing.process_memory import peak_anonymous_memory, release_freed_memory
+    from tests.support.process_memory import peak_anonymous_memory, release_freed_memory
 
     work = Path(work)
     release_freed_memory()

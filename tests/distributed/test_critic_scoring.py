@@ -10,8 +10,8 @@ import torch
 
 from megatron_rl import parallel
 from megatron_rl.models.sharding import full_parameters, load_full_state_dict
-from megatron_rl.testing.ranks import DENSE
-from megatron_rl.testing.spawn import run_ranks
+from tests.support.ranks import DENSE
+from tests.support.spawn import run_ranks
 
 ARCH = DENSE.model_copy(update=dict(num_layers=2))
 

@@ -17,9 +17,9 @@ from megatron_rl.config import load_resolved
 from megatron_rl.critic.client import CriticError, CriticRequestError, HttpValueScorer
 from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.parallel import free_port
-from megatron_rl.testing.critic import critic_config, critic_url, start_critic, value_loss
-from megatron_rl.testing.samples import training_samples
 from megatron_rl.transport import GridSender
+from tests.support.critic import critic_config, critic_url, start_critic, value_loss
+from tests.support.samples import training_samples
 
 VOCAB = 512  # the tiny qwen3's vocabulary
 
@@ -268,7 +268,7 @@ def test_a_failing_score_request_gets_500_and_the_critic_keeps_serving(tiny_mode
     """Scoring that raises (on every rank while packing, or on one rank only) answers just that
     request with HTTP 500 naming the cause; all ranks stay in lockstep and the next requests are
     scored; SIGTERM still stops every rank cleanly."""
-    from megatron_rl.testing.spawn import run_ranks
+    from tests.support.spawn import run_ranks
     resolved, path = critic_config(tmp_path, tiny_models["qwen3"], world=2, num_steps=1)
     replies = run_ranks(critic_with_failing_scores, 2, str(path), timeout_s=300)[0]
     assert [status for status, _ in replies] == [200, 500, 500, 200]

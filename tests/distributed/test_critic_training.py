@@ -14,9 +14,9 @@ import torch
 
 from megatron_rl.config import load_resolved
 from megatron_rl.data.packing import dummy_micro_batch, pack_into_grid
-from megatron_rl.testing.critic import critic_config
-from megatron_rl.testing.samples import training_samples
-from megatron_rl.testing.spawn import run_ranks
+from tests.support.critic import critic_config
+from tests.support.samples import training_samples
+from tests.support.spawn import run_ranks
 
 HEAD = ("value_head.bias", "value_head.weight")
 
@@ -315,7 +315,7 @@ def critic_plan(rank, world_size, resolved_path, plan):
 
     resolved = load_resolved(resolved_path)
     if resolved.value.optimizer.cpu_offload and not torch.cuda.is_available():
-        from megatron_rl.testing import host_offload
+        from tests.support import host_offload
 
         host_offload.install()
     trainer = CriticTrainer(resolved)

@@ -13,8 +13,8 @@ from megatron_rl.config import Architecture
 from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.hf_mapping import hf_to_megatron
 from megatron_rl.models.sharding import load_full_state_dict
-from megatron_rl.testing.ranks import gather_vocab, hf_logits, model_logits
-from megatron_rl.testing.spawn import run_ranks
+from tests.support.ranks import gather_vocab, hf_logits, model_logits
+from tests.support.spawn import run_ranks
 
 LAYOUTS = {"qwen3": [(1, 1), (2, 1)], "llama": [(1, 1), (2, 1)], "qwen3_moe": [(1, 1), (2, 1), (1, 2)]}
 

@@ -7,8 +7,8 @@ import torch
 
 from megatron_rl import parallel
 from megatron_rl.models.logprobs import vocab_parallel_logprobs
-from megatron_rl.testing.memory import AllocationTracker
-from megatron_rl.testing.spawn import run_ranks
+from tests.support.memory import AllocationTracker
+from tests.support.spawn import run_ranks
 
 
 def reference(logits, targets, weights):

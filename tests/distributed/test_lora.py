@@ -7,9 +7,9 @@ import torch
 from megatron_rl import parallel
 from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.sharding import full_parameters, load_full_state_dict
-from megatron_rl.testing.ranks import DENSE, gather_vocab, model_logits, reference_weights
-from megatron_rl.testing.spawn import run_ranks
-from megatron_rl.testing.tensors import tokens
+from tests.support.ranks import DENSE, gather_vocab, model_logits, reference_weights
+from tests.support.spawn import run_ranks
+from tests.support.tensors import tokens
 
 ARCH = DENSE.model_copy(update=dict(num_layers=2))
 MOE = ARCH.model_copy(update=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))

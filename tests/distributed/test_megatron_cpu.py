@@ -1,6 +1,6 @@
 """megatron-core on CPU/gloo through megatron_rl.compat: parallel layouts equal their references.
 
-Each test spawns fresh gloo ranks (megatron_rl.testing.spawn) and compares with a single-process
+Each test spawns fresh gloo ranks (tests.support.spawn) and compares with a single-process
 run on the same full weights.
 """
 
@@ -12,9 +12,9 @@ import torch
 from megatron_rl import parallel
 from megatron_rl.models.builder import build_gpt_model, transformer_config
 from megatron_rl.models.sharding import full_parameters, load_full_state_dict, local_to_global_name
-from megatron_rl.testing.ranks import DENSE, gather_vocab, model_logits, reference_weights
-from megatron_rl.testing.spawn import run_ranks
-from megatron_rl.testing.tensors import tokens
+from tests.support.ranks import DENSE, gather_vocab, model_logits, reference_weights
+from tests.support.spawn import run_ranks
+from tests.support.tensors import tokens
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 
 from megatron_rl.config import Architecture, ModelLayout
 from megatron_rl.config.memory_plan import adam_tensor_elements, optimizer_bytes, rank_parameters
-from megatron_rl.testing.spawn import run_ranks
+from tests.support.spawn import run_ranks
 
 # (family, tp, pp, ep, value model, freeze attention)
 LAYOUTS = [
@@ -144,9 +144,9 @@ def measure_offload(rank, world_size, arch, dtype, fractions):
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import dummy_micro_batch
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.testing import host_offload
     from megatron_rl.trainer.optimizer import build_trainable, hybrid_optimizers
     from megatron_rl.trainer.step import policy_loss_func, train_step
+    from tests.support import host_offload
 
     host_offload.install()
     parallel.initialize_model_parallel()
@@ -162,7 +162,7 @@ def measure_offload(rank, world_size, arch, dtype, fractions):
 
 
 def _hybrid_bytes(hybrid) -> dict:
-    from megatron_rl.testing import host_offload
+    from tests.support import host_offload
 
     nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
     host_copies = list(hybrid.gpu_params_map_cpu_copy.values())

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from megatron_rl import parallel
-from megatron_rl.testing.ranks import DENSE
-from megatron_rl.testing.spawn import run_ranks
-from megatron_rl.testing.tensors import tokens
+from tests.support.ranks import DENSE
+from tests.support.spawn import run_ranks
+from tests.support.tensors import tokens
 
 MOE = DENSE.model_copy(
     update=dict(num_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)

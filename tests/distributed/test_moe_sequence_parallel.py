@@ -17,16 +17,16 @@ from megatron_rl.envs import make_environment
 from megatron_rl.orchestrator.loop import Orchestrator, Timeouts
 from megatron_rl.orchestrator.rollouts import PromptEncoder
 from megatron_rl.orchestrator.state import OrchestratorState
-from megatron_rl.testing.orchestrator import (
+from tests.support.orchestrator import (
     FakeClient,
     FakeCritic,
     FakePolicy,
     FakeWeights,
     orchestrator_config,
 )
-from megatron_rl.testing.ranks import DENSE, reference_weights
-from megatron_rl.testing.shipped import ShippedSamples
-from megatron_rl.testing.spawn import run_ranks
+from tests.support.ranks import DENSE, reference_weights
+from tests.support.shipped import ShippedSamples
+from tests.support.spawn import run_ranks
 
 MOE = DENSE.model_copy(update=dict(num_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                    vocab_size=512))  # fmt: skip
@@ -47,13 +47,12 @@ def orchestrated_grids(tiny_models):
     events, weights = [], FakeWeights()
     critic, policy = FakeCritic(events), FakePolicy(weights, events, 0.0)
     encoder = PromptEncoder(AutoTokenizer.from_pretrained(str(tiny_models["qwen3"])))
-    orchestrator = Orchestrator(
+    orchestrator = ShippedSamples().attach(Orchestrator(
         resolved, make_environment("procedural", None, 0), encoder, FakeClient(weights), weights, critic,
         policy.send, OrchestratorState(None), lambda record: None, Timeouts(batch_s=60, critic_s=60, weights_s=60),
-        on_shipped=ShippedSamples(),
-    )  # fmt: skip
+    ))  # fmt: skip
     assert asyncio.run(orchestrator.run()) == 1
-    return critic.grids[0], policy.grids[0], [s for _, s in orchestrator.on_shipped.items]
+    return critic.grids[0], policy.grids[0], [s for _, s in orchestrator.shipped.items]
 
 
 def test_both_grids_pad_for_sequence_parallel_and_the_critic_trains_at_tp2(tiny_models):

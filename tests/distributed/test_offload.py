@@ -1,5 +1,5 @@
 """CPU offload (megatron's hybrid device optimizer on the precision-aware path) on gloo ranks,
-with the hybrid optimizer's host copies emulated (megatron_rl/testing/host_offload.py): no fp32
+with the hybrid optimizer's host copies emulated (tests/support/host_offload.py): no fp32
 master of a 16-bit parameter is left on the model's device, every offloaded parameter's master
 is a host copy that the host optimizer steps, and the weights after two steps are those of the same run
 without offload, at offload fractions 1 and 0.5, for bf16 and float32 models."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.testing.ranks import DENSE
-from megatron_rl.testing.spawn import run_ranks
+from tests.support.ranks import DENSE
+from tests.support.spawn import run_ranks
 
 ARCH = DENSE.model_copy(update=dict(num_layers=2))
 
@@ -55,11 +55,11 @@ def offload_training(rank, world_size, arch, dtype, fraction):
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.sharding import gather_full_parameters, load_full_state_dict
-    from megatron_rl.testing import host_offload
-    from megatron_rl.testing.ranks import reference_weights
-    from megatron_rl.testing.samples import training_samples
     from megatron_rl.trainer.optimizer import build_trainable, hybrid_optimizers
     from megatron_rl.trainer.step import policy_loss_func, train_step
+    from tests.support import host_offload
+    from tests.support.ranks import reference_weights
+    from tests.support.samples import training_samples
 
     host_offload.install()
     full = reference_weights(rank, world_size, arch, 5)

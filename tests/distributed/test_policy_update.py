@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from megatron_rl import parallel
-from megatron_rl.testing.ranks import DENSE, reference_weights
-from megatron_rl.testing.samples import training_samples
-from megatron_rl.testing.spawn import run_ranks
+from tests.support.ranks import DENSE, reference_weights
+from tests.support.samples import training_samples
+from tests.support.spawn import run_ranks
 
 ARCH = DENSE.model_copy(update=dict(num_layers=2))
 SEQ_LEN = 64

@@ -16,8 +16,8 @@ from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.hf_mapping import hf_to_megatron
 from megatron_rl.models.sharding import load_full_state_dict
 from megatron_rl.policy.publish import latest_published, verify_published
-from megatron_rl.testing.ranks import gather_vocab, hf_logits
-from megatron_rl.testing.spawn import run_ranks
+from tests.support.ranks import gather_vocab, hf_logits
+from tests.support.spawn import run_ranks
 
 
 def perturbed(directory):
@@ -73,7 +73,7 @@ def test_interrupted_publish_keeps_the_previous_version(tiny_models, tmp_path):
 def test_a_failed_broadcast_still_resumes_every_inference_server():
     """Path (b) pauses the servers before streaming; when the stream fails they are resumed
     (they keep serving the previous version) and the failure reaches the caller."""
-    from megatron_rl.testing.spawn import run_ranks
+    from tests.support.spawn import run_ranks
 
     error, calls = run_ranks(publish_failing_mid_broadcast, 1)[0]
     assert error == "weight-update link lost"
@@ -107,8 +107,8 @@ def owned_tensor_allocations(rank, world_size, hf_dir):
     from megatron_rl.models.hf_mapping import megatron_to_hf
     from megatron_rl.models.sharding import gather_full_parameters
     from megatron_rl.policy.publish import owned_hf_tensors
-    from megatron_rl.testing.memory import AllocationTracker
     from megatron_rl.trainer.weights import load_initial_weights
+    from tests.support.memory import AllocationTracker
 
     parallel.initialize_model_parallel()
     arch = read_architecture(hf_dir)
@@ -165,8 +165,8 @@ def publish_failing_mid_broadcast(rank, world_size):
     """BroadcastPublisher.publish on one rank whose stream fails after the servers were paused;
     returns (the error text, each server's calls)."""
     from megatron_rl.policy import publish
-    from megatron_rl.testing.ranks import DENSE
     from megatron_rl.transport import weight_buckets
+    from tests.support.ranks import DENSE
 
     def lost(*args, **kwargs):
         raise ConnectionError("weight-update link lost")

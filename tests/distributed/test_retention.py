@@ -17,9 +17,9 @@ import pytest
 from megatron_rl import parallel
 from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.sharding import load_full_state_dict
-from megatron_rl.testing.ranks import DENSE, reference_weights
-from megatron_rl.testing.samples import training_samples
-from megatron_rl.testing.spawn import run_ranks
+from tests.support.ranks import DENSE, reference_weights
+from tests.support.samples import training_samples
+from tests.support.spawn import run_ranks
 
 ARCH = DENSE.model_copy(update=dict(num_layers=1))
 PUBLISHED_KEPT = 2  # SafetensorsPublisher's keep_last (make_publisher: not a config key)

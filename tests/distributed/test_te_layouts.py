@@ -1,5 +1,5 @@
 """Models with the TransformerEngine layer spec's layout (megatron's TE spec built with CPU
-stand-ins of TE's modules, megatron_rl/testing/te_standins.py) against the local spec:
+stand-ins of TE's modules, tests/support/te_standins.py) against the local spec:
 checkpoint keys, checkpoints loading across the two specs in both directions (at TP = 2 too,
 where TE's expert `linear_fc2` reports the wrong partition_dim), and LoRA on TE's fused
 norm + linear layers."""
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megatron_rl import parallel
-from megatron_rl.testing.ranks import DENSE, gather_vocab, reference_weights
-from megatron_rl.testing.spawn import run_ranks
-from megatron_rl.testing.tensors import tokens
+from tests.support.ranks import DENSE, gather_vocab, reference_weights
+from tests.support.spawn import run_ranks
+from tests.support.tensors import tokens
 
 DENSE_2 = DENSE.model_copy(update=dict(num_layers=2))
 MOE_2 = DENSE_2.model_copy(update=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
@@ -102,7 +102,7 @@ def test_lora_on_the_te_layout_is_the_model_lora_gives_on_the_local_spec(kind):
 
 def build(arch, spec: str, **config_kwargs):
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.testing.te_standins import build_te_style_model
+    from tests.support.te_standins import build_te_style_model
 
     if spec == "te":
         return build_te_style_model(arch, **config_kwargs)
@@ -173,7 +173,7 @@ def fused_norm_lora(rank, world_size):
     reference norm(x) W^T + s norm(x) A^T B^T, the merged layer's output, the layer without LoRA)."""
     from megatron_rl.models.builder import transformer_config
     from megatron_rl.models.lora import LoRALinear, merge_lora
-    from megatron_rl.testing.te_standins import FusedNormColumnParallelLinear
+    from tests.support.te_standins import FusedNormColumnParallelLinear
 
     parallel.initialize_model_parallel()
     torch.manual_seed(0)

@@ -10,9 +10,9 @@ import torch
 from megatron_rl import parallel
 from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.sharding import full_parameters, load_full_state_dict
-from megatron_rl.testing.ranks import DENSE, reference_weights
-from megatron_rl.testing.samples import training_samples
-from megatron_rl.testing.spawn import run_ranks
+from tests.support.ranks import DENSE, reference_weights
+from tests.support.samples import training_samples
+from tests.support.spawn import run_ranks
 
 ARCH = DENSE.model_copy(update=dict(num_layers=2))
 
@@ -106,8 +106,8 @@ def test_the_finite_check_makes_no_tensor_of_the_gradients_size():
     """all_finite's gradient check: NaN and inf anywhere are found, and the check allocates a few
     bytes, not a bool mask of the buffer (measured: isfinite(g).all() makes one of 1 B per
     element)."""
-    from megatron_rl.testing.memory import AllocationTracker
     from megatron_rl.trainer.step import gradients_finite
+    from tests.support.memory import AllocationTracker
 
     grads = [torch.randn(1 << 20), None, torch.randn(1000)]
     with AllocationTracker() as tracker:
@@ -192,7 +192,8 @@ def kl_training_steps(rank, world_size, arch, full, tp, cp, kl_coef, steps=2):
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.sharding import gather_full_parameters
     from megatron_rl.trainer.optimizer import build_trainable
-    from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.trainer.step import policy_loss_func
+    from tests.support.training import train_step_with_reference
 
     parallel.initialize_model_parallel(tp=tp, cp=cp)
     model = build_gpt_model(arch, tp=tp, cp=cp)
@@ -206,7 +207,7 @@ def kl_training_steps(rank, world_size, arch, full, tp, cp, kl_coef, steps=2):
     records = []
     for step in range(steps):
         grid = pack_into_grid(training_samples(6, arch.vocab_size, seed=step), 64, dp, cp)
-        metrics = train_step(
+        metrics = train_step_with_reference(
             trainable,
             grid[parallel_state.get_data_parallel_rank()],
             loss_func,

@@ -7,8 +7,8 @@ import hashlib
 import multiprocessing as mp
 
 from megatron_rl.launch.ports import probe_ports  # light: the spawned receivers import this module
-from megatron_rl.testing.samples import make_grid
 from megatron_rl.transport import GridReceiver, GridSender
+from tests.support.samples import make_grid
 
 STEPS = 4
 

@@ -9,8 +9,8 @@ import torch
 from megatron_rl import parallel
 from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.sharding import load_full_state_dict, local_to_global_name
-from megatron_rl.testing.ranks import DENSE, gather_vocab, reference_weights
-from megatron_rl.testing.spawn import run_ranks
+from tests.support.ranks import DENSE, gather_vocab, reference_weights
+from tests.support.spawn import run_ranks
 
 LENGTHS = [5, 17, 1, 9]  # 32 tokens; CP slices cut through sequences
 

@@ -6,9 +6,9 @@ import torch
 
 from megatron_rl import parallel
 from megatron_rl.models.sharding import full_parameters
-from megatron_rl.testing.ranks import DENSE
-from megatron_rl.testing.spawn import run_ranks
-from megatron_rl.testing.tensors import tokens
+from tests.support.ranks import DENSE
+from tests.support.spawn import run_ranks
+from tests.support.tensors import tokens
 
 
 def test_value_head_input_size_follows_the_backbone():

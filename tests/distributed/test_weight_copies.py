@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl import parallel
-from megatron_rl.testing.spawn import run_ranks
+from tests.support.spawn import run_ranks
 
 
 def test_loading_hf_weights_copies_one_tensor_at_a_time(tmp_path):
@@ -49,8 +49,8 @@ def load_hf_weights(rank, world_size, hf_dir, tp):
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.hf_mapping import hf_to_megatron
     from megatron_rl.models.sharding import gather_full_parameters
-    from megatron_rl.testing.process_memory import peak_anonymous_memory, release_freed_memory
     from megatron_rl.trainer.weights import load_initial_weights
+    from tests.support.process_memory import peak_anonymous_memory, release_freed_memory
 
     release_freed_memory()
     arch = io.read_architecture(Path(hf_dir))
@@ -69,8 +69,8 @@ def load_hf_weights(rank, world_size, hf_dir, tp):
 def gather_allocations(rank, world_size):
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.sharding import gather_full_parameters
-    from megatron_rl.testing.memory import AllocationTracker
-    from megatron_rl.testing.ranks import DENSE
+    from tests.support.memory import AllocationTracker
+    from tests.support.ranks import DENSE
 
     parallel.initialize_model_parallel()
     model = build_gpt_model(DENSE)

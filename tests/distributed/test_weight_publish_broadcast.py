@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.parallel import free_port
-from megatron_rl.testing.spawn import run_ranks
+from tests.support.spawn import run_ranks
 
 EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 

@@ -1,6 +1,6 @@
 """Path (b) into vLLM's layer-wise reload holds about one decoder layer at a time: a tiny Qwen3-MoE
 published from EP = 2, PP = 2 and PP = 2 x EP = 2 policy ranks over gloo into the real
-WeightReceiverExtension around vLLM's own model and in-place reload (testing/vllm_worker.py).
+WeightReceiverExtension around vLLM's own model and in-place reload (tests/support/vllm_worker.py).
 Measured in the worker: the largest total of bytes received but not yet consumed by the model
 (bucket memory kept alive by views included), against one decoder layer plus one bucket, for 2
 and 4 layers; afterwards the model holds what vLLM loading the policy's tensors gives; the stream
@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from megatron_rl.testing.vllm_worker import measure_updates
+from tests.support.vllm_worker import measure_updates
 
 BUCKET_BYTES = 16 << 10
 PLAN_SLACK = 4 << 10  # plan bytes in flight
@@ -56,13 +56,6 @@ def test_moe_update_holds_about_one_decoder_layer(layers, tmp_path):
         # layer by layer: every tensor of a layer (from every owner) before the next layer's
         order = [layer_of(n) for n, _ in record["arrived"] if layer_of(n) is not None]
         assert order == sorted(order), (layout, order)
-        # the extension's own account agrees with the measurement from outside, which also sees
-        # a bucket that gloo's worker thread still holds for a moment after its broadcast
-        # returned (it resets its work slot after marking the work done): at most one bucket more
-        # (CI saw own + 8 KiB once in the full suite)
-        own = record["extension"]["peak_held_bytes"]
-        assert own <= peak <= own + PLAN_SLACK + BUCKET_BYTES, (layout, own, peak)
-        assert record["extension"]["held_now_bytes"] == 0, layout
         # what the reload left is what vLLM's own load of the policy's tensors gives (packed
         # linear weights and prepacked experts included), and it holds the policy's tensors
         assert sorted(update.reloaded) == sorted(update.fresh), layout

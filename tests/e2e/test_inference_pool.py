@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from megatron_rl.inference.rollout import RolloutClient, SamplingParams, TokenTrajectory
-from megatron_rl.testing.inference import hf_token_logprobs, perturbed_weights
+from tests.support.inference import hf_token_logprobs, perturbed_weights
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0, max_tokens=6)

@@ -30,11 +30,12 @@ from megatron_rl.envs.calculator import CalculatorEnvironment
 from megatron_rl.inference.pool import InferencePool
 from megatron_rl.inference.rollout import RolloutClient
 from megatron_rl.inference.router import RouterSettings, VllmRouter
+from megatron_rl.orchestrator import run as orchestrator_run
 from megatron_rl.orchestrator.rollouts import PromptEncoder
 from megatron_rl.parallel import free_port
-from megatron_rl.testing.orchestrator import per_token_gae
-from megatron_rl.testing.shipped import ShippedSamples
-from megatron_rl.testing.stack import policy_records, reset_pool, run_stack, stack_config
+from tests.support.orchestrator import per_token_gae
+from tests.support.shipped import ShippedSamples
+from tests.support.stack import policy_records, reset_pool, run_stack, stack_config
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +88,8 @@ def test_multi_turn_tool_rollouts_through_the_real_stack(vllm_pool, tmp_path, mo
 
         monkeypatch.setattr(RolloutClient, "complete", recording_complete)
         monkeypatch.setattr(HttpValueScorer, "score", recording_score)
-        records = run_stack(tmp_path, resolved, resolved_path, pool, on_shipped=shipped)
+        monkeypatch.setattr(orchestrator_run, "Orchestrator", shipped.orchestrator_class())
+        records = run_stack(tmp_path, resolved, resolved_path, pool)
     finally:
         router.stop()
     assert [r["step"] for r in records] == [0, 1]

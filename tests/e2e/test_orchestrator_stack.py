@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl.orchestrator.state import OrchestratorState
-from megatron_rl.testing.stack import policy_records, reset_pool, run_stack, stack_config
+from tests.support.stack import policy_records, reset_pool, run_stack, stack_config
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ import json
 
 import pytest
 
-from megatron_rl.testing.stack import reset_pool, run_stack, stack_config
+from tests.support.stack import reset_pool, run_stack, stack_config
 
 pytestmark = pytest.mark.slow
 

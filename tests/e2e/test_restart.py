@@ -31,12 +31,12 @@ from megatron_rl.data.packing import pack_into_grid, pack_minibatches
 from megatron_rl.faults import ENV, POINTS
 from megatron_rl.parallel import free_port
 from megatron_rl.policy.publish import verify_published
-from megatron_rl.testing.configs import write_config
-from megatron_rl.testing.processes import RankProcesses
-from megatron_rl.testing.samples import training_samples
 from megatron_rl.trainer import atomic_dir
 from megatron_rl.trainer.resume import run_resume_step
 from megatron_rl.transport import GridSender, TransportTimeout
+from tests.support.configs import write_config
+from tests.support.processes import RankProcesses
+from tests.support.samples import training_samples
 
 pytestmark = pytest.mark.slow
 

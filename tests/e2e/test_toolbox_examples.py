@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_rl.testing.stack import policy_records, reset_pool, run_stack, stack_config
+from tests.support.stack import policy_records, reset_pool, run_stack, stack_config
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.testing.stack import reset_pool, run_stack, stack_config
-from megatron_rl.testing.tracking import (
+from tests.support.stack import reset_pool, run_stack, stack_config
+from tests.support.tracking import (
     jsonl_numbers,
     tensorboard_numbers,
     wandb_config,

@@ -17,12 +17,12 @@ from megatron_rl import parallel
 from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.parallel import free_port
-from megatron_rl.testing.configs import write_config
-from megatron_rl.testing.processes import kill_process_group
-from megatron_rl.testing.ranks import hf_logits
-from megatron_rl.testing.samples import training_samples
-from megatron_rl.testing.spawn import run_ranks
 from megatron_rl.transport import GridSender
+from tests.support.configs import write_config
+from tests.support.processes import kill_process_group
+from tests.support.ranks import hf_logits
+from tests.support.samples import training_samples
+from tests.support.spawn import run_ranks
 
 SAMPLES_PER_STEP = 6
 
@@ -165,8 +165,9 @@ def policy_reference_losses(rank, world_size, resolved_path, steps, samples_per_
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.policy.trainer import build_reference
     from megatron_rl.trainer.optimizer import build_trainable
-    from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.trainer.step import policy_loss_func
     from megatron_rl.trainer.weights import load_initial_weights
+    from tests.support.training import train_step_with_reference
 
     resolved = load_resolved(resolved_path)
     parallel.initialize_model_parallel(seed=resolved.orchestrator.seed)
@@ -182,5 +183,5 @@ def policy_reference_losses(rank, world_size, resolved_path, steps, samples_per_
         grid = pack_into_grid(
             training_samples(samples_per_step, arch.vocab_size, seed=step), resolved.model.seq_len, 1
         )
-        losses.append(train_step(trainable, grid[0], loss_func, reference=reference)["loss"])
+        losses.append(train_step_with_reference(trainable, grid[0], loss_func, reference)["loss"])
     return losses

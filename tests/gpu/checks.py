@@ -147,7 +147,7 @@ def _sync() -> None:
 
 def _micro_batches(arch, seed: int, count: int = 24, seq_len: int = 256):
     from megatron_rl.data.packing import pack_into_grid
-    from megatron_rl.testing.samples import training_samples
+    from tests.support.samples import training_samples
 
     return pack_into_grid(training_samples(count, arch.vocab_size, seed=seed), seq_len, 1)[0]
 
@@ -376,7 +376,7 @@ def check_offload(cpu: bool) -> dict:
     from megatron_rl.trainer.step import policy_loss_func, train_step
 
     if cpu:  # megatron's hybrid optimizer on CPU, its host copies emulated
-        from megatron_rl.testing import host_offload
+        from tests.support import host_offload
 
         host_offload.install()
     arch = _arch(cpu)

@@ -22,10 +22,10 @@ def check_policy_process(cpu: bool) -> dict:
     from megatron_rl.launch.local import torchrun_command
     from megatron_rl.models.tiny import make_tiny_model
     from megatron_rl.parallel import free_port
-    from megatron_rl.testing.configs import write_config
-    from megatron_rl.testing.ranks import hf_logits
-    from megatron_rl.testing.samples import training_samples
     from megatron_rl.transport import GridSender
+    from tests.support.configs import write_config
+    from tests.support.ranks import hf_logits
+    from tests.support.samples import training_samples
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -97,9 +97,9 @@ def check_critic_process(cpu: bool) -> dict:
     from megatron_rl.critic.client import HttpValueScorer
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.tiny import make_tiny_model
-    from megatron_rl.testing.critic import critic_config, critic_url, start_critic, value_loss
-    from megatron_rl.testing.samples import training_samples
     from megatron_rl.transport import GridSender
+    from tests.support.critic import critic_config, critic_url, start_critic, value_loss
+    from tests.support.samples import training_samples
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -170,8 +170,8 @@ def check_vllm(cpu: bool) -> dict:
     from megatron_rl.models.tiny import make_tiny_model
     from megatron_rl.parallel import free_port
     from megatron_rl.policy.publish import publish_hf_weights
-    from megatron_rl.testing.inference import hf_token_logprobs
     from megatron_rl.trainer.weights import load_initial_weights
+    from tests.support.inference import hf_token_logprobs
 
     prompt = [5, 17, 42, 99, 7]
     with tempfile.TemporaryDirectory() as tmp:

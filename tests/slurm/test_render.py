@@ -12,7 +12,7 @@ import pytest
 
 from megatron_rl.config import parse_config
 from megatron_rl.launch.slurm import SlurmError, gpu_use_per_node, place, render
-from megatron_rl.testing.slurm_cluster import install
+from tests.support.slurm_cluster import install
 
 ARCH = {"family": "qwen3", "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512}  # fmt: skip

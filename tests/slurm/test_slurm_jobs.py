@@ -1,5 +1,5 @@
 """The rendered sbatch scripts on a real SLURM (two pseudo-nodes on loopback, fake GPUs through
-gres; megatron_rl/testing/slurm_cluster.py), with a tiny CPU config for two steps: the shared and
+gres; tests/support/slurm_cluster.py), with a tiny CPU config for two steps: the shared and
 the dedicated layout succeed with every component on the node and device set the layout says;
 a step killed mid-job fails the job with that step named."""
 
@@ -16,7 +16,7 @@ import yaml
 
 from megatron_rl.launch.slurm import render_and_submit
 from megatron_rl.parallel import free_port
-from megatron_rl.testing.slurm_cluster import LocalSlurm
+from tests.support.slurm_cluster import LocalSlurm
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,6 @@ import torch
 
 from megatron_rl.algorithms import (
     CriticAlgorithm,
-    InProcessScorer,
     OutcomeAlgorithm,
     ScoreReplyError,
     decoupled_gae,
@@ -19,6 +18,7 @@ from megatron_rl.algorithms import (
 from megatron_rl.algorithms.registry import policy_loss_for
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data import ScoreResult, TrainingSample
+from tests.support.orchestrator import InProcessScorer
 
 
 def make_group(group_id: int, lengths: list[int], seed: int = 0) -> list[TrainingSample]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl.models import builder
-from megatron_rl.testing.ranks import DENSE
+from tests.support.ranks import DENSE
 
 MOE = DENSE.model_copy(
     update=dict(num_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)

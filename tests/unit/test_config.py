@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from megatron_rl.config import ConfigError, load_config, load_resolved, parse_config
-from megatron_rl.testing.configs import ARCH, base
+from tests.support.configs import ARCH, base
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 

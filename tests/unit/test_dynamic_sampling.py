@@ -28,14 +28,14 @@ from megatron_rl.orchestrator.loop import Orchestrator, Timeouts
 from megatron_rl.orchestrator.rollouts import Group, Member, PromptEncoder
 from megatron_rl.orchestrator.sink import TrainSink
 from megatron_rl.orchestrator.state import OrchestratorState
-from megatron_rl.testing.orchestrator import (
+from tests.support.orchestrator import (
     FakeClient,
     FakeCritic,
     FakePolicy,
     FakeWeights,
     orchestrator_config,
 )
-from megatron_rl.testing.shipped import ShippedSamples
+from tests.support.shipped import ShippedSamples
 
 
 def rule_of(seed: int, group_id: int, reject_rate: float) -> str | None:
@@ -242,11 +242,10 @@ def build(resolved, encoder, env, state=None, train_s=0.0):
     critic = FakeCritic(events) if resolved.value is not None else None
     policy = FakePolicy(weights, events, train_s)
     records = []
-    orchestrator = Orchestrator(
+    orchestrator = ShippedSamples().attach(Orchestrator(
         resolved, env, encoder, FakeClient(weights, delay_s=0.002), weights, critic, policy.send,
         state or OrchestratorState(None), records.append, Timeouts(batch_s=60, critic_s=60, weights_s=60),
-        on_shipped=ShippedSamples(),
-    )  # fmt: skip
+    ))  # fmt: skip
     return orchestrator, policy, critic, records
 
 
@@ -292,7 +291,7 @@ def test_a_resumed_run_sees_the_same_groups_with_dynamic_sampling(encoder, tmp_p
 
     full, *_ = build(config(4), encoder, RejectingEnvironment(0.5))
     asyncio.run(full.run())
-    expected = sorted({(step, s.group_id) for step, s in full.on_shipped.items})
+    expected = sorted({(step, s.group_id) for step, s in full.shipped.items})
     first, *_ = build(
         config(2), encoder, RejectingEnvironment(0.5), state=OrchestratorState(tmp_path / "s.json")
     )
@@ -301,7 +300,7 @@ def test_a_resumed_run_sees_the_same_groups_with_dynamic_sampling(encoder, tmp_p
     second, *_ = build(config(4), encoder, RejectingEnvironment(0.5), state=state)
     second.weights.current = 2  # the trainers resumed with version 2 live
     asyncio.run(second.run())
-    resumed = sorted({(step, s.group_id) for step, s in [*first.on_shipped.items, *second.on_shipped.items]})
+    resumed = sorted({(step, s.group_id) for step, s in [*first.shipped.items, *second.shipped.items]})
     assert resumed == expected
 
 

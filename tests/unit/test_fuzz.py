@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.critic.pretrain import PretrainDataError, read_pretrain_jsonl
 from megatron_rl.critic.service import BadRequest, parse_score_request
-from megatron_rl.testing.configs import base
-from megatron_rl.testing.samples import make_grid
 from megatron_rl.transport.codec import TransportError, decode_grid_item, encode_grid_item
+from tests.support.configs import base
+from tests.support.samples import make_grid
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 json_values = st.recursive(

@@ -9,7 +9,7 @@ from megatron_rl.config import ConfigError, parse_config
 from megatron_rl.inference.pool import router_settings
 from megatron_rl.inference.rollout import Completion, SamplingParams, TokenTrajectory
 from megatron_rl.inference.router import RouterSettings, router_command
-from megatron_rl.testing.configs import base
+from tests.support.configs import base
 
 
 def option(command: list[str], name: str) -> str:

@@ -26,7 +26,7 @@ from megatron_rl.launch.local import (
     visible_devices,
 )
 from megatron_rl.launch.ports import PortProbeError, probe_ports
-from megatron_rl.testing.orchestrator import orchestrator_config
+from tests.support.orchestrator import orchestrator_config
 
 
 def gpu_config():
@@ -213,7 +213,7 @@ def test_every_process_logs_at_the_configured_level():
     import logging
 
     from megatron_rl.launch.cli import configure_logging
-    from megatron_rl.testing.orchestrator import orchestrator_config
+    from tests.support.orchestrator import orchestrator_config
 
     resolved = orchestrator_config("grpo")
     resolved.logging.level = "WARNING"

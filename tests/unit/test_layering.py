@@ -1,6 +1,6 @@
 """The package layout's import rule (docs/contributing.md, "Import order"): a module imports only modules
-listed above it. `faults` (kill points) and `lifetime` (children bound to their starter) import nothing of ours and sit with `config`; `testing`
-(helpers for tests and benchmarks) may import everything."""
+listed above it. `faults` (kill points) and `lifetime` (children bound to their starter) import nothing of ours and sit with `config`; `sim` (the scale
+simulator) runs the real orchestrator, and `launch` may import everything."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import megatron_rl
 
 ORDER = [
     "config", "faults", "lifetime", "compat", "parallel", "models", "data", "algorithms", "transport", "inference",
-    "trainer", "policy", "critic", "envs", "orchestrator", "launch", "testing",
+    "trainer", "policy", "critic", "envs", "orchestrator", "sim", "launch",
 ]  # fmt: skip
 
 
@@ -45,6 +45,20 @@ def test_no_module_imports_a_package_listed_below_its_own():
             if rank[other] > rank[own]:
                 violations.append(f"{path.relative_to(root.parent)}:{line}: {own} imports {other}")
     assert not violations, "\n".join(violations)
+
+
+def test_the_package_never_imports_the_tests():
+    """What tests share lives in tests/support, which is not installed: a module of the package
+    that imported it would fail for every user."""
+    root = Path(megatron_rl.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            found += [f"{path.relative_to(root.parent)}:{node.lineno}" for n in names if n.split(".")[0] == "tests"]
+    assert not found, found
 
 
 def test_the_check_sees_a_violation():

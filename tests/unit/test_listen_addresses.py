@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from megatron_rl.inference.vllm_server import VllmServer
 from megatron_rl.launch.local import TORCHRUN
 from megatron_rl.transport import GridSender
 from megatron_rl.transport.weight_buckets import WeightUpdateGroup
+from tests.support.fake_vllm import fake_vllm_command
 
 
 def free_port() -> int:
@@ -124,8 +124,8 @@ def test_a_rendezvous_port_taken_fails_with_address_in_use(tmp_path):
 def test_router_listens_on_the_configured_host_only(tmp_path):
     port = free_port()
     worker = VllmServer("fake-model", port, tmp_path / "w.log", name="stand-in",
-                        command=[sys.executable, "-m", "megatron_rl.testing.fake_vllm", "--port", str(port),
-                                 "--name", "w1"])  # fmt: skip
+                        command=fake_vllm_command("--port", str(port),
+                                 "--name", "w1"))  # fmt: skip
     router_port = free_port()
     with InferencePool.launch([worker], router_port, tmp_path) as pool:
         metrics_port = int(pool.router.command[pool.router.command.index("--prometheus-port") + 1])

@@ -21,15 +21,15 @@ from megatron_rl.orchestrator.loop import Orchestrator, Timeouts
 from megatron_rl.orchestrator.metrics import turn_metrics
 from megatron_rl.orchestrator.rollouts import Member, PromptEncoder
 from megatron_rl.orchestrator.state import OrchestratorState
-from megatron_rl.testing.configs import base
-from megatron_rl.testing.orchestrator import (
+from tests.support.configs import base
+from tests.support.orchestrator import (
     FakeClient,
     FakeCritic,
     FakePolicy,
     FakeWeights,
     orchestrator_config,
 )
-from megatron_rl.testing.shipped import ShippedSamples
+from tests.support.shipped import ShippedSamples
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +42,12 @@ def run(resolved, encoder, env, client_kwargs, client_class=FakeClient):
     weights, events, records = FakeWeights(), [], []
     client = client_class(weights, **client_kwargs)
     critic = FakeCritic(events) if resolved.value is not None else None
-    orchestrator = Orchestrator(
+    orchestrator = ShippedSamples().attach(Orchestrator(
         resolved, env, encoder, client, weights, critic, FakePolicy(weights, events).send, OrchestratorState(None),
-        records.append, Timeouts(batch_s=60, critic_s=60, weights_s=60), on_shipped=ShippedSamples(),
-    )  # fmt: skip
+        records.append, Timeouts(batch_s=60, critic_s=60, weights_s=60),
+    ))  # fmt: skip
     asyncio.run(asyncio.wait_for(orchestrator.run(), 60))
-    return records, orchestrator.on_shipped.items, client
+    return records, orchestrator.shipped.items, client
 
 
 def two_times_three(tmp_path):

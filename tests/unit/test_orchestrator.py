@@ -15,7 +15,7 @@ from megatron_rl.envs import make_environment
 from megatron_rl.orchestrator.loop import Orchestrator, Timeouts
 from megatron_rl.orchestrator.rollouts import PromptEncoder
 from megatron_rl.orchestrator.state import OrchestratorState
-from megatron_rl.testing.orchestrator import (
+from tests.support.orchestrator import (
     FakeClient,
     FakeCritic,
     FakePolicy,
@@ -23,7 +23,7 @@ from megatron_rl.testing.orchestrator import (
     orchestrator_config,
     per_token_gae,
 )
-from megatron_rl.testing.shipped import ShippedSamples
+from tests.support.shipped import ShippedSamples
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +37,10 @@ def build(resolved, encoder, client_kwargs=None, train_s=0.0, state=None, env="p
     critic = FakeCritic(events) if resolved.value is not None else None
     policy = FakePolicy(weights, events, train_s)
     records = []
-    orchestrator = Orchestrator(
+    orchestrator = ShippedSamples().attach(Orchestrator(
         resolved, make_environment(env, dataset, resolved.orchestrator.seed), encoder, client, weights, critic,
         policy.send, state or OrchestratorState(None), records.append, Timeouts(batch_s=60, critic_s=60, weights_s=60),
-        on_shipped=ShippedSamples(),
-    )  # fmt: skip
+    ))  # fmt: skip
     return orchestrator, events, client, critic, policy, records
 
 
@@ -72,7 +71,7 @@ def test_grpo_never_contacts_a_critic(encoder):
     asyncio.run(orchestrator.run())
     assert critic is None and [e[0] for e in events] == ["policy_grid", "policy_grid"]
     by_group = {}
-    for _, sample in orchestrator.on_shipped.items:  # group-normalised: one scalar per sample, mean 0 per group
+    for _, sample in orchestrator.shipped.items:  # group-normalised: one scalar per sample, mean 0 per group
         values = set(sample.advantages[sample.loss_mask].tolist())
         assert len(values) == 1 and not sample.advantages[~sample.loss_mask].any()
         by_group.setdefault(sample.group_id, []).append(values.pop())
@@ -91,10 +90,10 @@ def test_staleness_and_lead_gate_bounds_hold(encoder, max_off_policy, lead):
     # no shipped sample's (training step - generating version) exceeds the bound, queue time included
     for record in records:
         assert all(int(lag) <= max_off_policy for lag in record["off_policy_lag"])
-    assert orchestrator.on_shipped.items
-    assert all(step - s.policy_version <= max_off_policy for step, s in orchestrator.on_shipped.items)
+    assert orchestrator.shipped.items
+    assert all(step - s.policy_version <= max_off_policy for step, s in orchestrator.shipped.items)
     # ...and at generation: batch n's rollouts started only once version >= n - lead was live
-    assert all(s.policy_version >= step - lead for step, s in orchestrator.on_shipped.items)
+    assert all(s.policy_version >= step - lead for step, s in orchestrator.shipped.items)
     if lead <= max_off_policy:  # nothing can go stale
         assert sum(r["stale_dropped"] for r in records) == 0
 
@@ -118,7 +117,7 @@ def test_multi_turn_tool_rollout_tokens_masks_and_gae(encoder):
         resolved, encoder, {"script": [call, final]}, env="calculator"
     )
     asyncio.run(orchestrator.run())
-    sample = orchestrator.on_shipped.items[0][1]
+    sample = orchestrator.shipped.items[0][1]
     turns = [c["prompt"] for c in client.calls if c["session"] == "group0-branch0"]
     prompt = turns[0]
     observation = tok.encode("<result>6</result>", add_special_tokens=False)
@@ -146,7 +145,7 @@ def test_only_an_unfinished_episode_bootstraps_its_tail(encoder):
     long_answer = tok.encode("xxxxxxxx", add_special_tokens=False)
     orchestrator, *_ = build(resolved, encoder, {"script": [long_answer]}, dataset="count")
     asyncio.run(orchestrator.run())
-    graded = orchestrator.on_shipped.items[0][1]
+    graded = orchestrator.shipped.items[0][1]
     assert graded.truncated and graded.episode_done and graded.bootstrap_value != 0.0
     a, mask = resolved.algorithm, graded.loss_mask.tolist()
     values = graded.values.astype(np.float64)
@@ -160,7 +159,7 @@ def test_only_an_unfinished_episode_bootstraps_its_tail(encoder):
                                    max_completion_tokens=len(call) + 2, seed=0)  # fmt: skip
     orchestrator, *_ = build(resolved, encoder, {"script": [call, call]}, env="calculator")
     asyncio.run(orchestrator.run())
-    cut = orchestrator.on_shipped.items[0][1]
+    cut = orchestrator.shipped.items[0][1]
     assert cut.truncated and not cut.episode_done and cut.reward == 0.0
     mask = cut.loss_mask.tolist()
     reference = per_token_gae(0.0, cut.values.astype(np.float64), mask, cut.bootstrap_value, True, a.gamma,
@@ -172,7 +171,7 @@ def test_resume_continues_with_the_same_prompts(encoder, tmp_path):
     resolved = orchestrator_config("sao", num_steps=4, batch_size=2, group_size=1)
     uninterrupted, *_ = build(resolved, encoder)
     asyncio.run(uninterrupted.run())
-    full = [(step, s.group_id, s.token_ids.tolist()) for step, s in uninterrupted.on_shipped.items]
+    full = [(step, s.group_id, s.token_ids.tolist()) for step, s in uninterrupted.shipped.items]
 
     first = orchestrator_config("sao", num_steps=2, batch_size=2, group_size=1)
     part1, *_ = build(first, encoder, state=OrchestratorState(tmp_path / "state.json"))
@@ -182,7 +181,7 @@ def test_resume_continues_with_the_same_prompts(encoder, tmp_path):
     part2, *_ = build(resolved, encoder, state=state)
     part2.weights.current = 2  # the trainers resumed with version 2 live
     asyncio.run(part2.run())
-    resumed = [(step, s.group_id, s.token_ids.tolist()) for step, s in part2.on_shipped.items]
+    resumed = [(step, s.group_id, s.token_ids.tolist()) for step, s in part2.shipped.items]
     assert [r[:2] for r in resumed] == [r[:2] for r in full if r[0] >= 2]
     # Same rows -> same prompts (the fake's completions are seeded by session, so tokens match too).
     assert resumed == [r for r in full if r[0] >= 2]
@@ -229,7 +228,7 @@ def test_evaluation_runs_held_out_rows_at_step_zero_and_every_interval(encoder):
     assert all(r["eval/copy/errors"] == 0 for r in records if "eval/copy/errors" in r)
     eval_sessions = {c["session"] for c in client.calls if int(c["session"].split("-")[0][5:]) >= 1 << 40}
     assert len(eval_sessions) == 2 * 5 * 2  # two evaluations of 5 rows x 2 samples
-    trained = {s.group_id for _, s in orchestrator.on_shipped.items}
+    trained = {s.group_id for _, s in orchestrator.shipped.items}
     assert all(g < 1 << 40 for g in trained)  # never trained on
 
 
@@ -287,7 +286,7 @@ def reachable(root, kind) -> int:
 
 @pytest.mark.parametrize("lead", [0, 2])
 def test_production_keeps_no_sample_past_its_step(encoder, lead):
-    """Without an on_shipped hook the orchestrator holds only the groups in flight: what it
+    """Without a recorder attached the orchestrator holds only the groups in flight: what it
     reaches after 9 steps is what it reaches after 3 (shipped_log held every sample: 13 GB at
     500 steps of 64 x 16K)."""
     from megatron_rl.data.types import TrainingSample
@@ -326,7 +325,7 @@ def test_one_grid_serves_both_models_where_their_packings_are_equal(encoder, min
     asyncio.run(orchestrator.run())
     assert orchestrator.one_packing == (minibatches == 1)
     for step in range(2):
-        samples = [s for shipped_step, s in orchestrator.on_shipped.items if shipped_step == step]
+        samples = [s for shipped_step, s in orchestrator.shipped.items if shipped_step == step]
         own = pack_minibatches(samples, minibatches, (resolved.orchestrator.seed, step), resolved.model.seq_len,
                                resolved.layout.policy.dp)  # fmt: skip
         assert (policy.grids[step] is critic.grids[step]) == (minibatches == 1)

@@ -18,14 +18,14 @@ from megatron_rl.orchestrator.loop import Orchestrator, Timeouts
 from megatron_rl.orchestrator.rollouts import Group, Member, PromptEncoder
 from megatron_rl.orchestrator.sink import TrainSink, overlong_penalty
 from megatron_rl.orchestrator.state import OrchestratorState
-from megatron_rl.testing.orchestrator import (
+from tests.support.orchestrator import (
     FakeClient,
     FakeCritic,
     FakePolicy,
     FakeWeights,
     orchestrator_config,
 )
-from megatron_rl.testing.shipped import ShippedSamples
+from tests.support.shipped import ShippedSamples
 
 
 def reference_penalty(length: int, max_tokens: int, buffer: int, factor: float) -> float:
@@ -103,11 +103,10 @@ def run(resolved, encoder):
     critic = FakeCritic(events) if resolved.value is not None else None
     policy = FakePolicy(weights, events)
     records = []
-    orchestrator = Orchestrator(
+    orchestrator = ShippedSamples().attach(Orchestrator(
         resolved, HashEnvironment(), encoder, FakeClient(weights), weights, critic, policy.send,
         OrchestratorState(None), records.append, Timeouts(batch_s=60, critic_s=60, weights_s=60),
-        on_shipped=ShippedSamples(),
-    )  # fmt: skip
+    ))  # fmt: skip
     asyncio.run(asyncio.wait_for(orchestrator.run(), 60))
     return orchestrator, records
 
@@ -117,11 +116,11 @@ def test_penalty_through_the_loop_and_its_metrics(encoder):
                                    overlong={"buffer_tokens": 6, "penalty_factor": 0.5})  # fmt: skip
     orchestrator, records = run(resolved, encoder)
     by_step: dict[int, list] = {}
-    for step, sample in orchestrator.on_shipped.items:
+    for step, sample in orchestrator.shipped.items:
         by_step.setdefault(step, []).append(sample)
         expected = reference_penalty(int(sample.loss_mask.sum()), 12, 6, 0.5)
         assert sample.reward == pytest.approx(sample.score + expected, abs=1e-12)
-    assert any(s.reward != s.score for _, s in orchestrator.on_shipped.items)
+    assert any(s.reward != s.score for _, s in orchestrator.shipped.items)
     for record in records:
         samples = by_step[record["step"]]
         penalties = [s.reward - s.score for s in samples]
@@ -137,7 +136,7 @@ def test_mask_mode_through_the_loop(encoder, algorithm):
     resolved = orchestrator_config(algorithm, num_steps=3, batch_size=4, group_size=2, max_completion_tokens=4,
                                    overlong={"buffer_tokens": 2, "mode": "mask"})  # fmt: skip
     orchestrator, records = run(resolved, encoder)
-    shipped = [s for _, s in orchestrator.on_shipped.items]
+    shipped = [s for _, s in orchestrator.shipped.items]
     masked = [s for s in shipped if s.truncated]
     assert masked and len(masked) < len(shipped)
     assert all(not s.loss_mask.any() and not s.advantages.any() and s.reward == s.score for s in masked)

@@ -17,13 +17,14 @@ from megatron_rl.envs import make_environment
 from megatron_rl.orchestrator.loop import Orchestrator, Timeouts
 from megatron_rl.orchestrator.rollouts import PromptEncoder
 from megatron_rl.orchestrator.state import OrchestratorState
-from megatron_rl.testing.orchestrator import (
+from tests.support.orchestrator import (
     FakeClient,
     FakeCritic,
     FakePolicy,
     FakeWeights,
     orchestrator_config,
 )
+from tests.support.shipped import ShippedSamples
 
 NUM_STEPS, BATCH_SIZE, GROUP_SIZE = 5, 3, 2
 
@@ -38,13 +39,16 @@ def run(encoder, tmp_path, lead: int, delay_s: float, train_s: float) -> tuple[l
                                    max_async_level=lead, max_off_policy_steps=lead)  # fmt: skip
     weights, events, records, shipped = FakeWeights(), [], [], []
     state = OrchestratorState(tmp_path / f"state-{lead}-{delay_s}-{train_s}.json")
-    orchestrator = Orchestrator(
+    orchestrator = ShippedSamples().attach(Orchestrator(
         resolved, make_environment("procedural", None, resolved.orchestrator.seed), encoder,
         FakeClient(weights, delay_s=delay_s), weights, FakeCritic(events), FakePolicy(weights, events, train_s).send,
         state, records.append, Timeouts(batch_s=60, critic_s=60, weights_s=60),
-        on_shipped=lambda step, samples: shipped.append((step, [s.policy_version for s in samples])),
-    )  # fmt: skip
+    ))  # fmt: skip
     asyncio.run(orchestrator.run())
+    for step, sample in orchestrator.shipped.items:
+        if not shipped or shipped[-1][0] != step:
+            shipped.append((step, []))
+        shipped[-1][1].append(sample.policy_version)
     return records, OrchestratorState(state.path), shipped
 
 

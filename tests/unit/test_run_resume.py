@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl.orchestrator.run import trainer_resume_step
-from megatron_rl.testing.orchestrator import orchestrator_config
 from megatron_rl.trainer.resume import CheckpointMismatch, complete_steps, run_resume_step
+from tests.support.orchestrator import orchestrator_config
 
 
 def checkpoint(root, role, step, complete=True):

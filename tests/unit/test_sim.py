@@ -1,4 +1,4 @@
-"""The simulated cluster (megatron_rl/testing/sim.py): the real orchestrator against stand-ins on
+"""The simulated cluster (megatron_rl/sim/cluster.py): the real orchestrator against stand-ins on
 a virtual clock. A small run of benchmarks/scale.py (so the benchmark cannot rot); the same seed
 gives the same events at the same simulated times; at 1,024 rollouts a step the orchestrator's
 ordering invariants hold (one score call per group with every branch, critic grid and critic
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.testing.sim import SimCluster, cluster_config
-from megatron_rl.testing.sim_models import ClusterModel, active_parameters, forward_flops
-from megatron_rl.testing.virtual_clock import SimulationDeadlock, run_virtual
+from megatron_rl.sim.cluster import SimCluster, cluster_config
+from megatron_rl.sim.models import ClusterModel, active_parameters, forward_flops
+from megatron_rl.sim.virtual_clock import SimulationDeadlock, run_virtual
 
 ROOT = Path(__file__).resolve().parents[2]
 SAO = ROOT / "examples/configs/qwen3_30b_a3b_sao.yaml"

@@ -21,7 +21,7 @@ from megatron_rl.config import AlgorithmConfig, ConfigError, parse_config
 from megatron_rl.config.plugins import PluginError, load_plugin
 from megatron_rl.data import TrainingSample
 from megatron_rl.envs import Environment, make_environment
-from megatron_rl.testing.configs import base
+from tests.support.configs import base
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "plugins"
 
@@ -121,8 +121,8 @@ def critic_group(group_id, rewards, seed):
 
 
 def test_critic_algorithm_whitens_the_steps_advantages_when_asked():
-    from megatron_rl.algorithms import InProcessScorer
     from megatron_rl.data import ScoreResult
+    from tests.support.orchestrator import InProcessScorer
 
     def scorer(batched):
         return ScoreResult(values=[np.linspace(0, 1, len(ids), dtype=np.float32) for ids in batched],

@@ -18,7 +18,7 @@ from megatron_rl.config import LoggingConfig, WandbConfig
 from megatron_rl.orchestrator import tracking
 from megatron_rl.orchestrator.metrics import MetricsWriter
 from megatron_rl.orchestrator.tracking import Tracker, TrackingError, flatten
-from megatron_rl.testing.tracking import (
+from tests.support.tracking import (
     jsonl_numbers,
     tensorboard_numbers,
     wandb_config,

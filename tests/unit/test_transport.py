@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import zmq
 
-from megatron_rl.testing.samples import make_grid
 from megatron_rl.transport import (
     GridReceiver,
     GridSender,
@@ -19,6 +18,7 @@ from megatron_rl.transport import (
     decode_grid_item,
     encode_grid_item,
 )
+from tests.support.samples import make_grid
 
 
 def free_port() -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.testing.tensors import named_tensors
 from megatron_rl.transport.weight_buckets import (
     decode_plan,
     encode_plan,
@@ -13,6 +12,7 @@ from megatron_rl.transport.weight_buckets import (
     plan_buckets,
     unpack_bucket,
 )
+from tests.support.tensors import named_tensors
 
 
 def test_buckets_group_by_dtype_respect_the_size_and_keep_every_tensor():

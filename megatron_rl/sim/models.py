@@ -1,4 +1,4 @@
-"""The timing models of the simulated cluster (megatron_rl/testing/sim.py): every parameter with
+"""The timing models of the simulated cluster (megatron_rl/sim/cluster.py): every parameter with
 its default and meaning in one dataclass (`ClusterModel`; benchmarks/scale.py makes each a
 flag), the FLOPs model of a configured model layout, and the stand-in tokenizer and environment
 the real orchestrator runs against.

@@ -6,7 +6,7 @@ decoded by the client — both packings, both ZMQ `GridSender`s with real `GridR
 loopback that decode and checksum every grid item, `VersionFollower`'s path (b) bookkeeping, the
 `MetricsWriter` JSONL and the `OrchestratorState` checkpoint after every step).
 
-The stand-ins (timing models in megatron_rl/testing/sim_models.py):
+The stand-ins (timing models in megatron_rl/sim/models.py):
 
 - **inference** (the rollout client's place): the router's session hash picks a server; each
   server runs at most `concurrency_per_server` requests (the rest queue, in order); a request
@@ -19,7 +19,7 @@ The stand-ins (timing models in megatron_rl/testing/sim_models.py):
 - **policy**: receives the policy grid over ZMQ, trains its FLOPs, broadcasts (the servers
   pause) and the version goes live.
 
-Time: the whole run is one asyncio loop on a virtual clock (megatron_rl/testing/virtual_clock.py):
+Time: the whole run is one asyncio loop on a virtual clock (megatron_rl/sim/virtual_clock.py):
 simulated seconds pass only in sleeps, so minutes of a step run in milliseconds, and code that
 spends CPU spends no simulated time (a grid's time on the wire is modelled: bytes /
 `wire_bytes_per_s`). Same seed, same events at the same simulated times.
@@ -53,7 +53,7 @@ from megatron_rl.orchestrator.metrics import MetricsWriter
 from megatron_rl.orchestrator.rollouts import PromptEncoder
 from megatron_rl.orchestrator.run import VersionFollower
 from megatron_rl.orchestrator.state import OrchestratorState
-from megatron_rl.testing.sim_models import (
+from megatron_rl.sim.models import (
     ClusterModel,
     SimEnvironment,
     SimTokenizer,
@@ -63,8 +63,8 @@ from megatron_rl.testing.sim_models import (
     spread,
     training_passes,
 )
-from megatron_rl.testing.sim_transport import GridLink
-from megatron_rl.testing.virtual_clock import run_virtual
+from megatron_rl.sim.transport import GridLink
+from megatron_rl.sim.virtual_clock import run_virtual
 
 
 class CpuLedger:

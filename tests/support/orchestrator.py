@@ -1,19 +1,33 @@
 """In-process fakes for driving the orchestrator's loop in tests: a rollout client, a policy
-that publishes a new version some time after each grid, and a critic that counts score calls.
-They record the order of events so tests can check the data flow."""
+that publishes a new version some time after each grid, a critic that counts score calls and a
+ValueScorer over a plain function. They record the order of events so tests can check the data
+flow."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 import time
+from collections.abc import Callable
 
 import numpy as np
 
-from megatron_rl.algorithms import InProcessScorer
 from megatron_rl.config import parse_config
 from megatron_rl.data.types import ScoreResult
 from megatron_rl.inference.rollout import Completion
+
+
+class InProcessScorer:
+    """A ValueScorer (megatron_rl.algorithms.ValueScorer) over a plain function; `calls` records
+    every batch it scored."""
+
+    def __init__(self, score_fn: Callable[[list[list[int]]], ScoreResult]):
+        self.score_fn = score_fn
+        self.calls: list[list[list[int]]] = []
+
+    async def score(self, batched_token_ids: list[list[int]]) -> ScoreResult:
+        self.calls.append(batched_token_ids)
+        return self.score_fn(batched_token_ids)
 
 
 class FakeClient:

@@ -6,8 +6,7 @@ the HF directory in this process (vLLM's model class and weight loader, on CPU),
 reload called as vLLM's workers call it (`GPUModelRunner.reload_weights`, which the CPU runner
 inherits), and serves /collective_rpc, /pause, /resume and /reset_prefix_cache on 127.0.0.1 in
 place of vLLM's dev-mode endpoints. After each `receive_weights` it writes
-`out_dir/update_{n}.json` (what the receiver held, the tensors in the order they arrived, the
-extension's own figures) and `out_dir/update_{n}.safetensors` (every tensor the model holds
+`out_dir/update_{n}.json` (what the receiver held, the tensors in the order they arrived) and `out_dir/update_{n}.safetensors` (every tensor the model holds
 afterwards, `model_tensors`), which `measure_updates` compares with vLLM's model freshly loaded
 from the policy's tensors (`save_fresh_model_tensors`): a reload must leave what a load does.
 
@@ -24,7 +23,6 @@ import json
 import multiprocessing as mp
 import time
 import urllib.request
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -34,37 +32,8 @@ from safetensors.torch import load_file, save_file
 
 from megatron_rl.models.checkpoint_io import copy_hf_side_files
 from megatron_rl.parallel import free_port
-from megatron_rl.testing.memory import AllocationTracker
-from megatron_rl.testing.spawn import run_ranks
-
-
-class ReceivedAllocations(AllocationTracker):
-    """An AllocationTracker that counts only the storages created while `recording` (inside the
-    weights iterator wrapped by `iterate`); frees are counted whenever they happen."""
-
-    def __init__(self):
-        super().__init__()
-        self.recording = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.recording:
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-    def iterate(self, weights: Iterable, arrived: list) -> Iterator:
-        """`weights`, recording while each item is produced; appends (name, bytes) to `arrived`."""
-        iterator = iter(weights)
-        while True:
-            self.recording = True
-            try:
-                name, tensor = next(iterator)
-            except StopIteration:
-                return
-            finally:
-                self.recording = False
-            arrived.append((name, tensor.numel() * tensor.element_size()))
-            yield name, tensor
-            del tensor  # what vLLM keeps is its own reference
+from tests.support.memory import ReceivedAllocations
+from tests.support.spawn import run_ranks
 
 
 def build_vllm_model(hf_dir: str, dtype: str = "float32"):
@@ -165,11 +134,7 @@ def serve_vllm_worker(hf_dir: str, http_port: int, out_dir: str) -> None:
             deadline = time.monotonic() + 2.0
             while self.last_held.current and time.monotonic() < deadline:
                 time.sleep(0.01)
-            report = getattr(self, "get_weight_update_memory", None)  # the extension's own figures
-            record = {
-                **self.last_update, "held_at_end_bytes": self.last_held.current, "count": count,
-                "extension": report() if report else None,
-            }  # fmt: skip
+            record = {**self.last_update, "held_at_end_bytes": self.last_held.current, "count": count}
             (out / f"update_{self.updates}.json").write_text(json.dumps(record))
             return count
 

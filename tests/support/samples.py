@@ -1,5 +1,5 @@
 """Sample factories for tests (numpy only: spawned processes import them cheaply): training samples
-and packed grids. Torch tensors for tests: megatron_rl/testing/tensors.py."""
+and packed grids. Torch tensors for tests: tests/support/tensors.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """A stand-in for a vLLM OpenAI server, for router and pool tests (aiohttp, its own process).
 
-`python -m megatron_rl.testing.fake_vllm --port P --name W [--model M] [--start-delay S]
+`fake_vllm_command("--port", P, ...)` (this file run by the test's Python, from any directory):
+`--port P --name W [--model M] [--start-delay S]
 [--health-delay S] [--completion-delay S] [--completion-status N]` serves `GET /v1/models` (model M), `GET /health`
 (answering after `--health-delay` seconds), `POST /v1/completions` (a deterministic completion
 whose first token id is the worker's number, so a test knows which worker answered) and the
@@ -14,9 +15,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
+from pathlib import Path
 
 from aiohttp import web
+
+
+def fake_vllm_command(*args) -> list[str]:
+    """The command line of a stand-in server with `args` (a server's `command=`)."""
+    return [sys.executable, str(Path(__file__).resolve()), *map(str, args)]
 
 
 def make_app(args) -> web.Application:

@@ -12,7 +12,7 @@ import yaml
 from megatron_rl.config import load_config
 from megatron_rl.orchestrator.run import orchestrate
 from megatron_rl.parallel import free_port
-from megatron_rl.testing.processes import RankProcesses
+from tests.support.processes import RankProcesses
 
 
 def stack_config(tmp_path, model_dir, algorithm: str | dict, num_steps: int, pool, overrides=(), **orchestrator):
@@ -92,18 +92,17 @@ def reset_pool(pool, model_dir):
     assert pool.sync.version == 0
 
 
-def run_stack(tmp_path, resolved, resolved_path, pool, kill_when=None, on_shipped=None):
+def run_stack(tmp_path, resolved, resolved_path, pool, kill_when=None):
     """Critic and policy processes plus the orchestrator in this process; returns the records.
     `kill_when()`, polled while the run is up: once true, the critic and policy ranks get
-    SIGKILL and the orchestrator is cancelled (the whole run dies mid-step). `on_shipped`: the
-    orchestrator's hook (e.g. megatron_rl.testing.shipped.ShippedSamples)."""
+    SIGKILL and the orchestrator is cancelled (the whole run dies mid-step)."""
     roles = [("policy", ["train-policy", "--config", str(resolved_path)])]
     if resolved.value is not None:
         roles.append(("critic", ["critic", "--config", str(resolved_path)]))
     processes = {name: RankProcesses(argv, 1, tmp_path / "logs" / name) for name, argv in roles}
 
     async def run() -> bool:
-        task = asyncio.ensure_future(orchestrate(resolved, pool, on_shipped=on_shipped))
+        task = asyncio.ensure_future(orchestrate(resolved, pool))
         while not task.done():
             if kill_when is not None and kill_when():
                 for group in processes.values():

@@ -12,7 +12,7 @@ from megatron_rl import parallel
 from megatron_rl.config import Architecture
 from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.sharding import full_parameters, load_full_state_dict
-from megatron_rl.testing.tensors import tokens
+from tests.support.tensors import tokens
 
 DENSE = Architecture(
     family="qwen3",

@@ -1,9 +1,11 @@
 """Measured allocation for memory tests on CPU: the bytes of every storage the ops inside a
-`with AllocationTracker() as tracker:` block create, while they are alive (current and peak)."""
+`with AllocationTracker() as tracker:` block create, while they are alive (current and peak);
+`ReceivedAllocations` counts only what a weight stream creates (what a receiver holds)."""
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -38,3 +40,32 @@ class AllocationTracker(TorchDispatchMode):
             self.peak = max(self.peak, self.current)
             weakref.finalize(storage, self._free, key)
         return out
+
+
+class ReceivedAllocations(AllocationTracker):
+    """An AllocationTracker that counts only the storages created while `recording` (inside the
+    weights iterator wrapped by `iterate`); frees are counted whenever they happen."""
+
+    def __init__(self):
+        super().__init__()
+        self.recording = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.recording:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def iterate(self, weights: Iterable, arrived: list) -> Iterator:
+        """`weights`, recording while each item is produced; appends (name, bytes) to `arrived`."""
+        iterator = iter(weights)
+        while True:
+            self.recording = True
+            try:
+                name, tensor = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                self.recording = False
+            arrived.append((name, tensor.numel() * tensor.element_size()))
+            yield name, tensor
+            del tensor  # what vLLM keeps is its own reference

@@ -13,7 +13,7 @@ import yaml
 from megatron_rl.config import load_config
 from megatron_rl.critic.client import HttpValueScorer
 from megatron_rl.parallel import free_port
-from megatron_rl.testing.processes import RankProcesses
+from tests.support.processes import RankProcesses
 
 
 def critic_config(

@@ -1,0 +1,9 @@
+"""The scale simulator: the real orchestrator against inference servers, a critic and a policy
+that spend simulated time on a virtual clock (`benchmarks/scale.py`, docs/scale.md).
+
+- `cluster`: `SimCluster` (the stand-ins and the run), `cluster_config`, `steady_step_s`;
+- `models`: the timing models (`ClusterModel`, FLOPs of a configured layout) and the stand-in
+  tokenizer and environment;
+- `transport`: each model's real ZMQ GridSender with real GridReceivers on loopback;
+- `virtual_clock`: the asyncio loop whose clock jumps to the next timer.
+"""

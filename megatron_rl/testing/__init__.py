@@ -1,1 +1,0 @@
-"""Helpers for tests and benchmarks: spawn gloo process groups on one CPU machine."""
