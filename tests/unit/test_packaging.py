@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -55,9 +56,14 @@ def test_the_wheel_ships_the_package_and_no_test_scaffolding(tmp_path):
     with its scale simulator, nothing of tests/ (fixtures, fakes, stand-ins), no module named
     for testing."""
     root = SETUP.parent
+    # A copy of what the build reads, so that setuptools' build/ stays out of the checkout.
+    source = tmp_path / "source"
+    shutil.copytree(root / "megatron_rl", source / "megatron_rl", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-         "--wheel-dir", str(tmp_path / "wheel"), str(root)],
+         "--wheel-dir", str(tmp_path / "wheel"), str(source)],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
@@ -70,5 +76,5 @@ def test_the_wheel_ships_the_package_and_no_test_scaffolding(tmp_path):
     scaffolding = [n for n in modules if any(word in n for word in ("testing", "fake", "standin", "stand_in", "conftest"))]
     assert not scaffolding, scaffolding
     # Every module of the package's source tree is in the wheel (none left out by find_packages).
-    source = sorted(str(p.relative_to(root)) for p in (root / "megatron_rl").rglob("*.py"))
-    assert sorted(modules) == source
+    package = sorted(str(p.relative_to(root)) for p in (root / "megatron_rl").rglob("*.py"))
+    assert sorted(modules) == package
