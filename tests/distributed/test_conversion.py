@@ -1,9 +1,17 @@
 """tools/convert_*: HF -> Megatron -> HF is bit-exact; converted checkpoints reshard on load;
-bad input exits non-zero naming the file or tensor."""
+bad input exits non-zero naming the file or tensor.
+
+The tools run as their command line runs them (`main(argv)`, its exit code, what it prints), in
+a rank forked from the test's forkserver (`run_tools`) instead of a fresh interpreter each (a
+converter process spends ~10 s importing torch and megatron-core on the 2-core machine); one
+test runs each tool as a real process."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -19,18 +27,45 @@ from tests.support.spawn import run_ranks
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
-def run_tool(name: str, *args) -> subprocess.CompletedProcess:
+def run_tool_process(name: str, *args) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(TOOLS / name), *map(str, args)], capture_output=True, text=True, timeout=300
     )
 
 
+def tools_rank(rank, world_size, calls):
+    """Each (tool, argv) of `calls` in this process as its command line runs it (`main(argv)`,
+    what `sys.exit` it would make): [(exit code, stdout, stderr)]."""
+    results = []
+    for name, argv in calls:
+        main = runpy.run_path(str(TOOLS / name), run_name="tool")["main"]
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv)
+            except SystemExit as exit_:  # argparse
+                code = exit_.code
+        results.append((code or 0, out.getvalue(), err.getvalue()))
+    return results
+
+
+def run_tools(*calls: tuple) -> list[subprocess.CompletedProcess]:
+    """Each call (tool name, *args) in one rank, in order: what its process would have returned."""
+    argvs = [(name, [str(a) for a in args]) for name, *args in calls]
+    results = run_ranks(tools_rank, 1, argvs)[0]
+    return [subprocess.CompletedProcess([name, *argv], *result) for (name, argv), result in zip(argvs, results)]
+
+
+def both_ways(hf_dir: Path, work: Path, *extra) -> list[tuple]:
+    return [
+        ("convert_hf_to_megatron.py", "--hf", hf_dir, "--out", work / "mg", *extra),
+        ("convert_megatron_to_hf.py", "--megatron", work / "mg", "--out", work / "hf", "--hf-config", hf_dir),
+    ]
+
+
 def convert_both_ways(hf_dir: Path, work: Path, *extra) -> tuple[dict, dict, subprocess.CompletedProcess]:
-    to_mg = run_tool("convert_hf_to_megatron.py", "--hf", hf_dir, "--out", work / "mg", *extra)
+    to_mg, back = run_tools(*both_ways(hf_dir, work, *extra))
     assert to_mg.returncode == 0, to_mg.stderr
-    back = run_tool(
-        "convert_megatron_to_hf.py", "--megatron", work / "mg", "--out", work / "hf", "--hf-config", hf_dir
-    )
     assert back.returncode == 0, back.stderr
     return load_file(hf_dir / "model.safetensors"), load_file(work / "hf" / "model.safetensors"), to_mg
 
@@ -103,7 +138,8 @@ def load_logits(rank, world_size, checkpoint, tp, input_ids):
 
 def test_converted_checkpoint_loads_at_tp2_with_transformers_logits(tiny_models, tmp_path):
     hf_dir = tiny_models["llama"]
-    assert run_tool("convert_hf_to_megatron.py", "--hf", hf_dir, "--out", tmp_path / "mg").returncode == 0
+    (converted,) = run_tools(("convert_hf_to_megatron.py", "--hf", hf_dir, "--out", tmp_path / "mg"))
+    assert converted.returncode == 0, converted.stderr
     input_ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(4))
     reference = hf_logits(hf_dir, input_ids)
     for logits in run_ranks(load_logits, 2, str(tmp_path / "mg"), 2, input_ids):
@@ -111,37 +147,41 @@ def test_converted_checkpoint_loads_at_tp2_with_transformers_logits(tiny_models,
 
 
 def test_bad_inputs_exit_nonzero_naming_the_problem(tiny_models, tmp_path):
-    missing = run_tool("convert_hf_to_megatron.py", "--hf", tmp_path / "nowhere", "--out", tmp_path / "out")
-    assert missing.returncode == 2 and "config.json: missing" in missing.stderr
+    missing = run_tool_process("convert_hf_to_megatron.py", "--hf", tmp_path / "nowhere", "--out", tmp_path / "out")
+    assert missing.returncode == 2 and "config.json: missing" in missing.stderr  # the tool as a process
 
     unknown = tmp_path / "gpt2"
     unknown.mkdir()
     (unknown / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    result = run_tool("convert_hf_to_megatron.py", "--hf", unknown, "--out", tmp_path / "out")
-    assert result.returncode == 2 and "model_type 'gpt2' has no builder mapping" in result.stderr
-
     hf_dir = tiny_models["qwen3"]
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "config.json").write_bytes((hf_dir / "config.json").read_bytes())
+    missing_tensor = tmp_path / "missing_tensor"
+    missing_tensor.mkdir()
+    (missing_tensor / "config.json").write_bytes((hf_dir / "config.json").read_bytes())
     state = load_file(hf_dir / "model.safetensors")
     del state["model.layers.1.self_attn.k_proj.weight"]
-    save_file(state, str(broken / "model.safetensors"))
-    result = run_tool("convert_hf_to_megatron.py", "--hf", broken, "--out", tmp_path / "out")
-    assert result.returncode == 2 and "'model.layers.1.self_attn.k_proj.weight'" in result.stderr
-
+    save_file(state, str(missing_tensor / "model.safetensors"))
+    wrong_shape = tmp_path / "wrong_shape"
+    wrong_shape.mkdir()
+    (wrong_shape / "config.json").write_bytes((hf_dir / "config.json").read_bytes())
     state = load_file(hf_dir / "model.safetensors")
     state["model.layers.0.mlp.down_proj.weight"] = state["model.layers.0.mlp.down_proj.weight"][
         :, :-1
     ].contiguous()
-    save_file(state, str(broken / "model.safetensors"))
-    result = run_tool("convert_hf_to_megatron.py", "--hf", broken, "--out", tmp_path / "out2")
-    assert result.returncode == 2 and "decoder.layers.0.mlp.linear_fc2.weight" in result.stderr
-
-    no_meta = run_tool(
-        "convert_megatron_to_hf.py", "--megatron", tmp_path, "--out", tmp_path / "x", "--hf-config", hf_dir
+    save_file(state, str(wrong_shape / "model.safetensors"))
+    results = run_tools(
+        ("convert_hf_to_megatron.py", "--hf", unknown, "--out", tmp_path / "out"),
+        ("convert_hf_to_megatron.py", "--hf", missing_tensor, "--out", tmp_path / "out"),
+        ("convert_hf_to_megatron.py", "--hf", wrong_shape, "--out", tmp_path / "out2"),
+        ("convert_megatron_to_hf.py", "--megatron", tmp_path, "--out", tmp_path / "x", "--hf-config", hf_dir),
     )
-    assert no_meta.returncode == 2 and "megatron_rl.json: missing" in no_meta.stderr
+    expected = [
+        "model_type 'gpt2' has no builder mapping",
+        "'model.layers.1.self_attn.k_proj.weight'",
+        "decoder.layers.0.mlp.linear_fc2.weight",
+        "megatron_rl.json: missing",
+    ]
+    for result, message in zip(results, expected, strict=True):
+        assert result.returncode == 2 and message in result.stderr, (message, result.stderr)
 
 
 def bfloat16_copy(hf_dir: Path, out: Path) -> Path:
@@ -173,14 +213,8 @@ def test_a_te_layout_checkpoint_converts_to_hf(tiny_models, tmp_path):
     converts back to the HF tensors it was loaded from."""
     hf_dir = tiny_models["qwen3_moe"]
     run_ranks(save_te_layout_checkpoint, 1, str(hf_dir), str(tmp_path / "te"))
-    back = run_tool(
-        "convert_megatron_to_hf.py",
-        "--megatron",
-        tmp_path / "te",
-        "--out",
-        tmp_path / "hf",
-        "--hf-config",
-        hf_dir,
+    (back,) = run_tools(
+        ("convert_megatron_to_hf.py", "--megatron", tmp_path / "te", "--out", tmp_path / "hf", "--hf-config", hf_dir)
     )
     assert back.returncode == 0, back.stderr
     assert_bit_exact(
