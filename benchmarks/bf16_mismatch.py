@@ -41,12 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/bf16_mismatch"))
     args = parser.parse_args(argv)
 
-    from megatron_rl.launch.demo import run_demo
+    from megatron_rl.demo.run import run_demo
+    from megatron_rl.launch.local import run_local
 
     means = {}
     for dtype in ("float32", "bfloat16"):
         out = args.out / dtype
-        code = run_demo("ppo", args.steps, out, args.seed, 0, dtype=dtype, overrides=CORRECTION)
+        code = run_demo(
+            "ppo", args.steps, out, args.seed, 0, dtype=dtype, overrides=CORRECTION, launcher=run_local
+        )
         if code != 0:
             print(f"[bf16] the {dtype} run exited {code}; see {out}/logs", file=sys.stderr)
             return code

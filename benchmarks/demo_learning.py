@@ -11,7 +11,7 @@ as actions (`orchestrator.train_on_observations`, the ablation of skip-observati
 `--task tool`). `--task tool` runs the tool demo (its warm start and learning rate).
 `--result NAME` names the results file (default demo_learning).
 
-Runs `launch/demo.sh`'s job (`megatron_rl.launch.demo.run_demo`, the full CPU stack) once per
+Runs `launch/demo.sh`'s job (`megatron_rl.demo.run.run_demo`, the full CPU stack) once per
 algorithm and seed, one after the other, then prints the summary table (mean reward of the first
 and last 5 steps, the rise), writes one overlaid figure per algorithm (`OUT/ALGO.png`) and all
 runs in `OUT/all.png` (all panels) and `OUT/rewards.png` (reward only, one panel per
@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def rise(run_dir: Path, k: int = 5) -> tuple[float, float]:
-    from megatron_rl.launch.plot import load_run
+    from megatron_rl.demo.plot import load_run
 
     rewards = [r["reward_mean"] for r in load_run(run_dir)["orchestrator"]]
     return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
@@ -62,7 +62,7 @@ def reward_figure(runs: dict[str, list[Path]], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_rl.launch.plot import load_run
+    from megatron_rl.demo.plot import load_run
 
     figure, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.4), sharey=True, squeeze=False)
     for ax, (algo, dirs) in zip(axes[0], runs.items()):
@@ -83,8 +83,9 @@ def reward_figure(runs: dict[str, list[Path]], out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     from _results import write_result
 
-    from megatron_rl.launch.demo import DEFAULTS, TASKS, TOOL, run_demo
-    from megatron_rl.launch.plot import load_run, plot_runs, summary_table
+    from megatron_rl.demo.plot import load_run, plot_runs, summary_table
+    from megatron_rl.demo.run import DEFAULTS, TASKS, TOOL, run_demo
+    from megatron_rl.launch.local import run_local
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algos", default="sao,ppo,grpo")
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(out)
                 algorithm, overrides = VARIANTS.get(algo, (algo, []))
                 code = run_demo(algorithm, args.steps, out, seed, sft_steps, args.task, lr=lr,
-                                overrides=overrides)  # fmt: skip
+                                overrides=overrides, launcher=run_local)  # fmt: skip
             if code != 0:
                 print(f"[curves] {algo} seed {seed} exited {code}; see {out}/logs", file=sys.stderr)
                 return code

@@ -3,7 +3,7 @@
     python benchmarks/long_run.py [--steps 300] [--sample-at 50,300] [--rollouts 64] [--out runs/long-run]
                                   [--seed 0] [--set KEY=VALUE ...]
 
-Runs the SAO demo (`megatron_rl.launch.demo`: its tiny model, checkpoints and run config, then
+Runs the SAO demo (`megatron_rl.demo.run`: its tiny model, checkpoints and run config, then
 `megatron-rl run`; ports probed free instead of the demo's fixed ones) for `--steps` steps. When
 the orchestrator has logged each step of `--sample-at`, it records for every component (the
 launcher's children: inference server, router, critic, policy, orchestrator) its resident memory
@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._results import write_result  # noqa: E402
-from megatron_rl.launch.demo import demo_config, prepare  # noqa: E402
+from megatron_rl.demo.run import demo_config, prepare  # noqa: E402
 from megatron_rl.launch.local import run_local  # noqa: E402
 from megatron_rl.parallel import free_port  # noqa: E402
 

@@ -5,21 +5,31 @@
 `ResolvedConfig.to_json()` is what the launcher writes for every process; `load_resolved(path)`
 reads it back without deriving anything again. The package imports nothing of ours.
 
-    base.py        Strict models, ConfigError (every problem at once), secrets from the environment
-    model.py       architecture, model, optimizer, LoRA
-    value.py       the critic's section
-    algorithm.py   GRPO / PPO / SAO
-    run.py         orchestrator, inference, deployment, transport, checkpoint, logging; Config
-    validators.py  the cross-field rules, one named function each (RULES)
-    layout.py      the derived layout and ResolvedConfig
-    memory_plan.py what each GPU holds; a plan that does not fit is a config error
-    load.py        resolve, load_config, load_resolved, --set overrides
+    base.py          Strict models, ConfigError (every problem at once), secrets from the environment
+    model.py         architecture, model, optimizer, LoRA
+    value.py         the critic's section
+    algorithm.py     GRPO / PPO / SAO
+    orchestrator.py  rollouts, admission, dynamic sampling, overlong shaping, evaluation
+    inference.py     the vLLM servers, the router, how weights reach them
+    deployment.py    where each process group runs
+    transport.py     the ZMQ channels to the trainers
+    checkpoint.py    checkpoints and resuming
+    logging.py       the run's directory, log levels, experiment tracking (W&B, TensorBoard)
+    run.py           Config: all sections together
+    validators.py    the cross-field rules, one named function each (RULES)
+    layout.py        the derived layout and ResolvedConfig
+    memory_plan.py   what each GPU holds; a plan that does not fit is a config error
+    load.py          resolve, load_config, load_resolved, --set overrides
 """
 
 from megatron_rl.config.algorithm import ALGORITHM_DEFAULTS, AlgorithmConfig
 from megatron_rl.config.base import ConfigError, Strict, secret_from_env
+from megatron_rl.config.checkpoint import CheckpointConfig
+from megatron_rl.config.deployment import DeploymentConfig
+from megatron_rl.config.inference import InferenceConfig
 from megatron_rl.config.layout import Layout, ModelLayout, ResolvedConfig, RunPaths
 from megatron_rl.config.load import apply_overrides, load_config, load_resolved, parse_config, resolve
+from megatron_rl.config.logging import LoggingConfig, WandbConfig
 from megatron_rl.config.model import (
     HF_MODEL_TYPES,
     Architecture,
@@ -29,20 +39,15 @@ from megatron_rl.config.model import (
     OptimizerConfig,
     RecomputeConfig,
 )
-from megatron_rl.config.run import (
+from megatron_rl.config.orchestrator import (
     AdmissionConfig,
-    CheckpointConfig,
-    Config,
-    DeploymentConfig,
     DynamicSamplingConfig,
     EvalConfig,
-    InferenceConfig,
-    LoggingConfig,
     OrchestratorConfig,
     OverlongConfig,
-    TransportConfig,
-    WandbConfig,
 )
+from megatron_rl.config.run import Config
+from megatron_rl.config.transport import TransportConfig
 from megatron_rl.config.value import ServiceConfig, SnapshotConfig, ValueConfig
 
 __all__ = [

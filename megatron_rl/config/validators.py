@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from megatron_rl.config.algorithm import GROUP_ADVANTAGES
 from megatron_rl.config.model import Architecture
+from megatron_rl.config.orchestrator import BUILTIN_ENVIRONMENTS
 from megatron_rl.config.plugins import PluginError, check_call, is_plugin, load_object, load_plugin
-from megatron_rl.config.run import BUILTIN_ENVIRONMENTS, Config
+from megatron_rl.config.run import Config
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """The critic process: `megatron-rl critic --config RESOLVED.json` under torchrun.
 
-Every critic rank builds the CriticTrainer and runs the same loop. Global rank 0 also runs the
-HTTP service (service.py) and decides what all ranks do next; it broadcasts one command per
-iteration (a `Command` and its argument, two int64s):
+Every critic rank builds the CriticTrainer and runs the same loop (`CommandLoop`). Global rank 0
+also runs the HTTP service (service.py) and decides what all ranks do next; it broadcasts one
+command per iteration (a `Command` and its argument, two int64s), which every rank hands to that
+command's handler:
 
     IDLE                nothing to do (sent every `IDLE_WAIT_S` so no rank waits forever)
     SCORE n             score the n sequences rank 0 broadcasts next (merged waiting requests)
@@ -27,6 +28,7 @@ and the process exits non-zero.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -36,9 +38,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl import faults, parallel
-from megatron_rl.config import ResolvedConfig
-from megatron_rl.critic.service import CriticState, ScoreQueue, ScoringFailed, ScoringService, answer
+from megatron_rl.config import ResolvedConfig, ValueConfig
+from megatron_rl.critic.service import (
+    CriticState,
+    PendingRequest,
+    ScoreQueue,
+    ScoringFailed,
+    ScoringService,
+    answer,
+)
 from megatron_rl.critic.trainer import CriticTrainer
+from megatron_rl.data.types import MicroBatch
+from megatron_rl.transport import GridReceiver
 
 log = logging.getLogger("megatron_rl.critic")
 
@@ -65,137 +76,195 @@ def _broadcast_command(kind: Command = IDLE, arg: int = 0) -> tuple[Command, int
 
 
 def run_critic(resolved: ResolvedConfig) -> None:
+    """Runs this critic rank until rank 0 broadcasts STOP; raises what training or pretraining raised."""
     trainer = CriticTrainer(resolved)
     trainer.resume()
-    is_rank0 = trainer.is_rank0
-    value = resolved.value
-    stop = threading.Event()
+    signalled = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # every rank: leave on rank 0's STOP, not mid-step
-        signal.signal(sig, lambda *_: stop.set())
-    service = queue = state = None
-    if is_rank0:
-        queue = ScoreQueue()
-        state = CriticState(trainer.info())
-        state.update(
-            trained_step=trainer.trained_step,
-            phase="pretraining" if trainer.pretraining_left > 0 else "ready",
-            pretrain_step=trainer.pretrain_steps_done - 1,
-        )
-        service = ScoringService(
-            value.service.host,
-            value.service.port,
-            queue,
-            state,
-            vocab_size=trainer.arch.vocab_size,
-            seq_len=value.model.seq_len,
-            max_batch_sequences=value.service.max_batch_sequences,
-            request_timeout_s=value.service.request_timeout_s,
-            token=value.service.token(),
-        )
-        service.start()
-        log.info(
-            "critic: %s, layout %s, steps %d..%d, service %s",
-            trainer.loaded,
-            trainer.layout.model_dump(),
-            trainer.trained_step + 1,
-            trainer.num_steps - 1,
-            service.url,
-        )
+        signal.signal(sig, lambda *_: signalled.set())
+    service = _start_service(trainer, resolved.value) if trainer.is_rank0 else None
     # No waiting for the orchestrator's sender: requests are served before it exists.
     receiver = trainer.receiver(resolved.transport.critic_port, wait_for_sender=False)
-    prefetched = None  # rank 0's grid item for the next step, once it arrived
     try:
-        while True:
-            kind, arg = IDLE, 0
-            taken = []
-            if is_rank0:
-                next_step = trainer.trained_step + 1
-                if stop.is_set():
-                    kind = STOP
-                elif len(queue):
-                    taken = queue.take(value.service.max_batch_sequences)
-                    if taken:
-                        kind, arg = SCORE, sum(len(t.sequences) for t in taken)
-                elif trainer.pretraining_left > 0:
-                    kind, arg = PRETRAIN, trainer.pretrain_steps_done
-                elif next_step >= trainer.num_steps:
-                    state.update(phase="finished")
-                    queue.wait(IDLE_WAIT_S)
-                else:
-                    if prefetched is None:
-                        prefetched = receiver.poll(next_step, timeout_s=0.0)
-                    if prefetched is None and not queue.wait(IDLE_WAIT_S):
-                        prefetched = receiver.poll(next_step, timeout_s=0.0)
-                    if prefetched is not None:
-                        kind, arg = TRAIN, next_step
-            kind, arg = _broadcast_command(kind, arg)
-            if kind == STOP:
-                parallel.finished()
-                break
-            if kind == IDLE:
-                continue
-            if is_rank0:
-                state.update(busy=True)
-            try:
-                if kind == SCORE:
-                    request = [ids for t in taken for ids in t.sequences] if is_rank0 else None
-                    sizes = [len(t.sequences) for t in taken] if is_rank0 and value.service.isolate_requests else None
-                    error = None
-                    try:
-                        result = trainer.score(request, sizes)
-                    except Exception as exc:  # answered below; the ranks agree first
-                        log.exception("critic: scoring %d merged sequences failed on this rank", arg)
-                        error = exc
-                    except BaseException as exc:
-                        for t in taken:
-                            t.future.set_exception(exc)
-                        raise
-                    # Every rank learns whether any failed, so all skip the answer together and stay
-                    # in lockstep (a rank stuck inside a collective the others never enter is
-                    # beyond this: the process-group timeout ends it).
-                    if parallel.any_rank(error is not None):
-                        if is_rank0:
-                            cause = f"{type(error).__name__}: {error}" if error else "another rank failed (see its log)"
-                            failure = ScoringFailed(f"scoring {arg} merged sequences failed: {cause}")
-                            for t in taken:
-                                t.future.set_exception(failure)
-                        continue
-                    if is_rank0:
-                        answer(taken, result)
-                        state.add(
-                            requests_scored=len(taken),
-                            sequences_scored=len(request),
-                            tokens_scored=sum(len(ids) for ids in request),
-                        )
-                elif kind == PRETRAIN:
-                    record = trainer.pretrain_step(arg)
-                    trainer.write_metrics(record)
-                    if is_rank0:
-                        state.update(
-                            pretrain_step=arg,
-                            phase="pretraining" if trainer.pretraining_left > 0 else "ready",
-                        )
-                elif kind == TRAIN:
-                    micro_batches = prefetched if is_rank0 else receiver.receive(arg)
-                    prefetched = None
-                    faults.set_step(arg)
-                    faults.kill_point("step.begin")
-                    record = trainer.train(arg, micro_batches)
-                    faults.kill_point("step.trained")
-                    if trainer.should_save(arg):
-                        trainer.save(arg)
-                    trainer.write_metrics(record)
-                    if is_rank0:
-                        state.update(
-                            trained_step=arg, last_loss=record["final_loss"], head_only=record["head_only"]
-                        )
-            finally:
-                if is_rank0:
-                    state.update(busy=False)
+        CommandLoop(trainer, receiver, service, signalled, resolved.value).run()
     finally:
         receiver.close()
         if service is not None:
             service.stop()
         trainer.close()
-    if is_rank0:
+    if trainer.is_rank0:
         log.info("critic: stopped after step %d", trainer.trained_step)
+
+
+def _start_service(trainer: CriticTrainer, value: ValueConfig) -> ScoringService:
+    """Rank 0's HTTP service, started, with its queue and a state that says where the critic is."""
+    state = CriticState(trainer.info())
+    state.update(
+        trained_step=trainer.trained_step,
+        phase="pretraining" if trainer.pretraining_left > 0 else "ready",
+        pretrain_step=trainer.pretrain_steps_done - 1,
+    )
+    service = ScoringService(
+        value.service.host,
+        value.service.port,
+        ScoreQueue(),
+        state,
+        vocab_size=trainer.arch.vocab_size,
+        seq_len=value.model.seq_len,
+        max_batch_sequences=value.service.max_batch_sequences,
+        request_timeout_s=value.service.request_timeout_s,
+        token=value.service.token(),
+    )
+    service.start()
+    log.info(
+        "critic: %s, layout %s, steps %d..%d, service %s",
+        trainer.loaded,
+        trainer.layout.model_dump(),
+        trainer.trained_step + 1,
+        trainer.num_steps - 1,
+        service.url,
+    )
+    return service
+
+
+class CommandLoop:
+    """One critic rank's loop: rank 0 chooses the next command, every rank receives it by broadcast
+    and runs its handler (`idle`, `score`, `pretrain`, `train`, `stop`; one method each)."""
+
+    def __init__(
+        self,
+        trainer: CriticTrainer,
+        receiver: GridReceiver,
+        service: ScoringService | None,
+        signalled: threading.Event,
+        value: ValueConfig,
+    ):
+        self.trainer, self.receiver, self.signalled = trainer, receiver, signalled
+        self.is_rank0 = trainer.is_rank0
+        self.max_batch_sequences = value.service.max_batch_sequences
+        self.isolate_requests = value.service.isolate_requests
+        # Rank 0 only (None or empty elsewhere): the service's queue and state, the requests that
+        # the SCORE being broadcast merges, the grid item for the next step once it arrived.
+        self.queue: ScoreQueue | None = service.queue if service is not None else None
+        self.state: CriticState | None = service.state if service is not None else None
+        self.taken: list[PendingRequest] = []
+        self.prefetched: list[MicroBatch] | None = None
+        self.running = True
+
+    def run(self) -> None:
+        """Serves commands until STOP; an exception from a handler ends the loop on this rank."""
+        handlers = {
+            IDLE: self.idle,
+            SCORE: self.score,
+            PRETRAIN: self.pretrain,
+            TRAIN: self.train,
+            STOP: self.stop,
+        }
+        while self.running:
+            kind, arg = _broadcast_command(*self.choose()) if self.is_rank0 else _broadcast_command()
+            handlers[kind](arg)
+
+    def choose(self) -> tuple[Command, int]:
+        """Rank 0's next command: STOP once signalled, else scoring, pretraining until done, then
+        the next step once its grid item is here; IDLE after waiting at most `IDLE_WAIT_S`."""
+        trainer, queue = self.trainer, self.queue
+        next_step = trainer.trained_step + 1
+        if self.signalled.is_set():
+            return STOP, 0
+        if len(queue):
+            self.taken = queue.take(self.max_batch_sequences)
+            return (SCORE, sum(len(t.sequences) for t in self.taken)) if self.taken else (IDLE, 0)
+        if trainer.pretraining_left > 0:
+            return PRETRAIN, trainer.pretrain_steps_done
+        if next_step >= trainer.num_steps:
+            self.state.update(phase="finished")
+            queue.wait(IDLE_WAIT_S)
+            return IDLE, 0
+        if self.prefetched is None:
+            self.prefetched = self.receiver.poll(next_step, timeout_s=0.0)
+        if self.prefetched is None and not queue.wait(IDLE_WAIT_S):
+            self.prefetched = self.receiver.poll(next_step, timeout_s=0.0)
+        return (TRAIN, next_step) if self.prefetched is not None else (IDLE, 0)
+
+    def idle(self, _arg: int) -> None:
+        """IDLE: nothing to do; the next command follows at once."""
+
+    def stop(self, _arg: int) -> None:
+        """STOP: this rank leaves the loop, its role ended normally."""
+        parallel.finished()
+        self.running = False
+
+    def score(self, count: int) -> None:
+        """SCORE `count`: every rank scores the merged requests rank 0 took. A failure on any rank
+        answers those requests with ScoringFailed (HTTP 500) and every rank keeps serving."""
+        taken, self.taken = self.taken, []
+        request = [ids for t in taken for ids in t.sequences] if self.is_rank0 else None
+        sizes = [len(t.sequences) for t in taken] if self.is_rank0 and self.isolate_requests else None
+        with self._busy():
+            error = None
+            try:
+                result = self.trainer.score(request, sizes)
+            except Exception as exc:  # answered below; the ranks agree first
+                log.exception("critic: scoring %d merged sequences failed on this rank", count)
+                error = exc
+            except BaseException as exc:
+                for t in taken:
+                    t.future.set_exception(exc)
+                raise
+            # Every rank learns whether any failed, so all skip the answer together and stay in
+            # lockstep (a rank stuck inside a collective the others never enter is beyond this:
+            # the process-group timeout ends it).
+            if parallel.any_rank(error is not None):
+                if self.is_rank0:
+                    cause = (
+                        f"{type(error).__name__}: {error}" if error else "another rank failed (see its log)"
+                    )
+                    failure = ScoringFailed(f"scoring {count} merged sequences failed: {cause}")
+                    for t in taken:
+                        t.future.set_exception(failure)
+                return
+            if self.is_rank0:
+                answer(taken, result)
+                self.state.add(
+                    requests_scored=len(taken),
+                    sequences_scored=len(request),
+                    tokens_scored=sum(len(ids) for ids in request),
+                )
+
+    def pretrain(self, index: int) -> None:
+        """PRETRAIN `index`: value pretraining step `index` on every rank; an exception ends the critic."""
+        with self._busy():
+            record = self.trainer.pretrain_step(index)
+            self.trainer.write_metrics(record)
+            self._report(
+                pretrain_step=index, phase="pretraining" if self.trainer.pretraining_left > 0 else "ready"
+            )
+
+    def train(self, step: int) -> None:
+        """TRAIN `step`: every rank trains on its grid item for `step` (rank 0's arrived already),
+        saves when due and writes its metrics; an exception ends the critic."""
+        with self._busy():
+            micro_batches = self.prefetched if self.is_rank0 else self.receiver.receive(step)
+            self.prefetched = None
+            faults.set_step(step)
+            faults.kill_point("step.begin")
+            record = self.trainer.train(step, micro_batches)
+            faults.kill_point("step.trained")
+            if self.trainer.should_save(step):
+                self.trainer.save(step)
+            self.trainer.write_metrics(record)
+            self._report(trained_step=step, last_loss=record["final_loss"], head_only=record["head_only"])
+
+    @contextlib.contextmanager
+    def _busy(self):
+        """/status says busy while a command's work runs, however it ends."""
+        self._report(busy=True)
+        try:
+            yield
+        finally:
+            self._report(busy=False)
+
+    def _report(self, **changes) -> None:
+        """Rank 0: updates the state /status serves; a no-op elsewhere."""
+        if self.state is not None:
+            self.state.update(**changes)

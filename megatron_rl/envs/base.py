@@ -38,7 +38,7 @@ class Environment(ABC):
         """After turn len(completions): the reward when done, or an observation to continue."""
 
     def demonstration(self, row: dict) -> list[tuple[str, bool]]:
-        """A correct rollout of `row` for a supervised warm start (`launch/warm_start.py`): its
+        """A correct rollout of `row` for a supervised warm start (`demo/warm_start.py`): its
         segments after the prompt in order, each (text, True) for the model's own turns or
         (text, False) for the environment's observations; the end-of-sequence token follows.
 

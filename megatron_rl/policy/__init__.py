@@ -1,2 +1,3 @@
 """The policy role: `PolicyTrainer` (trainer.py: loss, KL reference, the step loop on the role
-skeleton) and weight publishing for inference (publish.py: `WeightPublisher`, `make_publisher`)."""
+skeleton) and weight publishing for inference (publish/: `WeightPublisher`, `make_publisher`;
+one module per path)."""

@@ -164,17 +164,17 @@ class RecordingControl:
 def publish_failing_mid_broadcast(rank, world_size):
     """BroadcastPublisher.publish on one rank whose stream fails after the servers were paused;
     returns (the error text, each server's calls)."""
-    from megatron_rl.policy import publish
+    from megatron_rl.policy.publish import broadcast
     from megatron_rl.transport import weight_buckets
     from tests.support.ranks import DENSE
 
     def lost(*args, **kwargs):
         raise ConnectionError("weight-update link lost")
 
-    publish.owned_hf_tensors = lambda model, arch: {}
+    broadcast.owned_hf_tensors = lambda model, arch: {}
     weight_buckets.broadcast_end = lost
     controls = [RecordingControl(), RecordingControl()]
-    publisher = publish.BroadcastPublisher(DENSE, controls, "127.0.0.1", 0, backend="gloo", timeout_s=5)
+    publisher = broadcast.BroadcastPublisher(DENSE, controls, "127.0.0.1", 0, backend="gloo", timeout_s=5)
     publisher.group = object()  # connected (the stream itself is what fails)
     try:
         publisher.publish(None, version=3)

@@ -11,7 +11,7 @@ import megatron_rl
 
 ORDER = [
     "config", "faults", "lifetime", "compat", "parallel", "models", "data", "algorithms", "transport", "inference",
-    "trainer", "policy", "critic", "envs", "orchestrator", "sim", "launch",
+    "trainer", "policy", "critic", "envs", "orchestrator", "sim", "demo", "launch",
 ]  # fmt: skip
 
 

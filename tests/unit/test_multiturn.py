@@ -12,11 +12,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from megatron_rl.config import ConfigError, parse_config
+from megatron_rl.config.orchestrator import BUILTIN_ENVIRONMENTS
 from megatron_rl.config.plugins import PluginError, load_object
-from megatron_rl.config.run import BUILTIN_ENVIRONMENTS
+from megatron_rl.demo.warm_start import TOOL_TASK
 from megatron_rl.envs import ENVIRONMENTS, make_environment
 from megatron_rl.envs.calculator import CalculatorEnvironment
-from megatron_rl.launch.warm_start import TOOL_TASK
 from megatron_rl.orchestrator.loop import Orchestrator, Timeouts
 from megatron_rl.orchestrator.metrics import turn_metrics
 from megatron_rl.orchestrator.rollouts import Member, PromptEncoder

@@ -1,0 +1,128 @@
+"""The orchestrator's section: rollouts (the environment, sampling, groups and batches),
+admission, dynamic sampling, overlong shaping, asynchrony and held-out evaluation."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, Field, model_validator
+
+from megatron_rl.config.base import Strict
+
+# The built-in environments and their classes, by import path (config sits below envs; a test
+# checks this against envs.ENVIRONMENTS).
+BUILTIN_ENVIRONMENTS = {
+    "procedural": "megatron_rl.envs.procedural:ProceduralTask",
+    "math": "megatron_rl.envs.math:MathEnvironment",
+    "calculator": "megatron_rl.envs.calculator:CalculatorEnvironment",
+}
+
+
+def _environment_name(value: str) -> str:
+    """A built-in environment (procedural, math, calculator) or a plug-in 'package.module:name'."""
+    if ":" not in value and value not in BUILTIN_ENVIRONMENTS:
+        raise ValueError(
+            f"unknown environment {value!r}; choose from {list(BUILTIN_ENVIRONMENTS)} or give a plug-in "
+            "as 'package.module:name' (called with dataset=, seed=, returning an Environment)"
+        )
+    return value
+
+
+# A built-in environment's name, or a plug-in's import path (envs.make_environment).
+EnvironmentName = Annotated[str, AfterValidator(_environment_name)]
+
+
+class AdmissionConfig(Strict):
+    """Which completed groups become training samples."""
+
+    reject_identical_rewards: bool = Field(default=False, description="Reject a group whose rewards are all equal (GRPO: it has no signal).")
+    min_completion_tokens: int = Field(default=1, ge=0, description="Drop members with fewer completion tokens than this.")
+    drop_truncated: bool = Field(default=False, description="Drop members that ended without EOS (cut at max_completion_tokens).")
+
+
+class DynamicSamplingConfig(Strict):
+    """DAPO's dynamic sampling with a bound: the dispatcher replaces rejected groups until
+    `batch_size` are admitted, consuming at most `batch_size + max_extra_groups` groups of the
+    ordered stream for one step (the extra ones: rejected by an admission rule or dropped as
+    stale). At the bound, `on_limit` says what happens: "train" ships the groups admitted so far
+    as a smaller batch (none yet: it ships the first one admitted, never an empty step); "wait"
+    keeps going until the batch is full and records that the bound was passed; "stop" raises,
+    naming the rejections by rule (verl's DAPO raises past `max_num_gen_batches`)."""
+
+    max_extra_groups: int = Field(ge=0, description="Most groups beyond batch_size one step may consume (rejected or stale).")
+    on_limit: Literal["train", "wait", "stop"] = Field(default="train", description="At the bound: train ships a smaller batch, wait keeps going (and records it), stop raises.")
+
+
+class OverlongConfig(Strict):
+    """DAPO's overlong shaping. "penalty": the soft overlong punishment added to the reward
+    before advantages, 0 up to `max_completion_tokens - buffer_tokens` completion tokens, then
+    falling linearly to `-penalty_factor` at `max_completion_tokens`. "mask": overlong filtering,
+    a truncated sample stays in its group (its reward counts in the group's statistics) but
+    carries no loss (its loss mask is all False)."""
+
+    buffer_tokens: int = Field(gt=0, description="The last part of the completion budget over which the penalty grows, in tokens; less than orchestrator.max_completion_tokens.")
+    penalty_factor: float = Field(default=1.0, ge=0, description="The penalty (subtracted from the reward) at max_completion_tokens.")
+    mode: Literal["penalty", "mask"] = Field(default="penalty", description="penalty: soft overlong punishment; mask: truncated samples stay in their group without loss.")
+
+
+class EvalConfig(Strict):
+    """A held-out evaluation set: run at step 0 and every `interval` steps, never trained on."""
+
+    name: str = Field(description="The set's name, the prefix of its metrics.")
+    environment: EnvironmentName = Field(default="procedural", description="A built-in environment (procedural, math, calculator) or a plug-in 'package.module:name'.")
+    dataset: str | None = Field(default=None, description="procedural: the task (reverse, copy, count); math / calculator: a JSONL file of {prompt, answer}.")
+    environment_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor beyond dataset and seed (calculator: max_turns, low, high, ops, question, instruction; a plug-in: its own).")
+    num_examples: int = Field(default=64, gt=0, description="Prompts in the set.")
+    samples_per_example: int = Field(default=1, gt=0, description="Completions per prompt (k of pass@k).")
+    temperature: float = Field(default=0.0, ge=0, description="Sampling temperature; 0: greedy.")
+    max_completion_tokens: int | None = Field(default=None, gt=0, description="Completion budget, in tokens; null: orchestrator.max_completion_tokens.")
+    interval: int = Field(default=10, ge=1, description="Evaluate at step 0 and every this many steps.")
+    seed: int = Field(default=1_000_003, description="Rows come from this seed (procedural tasks: a seed other than orchestrator.seed is held out).")
+
+
+class OrchestratorConfig(Strict):
+    """Rollouts: the environment, sampling, groups and batches, admission, asynchrony, evaluation."""
+
+    num_steps: int = Field(default=1, ge=1, description="Training steps of the run.")
+    batch_size: int = Field(gt=0, description="Groups per training step.")
+    group_size: int = Field(gt=0, description="Completions sampled per prompt (one group).")
+    max_async_level: int = Field(default=1, ge=0, description="Lead gate: batch n is shipped (and generated) only once policy version >= n - max_async_level.")
+    max_off_policy_steps: int = Field(default=1, ge=0, description="Staleness bound: a sample generated by version v is dropped at training step n if n - v > this.")
+    max_empty_steps: int = Field(default=3, ge=1, description="Stop (with the reason) after this many consecutive steps that admitted no group.")
+    max_prompt_tokens: int = Field(gt=0, description="Longest prompt, in tokens.")
+    max_completion_tokens: int = Field(gt=0, description="Completion budget per sample, in tokens.")
+    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature of training rollouts.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling of training rollouts; must stay 1.0 (rule training_samples_are_untruncated).")
+    seed: int = Field(default=0, description="Seed of the prompts' order and sampling (the policy's seed; the critic's is seed + 1).")
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="Which completed groups become training samples.")
+    dynamic_sampling: DynamicSamplingConfig | None = Field(default=None, description="Bound the groups one step consumes (DAPO); null: replace rejected groups without bound.")
+    overlong: OverlongConfig | None = Field(default=None, description="DAPO's overlong shaping; null: no length shaping.")
+    environment: EnvironmentName = Field(default="procedural", description="A built-in environment (procedural, math, calculator) or a plug-in 'package.module:name'.")
+    dataset: str | None = Field(default=None, description="procedural: the task (reverse, copy, count); math / calculator: a JSONL file of {prompt, answer}.")
+    environment_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor beyond dataset and seed (calculator: max_turns, low, high, ops, question, instruction; a plug-in: its own).")
+    chat_template: bool = Field(default=True, description="Apply the tokenizer's chat template to prompts (once, when the tokenizer has one).")
+    train_on_observations: bool = Field(default=False, description="Ablation: observation tokens are trained on as actions (loss mask 1, the sampler's log-probabilities of them from the next turn's prompt_logprobs; a last observation with no turn after it stays masked), to measure what skip-observation GAE buys. Needs temperature 1.")
+    eval: list[EvalConfig] = Field(default_factory=list, description="Held-out evaluation sets, never trained on.")
+
+    @model_validator(mode="after")
+    def _settings_fit(self) -> OrchestratorConfig:
+        """overlong.buffer_tokens is less than max_completion_tokens, overlong mode mask is not
+        combined with admission.drop_truncated, train_on_observations samples at temperature 1."""
+        overlong = self.overlong
+        if overlong is not None and overlong.buffer_tokens >= self.max_completion_tokens:
+            raise ValueError(
+                f"orchestrator.overlong.buffer_tokens ({overlong.buffer_tokens}) must be less than "
+                f"orchestrator.max_completion_tokens ({self.max_completion_tokens}): the buffer is the last "
+                "part of the completion budget"
+            )
+        if self.train_on_observations and self.temperature != 1.0:
+            raise ValueError(
+                f"orchestrator.train_on_observations takes the observations' log-probabilities from vLLM's "
+                f"prompt_logprobs, which are of the model at temperature 1; orchestrator.temperature is {self.temperature}"
+            )
+        if overlong is not None and overlong.mode == "mask" and self.admission.drop_truncated:
+            raise ValueError(
+                "orchestrator.overlong.mode 'mask' keeps truncated samples in their group without loss, "
+                "orchestrator.admission.drop_truncated removes them from it: choose one"
+            )
+        return self
