@@ -1,9 +1,9 @@
 """The real worker extension with what it holds during a path (b) update measured from outside,
 for tests against real vLLM servers.
 
-`measured_server(model_dir, port, log_path, **kwargs)` starts a vLLM server through the package's
-own command line (`VllmServer(..., launch=False).command`) with `MeasuredReceiverExtension` in
-place of the package's extension: the server seam a user's wrapper command uses. The measured
+`measured_server(model_dir, port, log_path, **kwargs)` starts a vLLM server with the package's own
+command line (`vllm_command`) but `MeasuredReceiverExtension` in place of the package's extension,
+through `VllmServer(command=)`: the seam a user's wrapper command uses. The measured
 extension runs the package's `receive_weights` unchanged, with the weight stream it consumes
 wrapped by `ReceivedAllocations` (tests/support/memory.py): every storage created while vLLM
 waits for the next tensor (plans, buckets, copies) counts from its creation until it is freed,
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from megatron_rl.inference import vllm_extension
-from megatron_rl.inference.vllm_server import EXTENSION, VllmServer
+from megatron_rl.inference.vllm_server import EXTENSION, VllmServer, vllm_command
 from tests.support.memory import ReceivedAllocations
 
 
@@ -49,6 +49,6 @@ class MeasuredReceiverExtension(vllm_extension.WeightReceiverExtension):
 
 def measured_server(model_dir, port: int, log_path: Path, **kwargs) -> VllmServer:
     """A started vLLM server (the package's command line) whose worker extension is measured."""
-    command = VllmServer(model_dir, port, log_path, launch=False, **kwargs).command
+    command = vllm_command(model_dir, port, **kwargs).argv
     command[command.index(EXTENSION)] = f"{__name__}.{MeasuredReceiverExtension.__name__}"
     return VllmServer(model_dir, port, log_path, command=command, **kwargs)
