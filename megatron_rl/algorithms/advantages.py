@@ -4,8 +4,8 @@ each member's scalar reward.
 
 Outcome estimators take the step's groups as a list of 1-D float64 tensors of member rewards and
 return each member's advantage in the same shape (`algorithms.registry` documents the protocol).
-Group-relative ones use the member's own group; the REINFORCE++ ones normalise over the whole
-step batch. Definitions follow verl 0.9.1 (`verl.trainer.ppo.core_algos`); where they differ it
+Group-relative ones use the member's own group; the REINFORCE++ ones whiten over every action
+token of the step, so they also take each member's action-token count. Definitions follow verl 0.9.1 (`verl.trainer.ppo.core_algos`); where they differ it
 is said at the function.
 
 All GAE arithmetic is float64. CPU tensors go through a compiled single-pass scan
@@ -242,29 +242,51 @@ def leave_one_out(groups: list[torch.Tensor]) -> list[torch.Tensor]:
     return [c * (g.numel() / (g.numel() - 1)) if g.numel() > 1 else c for g, c in zip(groups, _centered(groups))]
 
 
-def batch_whitened(values: list[torch.Tensor]) -> list[torch.Tensor]:
-    """(x - mean) / sqrt(var + 1e-8) over every member of the step (var unbiased); fewer than two
-    members in all: 0. verl whitens over action tokens (masked_whiten), so there a sample counts
-    as often as it has tokens; here each sample counts once: its advantage is one scalar."""
-    flat = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
-    if flat.numel() < 2:
+def token_whitened(values: list[torch.Tensor], action_tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+    """verl's masked_whiten of one scalar per member laid on each of its K_i action tokens: the
+    mean and unbiased variance run over every action token of the step, so a member weighs K_i
+    times (n = sum_i K_i):
+        mean = sum_i K_i x_i / n,  var = sum_i K_i (x_i - mean)^2 / (n - 1),
+        A_i = (x_i - mean) / sqrt(var + 1e-8).
+    `values` (float64) and `action_tokens` (K_i, integers) per group, in the same shapes; returns
+    A_i in those shapes. Fewer than two action tokens in the step: 0 (verl raises). Whitening over
+    members instead (one count each) would differ by sqrt(K (N - 1) / (N K - 1)) even with every
+    K_i = K, and more when lengths differ."""
+    if len(values) != len(action_tokens):
+        raise ValueError(f"action_tokens: {len(action_tokens)} groups for {len(values)} groups of values")
+    for i, (v, k) in enumerate(zip(values, action_tokens)):
+        if tuple(torch.as_tensor(k).shape) != tuple(v.shape):
+            raise ValueError(f"action_tokens of group {i}: shape {tuple(torch.as_tensor(k).shape)}, values {tuple(v.shape)}")
+    if not values:
+        return []
+    flat = torch.cat(values).to(torch.float64)
+    counts = torch.cat([torch.as_tensor(k) for k in action_tokens]).to(torch.float64)
+    if (counts < 0).any():
+        raise ValueError(f"action_tokens: negative counts {counts[counts < 0].tolist()}")
+    tokens = counts.sum()
+    if tokens < 2:
         return [torch.zeros_like(v) for v in values]
-    mean, var = flat.mean(), flat.var(unbiased=True)
+    mean = (counts * flat).sum() / tokens
+    var = (counts * (flat - mean) ** 2).sum() / (tokens - 1)
     scale = torch.rsqrt(var + WHITEN_EPS)
     return [(v - mean) * scale for v in values]
 
 
-def reinforce_plus_plus(groups: list[torch.Tensor]) -> list[torch.Tensor]:
-    """REINFORCE++ (Hu, 2025): the return, whitened over the whole step batch. With one outcome
-    reward at the last token the return is R at every token for gamma 1; verl's per-token
-    discount (gamma < 1) is not applied: `algorithm.gamma` is GAE's."""
-    return batch_whitened(groups)
+def reinforce_plus_plus(groups: list[torch.Tensor], *, action_tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+    """REINFORCE++ (Hu, 2025), verl's: the return whitened over every action token of the step
+    (`token_whitened`; `action_tokens` holds each member's count). With one outcome reward at the
+    last token the return is R at every action token for gamma 1; verl's per-token discount
+    (gamma < 1) is not applied: `algorithm.gamma` is GAE's."""
+    return token_whitened(groups, action_tokens)
 
 
-def reinforce_plus_plus_baseline(groups: list[torch.Tensor]) -> list[torch.Tensor]:
-    """REINFORCE++ with a group baseline: R_i - mean_g, then whitened over the step batch
-    (verl's reinforce_plus_plus_baseline; a group of one is centred to 0 here, verl keeps R)."""
-    return batch_whitened(_centered(groups))
+def reinforce_plus_plus_baseline(
+    groups: list[torch.Tensor], *, action_tokens: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """REINFORCE++ with a group baseline, verl's reinforce_plus_plus_baseline: R_i - mean_g (the
+    members' mean), then whitened over every action token of the step (`token_whitened`). A group
+    of one is centred to 0 here; verl keeps its R."""
+    return token_whitened(_centered(groups), action_tokens)
 
 
 def masked_whiten(rows: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -72,7 +72,8 @@ class OutcomeAlgorithm(Algorithm):
 
     async def prepare_batch(self, groups: list[list[TrainingSample]]) -> None:
         rewards = [torch.tensor([s.reward for s in group], dtype=torch.float64) for group in groups]
-        scalars = self.estimator(rewards)
+        action_tokens = [torch.tensor([s.num_action_tokens for s in group], dtype=torch.int64) for group in groups]
+        scalars = self.estimator(rewards, action_tokens)
         name = f"algorithm.advantage {self.config.advantage!r}"
         if not isinstance(scalars, list | tuple) or len(scalars) != len(groups):
             got = len(scalars) if isinstance(scalars, list | tuple) else type(scalars).__name__

@@ -8,12 +8,17 @@ The protocols, each documented here once:
 **Advantage estimator** (`algorithm.advantage`, keyword arguments `algorithm.advantage_args`):
 
     estimator(groups: list[torch.Tensor], **advantage_args) -> list[torch.Tensor]
+    estimator(groups, *, action_tokens, **advantage_args)   # when it declares `action_tokens`
 
 `groups` holds one 1-D float64 tensor per admitted group of the training step, its members'
 rewards in branch order; the estimator returns each member's scalar advantage in the same
 shapes. It sees the whole step at once, so a batch-level estimator normalises over all groups
-(REINFORCE++). The orchestrator puts a member's advantage on each of its action tokens.
-`gae` is the one built-in that is not of this kind: it needs the critic's per-token values.
+(REINFORCE++). An estimator with a parameter named `action_tokens` also receives each member's
+number of action tokens (int64 tensors in the same shapes), for statistics over tokens rather
+than members (REINFORCE++ whitens over every action token of the step, as verl does); one
+without it is called with `groups` alone. The orchestrator puts a member's advantage on each of
+its action tokens. `gae` is the one built-in that is not of this kind: it needs the critic's
+per-token values.
 
 **Policy loss** (`algorithm.policy_loss`, keyword arguments `algorithm.policy_loss_args`):
 
@@ -34,6 +39,7 @@ reported as NAME, its mean per action token over the step's updates; other entri
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -45,7 +51,8 @@ from megatron_rl.algorithms import losses
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.config.plugins import is_plugin, load_plugin
 
-AdvantageEstimator = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+# A bound estimator as the orchestrator calls it: (groups, action_tokens) -> advantages per group.
+AdvantageEstimator = Callable[[list[torch.Tensor], list[torch.Tensor] | None], list[torch.Tensor]]
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "grpo": adv.group_normalised,
@@ -65,8 +72,35 @@ POLICY_LOSSES: dict[str, tuple[Callable, tuple[str, ...]]] = {
 }
 
 
+def takes_action_tokens(estimator: Callable) -> bool:
+    """Whether `estimator` declares a parameter `action_tokens` that can be passed by keyword."""
+    try:
+        parameter = inspect.signature(estimator).parameters.get("action_tokens")
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return parameter is not None and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+
+
+def _calling_convention(estimator: Callable, name: str) -> AdvantageEstimator:
+    """`estimator` as f(groups, action_tokens=None): the counts go to an estimator that declares
+    them (and must be given then), the others get `groups` alone."""
+    if not takes_action_tokens(estimator):
+        return lambda groups, action_tokens=None: estimator(groups)
+
+    def estimate(groups, action_tokens=None):
+        if action_tokens is None:
+            raise ValueError(
+                f"algorithm.advantage {name!r} weighs each member by its action tokens: pass action_tokens "
+                "(one int64 tensor of counts per group)"
+            )
+        return estimator(groups, action_tokens=action_tokens)
+
+    return estimate
+
+
 def advantage_estimator(name: str, **arguments: Any) -> AdvantageEstimator:
-    """The estimator `name` (built-in or "package.module:name"), with `arguments` bound."""
+    """The estimator `name` (built-in or "package.module:name") with `arguments` bound, called as
+    f(groups, action_tokens=None) (the module docstring says which estimators get the counts)."""
     if name == "gae":
         raise ValueError(
             "algorithm.advantage 'gae' is not an outcome estimator: it needs the critic's values per token "
@@ -77,13 +111,13 @@ def advantage_estimator(name: str, **arguments: Any) -> AdvantageEstimator:
     elif name in ADVANTAGE_ESTIMATORS:
         if arguments:
             raise ValueError(f"algorithm.advantage_args: the built-in {name!r} takes none, got {sorted(arguments)}")
-        return ADVANTAGE_ESTIMATORS[name]
+        return _calling_convention(ADVANTAGE_ESTIMATORS[name], name)
     else:
         raise ValueError(
             f"algorithm.advantage: unknown {name!r}; choose from {['gae', *ADVANTAGE_ESTIMATORS]} or "
             "'package.module:name'"
         )
-    return partial(estimator, **arguments) if arguments else estimator
+    return _calling_convention(partial(estimator, **arguments) if arguments else estimator, name)
 
 
 def policy_loss(name: str, **arguments: Any) -> losses.PolicyObjective:
