@@ -127,7 +127,8 @@ def ppo_clip_loss(
     """sum_t mask_t * w_t * -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t).
 
     With `dual_clip` c > 1, tokens with A_t < 0 are further bounded: loss_t = min(loss_t, -c A_t)
-    (verl's `clip_ratio_c`). `eps_high` > `eps_low` is DAPO's clip-higher. w_t: `weights`.
+    (verl's `clip_ratio_c`; `algorithm.dual_clip` defaults to verl's 3.0, None here is the plain
+    clip). `eps_high` > `eps_low` is DAPO's clip-higher. w_t: `weights`.
     """
     mask = mask.bool()
     log_ratio, ratio = _log_ratio(logprobs, old_logprobs)

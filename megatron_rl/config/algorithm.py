@@ -171,7 +171,7 @@ class AlgorithmConfig(Strict):
     length_adaptive_alpha: float | None = Field(default=None, gt=0, description="Length-adaptive GAE lambda for the policy (VAPO): lambda = 1 - 1 / (alpha * action tokens of the sample); null: policy_lambda.")
     eps_low: float = Field(default=0.2, ge=0, le=1, description="Lower clip range of the ratio: the ratio is clipped at 1 - eps_low.")
     eps_high: float = Field(default=0.2, ge=0, description="Upper clip range of the ratio: the ratio is clipped at 1 + eps_high.")
-    dual_clip: float | None = Field(default=None, gt=1, description="Dual-clip PPO: a token with a negative advantage A has its loss bounded by -dual_clip * A; null: no dual clip.")
+    dual_clip: float | None = Field(default=3.0, gt=1, description="Dual-clip PPO (ppo_clip): a token with a negative advantage A has its loss bounded by -dual_clip * A, on by default at 3.0 as verl's clip_ratio_c (it acts only where the ratio exceeds dual_clip); null: no dual clip.")
     value_clip: float | None = Field(default=None, gt=0, description="Clip the critic's new values to within this of the old ones (PPO value clipping); null: no clipping.")
     kl_coef: float = Field(default=0.0, ge=0, description="Coefficient of the KL penalty to the reference policy in the loss; 0: none.")
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(default="k3", description="The reference-KL estimator (verl's names): k1 = log pi - log pi_ref; k2 = (k1)^2 / 2; k3 = low_var_kl = exp(-k1) + k1 - 1 (clamped like verl's).")
