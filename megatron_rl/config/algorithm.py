@@ -181,7 +181,7 @@ class AlgorithmConfig(Strict):
     policy_epochs: int = Field(default=1, ge=1, description="Passes over each step's mini-batches.")
     old_logprobs: Literal["sampler", "recompute"] = Field(default="sampler", description="The ratio's denominator: the sampler's log-probs (SAO's definition), or the trainer's own forward pass before the step's first update.")
     rollout_correction: RolloutCorrectionConfig | None = Field(default=None, description="Importance weights / rejection against the train-inference mismatch; null: none.")
-    loss_aggregation: LossAggregation = Field(default="token-mean", description="How token losses become the step's loss (verl's loss_agg_mode).")
+    loss_aggregation: LossAggregation = Field(default="token-mean", description="How token losses become the step's loss (verl's loss_agg_mode). The seq-mean modes divide by the sequences that keep an action token after rollout rejection, as token-mean divides by the kept tokens (verl's trainer divides them by the whole mini-batch, rejected sequences included).")
     loss_scale_factor: int | None = Field(default=None, gt=0, description="seq-mean-token-sum-norm's constant divisor (Dr. GRPO), in tokens; null: orchestrator.max_completion_tokens.")
 
     @model_validator(mode="before")

@@ -249,3 +249,29 @@ def test_aggregation_weights_and_normalisers_give_verls_loss(mode):
         numerator += float(torch.where(mask, loss * (1.0 if w is None else w.double()), 0.0).sum())
         denominator += aggregation.normaliser(mode, mask, int((tokens > 0).sum()), 16)
     assert numerator / denominator == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_seq_mean_modes_count_only_the_sequences_rejection_keeps(mode):
+    """A sequence whose every action token rollout rejection dropped leaves the seq-mean
+    normaliser (as a rejected token leaves token-mean's): the loss equals verl's agg_loss on the
+    masks left after rejection, not verl's trainer's division by every sequence of the
+    mini-batch (docs/algorithms/index.md, Differences from verl)."""
+    config = RolloutCorrectionConfig(rollout_rs="seq_max_k2", rollout_rs_threshold=0.05)
+    sequences = random_sequences(5, count=12)
+    views, starts, _ = packed_views(sequences, 1)
+    ((corrections, _),) = run_cp(config, views)
+    keep = corrections[0].keep
+    kept = [keep[starts[i] : starts[i + 1]].numpy() for i in range(len(sequences))]
+    rejected = sum(m.any() and not k.any() for (_, m), k in zip(sequences, kept))
+    assert 0 < rejected < sum(m.any() for _, m in sequences)  # some sequences rejected whole, not all
+    losses = [np.random.default_rng(i).normal(size=len(m)) for i, (_, m) in enumerate(sequences)]
+    view = views[0]
+    tokens = torch.zeros(view.num_sequences, dtype=torch.float64).index_add_(0, view.sequence_of_token, keep.double())
+    w = aggregation.token_weights(mode, keep, view.sequence_of_token, tokens)
+    loss = torch.as_tensor(np.concatenate(losses + [np.zeros(len(keep) - starts[-1])]))
+    numerator = float(torch.where(keep, loss * (1.0 if w is None else w.double()), 0.0).sum())
+    ours = numerator / aggregation.normaliser(mode, keep, int((view.owned & (tokens > 0)).sum()), 16)
+    assert ours == pytest.approx(verl_agg_loss(losses, kept, mode, 16), rel=1e-6)  # float32 weights
+    every_sequence = numerator / (len(sequences) * (16 if mode.endswith("norm") else 1))  # verl's trainer
+    assert every_sequence != pytest.approx(ours, rel=1e-3)
