@@ -36,16 +36,16 @@ from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data.types import MicroBatch
 from megatron_rl.faults import kill_point
 from megatron_rl.parallel import collective_device
-from megatron_rl.trainer.batches import RankBatch, rank_batch
-from megatron_rl.trainer.optimizer import Trainable
-from megatron_rl.trainer.step import (
+from megatron_rl.policy.loss import (
+    PolicyBatch,
     cp_reduce,
     forward_logprobs,
+    policy_batch,
     policy_loss_func,
-    reduce_statistics,
     set_reference_logprobs,
-    train_on_batches,
 )
+from megatron_rl.trainer.optimizer import Trainable
+from megatron_rl.trainer.step import reduce_statistics, train_on_batches
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def is_last_stage() -> bool:
     return parallel_state.is_pipeline_last_stage()
 
 
-def token_views(batches: list[RankBatch]) -> list[rollout_correction.TokenView]:
+def token_views(batches: list[PolicyBatch]) -> list[rollout_correction.TokenView]:
     return [
         rollout_correction.TokenView(
             log_ratio=torch.where(b.loss_mask, b.old_logprobs.double() - b.sampler_logprobs.double(), 0.0),
@@ -78,14 +78,14 @@ def token_views(batches: list[RankBatch]) -> list[rollout_correction.TokenView]:
     ]
 
 
-def recompute_old_logprobs(model, batches: list[RankBatch], temperature: float) -> None:
+def recompute_old_logprobs(model, batches: list[PolicyBatch], temperature: float) -> None:
     """pi_old: the policy's own log-probabilities before the step's first update, into every
     batch's `old_logprobs` (last pipeline stage)."""
     for batch, logprobs in zip(batches, forward_logprobs(model, batches, temperature) or []):
         batch.old_logprobs = logprobs
 
 
-def correct_rollouts(settings: UpdateSettings, batches: list[RankBatch]) -> dict:
+def correct_rollouts(settings: UpdateSettings, batches: list[PolicyBatch]) -> dict:
     """Sets rollout-correction weights and rejections on `batches` (last stage) and returns the
     mismatch and correction statistics reduced over the role (every rank)."""
     config = settings.algorithm.rollout_correction
@@ -115,7 +115,7 @@ def correct_rollouts(settings: UpdateSettings, batches: list[RankBatch]) -> dict
     return summary
 
 
-def set_aggregation(settings: UpdateSettings, batches: list[RankBatch]) -> None:
+def set_aggregation(settings: UpdateSettings, batches: list[PolicyBatch]) -> None:
     """The loss aggregation's per-token weights and normalisers (last stage; token-mean needs
     neither: the normaliser is the action-token count)."""
     mode = settings.algorithm.loss_aggregation
@@ -136,10 +136,10 @@ def set_aggregation(settings: UpdateSettings, batches: list[RankBatch]) -> None:
         batch.normaliser = aggregation.normaliser(mode, batch.loss_mask, owned, settings.loss_scale_factor)
 
 
-def minibatch_groups(batches: list[RankBatch]) -> list[list[RankBatch]]:
+def minibatch_groups(batches: list[PolicyBatch]) -> list[list[PolicyBatch]]:
     """This rank's batches grouped by mini-batch, in order (the packer gives every data rank the
     same number of micro-steps per mini-batch)."""
-    groups: dict[int, list[RankBatch]] = {}
+    groups: dict[int, list[PolicyBatch]] = {}
     for batch in batches:
         groups.setdefault(batch.minibatch, []).append(batch)
     return [groups[k] for k in sorted(groups)]
@@ -192,7 +192,7 @@ def policy_update(
     check_minibatches(micro_batches, algorithm.policy_minibatches)
     cp_rank = parallel_state.get_context_parallel_rank()
     cp_size = parallel_state.get_context_parallel_world_size()
-    batches = [rank_batch(mb, cp_rank, cp_size) for mb in micro_batches]
+    batches = [policy_batch(mb, cp_rank, cp_size) for mb in micro_batches]
     if reference is not None:
         began = time.perf_counter()
         set_reference_logprobs(reference, batches, settings.temperature)

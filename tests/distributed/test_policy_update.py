@@ -168,12 +168,12 @@ def _samples_with_policy_logprobs(model, temperature, perturbation_scale, seed=1
     perturbation on action tokens; and the perturbation's k1 / k3 means."""
     from megatron_rl.data.packing import pack_into_grid, unpack
     from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
-    from megatron_rl.trainer.batches import rank_batch
+    from megatron_rl.policy.loss import policy_batch
     from megatron_rl.trainer.forward import forward_only
 
     samples = training_samples(count, ARCH.vocab_size, seed=seed)
     grid = pack_into_grid(samples, SEQ_LEN, 1, 1)  # every rank computes the same on one row
-    batches = [rank_batch(mb) for mb in grid[0]]
+    batches = [policy_batch(mb) for mb in grid[0]]
     outputs = forward_only(
         model, batches, lambda logits, batch: megatron_vocab_parallel_logprobs(logits[0], batch.targets, temperature)[0]
     )
@@ -227,8 +227,9 @@ def plain_train_step(rank, world_size, arch, full):
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.sharding import gather_full_parameters, load_full_state_dict
+    from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.trainer.optimizer import build_trainable
-    from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.trainer.step import train_step
 
     parallel.initialize_model_parallel()
     model = build_gpt_model(arch)
