@@ -25,6 +25,7 @@ import math
 import torch
 
 from megatron_rl.algorithms import _gae_kernel
+from megatron_rl.algorithms.parts import register_advantage
 
 
 def length_adaptive_lambda(num_action_tokens: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -161,6 +162,7 @@ def _blockwise_gae(rewards, values, mask, bootstrap_values, truncated, gamma, la
     return advantages * mask, returns * mask
 
 
+@register_advantage("gae", needs_critic=True)
 def decoupled_gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -223,6 +225,7 @@ def _centered(groups: list[torch.Tensor]) -> list[torch.Tensor]:
     return _by_group(groups, normalize_std=False)
 
 
+@register_advantage("grpo", group_baseline=True)
 def group_normalised(groups: list[torch.Tensor], eps: float = 1e-6) -> list[torch.Tensor]:
     """GRPO: (R_i - mean_g) / (std_g + eps), std unbiased (`grpo_advantages`).
     verl gives a group of one its raw reward (mean 0, std 1); here it gets 0, like a group of
@@ -230,12 +233,14 @@ def group_normalised(groups: list[torch.Tensor], eps: float = 1e-6) -> list[torc
     return _by_group(groups, normalize_std=True, eps=eps)
 
 
+@register_advantage("dr_grpo", group_baseline=True)
 def group_mean_centered(groups: list[torch.Tensor]) -> list[torch.Tensor]:
     """Dr. GRPO (Liu et al., 2025): R_i - mean_g, no division by the std (verl: grpo with
     norm_adv_by_std_in_grpo=False). A group of one gets 0."""
     return _centered(groups)
 
 
+@register_advantage("rloo", group_baseline=True)
 def leave_one_out(groups: list[torch.Tensor]) -> list[torch.Tensor]:
     """RLOO (Ahmadian et al., 2024): R_i - mean of the other members = n / (n - 1) * (R_i - mean_g),
     verl's formula. verl leaves a group of one its raw reward; here it gets 0."""
@@ -272,6 +277,7 @@ def token_whitened(values: list[torch.Tensor], action_tokens: list[torch.Tensor]
     return [(v - mean) * scale for v in values]
 
 
+@register_advantage("reinforce_pp")
 def reinforce_plus_plus(groups: list[torch.Tensor], *, action_tokens: list[torch.Tensor]) -> list[torch.Tensor]:
     """REINFORCE++ (Hu, 2025), verl's: the return whitened over every action token of the step
     (`token_whitened`; `action_tokens` holds each member's count). With one outcome reward at the
@@ -280,6 +286,7 @@ def reinforce_plus_plus(groups: list[torch.Tensor], *, action_tokens: list[torch
     return token_whitened(groups, action_tokens)
 
 
+@register_advantage("reinforce_pp_baseline", group_baseline=True)
 def reinforce_plus_plus_baseline(
     groups: list[torch.Tensor], *, action_tokens: list[torch.Tensor]
 ) -> list[torch.Tensor]:

@@ -161,7 +161,8 @@ class CriticAlgorithm(Algorithm):
 
 
 def make_algorithm(config: AlgorithmConfig, scorer: ValueScorer | None = None) -> Algorithm:
-    """The algorithm `config.advantage` calls for: a CriticAlgorithm for gae, else an OutcomeAlgorithm."""
-    if config.needs_critic:
+    """The algorithm `config.advantage` calls for: a CriticAlgorithm for an estimator that reads the
+    critic's values (gae), else an OutcomeAlgorithm."""
+    if registry.needs_critic(config.advantage):
         return CriticAlgorithm(config, scorer)
     return OutcomeAlgorithm(config)

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_rl.algorithms.parts import register_policy_loss
+
 # |log pi - log pi_old| above this is clamped before exp (SAO's reference clamps at 20): in float32
 # exp overflows at 88.7, and a masked inf ratio still sends 0 * inf = NaN back through torch.where.
 # Beyond the clamp the token's gradient is 0; its ratio metrics see e^20.
@@ -113,6 +115,7 @@ def _weighted_sum(per_token: torch.Tensor, mask: torch.Tensor, weights: torch.Te
     return torch.where(mask, per_token, 0.0).sum()
 
 
+@register_policy_loss("ppo_clip", reads=("eps_low", "eps_high", "dual_clip"))
 def ppo_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -144,6 +147,7 @@ def ppo_clip_loss(
     return loss, metrics
 
 
+@register_policy_loss("dis", reads=("eps_low", "eps_high"))
 def sao_dis_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -174,6 +178,7 @@ def sao_dis_loss(
 GSPO_LOG_RATIO_MAX = 10.0
 
 
+@register_policy_loss("gspo", reads=("eps_low", "eps_high"))
 def gspo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -208,6 +213,7 @@ def gspo_loss(
     return loss, metrics
 
 
+@register_policy_loss("cispo", reads=("eps_low", "eps_high"))
 def cispo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

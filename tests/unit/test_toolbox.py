@@ -349,19 +349,81 @@ def test_presets_fill_the_parts_and_explicit_parts_win():
     assert AlgorithmConfig(**resolved.model_dump()) == resolved  # the resolved file reads back the same
 
 
-def test_bad_parts_are_errors_that_name_the_key():
-    with pytest.raises(ValueError, match=r"algorithm.advantage: unknown 'rlo'.*package.module:name"):
-        AlgorithmConfig(type="grpo", advantage="rlo")
-    with pytest.raises(ValueError, match=r"algorithm.policy_loss: unknown 'gpso'"):
-        AlgorithmConfig(type="grpo", policy_loss="gpso")
-    with pytest.raises(ValueError, match=r"normalize_advantage_std: false contradicts algorithm.advantage 'grpo'"):
-        AlgorithmConfig(type="grpo", advantage="grpo", normalize_advantage_std=False)
-
-
 def config_errors(data) -> str:
     with pytest.raises(ConfigError) as raised:
         parse_config(data)
     return str(raised.value)
+
+
+def test_bad_parts_are_errors_that_name_the_key_and_the_registrys_choices():
+    """Resolving a config checks its part names against the registry (config/parts.py)."""
+    data = base("grpo")
+    data["algorithm"]["advantage"] = "rlo"
+    data["algorithm"]["policy_loss"] = "gpso"
+    errors = config_errors(data)
+    advantages = ["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+    assert f"algorithm.advantage: unknown 'rlo'; choose from {advantages} or give a plug-in as 'package.module:name'" in errors
+    assert "algorithm.policy_loss: unknown 'gpso'; choose from ['ppo_clip', 'dis', 'gspo', 'cispo']" in errors
+    assert "value:" not in errors  # an unknown estimator is not also said to lack or need a critic
+    with pytest.raises(ValueError, match=r"normalize_advantage_std: false contradicts algorithm.advantage 'grpo'"):
+        AlgorithmConfig(type="grpo", advantage="grpo", normalize_advantage_std=False)
+
+
+def test_every_part_name_the_config_writes_is_registered_once_with_what_it_reads():
+    """The presets' parts, the policy losses with defaults of their own and the dr_grpo that
+    normalize_advantage_std: false picks are registered; each built-in's name is declared on its
+    function, once; each key a loss reads is an algorithm key."""
+    from megatron_rl.algorithms import parts
+    from megatron_rl.config.algorithm import POLICY_LOSS_DEFAULTS, PRESET_PARTS
+
+    for preset, (advantage, loss) in PRESET_PARTS.items():
+        assert advantage in parts.ADVANTAGE_ESTIMATORS and loss in parts.POLICY_LOSSES, preset
+        config = AlgorithmConfig(type=preset, normalize_advantage_std=False) if advantage == "grpo" else None
+        assert config is None or config.advantage in parts.ADVANTAGE_ESTIMATORS
+    assert set(POLICY_LOSS_DEFAULTS) <= set(parts.POLICY_LOSSES)
+    for table in (parts.ADVANTAGE_ESTIMATORS, parts.POLICY_LOSSES):
+        for name, part in table.items():
+            assert part.name == name and getattr(part.function, "__module__", "").startswith("megatron_rl.algorithms")
+    coefficients = registry.loss_coefficients(AlgorithmConfig(type="ppo"))
+    for part in parts.POLICY_LOSSES.values():
+        assert set(part.reads) <= set(coefficients) <= set(AlgorithmConfig.model_fields), part.name
+    assert registry.builtin_parts().group_advantages == ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+    assert registry.builtin_parts().critic_advantages == ("gae",)
+
+
+def test_a_name_declared_twice_is_an_error_naming_both_functions(tmp_path, monkeypatch):
+    from megatron_rl.algorithms import parts
+
+    before = (dict(parts.ADVANTAGE_ESTIMATORS), dict(parts.POLICY_LOSSES))
+    (tmp_path / "twice.py").write_text(
+        "from megatron_rl.algorithms.parts import register_advantage\n"
+        "@register_advantage('rloo')\n"
+        "def my_rloo(groups):\n"
+        "    return groups\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"advantage 'rloo' is declared twice: by megatron_rl.algorithms.advantages"
+                                         r".leave_one_out and by twice.my_rloo"):  # fmt: skip
+        __import__("twice")
+    sys.modules.pop("twice", None)
+    with pytest.raises(ValueError, match=r"policy loss 'dis' is declared twice"):
+        parts.register_policy_loss("dis", reads=())(lambda logprobs, old_logprobs, advantages, mask: None)
+    with pytest.raises(ValueError, match=r"policy loss 'mine' reads \['eps_mid'\]"):
+        parts.register_policy_loss("mine", reads=("eps_mid",))(lambda logprobs, eps_low=0.1: None)
+    with pytest.raises(ValueError, match=r"no ':'"):
+        parts.register_advantage("pkg:mine")(lambda groups: groups)
+    assert (parts.ADVANTAGE_ESTIMATORS, parts.POLICY_LOSSES) == before  # nothing was declared
+
+
+def test_the_loader_and_the_reference_read_the_registry_by_its_import_path():
+    from megatron_rl.config import reference
+    from megatron_rl.config.parts import builtin_parts
+
+    assert builtin_parts() == registry.builtin_parts()
+    for key, names in (("algorithm.advantage", registry.builtin_parts().advantages),
+                       ("algorithm.policy_loss", registry.builtin_parts().policy_losses)):  # fmt: skip
+        listed = reference.find(key).range
+        assert all(f'"{name}"' in listed for name in names) and "plug-in" in listed, listed
 
 
 def test_combinations_are_config_errors_naming_both_keys():
