@@ -4,8 +4,8 @@ each member's scalar reward.
 
 Outcome estimators take the step's groups as a list of 1-D float64 tensors of member rewards and
 return each member's advantage in the same shape (`algorithms.registry` documents the protocol).
-Group-relative ones use the member's own group; the REINFORCE++ ones normalise over the whole
-step batch. Definitions follow verl 0.9.1 (`verl.trainer.ppo.core_algos`); where they differ it
+Group-relative ones use the member's own group; the REINFORCE++ ones whiten over every action
+token of the step, so they also take each member's action-token count. Definitions follow verl 0.9.1 (`verl.trainer.ppo.core_algos`); where they differ it
 is said at the function.
 
 All GAE arithmetic is float64. CPU tensors go through a compiled single-pass scan
@@ -25,6 +25,7 @@ import math
 import torch
 
 from megatron_rl.algorithms import _gae_kernel
+from megatron_rl.algorithms.parts import register_advantage
 
 
 def length_adaptive_lambda(num_action_tokens: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -161,6 +162,7 @@ def _blockwise_gae(rewards, values, mask, bootstrap_values, truncated, gamma, la
     return advantages * mask, returns * mask
 
 
+@register_advantage("gae", needs_critic=True)
 def decoupled_gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -223,6 +225,7 @@ def _centered(groups: list[torch.Tensor]) -> list[torch.Tensor]:
     return _by_group(groups, normalize_std=False)
 
 
+@register_advantage("grpo", group_baseline=True)
 def group_normalised(groups: list[torch.Tensor], eps: float = 1e-6) -> list[torch.Tensor]:
     """GRPO: (R_i - mean_g) / (std_g + eps), std unbiased (`grpo_advantages`).
     verl gives a group of one its raw reward (mean 0, std 1); here it gets 0, like a group of
@@ -230,41 +233,67 @@ def group_normalised(groups: list[torch.Tensor], eps: float = 1e-6) -> list[torc
     return _by_group(groups, normalize_std=True, eps=eps)
 
 
+@register_advantage("dr_grpo", group_baseline=True)
 def group_mean_centered(groups: list[torch.Tensor]) -> list[torch.Tensor]:
     """Dr. GRPO (Liu et al., 2025): R_i - mean_g, no division by the std (verl: grpo with
     norm_adv_by_std_in_grpo=False). A group of one gets 0."""
     return _centered(groups)
 
 
+@register_advantage("rloo", group_baseline=True)
 def leave_one_out(groups: list[torch.Tensor]) -> list[torch.Tensor]:
     """RLOO (Ahmadian et al., 2024): R_i - mean of the other members = n / (n - 1) * (R_i - mean_g),
     verl's formula. verl leaves a group of one its raw reward; here it gets 0."""
     return [c * (g.numel() / (g.numel() - 1)) if g.numel() > 1 else c for g, c in zip(groups, _centered(groups))]
 
 
-def batch_whitened(values: list[torch.Tensor]) -> list[torch.Tensor]:
-    """(x - mean) / sqrt(var + 1e-8) over every member of the step (var unbiased); fewer than two
-    members in all: 0. verl whitens over action tokens (masked_whiten), so there a sample counts
-    as often as it has tokens; here each sample counts once: its advantage is one scalar."""
-    flat = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
-    if flat.numel() < 2:
+def token_whitened(values: list[torch.Tensor], action_tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+    """verl's masked_whiten of one scalar per member laid on each of its K_i action tokens: the
+    mean and unbiased variance run over every action token of the step, so a member weighs K_i
+    times (n = sum_i K_i):
+        mean = sum_i K_i x_i / n,  var = sum_i K_i (x_i - mean)^2 / (n - 1),
+        A_i = (x_i - mean) / sqrt(var + 1e-8).
+    `values` (float64) and `action_tokens` (K_i, integers) per group, in the same shapes; returns
+    A_i in those shapes. Fewer than two action tokens in the step: 0 (verl raises). Whitening over
+    members instead (one count each) would differ by sqrt(K (N - 1) / (N K - 1)) even with every
+    K_i = K, and more when lengths differ."""
+    if len(values) != len(action_tokens):
+        raise ValueError(f"action_tokens: {len(action_tokens)} groups for {len(values)} groups of values")
+    for i, (v, k) in enumerate(zip(values, action_tokens)):
+        if tuple(torch.as_tensor(k).shape) != tuple(v.shape):
+            raise ValueError(f"action_tokens of group {i}: shape {tuple(torch.as_tensor(k).shape)}, values {tuple(v.shape)}")
+    if not values:
+        return []
+    flat = torch.cat(values).to(torch.float64)
+    counts = torch.cat([torch.as_tensor(k) for k in action_tokens]).to(torch.float64)
+    if (counts < 0).any():
+        raise ValueError(f"action_tokens: negative counts {counts[counts < 0].tolist()}")
+    tokens = counts.sum()
+    if tokens < 2:
         return [torch.zeros_like(v) for v in values]
-    mean, var = flat.mean(), flat.var(unbiased=True)
+    mean = (counts * flat).sum() / tokens
+    var = (counts * (flat - mean) ** 2).sum() / (tokens - 1)
     scale = torch.rsqrt(var + WHITEN_EPS)
     return [(v - mean) * scale for v in values]
 
 
-def reinforce_plus_plus(groups: list[torch.Tensor]) -> list[torch.Tensor]:
-    """REINFORCE++ (Hu, 2025): the return, whitened over the whole step batch. With one outcome
-    reward at the last token the return is R at every token for gamma 1; verl's per-token
-    discount (gamma < 1) is not applied: `algorithm.gamma` is GAE's."""
-    return batch_whitened(groups)
+@register_advantage("reinforce_pp")
+def reinforce_plus_plus(groups: list[torch.Tensor], *, action_tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+    """REINFORCE++ (Hu, 2025), verl's: the return whitened over every action token of the step
+    (`token_whitened`; `action_tokens` holds each member's count). With one outcome reward at the
+    last token the return is R at every action token for gamma 1; verl's per-token discount
+    (gamma < 1) is not applied: `algorithm.gamma` is GAE's."""
+    return token_whitened(groups, action_tokens)
 
 
-def reinforce_plus_plus_baseline(groups: list[torch.Tensor]) -> list[torch.Tensor]:
-    """REINFORCE++ with a group baseline: R_i - mean_g, then whitened over the step batch
-    (verl's reinforce_plus_plus_baseline; a group of one is centred to 0 here, verl keeps R)."""
-    return batch_whitened(_centered(groups))
+@register_advantage("reinforce_pp_baseline", group_baseline=True)
+def reinforce_plus_plus_baseline(
+    groups: list[torch.Tensor], *, action_tokens: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """REINFORCE++ with a group baseline, verl's reinforce_plus_plus_baseline: R_i - mean_g (the
+    members' mean), then whitened over every action token of the step (`token_whitened`). A group
+    of one is centred to 0 here; verl keeps its R."""
+    return token_whitened(_centered(groups), action_tokens)
 
 
 def masked_whiten(rows: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -14,7 +14,12 @@ therefore a per-token weight w_t and a per-micro-batch normaliser contribution D
 
 L_s is the number of action tokens of the token's sequence s over the whole packed row (all CP
 ranks), "sequences" counts sequences with at least one action token, each once: on the CP rank
-that holds its first token. C is `algorithm.loss_scale_factor` (default the configured maximum
+that holds its first token. The masks are those left after rollout rejection, so a rejected
+sequence leaves the seq-mean denominators as a rejected token leaves token-mean's. verl's
+agg_loss does the same when it counts the sequences itself (global_batch_size None), but its
+trainer passes the mini-batch size (ppo_mini_batch_size x n), rejected and empty sequences
+included: there, rejecting a fraction f of the sequences scales the step's loss by (1 - f). Ours
+keeps the step's scale whatever the rejection rate, like token-mean in both. C is `algorithm.loss_scale_factor` (default the configured maximum
 completion length). verl divides by the global batch size and then by C for the -norm mode; the
 product is the same number. Because every count is global, the result does not depend on DP, CP
 or how sequences were packed.
@@ -46,7 +51,8 @@ def normaliser(
 ) -> int:
     """This micro-batch's contribution D to the global normaliser (an integer: megatron sums it
     in an int tensor). `owned_sequences_with_actions`: sequences with at least one action token
-    whose first token lies on this CP rank."""
+    left after rollout rejection whose first token lies on this CP rank (verl's trainer counts
+    every sequence of the mini-batch instead: the module docstring says why not here)."""
     if mode == "token-mean":
         return int(mask.sum())
     if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):

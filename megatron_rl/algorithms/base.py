@@ -72,7 +72,8 @@ class OutcomeAlgorithm(Algorithm):
 
     async def prepare_batch(self, groups: list[list[TrainingSample]]) -> None:
         rewards = [torch.tensor([s.reward for s in group], dtype=torch.float64) for group in groups]
-        scalars = self.estimator(rewards)
+        action_tokens = [torch.tensor([s.num_action_tokens for s in group], dtype=torch.int64) for group in groups]
+        scalars = self.estimator(rewards, action_tokens)
         name = f"algorithm.advantage {self.config.advantage!r}"
         if not isinstance(scalars, list | tuple) or len(scalars) != len(groups):
             got = len(scalars) if isinstance(scalars, list | tuple) else type(scalars).__name__
@@ -160,7 +161,8 @@ class CriticAlgorithm(Algorithm):
 
 
 def make_algorithm(config: AlgorithmConfig, scorer: ValueScorer | None = None) -> Algorithm:
-    """The algorithm `config.advantage` calls for: a CriticAlgorithm for gae, else an OutcomeAlgorithm."""
-    if config.needs_critic:
+    """The algorithm `config.advantage` calls for: a CriticAlgorithm for an estimator that reads the
+    critic's values (gae), else an OutcomeAlgorithm."""
+    if registry.needs_critic(config.advantage):
         return CriticAlgorithm(config, scorer)
     return OutcomeAlgorithm(config)

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_rl.algorithms.parts import register_policy_loss
+
 # |log pi - log pi_old| above this is clamped before exp (SAO's reference clamps at 20): in float32
 # exp overflows at 88.7, and a masked inf ratio still sends 0 * inf = NaN back through torch.where.
 # Beyond the clamp the token's gradient is 0; its ratio metrics see e^20.
@@ -113,6 +115,7 @@ def _weighted_sum(per_token: torch.Tensor, mask: torch.Tensor, weights: torch.Te
     return torch.where(mask, per_token, 0.0).sum()
 
 
+@register_policy_loss("ppo_clip", reads=("eps_low", "eps_high", "dual_clip"))
 def ppo_clip_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -127,7 +130,8 @@ def ppo_clip_loss(
     """sum_t mask_t * w_t * -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t).
 
     With `dual_clip` c > 1, tokens with A_t < 0 are further bounded: loss_t = min(loss_t, -c A_t)
-    (verl's `clip_ratio_c`). `eps_high` > `eps_low` is DAPO's clip-higher. w_t: `weights`.
+    (verl's `clip_ratio_c`; `algorithm.dual_clip` defaults to verl's 3.0, None here is the plain
+    clip). `eps_high` > `eps_low` is DAPO's clip-higher. w_t: `weights`.
     """
     mask = mask.bool()
     log_ratio, ratio = _log_ratio(logprobs, old_logprobs)
@@ -143,6 +147,7 @@ def ppo_clip_loss(
     return loss, metrics
 
 
+@register_policy_loss("dis", reads=("eps_low", "eps_high"))
 def sao_dis_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -173,6 +178,7 @@ def sao_dis_loss(
 GSPO_LOG_RATIO_MAX = 10.0
 
 
+@register_policy_loss("gspo", reads=("eps_low", "eps_high"))
 def gspo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -207,6 +213,7 @@ def gspo_loss(
     return loss, metrics
 
 
+@register_policy_loss("cispo", reads=("eps_low", "eps_high"))
 def cispo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

@@ -20,7 +20,12 @@ pi_sampler(y_t) on every action token t:
   log L <= stat <= log U (bounds on pi_sampler / pi_old, as verl reads them), the others stat <= U.
 - metrics: mismatch k1 = mean(log pi_sampler - log pi_old), k3 = mean(rho - 1 - log rho),
   chi-squared per token mean(rho^2) - 1 and per sequence mean((prod rho)^2) - 1; the weights'
-  mean, min and max; fractions of tokens and sequences truncated, zeroed or rejected.
+  mean over action tokens (as applied: truncated or zeroed), min and max; fractions of tokens and
+  sequences truncated, zeroed or rejected. min and max are verl's (compute_is_metrics): of the
+  applied weights for `token`, of the raw sequence ratio for `sequence` (and `geometric`, the
+  same reading): exp(min log w) and exp(min(max log w, 20)) over the sequences with an action
+  token, before truncation, zeroing or batch normalisation, so they show how far the ratios
+  went, not only the threshold.
 
 A packed sequence may be split over CP ranks: per-sequence sums and maxima are reduced over the
 CP group by the `cp_reduce` callable the trainer passes (identity when cp is 1), so this module
@@ -109,6 +114,30 @@ def sequence_statistics(views: list[TokenView], cp_reduce: CpReduce) -> list[dic
     return stats
 
 
+def sequence_log_weights(config: RolloutCorrectionConfig, stats: dict) -> torch.Tensor:
+    """[S] float64: each sequence's raw log importance weight for a sequence-level `rollout_is`
+    (the sum of its tokens' log rho for `sequence`, their mean for `geometric`), unclamped."""
+    if config.rollout_is == "sequence":
+        return stats["log_ratio"]
+    return stats["log_ratio"] / stats["count"].clamp(min=1.0)
+
+
+def _weight_extremes(config: RolloutCorrectionConfig, applied: torch.Tensor, stats: dict):
+    """(max, min) float64 scalars of one view for the metrics (-inf, inf when it has none): for
+    `token` of the `applied` weights (its action tokens'); for the sequence levels of the raw
+    sequence ratios, exp(min(max log w, 20)) and exp(min log w) over sequences with an action
+    token, as verl's compute_is_metrics."""
+    if config.rollout_is == "token":
+        values = applied.double()
+        if not values.numel():
+            return values.new_tensor(-math.inf), values.new_tensor(math.inf)
+        return values.max(), values.min()
+    log_w = sequence_log_weights(config, stats)[stats["count"] > 0]
+    if not log_w.numel():
+        return log_w.new_tensor(-math.inf), log_w.new_tensor(math.inf)
+    return torch.exp(log_w.max().clamp(max=SAFETY_BOUND)), torch.exp(log_w.min())
+
+
 def importance_weights(
     config: RolloutCorrectionConfig, view: TokenView, stats: dict
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,10 +145,8 @@ def importance_weights(
     seq = view.sequence_of_token
     if config.rollout_is == "token":
         log_w = view.log_ratio
-    elif config.rollout_is == "sequence":
-        log_w = stats["log_ratio"][seq]
-    else:  # geometric
-        log_w = (stats["log_ratio"] / stats["count"].clamp(min=1.0))[seq]
+    else:  # sequence or geometric
+        log_w = sequence_log_weights(config, stats)[seq]
     raw = torch.exp(torch.clamp(log_w, -SAFETY_BOUND, SAFETY_BOUND))
     lower, upper = config.importance_bounds()
     if lower is None:
@@ -197,13 +224,9 @@ def apply(
         if corrections[i].weights is not None:
             w = corrections[i].weights.double()
             metrics["rollout_is_weight_sum"] += torch.where(mask, w, 0.0).sum()
-            if mask.any():
-                metrics["rollout_is_weight_max"] = torch.maximum(
-                    metrics["rollout_is_weight_max"], w[mask].max()
-                )
-                metrics["rollout_is_weight_min"] = torch.minimum(
-                    metrics["rollout_is_weight_min"], w[mask].min()
-                )
+            largest, smallest = _weight_extremes(config, w[mask], stats[i])
+            metrics["rollout_is_weight_max"] = torch.maximum(metrics["rollout_is_weight_max"], largest)
+            metrics["rollout_is_weight_min"] = torch.minimum(metrics["rollout_is_weight_min"], smallest)
             metrics["rollout_is_flagged_tokens"] += flagged_tokens[i].sum()
             metrics["rollout_is_flagged_sequences"] += (owned & (flagged_per_seq[i] > 0)).sum()
         metrics["rollout_rs_rejected_tokens"] += (mask & ~corrections[i].keep).sum()

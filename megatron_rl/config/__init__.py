@@ -3,12 +3,16 @@
 `load_config(path)` validates a user's YAML and returns a `ResolvedConfig`: the config plus a
 `layout` (DP sizes, GPU counts, ports, directories, seeds) derived here, once.
 `ResolvedConfig.to_json()` is what the launcher writes for every process; `load_resolved(path)`
-reads it back without deriving anything again. The package imports nothing of ours.
+reads it back without deriving anything again. The package imports nothing of ours; the names of
+the built-in algorithm parts are the registry's, which resolving a config reaches by its import
+path (parts.py), as it reaches a plug-in.
 
     base.py          Strict models, ConfigError (every problem at once), secrets from the environment
     model.py         architecture, model, optimizer, LoRA
     value.py         the critic's section
     algorithm.py     GRPO / PPO / SAO
+    parts.py         the registry's built-in algorithm parts, reached by import path
+    plugins.py       plug-ins by import path: loading them, checking their signatures
     orchestrator.py  rollouts, admission, dynamic sampling, overlong shaping, evaluation
     inference.py     the vLLM servers, the router, how weights reach them
     deployment.py    where each process group runs

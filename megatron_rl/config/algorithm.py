@@ -12,16 +12,14 @@ from pydantic import Field, field_validator, model_validator
 from megatron_rl.config.base import Strict
 
 # The parts each preset (`algorithm.type`) chooses: (advantage, policy_loss). `algorithm.advantage`
-# and `algorithm.policy_loss` win over it.
+# and `algorithm.policy_loss` win over it. Part names are plain strings here: each built-in is
+# declared on its function (algorithms/parts.py), and resolving a config checks the names against
+# that registry (config/parts.py); a test checks that every name written here is registered.
 PRESET_PARTS: dict[str, tuple[str, str]] = {
     "grpo": ("grpo", "ppo_clip"),
     "ppo": ("gae", "ppo_clip"),
     "sao": ("gae", "dis"),
 }
-ADVANTAGES = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-# Estimators whose baseline is the member's group: a group needs two members or more.
-GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
-POLICY_LOSSES = ("ppo_clip", "dis", "gspo", "cispo")
 
 # Defaults that differ by preset or by policy loss; anything the user sets wins (the loss's
 # defaults over the preset's).
@@ -160,9 +158,9 @@ class AlgorithmConfig(Strict):
     their defaults; any key set here wins over the preset's (and the policy loss's) defaults."""
 
     type: Literal["grpo", "ppo", "sao"] = Field(description="The preset: grpo (group baseline, PPO clip), ppo (GAE with a critic, PPO clip) or sao (GAE, SAO's DIS loss).")
-    advantage: str | None = Field(default=None, description="The advantage estimator: a built-in name (gae, grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline) or a plug-in 'package.module:name'; null: the preset's.")
+    advantage: str | None = Field(default=None, json_schema_extra={"part": "advantage"}, description="The advantage estimator: a built-in name (the registry's, listed in the range) or a plug-in 'package.module:name'; null: the preset's.")
     advantage_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for a plug-in advantage estimator.")
-    policy_loss: str | None = Field(default=None, description="The policy loss: a built-in name (ppo_clip, dis, gspo, cispo) or a plug-in 'package.module:name'; null: the preset's.")
+    policy_loss: str | None = Field(default=None, json_schema_extra={"part": "policy_loss"}, description="The policy loss: a built-in name (the registry's, listed in the range) or a plug-in 'package.module:name'; null: the preset's.")
     policy_loss_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for a plug-in policy loss.")
     whiten_advantages: bool = Field(default=False, description="gae: whiten the step's advantages over all its action tokens (verl's masked_whiten).")
     gamma: float = Field(default=1.0, ge=0, le=1, description="Discount factor per token (GAE, Monte Carlo returns).")
@@ -171,7 +169,7 @@ class AlgorithmConfig(Strict):
     length_adaptive_alpha: float | None = Field(default=None, gt=0, description="Length-adaptive GAE lambda for the policy (VAPO): lambda = 1 - 1 / (alpha * action tokens of the sample); null: policy_lambda.")
     eps_low: float = Field(default=0.2, ge=0, le=1, description="Lower clip range of the ratio: the ratio is clipped at 1 - eps_low.")
     eps_high: float = Field(default=0.2, ge=0, description="Upper clip range of the ratio: the ratio is clipped at 1 + eps_high.")
-    dual_clip: float | None = Field(default=None, gt=1, description="Dual-clip PPO: a token with a negative advantage A has its loss bounded by -dual_clip * A; null: no dual clip.")
+    dual_clip: float | None = Field(default=3.0, gt=1, description="Dual-clip PPO (ppo_clip): a token with a negative advantage A has its loss bounded by -dual_clip * A, on by default at 3.0 as verl's clip_ratio_c (it acts only where the ratio exceeds dual_clip); null: no dual clip.")
     value_clip: float | None = Field(default=None, gt=0, description="Clip the critic's new values to within this of the old ones (PPO value clipping); null: no clipping.")
     kl_coef: float = Field(default=0.0, ge=0, description="Coefficient of the KL penalty to the reference policy in the loss; 0: none.")
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(default="k3", description="The reference-KL estimator (verl's names): k1 = log pi - log pi_ref; k2 = (k1)^2 / 2; k3 = low_var_kl = exp(-k1) + k1 - 1 (clamped like verl's).")
@@ -181,7 +179,7 @@ class AlgorithmConfig(Strict):
     policy_epochs: int = Field(default=1, ge=1, description="Passes over each step's mini-batches.")
     old_logprobs: Literal["sampler", "recompute"] = Field(default="sampler", description="The ratio's denominator: the sampler's log-probs (SAO's definition), or the trainer's own forward pass before the step's first update.")
     rollout_correction: RolloutCorrectionConfig | None = Field(default=None, description="Importance weights / rejection against the train-inference mismatch; null: none.")
-    loss_aggregation: LossAggregation = Field(default="token-mean", description="How token losses become the step's loss (verl's loss_agg_mode).")
+    loss_aggregation: LossAggregation = Field(default="token-mean", description="How token losses become the step's loss (verl's loss_agg_mode). The seq-mean modes divide by the sequences that keep an action token after rollout rejection, as token-mean divides by the kept tokens (verl's trainer divides them by the whole mini-batch, rejected sequences included).")
     loss_scale_factor: int | None = Field(default=None, gt=0, description="seq-mean-token-sum-norm's constant divisor (Dr. GRPO), in tokens; null: orchestrator.max_completion_tokens.")
 
     @model_validator(mode="before")
@@ -198,18 +196,6 @@ class AlgorithmConfig(Strict):
         defaults = {**ALGORITHM_DEFAULTS[data["type"]], **POLICY_LOSS_DEFAULTS.get(policy_loss, {})}
         return {**defaults, **data, "advantage": advantage, "policy_loss": policy_loss}
 
-    @field_validator("advantage", "policy_loss")
-    @classmethod
-    def _known_part(cls, value: str | None, info) -> str | None:
-        """advantage and policy_loss name a built-in part or a plug-in ('package.module:name')."""
-        known = ADVANTAGES if info.field_name == "advantage" else POLICY_LOSSES
-        if value is not None and ":" not in value and value not in known:
-            raise ValueError(
-                f"algorithm.{info.field_name}: unknown {value!r}; choose from {list(known)} "
-                "or give a plug-in as 'package.module:name'"
-            )
-        return value
-
     @model_validator(mode="after")
     def _std_agrees(self) -> AlgorithmConfig:
         """normalize_advantage_std false contradicts advantage grpo (use dr_grpo)."""
@@ -219,11 +205,6 @@ class AlgorithmConfig(Strict):
                 "by the group's std); use advantage 'dr_grpo' for the group mean alone"
             )
         return self
-
-    @property
-    def needs_critic(self) -> bool:
-        """The advantage estimator reads the critic's values (gae)."""
-        return self.advantage == "gae"
 
     @property
     def optimizer_steps_per_step(self) -> int:

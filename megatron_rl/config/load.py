@@ -23,6 +23,7 @@ from megatron_rl.config.layout import (
     value_gpus,
 )
 from megatron_rl.config.memory_plan import check_fits, memory_plan
+from megatron_rl.config.parts import builtin_parts
 from megatron_rl.config.run import Config
 from megatron_rl.config.validators import RULES, Context
 
@@ -33,7 +34,7 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
     policy_arch = read_architecture(config.model, "model", base_dir, errors)
     critic_arch = read_architecture(config.value.model, "value.model", base_dir, errors) if config.value else None
     critic_gpus, style = value_gpus(config, errors)
-    context = Context(config, policy_arch, critic_arch, critic_gpus)
+    context = Context(config, policy_arch, critic_arch, critic_gpus, builtin_parts())
     for rule in RULES:
         errors += rule(context)
     policy_layout = model_layout(config.model, policy_arch, config.deployment.policy_gpus, "model", errors)

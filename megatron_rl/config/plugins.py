@@ -20,6 +20,8 @@ CALLS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "advantage": (("groups",), ()),
     "environment": ((), ("dataset", "seed")),
 }
+# Keywords a kind of plug-in is also called with when its signature names them.
+OPTIONAL_KEYWORDS: dict[str, tuple[str, ...]] = {"advantage": ("action_tokens",)}
 
 
 class PluginError(ValueError):
@@ -61,6 +63,7 @@ def check_call(kind: str, target: Any, key: str, path: str, extra_keywords: tupl
         signature = inspect.signature(target)
     except (TypeError, ValueError):
         return  # a builtin without a signature: the first call will tell
+    keywords += tuple(name for name in OPTIONAL_KEYWORDS.get(kind, ()) if name in signature.parameters)
     try:
         signature.bind(*positional, **{name: None for name in (*keywords, *extra_keywords)})
     except TypeError as error:

@@ -3,8 +3,9 @@
 range and description, then the cross-field rules in words (the docstrings of `RULES` and of the
 models' validators). `render()` is the page docs/reference/configuration.md holds
 (`megatron-rl config-reference --out docs/reference/configuration.md` writes it);
-`explain(key)` is one key's entry (`megatron-rl check-config --explain KEY`). Pure: reads the
-models, imports nothing else of ours."""
+`explain(key)` is one key's entry (`megatron-rl check-config --explain KEY`). Reads the models;
+the keys that name an algorithm part list the registry's built-ins (config/parts.py, which
+reaches the registry by its import path)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from megatron_rl.config.algorithm import ALGORITHM_DEFAULTS, POLICY_LOSS_DEFAULTS
+from megatron_rl.config.parts import builtin_parts
 from megatron_rl.config.run import Config
 from megatron_rl.config.validators import RULES
 
@@ -129,6 +131,12 @@ def default_text(info: FieldInfo) -> str:
     return _value(_default(info))
 
 
+def _part_kind(info: FieldInfo) -> str | None:
+    """The kind of algorithm part a key names ("advantage", "policy_loss"), None for other keys."""
+    extra = info.json_schema_extra
+    return extra.get("part") if isinstance(extra, dict) else None
+
+
 def range_text(info: FieldInfo) -> str:
     """The bounds of the field's constraints (ge/gt/le/lt), or the choices of a Literal."""
     bounds = []
@@ -150,6 +158,10 @@ def range_text(info: FieldInfo) -> str:
     ]
     if choices:
         bounds.append("one of " + ", ".join(choices))
+    part = _part_kind(info)
+    if part is not None:
+        names = ", ".join(json.dumps(name) for name in builtin_parts().names(part))
+        bounds.append(f"one of {names} (the registry's built-ins), or a plug-in 'package.module:name'")
     notes = [_validator_note(info.metadata)]  # an Annotated type's validators land in the metadata
     notes += [_validator_note(_annotated(member)[1]) for member in _members(info.annotation)]
     bounds += [note for note in notes if note]

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_rl.config.algorithm import GROUP_ADVANTAGES
 from megatron_rl.config.model import Architecture
 from megatron_rl.config.orchestrator import BUILTIN_ENVIRONMENTS
+from megatron_rl.config.parts import BuiltinParts
 from megatron_rl.config.plugins import PluginError, check_call, is_plugin, load_object, load_plugin
 from megatron_rl.config.run import Config
 
@@ -23,24 +23,36 @@ class Context:
     policy_arch: Architecture | None
     critic_arch: Architecture | None
     value_gpus: int
+    parts: BuiltinParts  # the registry's built-in algorithm parts (config/parts.py)
+
+
+def algorithm_parts_are_registered(ctx: Context) -> list[str]:
+    """algorithm.advantage and algorithm.policy_loss each name a built-in part of the registry
+    (algorithms/parts.py; the reference lists them) or a plug-in 'package.module:name'."""
+    algorithm = ctx.config.algorithm
+    found = [ctx.parts.problem("advantage", algorithm.advantage), ctx.parts.problem("policy_loss", algorithm.policy_loss)]
+    return [line for line in found if line]
 
 
 def algorithm_has_its_critic(ctx: Context) -> list[str]:
     """An advantage estimator that reads a critic (gae) has a value section; any other has none."""
     algorithm, value = ctx.config.algorithm, ctx.config.value
+    if ctx.parts.problem("advantage", algorithm.advantage):
+        return []  # an unknown name: algorithm_parts_are_registered says so
+    needs_critic = algorithm.advantage in ctx.parts.critic_advantages
     chosen = f"algorithm.advantage '{algorithm.advantage}' (algorithm.type '{algorithm.type}')"
-    if algorithm.needs_critic and value is None:
+    if needs_critic and value is None:
         return [f"value: {chosen} needs a value section (the critic's values); none is given"]
-    if not algorithm.needs_critic and value is not None:
+    if not needs_critic and value is not None:
         return [f"value: {chosen} reads no critic, so the value section would train one for nothing; remove it"]
     return []
 
 
 def group_baselines_have_two_samples(ctx: Context) -> list[str]:
-    """A group-baseline advantage (grpo, dr_grpo, rloo, reinforce_pp_baseline) needs
-    orchestrator.group_size >= 2."""
+    """An advantage whose baseline is the member's group (registered with group_baseline, as grpo
+    is) needs orchestrator.group_size >= 2."""
     group_size, advantage = ctx.config.orchestrator.group_size, ctx.config.algorithm.advantage
-    if advantage in GROUP_ADVANTAGES and group_size < 2:
+    if advantage in ctx.parts.group_advantages and group_size < 2:
         return [
             f"orchestrator.group_size: algorithm.advantage '{advantage}' takes its baseline from the other members "
             f"of a group and needs at least 2, got {group_size}"
@@ -252,6 +264,7 @@ def update_options_fit_together(ctx: Context) -> list[str]:
 
 
 RULES: tuple[Callable[[Context], list[str]], ...] = (
+    algorithm_parts_are_registered,
     algorithm_has_its_critic,
     group_baselines_have_two_samples,
     plugins_import_and_fit,

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_rl.config import ResolvedConfig
+from megatron_rl.critic.loss import value_loss_func
 from megatron_rl.critic.pretrain import pretrain_batches, read_pretrain_jsonl
 from megatron_rl.critic.scoring import score_sequences
 from megatron_rl.data.packing import pack_into_grid
@@ -34,7 +35,7 @@ from megatron_rl.trainer.optimizer import Trainable, reload_main_params, restart
 from megatron_rl.trainer.resume import CheckpointMismatch, complete_steps, run_resume_step
 from megatron_rl.trainer.role import RoleTrainer
 from megatron_rl.trainer.snapshot import wait_for_snapshot
-from megatron_rl.trainer.step import train_step, value_loss_func
+from megatron_rl.trainer.step import train_step
 from megatron_rl.trainer.weights import load_backbone
 
 

@@ -4,7 +4,9 @@ Built on the role skeleton (trainer/role.py). Each step: receive this rank's gri
 policy ZMQ stream, `policy_update` (policy/update.py: `policy_minibatches` x `policy_epochs`
 optimizer steps with the configured algorithm's loss on softmax(logits / T), the KL term against
 the frozen initial policy when `algorithm.kl_coef` > 0, old log-probs from the sampler or
-recomputed, rollout correction, loss aggregation), publish the new weights as policy version
+recomputed, rollout correction, loss aggregation; a grid item cut into other mini-batches than
+`algorithm.policy_minibatches` stops the trainer with an error naming both numbers, before any
+update of that step), publish the new weights as policy version
 step + 1 (policy/publish.py: safetensors or NCCL broadcast), export a policy snapshot for the
 critic when that version is one of `value.snapshot.steps` (trainer/snapshot.py), checkpoint every
 `checkpoint.save_interval` steps, and append one metrics line per step to

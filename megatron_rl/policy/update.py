@@ -3,6 +3,8 @@ mini-batches, before the new version is published.
 
 Order, on this rank's grid item (the micro-batches of every mini-batch, `MicroBatch.minibatch`):
 
+0. the grid item is checked to be cut into the configured mini-batches (`check_minibatches`):
+   a grid cut otherwise is an error before anything of the step runs;
 1. the KL reference's log-probabilities (`algorithm.kl_coef` > 0), once for all mini-batches;
 2. `old_logprobs: recompute`: one forward-only pass of the policy over every micro-batch before the
    first update gives pi_old (the ratio's denominator); the sampler's log-probs stay for the
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
 
+import numpy as np
 import torch
 from megatron.core import parallel_state
 
@@ -32,16 +35,17 @@ from megatron_rl.algorithms import aggregation, rollout_correction
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data.types import MicroBatch
 from megatron_rl.faults import kill_point
-from megatron_rl.trainer.batches import RankBatch, rank_batch
-from megatron_rl.trainer.optimizer import Trainable
-from megatron_rl.trainer.step import (
+from megatron_rl.parallel import collective_device
+from megatron_rl.policy.loss import (
+    PolicyBatch,
     cp_reduce,
     forward_logprobs,
+    policy_batch,
     policy_loss_func,
-    reduce_statistics,
     set_reference_logprobs,
-    train_on_batches,
 )
+from megatron_rl.trainer.optimizer import Trainable
+from megatron_rl.trainer.step import reduce_statistics, train_on_batches
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,7 @@ def is_last_stage() -> bool:
     return parallel_state.is_pipeline_last_stage()
 
 
-def token_views(batches: list[RankBatch]) -> list[rollout_correction.TokenView]:
+def token_views(batches: list[PolicyBatch]) -> list[rollout_correction.TokenView]:
     return [
         rollout_correction.TokenView(
             log_ratio=torch.where(b.loss_mask, b.old_logprobs.double() - b.sampler_logprobs.double(), 0.0),
@@ -74,14 +78,14 @@ def token_views(batches: list[RankBatch]) -> list[rollout_correction.TokenView]:
     ]
 
 
-def recompute_old_logprobs(model, batches: list[RankBatch], temperature: float) -> None:
+def recompute_old_logprobs(model, batches: list[PolicyBatch], temperature: float) -> None:
     """pi_old: the policy's own log-probabilities before the step's first update, into every
     batch's `old_logprobs` (last pipeline stage)."""
     for batch, logprobs in zip(batches, forward_logprobs(model, batches, temperature) or []):
         batch.old_logprobs = logprobs
 
 
-def correct_rollouts(settings: UpdateSettings, batches: list[RankBatch]) -> dict:
+def correct_rollouts(settings: UpdateSettings, batches: list[PolicyBatch]) -> dict:
     """Sets rollout-correction weights and rejections on `batches` (last stage) and returns the
     mismatch and correction statistics reduced over the role (every rank)."""
     config = settings.algorithm.rollout_correction
@@ -111,7 +115,7 @@ def correct_rollouts(settings: UpdateSettings, batches: list[RankBatch]) -> dict
     return summary
 
 
-def set_aggregation(settings: UpdateSettings, batches: list[RankBatch]) -> None:
+def set_aggregation(settings: UpdateSettings, batches: list[PolicyBatch]) -> None:
     """The loss aggregation's per-token weights and normalisers (last stage; token-mean needs
     neither: the normaliser is the action-token count)."""
     mode = settings.algorithm.loss_aggregation
@@ -132,13 +136,46 @@ def set_aggregation(settings: UpdateSettings, batches: list[RankBatch]) -> None:
         batch.normaliser = aggregation.normaliser(mode, batch.loss_mask, owned, settings.loss_scale_factor)
 
 
-def minibatch_groups(batches: list[RankBatch]) -> list[list[RankBatch]]:
+def minibatch_groups(batches: list[PolicyBatch]) -> list[list[PolicyBatch]]:
     """This rank's batches grouped by mini-batch, in order (the packer gives every data rank the
     same number of micro-steps per mini-batch)."""
-    groups: dict[int, list[RankBatch]] = {}
+    groups: dict[int, list[PolicyBatch]] = {}
     for batch in batches:
         groups.setdefault(batch.minibatch, []).append(batch)
     return [groups[k] for k in sorted(groups)]
+
+
+def step_samples(micro_batches: list[MicroBatch]) -> int:
+    """The step's number of samples: those in this rank's grid item, summed over the data-parallel
+    group (each sample goes to one data rank; its CP and TP ranks receive the same item)."""
+    local = len({int(i) for mb in micro_batches for i in np.unique(mb.sample_index) if i >= 0})
+    if not torch.distributed.is_initialized():
+        return local
+    count = torch.tensor([local], dtype=torch.int64, device=collective_device())
+    torch.distributed.all_reduce(count, group=parallel_state.get_data_parallel_group())
+    return int(count.item())
+
+
+def check_minibatches(micro_batches: list[MicroBatch], configured: int) -> None:
+    """Raises ValueError naming `algorithm.policy_minibatches` and both counts unless this rank's
+    grid item is cut into mini-batches 0..N-1, N = `configured`, or, for a step with fewer samples
+    than N, into one per sample (the orchestrator cuts min(N, samples) parts, at least one). Every
+    data rank receives the same cut, so all of them take the same branch (the sample count is one
+    all-reduce, made only when the cut has fewer than N parts)."""
+    found = sorted({mb.minibatch for mb in micro_batches})
+    if found == list(range(configured)):
+        return
+    samples = None
+    if found == list(range(len(found))) and len(found) < configured:
+        samples = step_samples(micro_batches)
+        if len(found) == max(samples, 1):
+            return
+    counted = f" from {samples} samples" if samples is not None else ""
+    raise ValueError(
+        f"algorithm.policy_minibatches is {configured}, but the policy grid of this step is cut into "
+        f"{len(found)} mini-batches{counted} (indices {found}); the orchestrator cuts min(policy_minibatches, "
+        "samples), so it and the policy trainer run with different configs: give both the same resolved config"
+    )
 
 
 def policy_update(
@@ -148,11 +185,14 @@ def policy_update(
     `optimizer_steps`, the loss and ratio statistics over all updates and of the first and the
     last, the mismatch between the trainer's pre-update log-probs and the sampler's, the
     rollout-correction statistics, and the time split (`time`: reference, recompute (the forward
-    pass), correction (the mismatch metrics and rollout correction), train)."""
+    pass), correction (the mismatch metrics and rollout correction), train). A grid item cut into
+    other mini-batches than `algorithm.policy_minibatches` makes is a ValueError
+    (`check_minibatches`) before any forward pass or update of the step."""
     algorithm, times = settings.algorithm, {}
+    check_minibatches(micro_batches, algorithm.policy_minibatches)
     cp_rank = parallel_state.get_context_parallel_rank()
     cp_size = parallel_state.get_context_parallel_world_size()
-    batches = [rank_batch(mb, cp_rank, cp_size) for mb in micro_batches]
+    batches = [policy_batch(mb, cp_rank, cp_size) for mb in micro_batches]
     if reference is not None:
         began = time.perf_counter()
         set_reference_logprobs(reference, batches, settings.temperature)

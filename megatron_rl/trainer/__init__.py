@@ -1,2 +1,3 @@
 """Shared training machinery (policy and critic): optimizer, packed micro-batch steps over a
-received grid with global token normalisation, checkpoints."""
+received grid with global token normalisation (the roles bring their losses: policy/loss.py,
+critic/loss.py), checkpoints."""

@@ -1,16 +1,20 @@
 """One optimizer step over this rank's micro-batches, through megatron's forward-backward
-schedule (any PP size), with the loss normalised by a global count.
+schedule (any PP size), with the loss normalised by a global count: what both roles' training
+shares. The losses themselves are the roles' (policy/loss.py, critic/loss.py).
 
-`loss_func(output, batch) -> (loss_sum, metrics)` returns the *sum* of per-token losses over
-the micro-batch's loss tokens; with `calculate_per_token_loss` megatron all-reduces the
-normaliser (each batch's `normaliser`: the action-token count, or what a loss aggregation sets)
-over DP x CP and divides every gradient by it, and DDP sums instead of averaging. Dummy
-micro-batches have no loss tokens and contribute exactly zero.
+A role's loss is a `RoleLoss`: `batch(mb, cp_rank, cp_size)` builds this rank's batch of the
+kind the loss reads (a RankBatch extended with the role's fields), and calling it on (model
+output, batch) returns the *sum* of per-token losses over the micro-batch's loss tokens and its
+metrics. With `calculate_per_token_loss` megatron all-reduces the normaliser (each batch's
+`loss_normaliser()`: the action-token count, or what a loss aggregation sets) over DP x CP and
+divides every gradient by it, and DDP sums instead of averaging. Dummy micro-batches have no loss
+tokens and contribute exactly zero.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
 
@@ -19,29 +23,38 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch.distributed import ReduceOp
 
-from megatron_rl.algorithms.losses import Sequences, entropy_bonus, reference_kl_loss, value_loss
-from megatron_rl.algorithms.registry import policy_loss_for
-from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data.types import MicroBatch
 from megatron_rl.faults import kill_point
 from megatron_rl.models.attention import packed_seq_params
-from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
 from megatron_rl.parallel import any_rank, collective_device
-from megatron_rl.trainer.batches import RankBatch, rank_batch
-from megatron_rl.trainer.forward import forward_only
+from megatron_rl.trainer.batches import RankBatch
 from megatron_rl.trainer.optimizer import Trainable, freeze_non_head_groups
 from megatron_rl.transport.broadcast import broadcast_bytes
 
 LossFunc = Callable[[torch.Tensor, RankBatch], tuple[torch.Tensor, dict]]
 
 
-def train_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_func: LossFunc) -> dict:
+@dataclass(frozen=True)
+class RoleLoss:
+    """A role's loss: `batch` builds one rank's batch of a MicroBatch (the kind `loss` reads),
+    `loss(output, batch)` -> (loss_sum, metrics); calling the RoleLoss calls `loss`."""
+
+    batch: Callable[[MicroBatch, int, int], RankBatch]
+    loss: LossFunc
+
+    def __call__(self, output: torch.Tensor, batch: RankBatch) -> tuple[torch.Tensor, dict]:
+        return self.loss(output, batch)
+
+
+def train_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_func: RoleLoss) -> dict:
     """Forward/backward over every micro-batch, one optimizer and scheduler step: this rank's
-    part of each micro-batch (its CP slice) through `train_on_batches`, which says what it
-    returns."""
+    part of each micro-batch (its CP slice, built by `loss_func.batch`) through
+    `train_on_batches`, which says what it returns."""
     cp_rank = parallel_state.get_context_parallel_rank()
     cp_size = parallel_state.get_context_parallel_world_size()
-    return train_on_batches(trainable, [rank_batch(mb, cp_rank, cp_size) for mb in micro_batches], loss_func)
+    return train_on_batches(
+        trainable, [loss_func.batch(mb, cp_rank, cp_size) for mb in micro_batches], loss_func
+    )
 
 
 def train_on_batches(trainable: Trainable, batches: list[RankBatch], loss_func: LossFunc) -> dict:
@@ -68,10 +81,7 @@ def train_on_batches(trainable: Trainable, batches: list[RankBatch], loss_func: 
 
         def loss(output_tensor):
             loss_sum, metrics = loss_func(output_tensor, batch)
-            if batch.normaliser is None:
-                normaliser = batch.loss_mask.sum().to(torch.int)
-            else:
-                normaliser = torch.tensor(batch.normaliser, dtype=torch.int, device=batch.loss_mask.device)
+            normaliser = batch.loss_normaliser()
             reported = {
                 "loss_sum": loss_sum.detach().clone(),
                 "normaliser_sum": normaliser.double(),
@@ -177,85 +187,3 @@ def reduce_statistics(local: dict[str, float]) -> dict[str, float]:
 
 def _reduce_op(key: str):
     return ReduceOp.MAX if key.endswith("_max") else ReduceOp.MIN if key.endswith("_min") else ReduceOp.SUM
-
-
-def forward_logprobs(model, batches: list[RankBatch], temperature: float = 1.0) -> list | None:
-    """Forward-only log-probabilities of every batch's next tokens under `model`'s
-    softmax(logits / temperature), detached: a list on the last pipeline stage (where losses are
-    computed), None on the others."""
-    outputs = forward_only(
-        model,
-        batches,
-        lambda logits, batch: megatron_vocab_parallel_logprobs(logits[0], batch.targets, temperature)[0],
-    )
-    return None if outputs is None else [logprobs.detach() for logprobs in outputs]
-
-
-def set_reference_logprobs(reference, batches: list[RankBatch], temperature: float = 1.0) -> None:
-    """The frozen `reference` model's log-probabilities (`forward_logprobs`) into every batch's
-    `ref_logprobs`."""
-    for batch, logprobs in zip(batches, forward_logprobs(reference, batches, temperature) or []):
-        batch.ref_logprobs = logprobs
-
-
-def cp_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """`tensor` summed (op "sum") or maximised ("max") in place over this rank's CP group."""
-    if parallel_state.get_context_parallel_world_size() == 1:
-        return tensor
-    reduce_op = ReduceOp.SUM if op == "sum" else ReduceOp.MAX
-    torch.distributed.all_reduce(tensor, op=reduce_op, group=parallel_state.get_context_parallel_group())
-    return tensor
-
-
-def batch_sequences(batch: RankBatch) -> Sequences:
-    """The batch's row of sequences for a policy loss, with sums over the CP group."""
-    return Sequences(batch.cu_seqlens, batch.sequence_of_token, batch.num_sequences, cp_reduce)
-
-
-def policy_loss_func(config: AlgorithmConfig, temperature: float = 1.0) -> LossFunc:
-    """`algorithm.policy_loss` (registry.policy_loss_for) on vocab-parallel log-probabilities of
-    softmax(logits / temperature) of the next tokens, plus `kl_coef` * KL(policy || reference)
-    per action token (`kl_estimator`) when `algorithm.kl_coef` > 0 (the batch then carries
-    reference log-probabilities: `set_reference_logprobs`), minus `entropy_coef` * entropy.
-    Each term is weighted per token by the batch's `aggregation_weights`; the policy term also by
-    its `correction_weights` (rollout correction)."""
-    objective, kl_coef, entropy_coef = policy_loss_for(config), config.kl_coef, config.entropy_coef
-
-    def loss(logits: torch.Tensor, batch: RankBatch):
-        logprobs, entropy = megatron_vocab_parallel_logprobs(logits[0], batch.targets, temperature)
-        aggregation, correction = batch.aggregation_weights, batch.correction_weights
-        policy_weights = (
-            correction
-            if aggregation is None
-            else (aggregation if correction is None else aggregation * correction)
-        )
-        loss_sum, metrics = objective(logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask,
-                                      sequences=batch_sequences(batch), weights=policy_weights)  # fmt: skip
-        metrics = {k: v for k, v in metrics.items() if k.endswith("_sum")}
-        metrics["entropy_sum"] = (entropy.detach() * batch.loss_mask).sum().to(torch.float64)
-        if kl_coef > 0:
-            if batch.ref_logprobs is None:
-                raise ValueError(
-                    "policy loss: kl_coef > 0 needs reference log-probabilities (train_step reference=)"
-                )
-            kl_sum, kl_metrics = reference_kl_loss(logprobs, batch.ref_logprobs, batch.loss_mask,
-                                                   config.kl_estimator, aggregation)  # fmt: skip
-            loss_sum = loss_sum + kl_coef * kl_sum
-            metrics.update(kl_metrics)
-        if entropy_coef > 0:
-            loss_sum = loss_sum - entropy_coef * entropy_bonus(entropy, batch.loss_mask, aggregation)
-        return loss_sum, metrics
-
-    return loss
-
-
-def value_loss_func(value_clip: float | None = None) -> LossFunc:
-    """0.5 * (V - returns)^2 on action tokens, optionally clipped around the old values."""
-
-    def loss(values: torch.Tensor, batch: RankBatch):
-        loss_sum, metrics = value_loss(
-            values[0], batch.returns, batch.loss_mask, batch.old_values, value_clip
-        )
-        return loss_sum, {k: v for k, v in metrics.items() if k.endswith("_sum")}
-
-    return loss

@@ -121,9 +121,10 @@ def spec_checkpoint(rank, world_size, arch, directory, spec, save):
     one step then checkpoint 0 (`save`), or a load of the latest."""
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.trainer.optimizer import build_trainable
-    from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.trainer.step import train_step
     from tests.support.te_standins import build_te_style_model
 
     parallel.initialize_model_parallel()
@@ -157,9 +158,10 @@ def resumable_training(
 
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.trainer.optimizer import build_trainable
-    from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.trainer.step import train_step
     from tests.support import host_offload
 
     if offload:
@@ -189,8 +191,9 @@ def _trained(arch, full):
 
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.trainer.optimizer import build_trainable
-    from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.trainer.step import train_step
 
     parallel.initialize_model_parallel()
     model = build_gpt_model(arch)

@@ -375,10 +375,11 @@ def policy_snapshot(rank, world_size, arch, tp, seed, snapshot_root, checkpoint_
     from megatron_rl.data.packing import dummy_micro_batch
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.sharding import gather_full_parameters
+    from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.trainer.checkpoint import save_checkpoint
     from megatron_rl.trainer.optimizer import build_trainable
     from megatron_rl.trainer.snapshot import export_snapshot
-    from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.trainer.step import train_step
 
     parallel.initialize_model_parallel(tp=tp, ep=ep, seed=seed)
     torch.manual_seed(seed)

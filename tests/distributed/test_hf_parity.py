@@ -125,7 +125,7 @@ def packed_logits(rank, world_size, arch, full, lengths, tp=1, ep=1, pad=0, seed
     return [out[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], separate, sequences
 
 def trainer_path_logprobs(rank, world_size, arch, full, samples, seq_len, tp=1, cp=1):
-    """The policy trainer's own path: pack_into_grid -> rank_batch (shift, CP slice) -> forward ->
+    """The policy trainer's own path: pack_into_grid -> policy_batch (shift, CP slice) -> forward ->
     vocab-parallel log-probabilities of batch.targets, on every CP rank; the full rows are put
     back together and each masked log-probability is attributed, from the packer's own
     sample_index / position_ids, to (sample, position of the predicted token). Returns
@@ -135,7 +135,7 @@ def trainer_path_logprobs(rank, world_size, arch, full, samples, seq_len, tp=1, 
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.attention import packed_seq_params
     from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
-    from megatron_rl.trainer.batches import rank_batch
+    from megatron_rl.policy.loss import policy_batch
 
     parallel.initialize_model_parallel(tp=tp, cp=cp)
     model = build_gpt_model(arch, tp=tp, cp=cp)
@@ -144,7 +144,7 @@ def trainer_path_logprobs(rank, world_size, arch, full, samples, seq_len, tp=1, 
     cp_rank, cp_group = parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_group()
     out = {}
     for mb in pack_into_grid(samples, seq_len, 1, cp)[0]:
-        batch = rank_batch(mb, cp_rank, cp)
+        batch = policy_batch(mb, cp_rank, cp)
         with torch.no_grad():
             logits = model(batch.input_ids, batch.position_ids, attention_mask=None,
                            packed_seq_params=packed_seq_params(batch.cu_seqlens, batch.total_tokens))  # fmt: skip

@@ -34,11 +34,13 @@ def measure(rank, world_size, architectures):
 
     from megatron_rl import parallel
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.critic.loss import value_loss_func
     from megatron_rl.data.packing import dummy_micro_batch
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.value_model import build_value_model, freeze_attention
+    from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.trainer.optimizer import build_trainable, torch_optimizers
-    from megatron_rl.trainer.step import policy_loss_func, train_step, value_loss_func
+    from megatron_rl.trainer.step import train_step
 
     results = []
     for family, tp, pp, ep, value, freeze in LAYOUTS:
@@ -144,8 +146,9 @@ def measure_offload(rank, world_size, arch, dtype, fractions):
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import dummy_micro_batch
     from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.trainer.optimizer import build_trainable, hybrid_optimizers
-    from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.trainer.step import train_step
     from tests.support import host_offload
 
     host_offload.install()

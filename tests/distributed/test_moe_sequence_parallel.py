@@ -76,11 +76,10 @@ def test_both_grids_pad_for_sequence_parallel_and_the_critic_trains_at_tp2(tiny_
 def critic_step(rank, world_size, full, micro_batches, samples, tp):
     """One value-loss forward/backward (no optimizer step) of a MoE critic at `tp` on
     `micro_batches` (None: the samples packed for one process); (metrics, value-head grads)."""
+    from megatron_rl.critic.loss import critic_batch, value_loss_func
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.sharding import full_parameters, load_full_state_dict
     from megatron_rl.models.value_model import build_value_model
-    from megatron_rl.trainer.batches import rank_batch
-    from megatron_rl.trainer.step import value_loss_func
 
     parallel.initialize_model_parallel(tp=tp)
     model = build_value_model(MOE, tp=tp, head_init_std=0.5, head_init_seed=3)
@@ -88,7 +87,7 @@ def critic_step(rank, world_size, full, micro_batches, samples, tp):
     micro_batches = micro_batches if micro_batches is not None else pack_into_grid(samples, 256, 1)[0]
     loss_func, total, tokens = value_loss_func(), 0.0, 0
     for mb in micro_batches:
-        batch = rank_batch(mb)
+        batch = critic_batch(mb)
         values = model(batch.input_ids, batch.position_ids, attention_mask=None,
                        packed_seq_params=_packed(batch))  # fmt: skip
         loss_sum, _ = loss_func(values, batch)

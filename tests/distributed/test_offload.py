@@ -55,8 +55,9 @@ def offload_training(rank, world_size, arch, dtype, fraction):
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.sharding import gather_full_parameters, load_full_state_dict
+    from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.trainer.optimizer import build_trainable, hybrid_optimizers
-    from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.trainer.step import train_step
     from tests.support import host_offload
     from tests.support.ranks import reference_weights
     from tests.support.samples import training_samples

@@ -8,7 +8,10 @@ correction, loss aggregation and the sampling temperature, on real Megatron mode
   one process (sequences split over CP ranks, mini-batches packed per layout);
 - N = E = 1 with `sampler` is train_step exactly;
 - log-probs are of softmax(logits / T): samples whose sampler log-probs are the policy's own at
-  T = 0.7 give ratio 1 at T = 0.7 and not at T = 1.
+  T = 0.7 give ratio 1 at T = 0.7 and not at T = 1;
+- a grid cut into other mini-batches than `algorithm.policy_minibatches` is an error naming both
+  numbers before anything of the step runs (a step with fewer samples than N, cut one per
+  sample, trains).
 """
 
 from __future__ import annotations
@@ -148,6 +151,15 @@ def test_sequence_and_weight_losses_at_dp2_and_cp2_equal_one_process(weights, lo
                 torch.testing.assert_close(value, reference_params[name], atol=2e-5, rtol=0, msg=f"{loss} {cp=} {name}")
 
 
+def test_a_grid_cut_into_other_mini_batches_is_refused_before_any_update(weights):
+    ((outcomes, changed),) = run_ranks(mismatched_minibatches, 1, ARCH, weights)
+    more, fewer, few_samples = outcomes
+    assert "algorithm.policy_minibatches is 2" in more and "cut into 3 mini-batches" in more
+    assert "algorithm.policy_minibatches is 4" in fewer and "cut into 3 mini-batches from 12 samples" in fewer
+    assert changed == {"after the refused steps": False, "after the step of 2 samples": True}
+    assert few_samples == 2  # min(4, 2) mini-batches, one optimizer step each
+
+
 # Rank functions: module-level, so that the spawned ranks can import them.
 
 
@@ -156,12 +168,12 @@ def _samples_with_policy_logprobs(model, temperature, perturbation_scale, seed=1
     perturbation on action tokens; and the perturbation's k1 / k3 means."""
     from megatron_rl.data.packing import pack_into_grid, unpack
     from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
-    from megatron_rl.trainer.batches import rank_batch
+    from megatron_rl.policy.loss import policy_batch
     from megatron_rl.trainer.forward import forward_only
 
     samples = training_samples(count, ARCH.vocab_size, seed=seed)
     grid = pack_into_grid(samples, SEQ_LEN, 1, 1)  # every rank computes the same on one row
-    batches = [rank_batch(mb) for mb in grid[0]]
+    batches = [policy_batch(mb) for mb in grid[0]]
     outputs = forward_only(
         model, batches, lambda logits, batch: megatron_vocab_parallel_logprobs(logits[0], batch.targets, temperature)[0]
     )
@@ -215,8 +227,9 @@ def plain_train_step(rank, world_size, arch, full):
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.sharding import gather_full_parameters, load_full_state_dict
+    from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.trainer.optimizer import build_trainable
-    from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.trainer.step import train_step
 
     parallel.initialize_model_parallel()
     model = build_gpt_model(arch)
@@ -226,3 +239,38 @@ def plain_train_step(rank, world_size, arch, full):
     grid = pack_into_grid(samples, SEQ_LEN, 1, 1)
     metrics = train_step(trainable, grid[0], policy_loss_func(AlgorithmConfig(type="sao")))
     return metrics, gather_full_parameters(model)
+
+
+def mismatched_minibatches(rank, world_size, arch, full):
+    """policy_update on grids cut into 3 mini-batches with policy_minibatches 2 (more) and 4
+    (fewer, 12 samples), then on 2 samples cut into 2 with policy_minibatches 4 (legitimate:
+    min(N, samples)). Returns (the two errors and the optimizer steps of the legitimate step,
+    whether the weights changed after the refused steps and after the legitimate one)."""
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.data.packing import pack_minibatches
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.sharding import gather_full_parameters, load_full_state_dict
+    from megatron_rl.policy.update import UpdateSettings, policy_update
+    from megatron_rl.trainer.optimizer import build_trainable
+
+    parallel.initialize_model_parallel()
+    model = build_gpt_model(arch)
+    load_full_state_dict(model, full)
+    trainable = build_trainable(model, OptimizerConfig(lr=1e-3, grad_clip=1.0), total_steps=20)
+    before = gather_full_parameters(model)
+    samples = training_samples(12, arch.vocab_size, seed=11)
+    errors = []
+    for configured in (2, 4):
+        settings = UpdateSettings(AlgorithmConfig(type="sao", policy_minibatches=configured), 1.0)
+        try:
+            policy_update(trainable, pack_minibatches(samples, 3, (1, 0), SEQ_LEN, 1)[0], settings)
+        except ValueError as error:
+            errors.append(str(error))
+    refused = gather_full_parameters(model)
+    changed = {"after the refused steps": any(not torch.equal(refused[k], before[k]) for k in before)}
+    assert trainable.scheduler.num_steps == 0
+    settings = UpdateSettings(AlgorithmConfig(type="sao", policy_minibatches=4), 1.0)
+    record = policy_update(trainable, pack_minibatches(samples[:2], 4, (1, 0), SEQ_LEN, 1)[0], settings)
+    after = gather_full_parameters(model)
+    changed["after the step of 2 samples"] = any(not torch.equal(after[k], before[k]) for k in before)
+    return (*errors, record["optimizer_steps"]), changed

@@ -92,11 +92,12 @@ def retained_training(rank, world_size, arch, full, directory, steps, keep_last,
 
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.policy.publish import publish_hf_weights
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.trainer.optimizer import build_trainable
     from megatron_rl.trainer.snapshot import export_snapshot
-    from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.trainer.step import train_step
 
     root = Path(directory)
     parallel.initialize_model_parallel()

@@ -155,11 +155,13 @@ def one_training_step(rank, world_size, arch, full, tp, cp, algorithm_type, coun
     from megatron.core import parallel_state
 
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.critic.loss import value_loss_func
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.sharding import gather_full_parameters
     from megatron_rl.models.value_model import build_value_model
+    from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.trainer.optimizer import build_trainable
-    from megatron_rl.trainer.step import policy_loss_func, train_step, value_loss_func
+    from megatron_rl.trainer.step import train_step
 
     parallel.initialize_model_parallel(tp=tp, cp=cp)
     if critic:
@@ -191,8 +193,8 @@ def kl_training_steps(rank, world_size, arch, full, tp, cp, kl_coef, steps=2):
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.sharding import gather_full_parameters
+    from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.trainer.optimizer import build_trainable
-    from megatron_rl.trainer.step import policy_loss_func
     from tests.support.training import train_step_with_reference
 
     parallel.initialize_model_parallel(tp=tp, cp=cp)
@@ -227,8 +229,9 @@ def poisoned_then_clean_steps(rank, world_size, arch, full, poison_rank):
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.sharding import gather_full_parameters
+    from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.trainer.optimizer import build_trainable
-    from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.trainer.step import RoleLoss, train_step
 
     parallel.initialize_model_parallel(tp=1, cp=1)
     model = build_gpt_model(arch, tp=1, cp=1)
@@ -238,9 +241,11 @@ def poisoned_then_clean_steps(rank, world_size, arch, full, poison_rank):
     grid = pack_into_grid(training_samples(6, arch.vocab_size), 64, dp, 1)
     clean = policy_loss_func(AlgorithmConfig(type="sao"))
 
-    def poisoned(output, batch):
+    def poisoned_loss(output, batch):
         loss, metrics = clean(output, batch)
         return (loss * float("nan") if rank == poison_rank else loss), metrics
+
+    poisoned = RoleLoss(clean.batch, poisoned_loss)
 
     before = gather_full_parameters(model)
     rows = grid[parallel_state.get_data_parallel_rank()]
@@ -257,8 +262,9 @@ def recompute_step(rank, world_size, arch, full, recompute_fields, tp=1):
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.sharding import gather_full_parameters
+    from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.trainer.optimizer import build_trainable
-    from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.trainer.step import train_step
 
     parallel.initialize_model_parallel(tp=tp)
     model = build_gpt_model(arch, tp=tp, **recompute_fields)

@@ -53,7 +53,7 @@ def test_each_tiny_toolbox_example_trains_three_steps(vllm_pool, tmp_path, name)
         assert all(r["sequence_ratio"] > 0 and r["ratio_mean_first"] == pytest.approx(1.0, abs=1e-4) for r in policy)
     if name in ("dr_grpo", "rloo"):  # group-relative: the step's advantages are centred in every group
         assert all(abs(r["advantage_mean"]) < 1e-6 for r in records if r["advantage_mean"] is not None)
-    if name == "reinforce_pp":  # whitened over the step's samples, the KL to the reference reported
+    if name == "reinforce_pp":  # whitened over the step's action tokens, the KL to the reference reported
         assert all(r["kl_ref"] >= 0 for r in policy)
 
 

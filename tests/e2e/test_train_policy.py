@@ -163,9 +163,9 @@ def policy_reference_losses(rank, world_size, resolved_path, steps, samples_per_
     """Single-process reference for the train-policy process: same config, weights and samples."""
     from megatron_rl.config import load_resolved
     from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.policy.trainer import build_reference
     from megatron_rl.trainer.optimizer import build_trainable
-    from megatron_rl.trainer.step import policy_loss_func
     from megatron_rl.trainer.weights import load_initial_weights
     from tests.support.training import train_step_with_reference
 

@@ -171,7 +171,7 @@ def _model(arch, dtype: str, full=None, critic: bool = False, transformer_engine
 def _token_outputs(model, micro_batches, critic: bool) -> list:
     """Per-token log-probabilities of the targets (policy) or values (critic), float32 on CPU."""
     from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
-    from megatron_rl.trainer.batches import rank_batch
+    from megatron_rl.policy.loss import policy_batch
     from megatron_rl.trainer.forward import forward_only
 
     def output(out, batch):
@@ -179,7 +179,7 @@ def _token_outputs(model, micro_batches, critic: bool) -> list:
             return out[0].float().cpu()
         return megatron_vocab_parallel_logprobs(out[0].float(), batch.targets)[0].cpu()
 
-    batches = [rank_batch(mb) for mb in micro_batches]
+    batches = [policy_batch(mb) for mb in micro_batches]
     model.eval()
     try:
         return forward_only(model, batches, output)
@@ -316,9 +316,11 @@ def _bf16_vs_fp32(cpu: bool, critic: bool) -> dict:
     import torch
 
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.critic.loss import value_loss_func
     from megatron_rl.models.sharding import full_parameters
+    from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.trainer.optimizer import build_trainable
-    from megatron_rl.trainer.step import policy_loss_func, train_step, value_loss_func
+    from megatron_rl.trainer.step import train_step
 
     arch = _arch(cpu)
     torch.manual_seed(0)
@@ -371,9 +373,10 @@ def check_offload(cpu: bool) -> dict:
 
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.models.sharding import full_parameters
+    from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.trainer.optimizer import build_trainable, hybrid_optimizers
-    from megatron_rl.trainer.step import policy_loss_func, train_step
+    from megatron_rl.trainer.step import train_step
 
     if cpu:  # megatron's hybrid optimizer on CPU, its host copies emulated
         from tests.support import host_offload
@@ -447,11 +450,12 @@ def _snapshot_into_offloaded_critic(arch, batches) -> dict:
     import torch
 
     from megatron_rl.config import OptimizerConfig
+    from megatron_rl.critic.loss import value_loss_func
     from megatron_rl.critic.trainer import load_snapshot_backbone
     from megatron_rl.models.sharding import full_parameters
     from megatron_rl.trainer.optimizer import build_trainable
     from megatron_rl.trainer.snapshot import export_snapshot
-    from megatron_rl.trainer.step import train_step, value_loss_func
+    from megatron_rl.trainer.step import train_step
 
     torch.manual_seed(1)
     critic_start = full_parameters(_model(arch, "float32", critic=True))
@@ -562,12 +566,12 @@ def _fwd_bwd(model, arch, tokens: int, peak_tflops: float) -> dict:
     from megatron_rl.data.types import TrainingSample
     from megatron_rl.models.attention import packed_seq_params
     from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
-    from megatron_rl.trainer.batches import rank_batch
+    from megatron_rl.policy.loss import policy_batch
 
     sample = TrainingSample(token_ids=np.random.default_rng(tokens).integers(0, arch.vocab_size, tokens),
                             loss_mask=np.ones(tokens, dtype=bool), inference_logprobs=np.zeros(tokens),
                             reward=0.0)  # fmt: skip
-    batch = rank_batch(pack_into_grid([sample], tokens, 1)[0][0])
+    batch = policy_batch(pack_into_grid([sample], tokens, 1)[0][0])
     thd = packed_seq_params(batch.cu_seqlens, batch.total_tokens)
 
     def step():

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 from megatron.core import parallel_state
 
-from megatron_rl.trainer.batches import rank_batch
-from megatron_rl.trainer.step import set_reference_logprobs, train_on_batches
+from megatron_rl.policy.loss import set_reference_logprobs
+from megatron_rl.trainer.step import train_on_batches
 
 
 def train_step_with_reference(trainable, micro_batches, loss_func, reference=None, temperature: float = 1.0) -> dict:
-    """`train_step`, with `reference` (a frozen model of the same layout, or None) first setting
-    `batch.ref_logprobs` of softmax(logits / temperature) on the last pipeline stage."""
+    """`train_step` with a policy loss (policy/loss.py `policy_loss_func`), with `reference` (a
+    frozen model of the same layout, or None) first setting `batch.ref_logprobs` of
+    softmax(logits / temperature) on the last pipeline stage."""
     cp_rank = parallel_state.get_context_parallel_rank()
     cp_size = parallel_state.get_context_parallel_world_size()
-    batches = [rank_batch(mb, cp_rank, cp_size) for mb in micro_batches]
+    batches = [loss_func.batch(mb, cp_rank, cp_size) for mb in micro_batches]
     if reference is not None:
         set_reference_logprobs(reference, batches, temperature)
     return train_on_batches(trainable, batches, loss_func)

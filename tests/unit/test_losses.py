@@ -14,6 +14,8 @@ from megatron_rl.algorithms.losses import (
     sao_dis_loss,
     value_loss,
 )
+from megatron_rl.algorithms.registry import policy_loss_for
+from megatron_rl.config import AlgorithmConfig
 
 
 def random_tokens(n: int, seed: int):
@@ -72,6 +74,23 @@ def test_ppo_dual_clip_bounds_negative_advantages():
     per_token = torch.maximum(-ratio * advantages, -ratio.clamp(0.8, 1.2) * advantages)
     per_token = torch.where((advantages < 0), torch.minimum(per_token, -3.0 * advantages), per_token)
     torch.testing.assert_close(loss.detach(), per_token[mask].sum())
+
+
+@pytest.mark.parametrize("preset", ["grpo", "ppo"])
+def test_the_configs_dual_clip_is_on_at_verls_3_by_default_and_null_turns_it_off(preset):
+    """algorithm.dual_clip defaults to verl's clip_ratio_c 3.0: the preset's loss equals the
+    per-token reference with the bound -3 A on negative-advantage tokens whose ratio exceeds 3;
+    dual_clip: null gives the plain clipped loss."""
+    logprobs, old, advantages, mask = random_tokens(400, 9)
+    ratio = torch.exp(logprobs.detach() - old)
+    plain = torch.maximum(-ratio * advantages, -ratio.clamp(0.8, 1.2) * advantages)
+    bounded = torch.where(advantages < 0, torch.minimum(plain, -3.0 * advantages), plain)
+    assert (mask & (bounded != plain)).any()  # the bound acts on these tokens
+    for dual_clip, expected in ((3.0, bounded), (None, plain)):
+        config = AlgorithmConfig(type=preset) if dual_clip else AlgorithmConfig(type=preset, dual_clip=None)
+        assert config.dual_clip == dual_clip
+        loss, _ = policy_loss_for(config)(logprobs, old, advantages, mask, sequences=None, weights=None)
+        torch.testing.assert_close(loss.detach(), expected[mask].sum())
 
 
 @pytest.mark.parametrize("loss_name", ["ppo", "sao", "value"])

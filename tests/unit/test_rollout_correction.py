@@ -165,13 +165,9 @@ def test_weights_and_rejections_equal_the_plain_reference(rules, cp):
             assert 0 < all_k.sum() < len(all_k), rules
 
 
-@pytest.mark.parametrize("cp", [1, 2])
-def test_metrics_equal_the_plain_reference(cp):
-    config = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.3, rollout_rs="seq_max_k2",
-                                     rollout_rs_threshold=0.08)  # fmt: skip
-    sequences = random_sequences(4)
-    expected = reference(config, sequences)
-    views, _, _ = packed_views(sequences, cp)
+def reduced_summary(config, views) -> dict:
+    """The CP ranks' metrics reduced as the trainer does (sums; maxima of *_max, minima of *_min)
+    and summarised."""
     totals: dict[str, float] = {}
     for _, metrics in run_cp(config, views):
         for key, value in metrics.items():
@@ -182,7 +178,17 @@ def test_metrics_equal_the_plain_reference(cp):
                 totals[key] = min(totals.get(key, math.inf), value)
             else:
                 totals[key] = totals.get(key, 0.0) + value
-    summary = rollout_correction.summarise(totals)
+    return rollout_correction.summarise(totals)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_metrics_equal_the_plain_reference(cp):
+    config = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.3, rollout_rs="seq_max_k2",
+                                     rollout_rs_threshold=0.08)  # fmt: skip
+    sequences = random_sequences(4)
+    expected = reference(config, sequences)
+    views, _, _ = packed_views(sequences, cp)
+    summary = reduced_summary(config, views)
     lr = np.concatenate([r[m] for r, m in sequences])
     weights = np.concatenate([w[m] for (w, _), (_, m) in zip(expected, sequences)])
     keep = np.concatenate([k[m] for (_, k), (_, m) in zip(expected, sequences)])
@@ -198,6 +204,27 @@ def test_metrics_equal_the_plain_reference(cp):
     assert summary["rollout_rs_masked_fraction"] == pytest.approx(np.mean(~keep))
     rejected_sequences = [bool((m & ~k).any()) for (_, k), (_, m) in zip(expected, sequences) if m.any()]
     assert summary["rollout_rs_seq_masked_fraction"] == pytest.approx(np.mean(rejected_sequences))
+
+
+@pytest.mark.parametrize("level", ["sequence", "geometric"])
+@pytest.mark.parametrize("cp", [1, 2])
+def test_sequence_level_max_and_min_are_the_raw_sequence_ratios_as_verl_reports_them(level, cp):
+    """verl's compute_is_metrics at sequence level: rollout_is_max = exp(min(max log w, 20)) and
+    rollout_is_min = exp(min log w) of the raw sequence ratios, before truncation (`geometric`
+    read the same way with the mean log-ratio); rollout_is_mean stays the applied weights' mean
+    over action tokens."""
+    threshold = 1.2 if level == "sequence" else 1.01  # a geometric mean stays closer to 1
+    config = RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=threshold)
+    sequences = random_sequences(6)
+    expected_weights = reference(config, sequences)
+    logs = [(r[m].sum() if level == "sequence" else r[m].mean()) for r, m in sequences if m.any()]
+    views, _, _ = packed_views(sequences, cp)
+    summary = reduced_summary(config, views)
+    assert summary["rollout_is_max"] == pytest.approx(math.exp(min(max(logs), 20.0)), rel=1e-9)
+    assert summary["rollout_is_min"] == pytest.approx(math.exp(min(logs)), rel=1e-9)
+    assert summary["rollout_is_max"] > threshold  # above the truncation: the applied weights never are
+    applied = np.concatenate([w[m] for (w, _), (_, m) in zip(expected_weights, sequences)])
+    assert applied.max() <= threshold and summary["rollout_is_mean"] == pytest.approx(applied.mean())
 
 
 def test_bad_settings_are_refused_naming_the_key():
@@ -249,3 +276,29 @@ def test_aggregation_weights_and_normalisers_give_verls_loss(mode):
         numerator += float(torch.where(mask, loss * (1.0 if w is None else w.double()), 0.0).sum())
         denominator += aggregation.normaliser(mode, mask, int((tokens > 0).sum()), 16)
     assert numerator / denominator == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_seq_mean_modes_count_only_the_sequences_rejection_keeps(mode):
+    """A sequence whose every action token rollout rejection dropped leaves the seq-mean
+    normaliser (as a rejected token leaves token-mean's): the loss equals verl's agg_loss on the
+    masks left after rejection, not verl's trainer's division by every sequence of the
+    mini-batch (docs/algorithms/index.md, Differences from verl)."""
+    config = RolloutCorrectionConfig(rollout_rs="seq_max_k2", rollout_rs_threshold=0.05)
+    sequences = random_sequences(5, count=12)
+    views, starts, _ = packed_views(sequences, 1)
+    ((corrections, _),) = run_cp(config, views)
+    keep = corrections[0].keep
+    kept = [keep[starts[i] : starts[i + 1]].numpy() for i in range(len(sequences))]
+    rejected = sum(m.any() and not k.any() for (_, m), k in zip(sequences, kept))
+    assert 0 < rejected < sum(m.any() for _, m in sequences)  # some sequences rejected whole, not all
+    losses = [np.random.default_rng(i).normal(size=len(m)) for i, (_, m) in enumerate(sequences)]
+    view = views[0]
+    tokens = torch.zeros(view.num_sequences, dtype=torch.float64).index_add_(0, view.sequence_of_token, keep.double())
+    w = aggregation.token_weights(mode, keep, view.sequence_of_token, tokens)
+    loss = torch.as_tensor(np.concatenate(losses + [np.zeros(len(keep) - starts[-1])]))
+    numerator = float(torch.where(keep, loss * (1.0 if w is None else w.double()), 0.0).sum())
+    ours = numerator / aggregation.normaliser(mode, keep, int((view.owned & (tokens > 0)).sum()), 16)
+    assert ours == pytest.approx(verl_agg_loss(losses, kept, mode, 16), rel=1e-6)  # float32 weights
+    every_sequence = numerator / (len(sequences) * (16 if mode.endswith("norm") else 1))  # verl's trainer
+    assert every_sequence != pytest.approx(ours, rel=1e-3)

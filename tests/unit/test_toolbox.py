@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.algorithms import Sequences, make_algorithm
+from megatron_rl.algorithms import Sequences, make_algorithm, registry
 from megatron_rl.algorithms import advantages as adv
 from megatron_rl.algorithms.losses import cispo_loss, gspo_loss
 from megatron_rl.algorithms.registry import advantage_estimator, policy_loss, policy_loss_for
@@ -44,7 +44,24 @@ def random_groups(seed: int) -> list[torch.Tensor]:
     return groups
 
 
-def loop_reference(name: str, groups: list[torch.Tensor]) -> list[list[float]]:
+def random_action_tokens(groups: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
+    """Each member's action-token count, 1 to 12."""
+    rng = np.random.default_rng(seed + 100)
+    return [torch.tensor(rng.integers(1, 13, size=g.numel()), dtype=torch.int64) for g in groups]
+
+
+def verl_token_whiten(rows: list[list[float]], counts: list[list[int]]) -> list[list[float]]:
+    """verl 0.9.1's REINFORCE++ whitening written plainly: each member's score laid on its K
+    response tokens, then verl_F.masked_whiten over the batch (masked_mean divides by the mask's
+    sum + 1e-8; masked_var is unbiased, mask_sum / (mask_sum - 1)), read back on the tokens."""
+    tokens = [x for row, ks in zip(rows, counts) for x, k in zip(row, ks) for _ in range(k)]
+    n = len(tokens)
+    mean = sum(tokens) / (n + 1e-8)
+    var = sum((x - mean) ** 2 for x in tokens) / (n + 1e-8) * (n / (n - 1))
+    return [[(x - mean) / math.sqrt(var + 1e-8) for x in row] for row in rows]
+
+
+def loop_reference(name: str, groups: list[torch.Tensor], action_tokens: list[torch.Tensor]) -> list[list[float]]:
     """The estimators as loops over members (verl's definitions; a group of one gets no baseline)."""
     out = []
     for g in groups:
@@ -61,10 +78,7 @@ def loop_reference(name: str, groups: list[torch.Tensor]) -> list[list[float]]:
         elif name in ("reinforce_pp", "reinforce_pp_baseline"):
             out.append([x - mean if n > 1 else 0.0 for x in r] if name.endswith("baseline") else r)
     if name.startswith("reinforce_pp"):
-        flat = [x for row in out for x in row]
-        mean = sum(flat) / len(flat)
-        var = sum((x - mean) ** 2 for x in flat) / (len(flat) - 1)
-        out = [[(x - mean) / math.sqrt(var + 1e-8) for x in row] for row in out]
+        out = verl_token_whiten(out, [k.tolist() for k in action_tokens])
     return out
 
 
@@ -72,18 +86,38 @@ def loop_reference(name: str, groups: list[torch.Tensor]) -> list[list[float]]:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_each_estimator_equals_its_loop_reference(name, seed):
     groups = random_groups(seed)
-    got = advantage_estimator(name)(groups)
+    action_tokens = random_action_tokens(groups, seed)
+    got = advantage_estimator(name)(groups, action_tokens)
     assert [tuple(g.shape) for g in got] == [tuple(g.shape) for g in groups]
-    for row, expected in zip(got, loop_reference(name, groups)):
-        np.testing.assert_allclose(row.numpy(), expected, rtol=1e-12, atol=1e-12)
+    # verl's 1e-8 in masked_mean's denominator moves the whitened values by ~1e-9; none elsewhere.
+    tolerance = 1e-8 if name.startswith("reinforce_pp") else 1e-12
+    for row, expected in zip(got, loop_reference(name, groups, action_tokens)):
+        np.testing.assert_allclose(row.numpy(), expected, rtol=tolerance, atol=tolerance)
 
 
-def test_batch_estimators_normalise_over_the_whole_step_not_per_group():
-    groups = [torch.tensor([1.0, 0.0]), torch.tensor([5.0, 5.0, 4.0])]
-    whole = torch.cat(advantage_estimator("reinforce_pp")(groups))
-    assert whole.mean().abs() < 1e-12 and whole.std() == pytest.approx(1.0, abs=1e-6)
-    alone = advantage_estimator("reinforce_pp")(groups[:1])[0]
-    assert not torch.allclose(alone, whole[:2])  # its value depends on the other group
+def test_batch_estimators_whiten_over_every_action_token_of_the_step_not_per_group():
+    groups = [torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([5.0, 5.0, 4.0], dtype=torch.float64)]
+    action_tokens = [torch.tensor([3, 1]), torch.tensor([2, 7, 4])]
+    whole = advantage_estimator("reinforce_pp")(groups, action_tokens)
+    on_tokens = torch.cat([a.repeat_interleave(k) for a, k in zip(whole, action_tokens)])
+    assert on_tokens.mean().abs() < 1e-12 and on_tokens.std() == pytest.approx(1.0, abs=1e-6)
+    alone = advantage_estimator("reinforce_pp")(groups[:1], action_tokens[:1])[0]
+    assert not torch.allclose(alone, whole[0])  # its value depends on the other group
+    with pytest.raises(ValueError, match=r"'reinforce_pp' weighs each member by its action tokens"):
+        advantage_estimator("reinforce_pp")(groups)
+
+
+@pytest.mark.parametrize("tokens_each, members", [(1, 5), (4, 6), (16, 3)])
+def test_token_whitening_differs_from_whitening_members_by_the_documented_factor(tokens_each, members):
+    """With every member holding K action tokens, whitening over the N K tokens (verl) and over
+    the N members differ by sqrt(K (N - 1) / (N K - 1)): the unbiased variances' ratio."""
+    rewards = torch.tensor(np.random.default_rng(members).normal(size=members))
+    tokens = adv.token_whitened([rewards], [torch.full((members,), tokens_each)])[0]
+    centred = rewards - rewards.mean()
+    per_member = centred / torch.sqrt(centred.var(unbiased=True) + 1e-8)
+    factor = math.sqrt(tokens_each * (members - 1) / (members * tokens_each - 1))
+    torch.testing.assert_close(per_member, tokens * factor, rtol=1e-6, atol=1e-9)
+    assert (tokens_each == 1) == (factor == 1.0)
 
 
 def test_gae_is_not_an_outcome_estimator_and_unknown_names_are_refused():
@@ -152,11 +186,53 @@ def outcome_group(group_id, rewards):
 def test_outcome_algorithm_puts_each_members_advantage_on_its_action_tokens():
     groups = [outcome_group(0, [1.0, 0.0, 0.5]), outcome_group(1, [0.2, 0.4])]
     asyncio.run(make_algorithm(AlgorithmConfig(type="grpo", advantage="rloo")).prepare_batch(groups))
-    expected = loop_reference("rloo", [torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0.2, 0.4])])
+    expected = loop_reference("rloo", [torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0.2, 0.4])], [])
     for group, values in zip(groups, expected):
         for sample, value in zip(group, values):
             np.testing.assert_allclose(sample.advantages[sample.loss_mask], value, atol=1e-6)
             assert (sample.advantages[~sample.loss_mask] == 0).all()
+
+
+def test_reinforce_pp_in_the_orchestrator_weighs_members_by_their_action_tokens():
+    """OutcomeAlgorithm gives the estimator each sample's action-token count (its loss mask):
+    the advantages on the tokens equal verl's whitening over the tokens of the whole step."""
+    groups, counts = [], []
+    for group_id, (rewards, lengths) in enumerate([([1.0, 0.0, 0.5], [3, 9, 1]), ([0.2, 0.9], [6, 2])]):
+        group = []
+        for branch, (reward, k) in enumerate(zip(rewards, lengths)):
+            mask = np.arange(4 + k) >= 4
+            group.append(TrainingSample(token_ids=np.arange(4 + k), loss_mask=mask, inference_logprobs=np.zeros(4 + k),
+                                        reward=reward, group_id=group_id, branch_index=branch))  # fmt: skip
+        groups.append(group)
+        counts.append(lengths)
+    for name in ("reinforce_pp", "reinforce_pp_baseline"):
+        asyncio.run(make_algorithm(AlgorithmConfig(type="grpo", advantage=name)).prepare_batch(groups))
+        rewards = [torch.tensor([s.reward for s in g], dtype=torch.float64) for g in groups]
+        expected = loop_reference(name, rewards, [torch.tensor(c) for c in counts])
+        for group, values in zip(groups, expected):
+            for sample, value in zip(group, values):
+                np.testing.assert_allclose(sample.advantages[sample.loss_mask], value, rtol=1e-6)
+                assert (sample.advantages[~sample.loss_mask] == 0).all()
+
+
+def test_a_plugin_estimator_gets_action_tokens_only_when_it_declares_them(tmp_path, monkeypatch):
+    (tmp_path / "counting_parts.py").write_text(
+        "def per_token(groups, *, action_tokens, scale=1.0):\n"
+        "    return [g * scale + k for g, k in zip(groups, action_tokens)]\n"
+        "def per_member(groups, scale=1.0):\n"
+        "    return [g * scale for g in groups]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    groups = [outcome_group(0, [1.0, 0.0]), outcome_group(1, [0.5, 0.2, 0.4])]
+    groups[1][2].loss_mask[-1] = False  # 3 action tokens; every other member has 4
+    for name, expected in (("per_token", [6.0, 4.0, 5.0, 4.4, 3.8]), ("per_member", [2.0, 0.0, 1.0, 0.4, 0.8])):
+        config = AlgorithmConfig(type="grpo", advantage=f"counting_parts:{name}", advantage_args={"scale": 2.0})
+        asyncio.run(make_algorithm(config).prepare_batch(groups))
+        got = [float(s.advantages[s.loss_mask][0]) for g in groups for s in g]
+        np.testing.assert_allclose(got, expected, rtol=1e-6)
+    parts = load_plugin("advantage", "counting_parts:per_token", "algorithm.advantage", ("scale",))
+    assert registry.takes_action_tokens(parts) and not registry.takes_action_tokens(lambda groups: groups)
+    sys.modules.pop("counting_parts", None)
 
 
 # -- losses --------------------------------------------------------------------------------------
@@ -273,19 +349,81 @@ def test_presets_fill_the_parts_and_explicit_parts_win():
     assert AlgorithmConfig(**resolved.model_dump()) == resolved  # the resolved file reads back the same
 
 
-def test_bad_parts_are_errors_that_name_the_key():
-    with pytest.raises(ValueError, match=r"algorithm.advantage: unknown 'rlo'.*package.module:name"):
-        AlgorithmConfig(type="grpo", advantage="rlo")
-    with pytest.raises(ValueError, match=r"algorithm.policy_loss: unknown 'gpso'"):
-        AlgorithmConfig(type="grpo", policy_loss="gpso")
-    with pytest.raises(ValueError, match=r"normalize_advantage_std: false contradicts algorithm.advantage 'grpo'"):
-        AlgorithmConfig(type="grpo", advantage="grpo", normalize_advantage_std=False)
-
-
 def config_errors(data) -> str:
     with pytest.raises(ConfigError) as raised:
         parse_config(data)
     return str(raised.value)
+
+
+def test_bad_parts_are_errors_that_name_the_key_and_the_registrys_choices():
+    """Resolving a config checks its part names against the registry (config/parts.py)."""
+    data = base("grpo")
+    data["algorithm"]["advantage"] = "rlo"
+    data["algorithm"]["policy_loss"] = "gpso"
+    errors = config_errors(data)
+    advantages = ["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+    assert f"algorithm.advantage: unknown 'rlo'; choose from {advantages} or give a plug-in as 'package.module:name'" in errors
+    assert "algorithm.policy_loss: unknown 'gpso'; choose from ['ppo_clip', 'dis', 'gspo', 'cispo']" in errors
+    assert "value:" not in errors  # an unknown estimator is not also said to lack or need a critic
+    with pytest.raises(ValueError, match=r"normalize_advantage_std: false contradicts algorithm.advantage 'grpo'"):
+        AlgorithmConfig(type="grpo", advantage="grpo", normalize_advantage_std=False)
+
+
+def test_every_part_name_the_config_writes_is_registered_once_with_what_it_reads():
+    """The presets' parts, the policy losses with defaults of their own and the dr_grpo that
+    normalize_advantage_std: false picks are registered; each built-in's name is declared on its
+    function, once; each key a loss reads is an algorithm key."""
+    from megatron_rl.algorithms import parts
+    from megatron_rl.config.algorithm import POLICY_LOSS_DEFAULTS, PRESET_PARTS
+
+    for preset, (advantage, loss) in PRESET_PARTS.items():
+        assert advantage in parts.ADVANTAGE_ESTIMATORS and loss in parts.POLICY_LOSSES, preset
+        config = AlgorithmConfig(type=preset, normalize_advantage_std=False) if advantage == "grpo" else None
+        assert config is None or config.advantage in parts.ADVANTAGE_ESTIMATORS
+    assert set(POLICY_LOSS_DEFAULTS) <= set(parts.POLICY_LOSSES)
+    for table in (parts.ADVANTAGE_ESTIMATORS, parts.POLICY_LOSSES):
+        for name, part in table.items():
+            assert part.name == name and getattr(part.function, "__module__", "").startswith("megatron_rl.algorithms")
+    coefficients = registry.loss_coefficients(AlgorithmConfig(type="ppo"))
+    for part in parts.POLICY_LOSSES.values():
+        assert set(part.reads) <= set(coefficients) <= set(AlgorithmConfig.model_fields), part.name
+    assert registry.builtin_parts().group_advantages == ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+    assert registry.builtin_parts().critic_advantages == ("gae",)
+
+
+def test_a_name_declared_twice_is_an_error_naming_both_functions(tmp_path, monkeypatch):
+    from megatron_rl.algorithms import parts
+
+    before = (dict(parts.ADVANTAGE_ESTIMATORS), dict(parts.POLICY_LOSSES))
+    (tmp_path / "twice.py").write_text(
+        "from megatron_rl.algorithms.parts import register_advantage\n"
+        "@register_advantage('rloo')\n"
+        "def my_rloo(groups):\n"
+        "    return groups\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"advantage 'rloo' is declared twice: by megatron_rl.algorithms.advantages"
+                                         r".leave_one_out and by twice.my_rloo"):  # fmt: skip
+        __import__("twice")
+    sys.modules.pop("twice", None)
+    with pytest.raises(ValueError, match=r"policy loss 'dis' is declared twice"):
+        parts.register_policy_loss("dis", reads=())(lambda logprobs, old_logprobs, advantages, mask: None)
+    with pytest.raises(ValueError, match=r"policy loss 'mine' reads \['eps_mid'\]"):
+        parts.register_policy_loss("mine", reads=("eps_mid",))(lambda logprobs, eps_low=0.1: None)
+    with pytest.raises(ValueError, match=r"no ':'"):
+        parts.register_advantage("pkg:mine")(lambda groups: groups)
+    assert (parts.ADVANTAGE_ESTIMATORS, parts.POLICY_LOSSES) == before  # nothing was declared
+
+
+def test_the_loader_and_the_reference_read_the_registry_by_its_import_path():
+    from megatron_rl.config import reference
+    from megatron_rl.config.parts import builtin_parts
+
+    assert builtin_parts() == registry.builtin_parts()
+    for key, names in (("algorithm.advantage", registry.builtin_parts().advantages),
+                       ("algorithm.policy_loss", registry.builtin_parts().policy_losses)):  # fmt: skip
+        listed = reference.find(key).range
+        assert all(f'"{name}"' in listed for name in names) and "plug-in" in listed, listed
 
 
 def test_combinations_are_config_errors_naming_both_keys():
@@ -348,13 +486,13 @@ def test_a_wrong_import_path_or_signature_names_the_key_and_the_path(example_par
 def test_an_estimator_that_returns_the_wrong_shape_is_named():
     groups = [outcome_group(0, [1.0, 0.0]), outcome_group(1, [0.2, 0.4, 0.1])]
     algorithm = make_algorithm(AlgorithmConfig(type="grpo"))
-    algorithm.estimator = lambda rewards: rewards[:1]
+    algorithm.estimator = lambda rewards, action_tokens: rewards[:1]
     with pytest.raises(ValueError, match=r"algorithm.advantage 'grpo' returned 1 advantage tensors for 2 groups"):
         asyncio.run(algorithm.prepare_batch(groups))
-    algorithm.estimator = lambda rewards: [r[:1] for r in rewards]
+    algorithm.estimator = lambda rewards, action_tokens: [r[:1] for r in rewards]
     with pytest.raises(ValueError, match=r"returned shape \(1,\) for group 0 of 2 members"):
         asyncio.run(algorithm.prepare_batch(groups))
-    algorithm.estimator = lambda rewards: [r * float("nan") for r in rewards]
+    algorithm.estimator = lambda rewards, action_tokens: [r * float("nan") for r in rewards]
     with pytest.raises(ValueError, match="non-finite advantages for group 0"):
         asyncio.run(algorithm.prepare_batch(groups))
 
