@@ -372,8 +372,13 @@ class SimCluster:
             records.append(metrics)
             ends.append(_now())
 
-        def on_shipped(step, samples) -> None:  # a bounded record: four ints per sample
-            shipped.extend((step, s.group_id, s.branch_index, s.policy_version) for s in samples)
+        # What ships, as a bounded record (four ints a sample): the step's samples as the algorithm
+        # prepares them, recorded once the policy's grid is sent.
+        preparing: list[tuple[int, int, int]] = []
+
+        async def send_policy(step, grid) -> None:
+            await self.policy.send(step, grid)
+            shipped.extend((step, *sample) for sample in preparing)
 
         links = [self.policy.link] + ([self.critic.link] if self.critic else [])
         for link in links:
@@ -385,9 +390,16 @@ class SimCluster:
         )
         state = OrchestratorState(self.run_dir / "orchestrator" / "state.json", o.seed)
         orchestrator = Orchestrator(
-            r, SimEnvironment(self.seed), encoder, self.inference, self.follower, self.critic, self.policy.send,
-            state, record, Timeouts(batch_s=1e9, critic_s=1e9, weights_s=1e9), on_shipped=on_shipped,
+            r, SimEnvironment(self.seed), encoder, self.inference, self.follower, self.critic, send_policy,
+            state, record, Timeouts(batch_s=1e9, critic_s=1e9, weights_s=1e9),
         )  # fmt: skip
+        prepare = orchestrator.algorithm.prepare_batch
+
+        async def prepare_batch(groups):
+            preparing[:] = [(s.group_id, s.branch_index, s.policy_version) for group in groups for s in group]
+            return await prepare(groups)
+
+        orchestrator.algorithm.prepare_batch = prepare_batch
         self.follower.start()
         wall, cpu = time.perf_counter(), time.process_time()
         try:
