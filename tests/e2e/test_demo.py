@@ -1,17 +1,29 @@
-"""`bash launch/demo.sh` for each algorithm: it runs to completion, writes the metrics and the
-figure, the inference servers move to the new policy version every step, and the train-inference
-mismatch KL stays below 1e-3 (float32). The SAO run is the learning check (in the style of
-prime-rl's check_reward_goes_up): 20 steps, and the mean reward of the last 5 must exceed the
-first 5 by LEARNING_MARGIN. Measured (benchmarks/demo_learning.py, docs/getting-started/demo.md): over 20
-steps (steps 15-19 against 0-4) the rise was +0.29 to +0.45 for SAO, PPO and GRPO at seeds 0-2."""
+"""`bash launch/demo.sh`, watched from outside: the SAO demo runs to completion, writes the
+metrics and the figure, the inference servers move to the new policy version every step, the
+train-inference mismatch KL stays below 1e-3 (float32), and it learns (in the style of prime-rl's
+check_reward_goes_up): the mean reward of the last 5 steps must exceed the first 5 by
+LEARNING_MARGIN. Measured (benchmarks/demo_learning.py, docs/getting-started/demo.md): over 20
+steps (steps 15-19 against 0-4) the rise was +0.29 to +0.45 for SAO, PPO and GRPO at seeds 0-2.
+
+The same run checks the launcher it goes through (`megatron-rl run`'s `run_local`, with a critic):
+every listening socket of the demo's process tree, read while it runs, is on 127.0.0.1 (none on
+all interfaces), each component has its own log, the critic's ranks stop cleanly on SIGTERM, the
+vLLM server drains, nothing is left running, and the dry run plans two torchrun groups. The demo's
+other algorithms differ only in the run config they write (tests/unit/test_demo_config.py resolves
+each); PPO and GRPO run through the real stack in tests/e2e/test_orchestrator_stack.py, GRPO
+through `megatron-rl run` in tests/e2e/test_launch_run.py."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
+
+from tests.support.watch import assert_local_listeners, run_watched, stray_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -22,31 +34,46 @@ def lines(path: Path) -> list[dict]:
 
 
 LEARNING_MARGIN = 0.15
+STEPS = 20
 
 
-@pytest.mark.parametrize("algo,steps", [("sao", 20), ("ppo", 3), ("grpo", 3)])
-def test_demo_runs_each_algorithm(tmp_path, algo, steps):
-    out = tmp_path / f"demo-{algo}"
-    result = subprocess.run(
-        ["bash", str(ROOT / "launch" / "demo.sh"), "--algo", algo, "--steps", str(steps), "--out", out.name,
-         "--seed", "1"],  # a relative --out, as a user types it
-        capture_output=True, text=True, timeout=900, cwd=tmp_path,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f"[demo] step {steps - 1:>3}/{steps}" in result.stdout and "reward first 5" in result.stdout
+def test_demo_runs_sao_learns_and_its_launcher_stops_everything_listening_on_loopback(tmp_path):
+    out = tmp_path / "demo-sao"
+    argv = ["bash", str(ROOT / "launch" / "demo.sh"), "--algo", "sao", "--steps", str(STEPS), "--out", out.name,
+            "--seed", "1"]  # fmt: skip  (a relative --out, as a user types it)
+    code, output, seen = run_watched(argv, tmp_path, tmp_path / "demo.out", timeout_s=900)
+    assert code == 0, output[-6000:]
+    assert f"[demo] step {STEPS - 1:>3}/{STEPS}" in output and "reward first 5" in output
+    assert "the orchestrator finished its steps: stopping every component" in output
     assert (out / "metrics.png").stat().st_size > 10_000
     orchestrator = lines(out / "orchestrator_metrics.jsonl")
-    assert [r["step"] for r in orchestrator] == list(range(steps))
-    assert [r["live_version"] for r in orchestrator] == list(range(steps))  # a new version live every step
-    assert (out / "published" / "latest").read_text().strip() == f"version_{steps:08d}"
-    policy = lines(out / "policy_metrics.jsonl")
-    assert all(0 <= r["mismatch_kl"] < 1e-3 for r in policy)
-    if algo != "grpo":
-        assert [r["step"] for r in lines(out / "critic_metrics.jsonl") if r["phase"] == "rl"] == list(range(steps))
-    if steps >= 10:
-        rewards = [r["reward_mean"] for r in orchestrator]
-        first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-        assert last > first + LEARNING_MARGIN, f"reward {first:.3f} (first 5) -> {last:.3f} (last 5): {rewards}"
+    assert [r["step"] for r in orchestrator] == list(range(STEPS))
+    assert [r["live_version"] for r in orchestrator] == list(range(STEPS))  # a new version live every step
+    assert (out / "published" / "latest").read_text().strip() == f"version_{STEPS:08d}"
+    assert all(0 <= r["mismatch_kl"] < 1e-3 for r in lines(out / "policy_metrics.jsonl"))
+    assert [r["step"] for r in lines(out / "critic_metrics.jsonl") if r["phase"] == "rl"] == list(range(STEPS))
+    rewards = [r["reward_mean"] for r in orchestrator]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + LEARNING_MARGIN, f"reward {first:.3f} (first 5) -> {last:.3f} (last 5): {rewards}"
+
+    # The launcher: every component's log; a clean stop of the critic's ranks (SIGTERM: torchrun
+    # exited 0, no traceback); the vLLM server drained (--shutdown-timeout); nothing left running.
+    logs = out / "logs"
+    assert sorted(p.name for p in logs.glob("*.log")) == [
+        "critic.log", "inference_0.log", "orchestrator.log", "policy.log", "router.log",
+    ]  # fmt: skip
+    critic_log = (logs / "critic.log").read_text()
+    assert f"critic: stopped after step {STEPS - 1}" in critic_log and "Traceback" not in critic_log, critic_log[-3000:]
+    assert "mode=drain" in (logs / "inference_0.log").read_text()
+    assert stray_processes(out) == []
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    configured = {config["value"]["service"]["port"], config["inference"]["base_port"],
+                  config["inference"]["router_port"], config["transport"]["policy_port"],
+                  config["transport"]["critic_port"]}  # fmt: skip
+    assert_local_listeners(seen, configured, torchrun_groups=2)  # the critic's and the policy's
+    plan = subprocess.run([sys.executable, "-m", "megatron_rl.launch.cli", "run", str(out / "config.yaml"),
+                           "--dry-run"], capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert plan.count("-m megatron_rl.launch.torchrun") == 2 and "torch.distributed.run" not in plan, plan
 
 
 # The tool demo's short learning check: the mean reward (the success rate) of steps 15-19 against
