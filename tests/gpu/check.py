@@ -6,7 +6,8 @@
     python -m tests.gpu.check --list                 the checks, their limits and what each shows
 
 Each check runs in its own process (a crash, a hang or CUDA's out-of-memory in one leaves the
-others their say) on one rank (NCCL on CUDA, gloo on CPU) and reports PASS, FAIL, NOT RUN (with
+others their say; with CUDA a fresh interpreter, on CPU a fork of a forkserver that imported
+torch, megatron-core and the checks once) on one rank (NCCL on CUDA, gloo on CPU) and reports PASS, FAIL, NOT RUN (with
 why: no TransformerEngine, no vLLM, no CUDA, or not started because its time limit no longer fit
 in the budget) or BELOW GOAL (the throughput goal); FAIL makes the exit status 1. A check is
 started only when its whole limit (tests/gpu/checks.py `REGISTRY`) fits in what is left of the
@@ -23,6 +24,8 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import multiprocessing
+import os
 import subprocess
 import sys
 import tempfile
@@ -73,22 +76,55 @@ def not_started(name: str, left: float, budget: float, limit: float) -> str:
             f"{limit:g} s (run it alone: --only {name})")  # fmt: skip
 
 
+# What a CPU check's process starts from (the forkserver imports it once; compat before megatron-core).
+CPU_PRELOAD = ["megatron_rl.compat", "megatron.core.parallel_state", "megatron.core.models.gpt", "tests.gpu.checks",
+               "tests.gpu.process_checks"]  # fmt: skip
+
+
+def _run_one_forked(name: str, result: str, log: str) -> None:
+    with open(log, "w") as out:  # what a failing check printed, for the record
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    run_one(name, True, Path(result))
+
+
+def _run_cpu_check(name: str, result: Path, limit: float) -> tuple[int | None, str]:
+    """(exit code or None when it ran past `limit`, its output) of check `name` forked on CPU."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(CPU_PRELOAD)
+    log = result.with_suffix(".log")
+    process = context.Process(target=_run_one_forked, args=(name, str(result), str(log)))
+    process.start()
+    process.join(limit)
+    if process.exitcode is None:
+        process.kill()
+        process.join()
+        return None, ""
+    return process.exitcode, log.read_text() if log.exists() else ""
+
+
 def run_check(name: str, cpu: bool, limit: float, tmp: Path) -> dict:
     """Runs check `name` in a process of its own, killed after `limit` seconds."""
     result = tmp / f"{name}.json"
-    command = [sys.executable, "-m", "tests.gpu.check", "--run-one", name, "--result", str(result)]
-    command += ["--cpu"] if cpu else []
     print(f"[gpu check] {name} ...", flush=True)
     began = time.perf_counter()
-    try:
-        proc = subprocess.run(command, cwd=ROOT, timeout=limit, capture_output=True, text=True)
-        if result.exists():
-            record = json.loads(result.read_text())
-        else:
-            record = {"check": name, "status": "FAIL",
-                      "detail": f"exit {proc.returncode} without a result: {proc.stderr[-1500:]}"}  # fmt: skip
-    except subprocess.TimeoutExpired:
+    if cpu:
+        code, output = _run_cpu_check(name, result, limit)
+    else:
+        command = [sys.executable, "-m", "tests.gpu.check", "--run-one", name, "--result", str(result)]
+        try:
+            proc = subprocess.run(command, cwd=ROOT, timeout=limit, capture_output=True, text=True)
+            code, output = proc.returncode, proc.stderr
+        except subprocess.TimeoutExpired:
+            code, output = None, ""
+    if code is None:
         record = {"check": name, "status": "FAIL", "detail": f"timed out: ran past its limit of {limit:g} s"}
+    elif result.exists():
+        record = json.loads(result.read_text())
+    else:
+        record = {"check": name, "status": "FAIL", "detail": f"exit {code} without a result: {output[-1500:]}"}
     record.setdefault("seconds", round(time.perf_counter() - began, 1))
     if record["status"] == "FAIL":
         print(record.get("traceback") or record["detail"], file=sys.stderr)

@@ -1,20 +1,86 @@
 """Start a `megatron-rl` role on N local ranks the way torchrun does (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR, MASTER_PORT), one subprocess per rank, each with its own log file, and
-stop them with SIGTERM. Each rank leads its own process group, which is killed on exit: a rank
-killed with SIGKILL leaves children behind (megatron's checkpoint writer starts a
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT), one process per rank, each with its own log file, and
+stop them with SIGTERM. Each rank leads its own process group (session), which is killed on
+exit: a rank killed with SIGKILL leaves children behind (megatron's checkpoint writer starts a
 multiprocessing Manager) that would otherwise outlive the test. Used by tests and benchmarks
-that run a role's ranks."""
+that run a role's ranks.
+
+A rank is a fork of the session's forkserver (tests/support/spawn.py: torch, megatron-core and
+the test modules imported once) running `megatron-rl ROLE ...`'s `main(argv)` with the rank's
+environment, instead of a fresh interpreter that spends ~11 s of CPU on the same imports (a
+stack run starts two roles, the restart loop a dozen). What a process of its own gives stays:
+its pid and session, signals and exit codes (a rank killed with SIGKILL exits -9), its output
+in its log file, SIGTERM when the process that started it (the forkserver, which ends with the
+test session) dies. The one module that reads the environment when it is imported,
+`megatron_rl.faults` (the kill point of a restart test), is imported again in the rank.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import importlib
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from megatron_rl.lifetime import bound_to_parent
 from megatron_rl.parallel import free_port
+from tests.support.spawn import forkserver_context
+
+
+def _role_main(argv: list[str], env: dict[str, str], log_path: str) -> None:
+    """In the forked rank: a session of its own, SIGTERM when its starter dies, output to its log,
+    the rank's environment, then the command line's main."""
+    os.setsid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ.clear()
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    from megatron_rl import faults
+
+    importlib.reload(faults)  # MEGATRON_RL_KILL_AT is read at import: this rank's, not the forkserver's
+    from megatron_rl.launch import cli
+
+    sys.argv = ["megatron-rl", *argv]
+    sys.exit(cli.main(argv))
+
+
+class RankProcess:
+    """A forked rank with what the tests use of subprocess.Popen: pid, poll, wait, send_signal,
+    kill, returncode."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path):
+        self._process = forkserver_context().Process(target=_role_main, args=(argv, env, str(log_path)))
+        self._process.start()
+        self.pid = self._process.pid
+        self.args = argv
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 class RankProcesses:
@@ -22,7 +88,7 @@ class RankProcesses:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list[RankProcess] = []
         self.logs = [self.log_dir / f"rank{rank}.log" for rank in range(world_size)]
         for rank in range(world_size):
             rank_env = {
@@ -35,16 +101,7 @@ class RankProcesses:
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
             }
-            with open(self.logs[rank], "w") as log:
-                self.processes.append(
-                    subprocess.Popen(
-                        bound_to_parent([sys.executable, "-m", "megatron_rl.launch.cli", *argv]),
-                        env=rank_env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
+            self.processes.append(RankProcess(list(argv), rank_env, self.logs[rank]))
 
     def output(self, rank: int = 0) -> str:
         return self.logs[rank].read_text()
@@ -78,10 +135,11 @@ class RankProcesses:
             kill_process_group(process)
 
 
-def kill_process_group(process: subprocess.Popen) -> None:
+def kill_process_group(process: RankProcess | subprocess.Popen) -> None:
     """SIGKILL to the process group `process` leads (itself and whatever it left behind)."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     process.wait()
+

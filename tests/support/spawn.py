@@ -22,7 +22,11 @@ import torch.multiprocessing as mp
 from megatron_rl.parallel import free_port
 
 # What the forkserver imports once for every later rank (compat before megatron-core).
-PRELOAD = ["megatron_rl.compat", "megatron.core.parallel_state", "megatron.core.models.gpt", "megatron_rl.parallel"]
+PRELOAD = [
+    "megatron_rl.compat", "megatron.core.parallel_state", "megatron.core.models.gpt", "megatron_rl.parallel",
+    # what a role's rank imports (tests/support/processes.py forks them from here too)
+    "megatron_rl.launch.cli", "megatron_rl.policy.trainer", "megatron_rl.critic.worker",
+]  # fmt: skip
 
 
 def _preload() -> list[str]:
@@ -58,8 +62,15 @@ def _rank_main(rank: int, world_size: int, port: int, out_dir: str, fn, args) ->
         parallel.destroy()
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
+def forkserver_context():
+    """The multiprocessing context of the session's forkserver (started on first use with
+    `_preload()`), which run_ranks and tests/support/processes.py fork from."""
     mp.set_forkserver_preload(_preload())  # before the forkserver starts (ignored afterwards)
+    return mp.get_context("forkserver")
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
+    forkserver_context()
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _rank_main,
