@@ -19,7 +19,6 @@ or the TE spec (`spec_keys.py`). Used by tools/convert_*.py.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from pathlib import Path
 
@@ -41,12 +40,13 @@ _HEAD = ("value_head.weight", "value_head.bias")
 
 
 def _single_process_group() -> None:
+    """A one-rank default group for megatron's checkpointing, unless one exists. Its store lives in
+    this process (a HashStore): a converter listens on no port (the TCPStore server that
+    `env://` starts listens on every interface)."""
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(parallel.free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        parallel.initialize_distributed()
+        torch.distributed.init_process_group(
+            megatron_rl.compat.distributed_backend(), store=torch.distributed.HashStore(), rank=0, world_size=1
+        )
     parallel.initialize_model_parallel()
 
 

@@ -40,6 +40,8 @@ def test_megatron_rl_run_trains_two_steps_and_stops_everything(tmp_path):
             "group_size": 2,
             "max_prompt_tokens": 32,
             "max_completion_tokens": 16,
+            "max_async_level": 0,  # strictly on-policy: version n is live for step n
+            "max_off_policy_steps": 0,
         },  # fmt: skip
         "inference": {
             "backend": "vllm-cpu",

@@ -3,12 +3,13 @@ the critic's HTTP service, the weight-update group's TCPStore and torchrun's ren
 (torch's store listens on every interface unless handed a bound socket), and vllm-router's HTTP
 and metrics ports. Read from /proc/net/tcp{,6} while each one listens. The vLLM servers and
 the whole process tree of a real `megatron-rl run` (gloo's and vLLM's own listeners included):
-tests/e2e/test_launch_run.py."""
+tests/e2e/test_launch_run.py and tests/e2e/test_demo.py. So does a checkpoint converter's."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from megatron_rl.launch.local import TORCHRUN
 from megatron_rl.transport import GridSender
 from megatron_rl.transport.weight_buckets import WeightUpdateGroup
 from tests.support.fake_vllm import fake_vllm_command
+from tests.support.watch import run_watched
 
 
 def free_port() -> int:
@@ -131,3 +133,14 @@ def test_router_listens_on_the_configured_host_only(tmp_path):
         metrics_port = int(pool.router.command[pool.router.command.index("--prometheus-port") + 1])
         assert listen_addresses(router_port) == LOOPBACK
         assert _wait_listening(metrics_port, pool.router.process, timeout_s=10) == LOOPBACK
+
+
+def test_a_converter_listens_on_loopback_only(tmp_path, tiny_models):
+    """tools/convert_hf_to_megatron.py as a process, its listeners read while it runs: gloo's on
+    127.0.0.1, none on all interfaces (its one-rank group's store is in-process; the env://
+    TCPStore it had before listened on every interface)."""
+    tool = Path(__file__).resolve().parents[2] / "tools" / "convert_hf_to_megatron.py"
+    argv = [sys.executable, str(tool), "--hf", str(tiny_models["qwen3"]), "--out", str(tmp_path / "mg")]
+    code, output, seen = run_watched(argv, tmp_path, tmp_path / "convert.out", timeout_s=300)
+    assert code == 0, output[-3000:]
+    assert "wrote" in output and seen and {address for address, _, _ in seen} == {"127.0.0.1"}, seen
