@@ -29,9 +29,9 @@ from megatron_rl.parallel import free_port
 from tests.support.spawn import forkserver_context
 
 
-def _role_main(argv: list[str], env: dict[str, str], log_path: str) -> None:
-    """In the forked rank: a session of its own, SIGTERM when its starter dies, output to its log,
-    the rank's environment, then the command line's main."""
+def _forked_main(target, args: tuple, env: dict[str, str], log_path: str) -> None:
+    """In the forked process: a session of its own, SIGTERM when its starter dies, output to its
+    log, its environment (with what reads it at import read again), then `target(*args)`."""
     os.setsid()
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -45,22 +45,28 @@ def _role_main(argv: list[str], env: dict[str, str], log_path: str) -> None:
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     from megatron_rl import faults
 
-    importlib.reload(faults)  # MEGATRON_RL_KILL_AT is read at import: this rank's, not the forkserver's
+    importlib.reload(faults)  # MEGATRON_RL_KILL_AT is read at import: this process's, not the forkserver's
+    target(*args)
+
+
+def run_cli(argv: list[str]) -> None:
+    """`megatron-rl ARGV` as its command line runs it (the exit code is main's)."""
     from megatron_rl.launch import cli
 
     sys.argv = ["megatron-rl", *argv]
     sys.exit(cli.main(argv))
 
 
-class RankProcess:
-    """A forked rank with what the tests use of subprocess.Popen: pid, poll, wait, send_signal,
-    kill, returncode."""
+class ForkedProcess:
+    """`target(*args)` in a fork of the session's forkserver, with `env` and its output in
+    `log_path`; what the tests use of subprocess.Popen: pid, poll, wait, send_signal, kill,
+    returncode (a process killed by a signal gives minus its number)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path):
-        self._process = forkserver_context().Process(target=_role_main, args=(argv, env, str(log_path)))
+    def __init__(self, target, args: tuple, env: dict[str, str], log_path: Path):
+        self._process = forkserver_context().Process(target=_forked_main, args=(target, args, env, str(log_path)))
         self._process.start()
         self.pid = self._process.pid
-        self.args = argv
+        self.args = [getattr(target, "__name__", str(target)), *map(str, args)]
 
     @property
     def returncode(self) -> int | None:
@@ -88,7 +94,7 @@ class RankProcesses:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        self.processes: list[RankProcess] = []
+        self.processes: list[ForkedProcess] = []
         self.logs = [self.log_dir / f"rank{rank}.log" for rank in range(world_size)]
         for rank in range(world_size):
             rank_env = {
@@ -101,7 +107,7 @@ class RankProcesses:
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
             }
-            self.processes.append(RankProcess(list(argv), rank_env, self.logs[rank]))
+            self.processes.append(ForkedProcess(run_cli, (list(argv),), rank_env, self.logs[rank]))
 
     def output(self, rank: int = 0) -> str:
         return self.logs[rank].read_text()
@@ -135,7 +141,7 @@ class RankProcesses:
             kill_process_group(process)
 
 
-def kill_process_group(process: RankProcess | subprocess.Popen) -> None:
+def kill_process_group(process: ForkedProcess | subprocess.Popen) -> None:
     """SIGKILL to the process group `process` leads (itself and whatever it left behind)."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
