@@ -17,6 +17,7 @@ test session) dies. The one module that reads the environment when it is importe
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import importlib
 import os
@@ -46,7 +47,10 @@ def _forked_main(target, args: tuple, env: dict[str, str], log_path: str) -> Non
     from megatron_rl import faults
 
     importlib.reload(faults)  # MEGATRON_RL_KILL_AT is read at import: this process's, not the forkserver's
-    target(*args)
+    try:
+        target(*args)
+    finally:
+        atexit._run_exitfuncs()  # what an interpreter's exit runs (logging's flush, torch's teardown)
 
 
 def run_cli(argv: list[str]) -> None:
