@@ -272,6 +272,7 @@ class Supervisor:
             if (
                 code != 0
                 and self.reprobe is not None
+                and component.torchrun  # a lost rendezvous port; any other lost port is a failure
                 and component.restarts < 3
                 and lost_port(component.log.read_text(errors="replace"))
             ):

@@ -26,6 +26,7 @@ from megatron_rl.launch.local import (
     visible_devices,
 )
 from megatron_rl.launch.ports import PortProbeError, probe_ports
+from megatron_rl.parallel import free_port
 from tests.support.orchestrator import orchestrator_config
 
 
@@ -198,6 +199,46 @@ def test_a_component_killed_stops_everything_naming_it(tmp_path, victim):
     assert time.monotonic() - began < 15
     assert f"component '{victim}' exited with code -9" in out.getvalue() and f"{victim} up" in out.getvalue()
     assert all(c.process.poll() is not None for c in components)
+
+
+def port_taken(tmp_path, name: str, torchrun: bool, fail_times: int) -> Component:
+    """A component whose first `fail_times` starts fail as a taken port does, then runs."""
+    count = tmp_path / f"{name}.starts"
+    command = [sys.executable, "-c", (
+        f"import pathlib, time; p = pathlib.Path({str(count)!r}); n = len(p.read_text()) if p.exists() else 0; "
+        f"p.write_text('x' * (n + 1)); print('start', n, flush=True)\n"
+        f"if n < {fail_times}: print('OSError: [Errno 98] Address already in use', flush=True); raise SystemExit(1)\n"
+        "time.sleep(30)"
+    ), "--master_port", "1"]  # fmt: skip
+    url = None if torchrun else f"http://127.0.0.1:{free_port()}"  # a server: the launcher waits for it
+    return Component(name, command, tmp_path / f"{name}.log", torchrun=torchrun, url=url)
+
+
+def test_a_torchrun_group_that_lost_its_rendezvous_port_restarts_on_a_new_one_and_nothing_else_does(tmp_path):
+    reprobed = []
+
+    def reprobe(component):
+        reprobed.append(component.name)
+        command = list(component.command)
+        command[command.index("--master_port") + 1] = "2"
+        return command
+
+    group = port_taken(tmp_path, "policy", torchrun=True, fail_times=1)
+    orchestrator = sleeper(tmp_path, "orchestrator", 3, may_finish=True)
+    out = io.StringIO()
+    assert Supervisor([group, orchestrator], grace_s=5, out=out, reprobe=reprobe).run("fake", 20) == 0
+    assert reprobed == ["policy"] and group.command[-1] == "2" and group.restarts == 1
+    assert "policy lost its rendezvous port; restarting on a new probe" in out.getvalue()
+
+    # A server whose port was taken is not a torchrun group: it fails the run, named (before: the
+    # launcher crashed looking for --master_port in the server's command).
+    server = port_taken(tmp_path, "inference_0", torchrun=False, fail_times=1)
+    out = io.StringIO()
+    assert Supervisor([server, sleeper(tmp_path, "orchestrator2", 10)], grace_s=5, out=out, reprobe=reprobe).run(
+        "fake", 20
+    ) == 1
+    assert reprobed == ["policy"]
+    assert "component 'inference_0' exited with code 1" in out.getvalue() and "Address already in use" in out.getvalue()
 
 
 def test_the_orchestrator_finishing_stops_everything_with_exit_zero(tmp_path):
