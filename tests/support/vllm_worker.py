@@ -8,7 +8,8 @@ inherits), and serves /collective_rpc, /pause, /resume and /reset_prefix_cache o
 place of vLLM's dev-mode endpoints. After each `receive_weights` it writes
 `out_dir/update_{n}.json` (what the receiver held, the tensors in the order they arrived) and `out_dir/update_{n}.safetensors` (every tensor the model holds
 afterwards, `model_tensors`), which `measure_updates` compares with vLLM's model freshly loaded
-from the policy's tensors (`save_fresh_model_tensors`): a reload must leave what a load does.
+from the policy's tensors (`save_fresh_model_tensors`, `POST /fresh_model_tensors`): a reload
+must leave what a load does.
 
 What the receiver holds is measured from outside the extension by `ReceivedAllocations`: every
 storage created while vLLM waits for the next tensor (inside the weights iterator: plans,
@@ -150,6 +151,9 @@ def serve_vllm_worker(hf_dir: str, http_port: int, out_dir: str) -> None:
             if self.path == "/collective_rpc":
                 request = json.loads(body)
                 result = {"results": [getattr(worker, request["method"])(**request["kwargs"])]}
+            elif self.path == "/fresh_model_tensors":  # vLLM's own load of each directory, in this process
+                request = json.loads(body)
+                save_fresh_model_tensors(request["hf_dirs"], request["out_paths"])
             data = json.dumps(result).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
@@ -193,7 +197,8 @@ def measure_updates(
 ) -> list[MeasuredUpdate]:
     """Starts a worker for `hf_dir`, publishes into it from perturbed policies at each (pp, ep) of
     `layouts` in turn (pp * ep gloo ranks each), and returns what each update delivered; with
-    `fresh`, also what vLLM's model loaded from each update's tensors holds (one more process)."""
+    `fresh`, also what vLLM's model freshly loaded from each update's tensors holds (built in the
+    worker's process, after the updates)."""
     url = f"http://127.0.0.1:{free_port()}"
     worker = mp.get_context("spawn").Process(
         target=serve_vllm_worker, args=(str(hf_dir), int(url.rsplit(":", 1)[1]), str(out_dir)), daemon=True
@@ -210,25 +215,23 @@ def measure_updates(
             state = {name: tensor for _, share in ranks for name, tensor in share.items()}
             reloaded = load_file(out_dir / f"update_{update}.safetensors")
             measured.append(MeasuredUpdate(pp, ep, ranks[0][0], state, record, reloaded, None))
+        if fresh:  # vLLM's model freshly loaded from each update's tensors, in the worker's process
+            directories, outputs = [], []
+            for update, m in enumerate(measured, start=1):
+                directory = out_dir / f"published_{update}"
+                directory.mkdir()
+                save_file({k: v.contiguous() for k, v in m.state.items()}, str(directory / "model.safetensors"))
+                copy_hf_side_files(Path(hf_dir), directory)
+                directories.append(str(directory))
+                outputs.append(str(out_dir / f"fresh_{update}.safetensors"))
+            request = json.dumps({"hf_dirs": directories, "out_paths": outputs}).encode()
+            with urllib.request.urlopen(urllib.request.Request(f"{url}/fresh_model_tensors", request), timeout=600):
+                pass
+            for m, output in zip(measured, outputs, strict=True):
+                m.fresh = load_file(output)
     finally:
         worker.kill()
         worker.join()
-    if fresh:
-        directories, outputs = [], []
-        for update, m in enumerate(measured, start=1):
-            directory = out_dir / f"published_{update}"
-            directory.mkdir()
-            save_file({k: v.contiguous() for k, v in m.state.items()}, str(directory / "model.safetensors"))
-            copy_hf_side_files(Path(hf_dir), directory)
-            directories.append(str(directory))
-            outputs.append(str(out_dir / f"fresh_{update}.safetensors"))
-        loader = mp.get_context("spawn").Process(target=save_fresh_model_tensors, args=(directories, outputs))
-        loader.start()
-        loader.join()
-        if loader.exitcode:
-            raise RuntimeError(f"loading {directories} into vLLM failed (exit code {loader.exitcode})")
-        for m, output in zip(measured, outputs, strict=True):
-            m.fresh = load_file(output)
     return measured
 
 
