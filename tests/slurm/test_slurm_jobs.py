@@ -113,14 +113,16 @@ def test_rendered_job_runs_two_steps_with_components_where_the_layout_says(slurm
 
 
 def test_a_step_killed_mid_job_fails_the_job_naming_it(slurm, model, tmp_path):
+    """The policy's rank is killed (SIGKILL) once it runs: the inference server and the router
+    are up then (the job starts the trainers after the server answers), the orchestrator is
+    starting. The job fails, names the step, and stops every other step."""
     script = write_config(tmp_path, model, "none", num_steps=1000)
-    trained = tmp_path / "run" / "policy_metrics.jsonl"  # the policy has trained a step
+    policy = f"train-policy --config {tmp_path}"
 
     def kill_the_policy():
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            if trained.exists():
-                subprocess.run(["pkill", "-9", "-f", f"train-policy --config {tmp_path}"], check=False)
+            if subprocess.run(["pkill", "-9", "-f", policy], check=False).returncode == 0:
                 return
             time.sleep(0.5)
 
