@@ -113,9 +113,9 @@ def test_rendered_job_runs_two_steps_with_components_where_the_layout_says(slurm
 
 
 def test_a_step_killed_mid_job_fails_the_job_naming_it(slurm, model, tmp_path):
-    """The policy's rank is killed (SIGKILL) once it runs: the inference server and the router
-    are up then (the job starts the trainers after the server answers), the orchestrator is
-    starting. The job fails, names the step, and stops every other step."""
+    """The policy's step is killed (SIGKILL) once it runs: the inference server and the router are
+    up then (the job starts the trainers after the server answers). The job fails, names the
+    step, and stops every other step."""
     script = write_config(tmp_path, model, "none", num_steps=1000)
     policy = f"train-policy --config {tmp_path}"
 
