@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_rl.config.layout import ModelLayout, ResolvedConfig
-from megatron_rl.config.model import Architecture
+from megatron_rl.config.model import Architecture, RecomputeConfig
 
 GIB = float(1 << 30)
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -49,9 +49,8 @@ OVERHEAD_GIB = 5.0  # CUDA context, NCCL buffers, allocator fragmentation: an al
 # pinned fp32 gradient copy the hybrid optimizer keeps for the host step 4.
 HOST_OFFLOAD_BYTES = 16
 # The log-prob kernel (models/logprobs.py) keeps the logits (model dtype) and writes one gradient
-# of the same dtype; its fp32 temporaries are chunk-sized: measured 20.1 B per logit of a chunk of
-# CHUNK_ELEMENTS, bounded here by 24 (tests/distributed/test_logprobs.py). Before it, 28 B per
-# bf16 logit at the forward+backward peak.
+# of the same dtype; its fp32 temporaries are chunk-sized, at most 24 B per element of a chunk of
+# CHUNK_ELEMENTS (tests/distributed/test_logprobs.py; docs/gpu/review.md has the measurement).
 LOGITS_PER_LOGIT = 2  # the logits and their gradient, each in the model's dtype
 LOGPROB_CHUNK_ELEMENTS = 1 << 24  # models.logprobs.CHUNK_ELEMENTS (config imports nothing of ours)
 LOGPROB_CHUNK_BYTES_PER_ELEMENT = 24
@@ -180,7 +179,7 @@ def activation_bytes(
     layout: ModelLayout,
     seq_len: int,
     dtype: str,
-    recompute,
+    recompute: RecomputeConfig,
     value_model: bool,
     stage: int = 0,
 ) -> float:
