@@ -2,7 +2,7 @@
 
 Components (vLLM servers, vllm-router, torchrun groups, the orchestrator, test ranks) lead
 process groups of their own, so that a launcher can signal each one as a whole; the price is
-that a launcher killed before its teardown (SIGKILL, the OOM killer, a crashed pytest) used to
+that a launcher killed before its teardown (SIGKILL, the OOM killer, a crashed pytest) would
 leave them running. `bound_to_parent(command)` prefixes a command with a small shim that asks
 Linux for SIGTERM when the starting process dies (prctl PR_SET_PDEATHSIG) and then execs the
 command: the component keeps its pid and process group, and SIGTERM is what every component
