@@ -32,8 +32,8 @@ log = logging.getLogger("megatron_rl.parallel")
 
 # free_port draws from below the kernel's ephemeral range: a port the kernel hands out itself
 # (bind to 0) can be given again at once as the local port of some outgoing connection (gloo,
-# HTTP clients), and the server that meant to bind it then fails with EADDRINUSE (seen in the
-# suite). 24000-29499 also avoids the demo's fixed ports (18000-23999) and torch's 29500.
+# HTTP clients), and the server that meant to bind it then fails with EADDRINUSE.
+# 24000-29499 also avoids the demo's fixed ports (18000-23999) and torch's 29500.
 _FREE_PORT_RANGE = (24000, 29499)
 _handed_out: set[int] = set()
 
