@@ -68,7 +68,7 @@ def transformer_config(
     dtype: str = "float32",
     transformer_engine: bool | None = None,
     **overrides,
-):
+) -> TransformerConfig:
     """The megatron TransformerConfig for `arch` at the given parallel degrees, for the layer
     spec that `uses_transformer_engine(cp, transformer_engine)` picks."""
 
@@ -168,7 +168,7 @@ def position_embedding_type(context_parallel_size: int) -> str:
 
 def build_gpt_model(
     arch: Architecture,
-    config=None,
+    config: TransformerConfig | None = None,
     seq_len: int | None = None,
     model_class=None,
     transformer_engine: bool | None = None,

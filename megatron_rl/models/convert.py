@@ -29,6 +29,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
 from megatron_rl import parallel
+from megatron_rl.config import Architecture
 from megatron_rl.models import checkpoint_io as io
 from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.hf_mapping import ConversionError, MegatronStateFromHF, family_mapping, megatron_to_hf
@@ -50,7 +51,7 @@ def _single_process_group() -> None:
     parallel.initialize_model_parallel()
 
 
-def checkpoint_structure(arch, value_model: bool) -> tuple[dict, dict[str, tuple[int, ...]]]:
+def checkpoint_structure(arch: Architecture, value_model: bool) -> tuple[dict, dict[str, tuple[int, ...]]]:
     """(The sharded state dict of the local-spec model at TP = PP = EP = 1 on the meta device,
     each parameter's shape by name). Collective-free; needs megatron's parallel state."""
     builder = build_value_model if value_model else build_gpt_model
@@ -141,7 +142,9 @@ def _group_of(name: str) -> int:
     return int(match[1]) if match else -1
 
 
-def load_checkpoint_tensors(checkpoint_dir: Path, arch, value_model: bool) -> dict[str, torch.Tensor]:
+def load_checkpoint_tensors(
+    checkpoint_dir: Path, arch: Architecture, value_model: bool
+) -> dict[str, torch.Tensor]:
     """The full megatron tensors of a converted (or training) checkpoint written with either
     layer spec, in the checkpoint's dtypes, loaded into buffers of exactly that size (gate/up
     loaded in place into their fused tensor)."""

@@ -16,6 +16,7 @@ import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
@@ -71,7 +72,7 @@ class MegatronValueModel(GPTModel):
 
 def build_value_model(
     arch: Architecture,
-    config=None,
+    config: TransformerConfig | None = None,
     seq_len: int | None = None,
     head_init_std: float = 0.0,
     head_init_seed: int = 0,
