@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_rl.config import ResolvedConfig
 from megatron_rl.inference.router import RouterSettings, VllmRouter
 from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
 from megatron_rl.inference.vllm_server import ServerStartError, VllmServer
@@ -228,8 +229,13 @@ class InferencePool:
 
     @classmethod
     def from_config(
-        cls, resolved, devices: list[list[str]], log_dir: str | Path, model_dir=None, launch=True
-    ):
+        cls,
+        resolved: ResolvedConfig,
+        devices: list[list[str]],
+        log_dir: str | Path,
+        model_dir: str | Path | None = None,
+        launch: bool = True,
+    ) -> InferencePool | list[VllmServer]:
         """The pool of `resolved.inference`: one server per entry of `devices` (each a list of
         `inference.tp` device ids), on the layout's inference ports. With `launch=False` it
         returns the (unstarted) servers, for a dry run."""
@@ -290,7 +296,7 @@ class InferencePool:
         self.stop()
 
 
-def served_model_dir(resolved) -> str:
+def served_model_dir(resolved: ResolvedConfig) -> str:
     """The HF directory the inference servers start from (and the tokenizer's)."""
     directory = resolved.inference.model_dir or resolved.model.hf_config
     if not directory:
@@ -301,7 +307,7 @@ def served_model_dir(resolved) -> str:
     return directory
 
 
-def router_settings(resolved) -> RouterSettings:
+def router_settings(resolved: ResolvedConfig) -> RouterSettings:
     """Router timeouts and queue sized from the config: every rollout of the batches that may be
     in flight at once fits in the queue, and no timeout is shorter than the longest rollout."""
     inference, orchestrator = resolved.inference, resolved.orchestrator

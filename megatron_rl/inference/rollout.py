@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import httpx
 import msgspec
 
+from megatron_rl.config import OrchestratorConfig
 from megatron_rl.inference.router import SESSION_HEADER
 
 
@@ -41,7 +42,7 @@ class SamplingParams:
     prompt_logprobs: bool = False  # also return the log-probability of every prompt token
 
     @classmethod
-    def from_config(cls, orchestrator) -> SamplingParams:
+    def from_config(cls, orchestrator: OrchestratorConfig) -> SamplingParams:
         return cls(
             temperature=orchestrator.temperature,
             top_p=orchestrator.top_p,

@@ -16,7 +16,7 @@ which the pool does after every worker answers `GET /v1/models`. Its options, an
   routers on one machine;
 - its log level (`logging.inference_level`, WARNING by default) as `RUST_LOG` as well as
   `--log-level`: vllm-router 0.1.17 ignores `--log-level warning` and logs at INFO, three lines
-  (about 2 KB with colour codes) per routed request; `RUST_LOG` is what its Rust logger reads.
+  per routed request; `RUST_LOG` is what its Rust logger reads.
   It writes ANSI colour codes whatever its output is (`NO_COLOR` too), so it is started through
   `python -m megatron_rl.inference.router --rust-log LEVEL -- vllm-router ...` (`exec_plain`),
   which passes its output through a pipe to a forked copy of itself that strips them: the log

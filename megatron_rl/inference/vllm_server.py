@@ -9,7 +9,7 @@ GPU `--gpu-memory-utilization` and `CUDA_VISIBLE_DEVICES` set to the devices it 
 `--enforce-eager --dtype float32` with `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache, and
 `--shutdown-timeout` unless it is 0. Always `--logprobs-mode processed_logprobs`: the log-prob
 returned for each sampled token is of the distribution it was sampled from (after temperature),
-which the trainer's ratio needs (measured on vLLM-cpu 0.32: docs/algorithms/policy-update.md, "Temperature").
+which the trainer's ratio needs (docs/algorithms/policy-update.md, "Temperature").
 `http_log_level` (`logging.inference_level`, WARNING by default) is uvicorn's level
 (`--uvicorn-log-level`); above INFO its access log, one line per request, is off
 (`--disable-uvicorn-access-log`). vLLM's own request log (`--enable-log-requests`) is off by
@@ -112,8 +112,7 @@ def vllm_command(
         # No chunked prefill on CPU: vLLM-cpu 0.32 rewinds a seeded request's generator after a
         # partial prefill (gpu_model_runner._bookkeeping_sync: gen.set_offset(...)) and a CPU
         # torch.Generator has no offset, so the engine dies ("CPU Generator does not use
-        # offset") once the prompts of one scheduler step exceed its token budget (seen with
-        # 64 multi-turn prompts asking for prompt_logprobs, which skip the prefix cache).
+        # offset") once the prompts of one scheduler step exceed its token budget.
         argv += ["--enforce-eager", "--dtype", "float32", "--no-enable-chunked-prefill"]
         server_env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     else:
@@ -216,9 +215,9 @@ class VllmServer:
             time.sleep(1.0)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM to the API server alone (it stops its engine itself: SIGTERM to the engine as
-        well made it log an EngineDeadError traceback), SIGKILL to the group after `timeout_s`,
-        and to whatever the server left in its group."""
+        """SIGTERM to the API server alone (it stops its engine itself; SIGTERM to the engine as
+        well would make it log an EngineDeadError traceback), SIGKILL to the group after
+        `timeout_s`, and to whatever the server left in its group."""
         if self.alive():
             os.kill(self.process.pid, signal.SIGTERM)
             try:
