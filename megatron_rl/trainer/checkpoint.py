@@ -12,18 +12,18 @@ A save writes `step_N.partial`, then rank 0 renames it to `step_N` and only then
 (tests/e2e/test_restart.py kills the processes at each of these points).
 
 The optimizer format: `dp_reshardable` writes and reads each rank's own optimizer shard in
-parallel, with no exchange. `fully_reshardable` (used before) all-gathers the whole DP group's
-optimizer state onto every rank at a save and reads all of it on every rank at a load (DP x
-the rank's share of host memory: ~180 GB per policy rank in the 30B example);
-tests/distributed/test_checkpoint.py measures both. `dp_reshardable` reshards over DP only, so
-a checkpoint resumes at the TP, PP, EP and CP it was written with (checked at load, naming the
-layouts); the model part still reshards to any layout, which is what policy snapshots and
-`load_backbone` use. A checkpoint written in another format (meta.json says which) loads in it.
+parallel, with no exchange, where `fully_reshardable` (the format of checkpoints whose meta.json
+names none) all-gathers the whole DP group's optimizer state onto every rank at a save and reads
+all of it on every rank at a load (DP x the rank's share of host memory;
+tests/distributed/test_checkpoint.py compares both, docs/gpu/review.md has the figures).
+`dp_reshardable` reshards over DP only, so a checkpoint resumes at the TP, PP, EP and CP it was
+written with (checked at load, naming the layouts); the model part still reshards to any layout,
+which is what policy snapshots and `load_backbone` use. A checkpoint written in another format
+(meta.json says which) loads in it.
 Adam's step count is written to meta.json and set again after a load: megatron's
 `dp_reshardable` load puts back torch Adam's per-parameter `step` tensors as they were when the
 loading template was built (its step is a local, non-persistent entry), i.e. the fresh
-optimizer's, so a resumed run's bias correction restarted (the third step after a resume
-differed from the uninterrupted run's).
+optimizer's, so without it a resumed run's bias correction would restart.
 RNG: the CPU generator, megatron's tracker, and with CUDA the default CUDA generator.
 """
 
@@ -187,8 +187,8 @@ def restore_group_settings(trainable: Trainable, settings: list[list[dict]]) -> 
     """Puts back each group's own settings after megatron's optimizer `load_state_dict`, which
     matches saved groups to current ones only by (wd_mult, lr_mult, is_expert_parallel,
     is_decoupled_lr): the critic's value-head groups differ from backbone groups only by
-    `HEAD_GROUP_KEY`, so a resumed critic got the head flag on a backbone group (head-only
-    phases and snapshot loads then treated the wrong parameters as the head). The run's config
+    `HEAD_GROUP_KEY`, so a resumed critic would get the head flag on a backbone group (head-only
+    phases and snapshot loads would then treat the wrong parameters as the head). The run's config
     decides the settings; the checkpoint decides the state."""
     for opt, saved in zip(torch_optimizers(trainable.optimizer), settings, strict=True):
         for group, own in zip(opt.param_groups, saved, strict=True):

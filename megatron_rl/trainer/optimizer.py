@@ -34,6 +34,7 @@ from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer import ParamKey, get_megatron_optimizer, get_standard_config_overrides
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer import TransformerConfig
 
 from megatron_rl.config import OptimizerConfig
 
@@ -103,7 +104,9 @@ def build_trainable(
     return Trainable([ddp], optimizer, scheduler)
 
 
-def megatron_optimizer_config(config: OptimizerConfig, transformer_config):
+def megatron_optimizer_config(
+    config: OptimizerConfig, transformer_config: TransformerConfig
+) -> MegatronOptimizerConfig:
     """megatron's OptimizerConfig for ours (Adam; CPU offload through its hybrid device optimizer
     on the precision-aware path, with pinned host buffers on CUDA)."""
 
@@ -177,7 +180,7 @@ def _give_device_fp32_params_their_gradient(hybrid: HybridDeviceOptimizer, args,
     """Step pre-hook of a hybrid device optimizer: on the precision-aware path megatron puts every
     gradient in `.decoupled_grad`; the hybrid optimizer reads it for the parameters it offloads and
     for its fp32 copies of 16-bit ones, but its device sub-optimizer reads `.grad`, so fp32
-    parameters left on the device (offload_fraction < 1) were never updated."""
+    parameters left on the device (offload_fraction < 1) would never be updated."""
     device_optimizer = hybrid.gpu_optimizer
     if device_optimizer is None:
         return
@@ -193,7 +196,7 @@ def _stepped_copies_from_state(hybrid: HybridDeviceOptimizer) -> None:
     loaded): the tensors its sub-optimizers step (fp32 copies of 16-bit parameters, host copies
     of offloaded fp32 parameters, fp32 parameters themselves) take the loaded `master_param`.
     megatron's version looks every parameter up among the fp32 copies of 16-bit ones, a KeyError
-    for the first fp32 parameter (norms, the value head): no checkpoint with offload loaded."""
+    for the first fp32 parameter (norms, the value head), so no checkpoint with offload loads."""
     for param, state in hybrid.state.items():
         stepped, master = hybrid.param_to_inner_param.get(param, param), state.get("master_param")
         if master is not None and master is not stepped:
@@ -206,8 +209,8 @@ def reload_main_params(trainable: Trainable) -> None:
     critic): the weights the optimizer steps from take the new values too. megatron's
     `reload_model_params` does this for the distributed optimizer's fp32 masters; under the
     hybrid device optimizer it refreshes only its fp32 copies of 16-bit parameters, so the host
-    copies of fp32 parameters (norms, the value head; every parameter of an fp32 model) kept the
-    old weights and the next step copied them back."""
+    copies of fp32 parameters (norms, the value head; every parameter of an fp32 model) would keep
+    the old weights and the next step would copy them back."""
     trainable.optimizer.reload_model_params()
     for hybrid in hybrid_optimizers(trainable.optimizer):
         for param, host_copy in hybrid.gpu_params_map_cpu_copy.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_rl.config import ResolvedConfig
 from megatron_rl.trainer import atomic_dir
 
 
@@ -18,7 +19,7 @@ def complete_steps(directory: str | Path) -> list[int]:
     return sorted(int(name.removeprefix("step_")) for name in complete)
 
 
-def run_resume_step(resolved) -> int | None:
+def run_resume_step(resolved: ResolvedConfig) -> int | None:
     """The training step the roles of a run resume from together: the policy's newest
     checkpointed step that the critic (when there is one with checkpoints) has checkpointed too;
     None while the policy has none (training starts afresh). The critic trains each step before
