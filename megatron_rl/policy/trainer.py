@@ -7,7 +7,7 @@ the frozen initial policy when `algorithm.kl_coef` > 0, old log-probs from the s
 recomputed, rollout correction, loss aggregation; a grid item cut into other mini-batches than
 `algorithm.policy_minibatches` stops the trainer with an error naming both numbers, before any
 update of that step), publish the new weights as policy version
-step + 1 (policy/publish.py: safetensors or NCCL broadcast), export a policy snapshot for the
+step + 1 (policy/publish/: safetensors or NCCL broadcast), export a policy snapshot for the
 critic when that version is one of `value.snapshot.steps` (trainer/snapshot.py), checkpoint every
 `checkpoint.save_interval` steps, and append one metrics line per step to
 `logging.dir/policy_metrics.jsonl`.
@@ -21,7 +21,7 @@ import time
 import torch
 
 from megatron_rl import faults, parallel
-from megatron_rl.config import ResolvedConfig
+from megatron_rl.config import ModelLayout, ResolvedConfig
 from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.policy.publish import make_publisher
 from megatron_rl.policy.update import UpdateSettings, policy_update
@@ -29,7 +29,7 @@ from megatron_rl.trainer.role import RoleTrainer
 from megatron_rl.trainer.snapshot import export_snapshot, snapshot_versions
 
 
-def build_policy_model(resolved: ResolvedConfig, layout) -> torch.nn.Module:
+def build_policy_model(resolved: ResolvedConfig, layout: ModelLayout) -> torch.nn.Module:
     return build_gpt_model(
         resolved.layout.policy_architecture,
         tp=layout.tp,
@@ -42,7 +42,7 @@ def build_policy_model(resolved: ResolvedConfig, layout) -> torch.nn.Module:
     )
 
 
-def build_reference(model, layout, resolved: ResolvedConfig):
+def build_reference(model: torch.nn.Module, layout: ModelLayout, resolved: ResolvedConfig) -> torch.nn.Module:
     """The frozen reference policy for `algorithm.kl_coef`: the initial weights (taken from the
     freshly initialised `model` before any checkpoint is resumed, so a resumed run keeps the
     same reference), same layout, no gradients, eval mode."""

@@ -17,7 +17,7 @@ Order, on this rank's grid item (the micro-batches of every mini-batch, `MicroBa
 
 Every log-prob is of softmax(logits / T), T = `orchestrator.temperature`, the distribution the
 samples were drawn from. `policy_minibatches = policy_epochs = 1` with `sampler` is one
-train_step on the grid item, as before mini-batches existed.
+train_step on the grid item.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_rl.algorithms import aggregation, rollout_correction
-from megatron_rl.config import AlgorithmConfig
+from megatron_rl.config import AlgorithmConfig, ResolvedConfig
 from megatron_rl.data.types import MicroBatch
 from megatron_rl.faults import kill_point
 from megatron_rl.parallel import collective_device
@@ -55,7 +55,7 @@ class UpdateSettings:
     loss_scale_factor: int | None = None  # seq-mean-token-sum-norm's divisor (resolved default)
 
     @classmethod
-    def from_config(cls, resolved) -> UpdateSettings:
+    def from_config(cls, resolved: ResolvedConfig) -> UpdateSettings:
         algorithm = resolved.algorithm
         scale = algorithm.loss_scale_factor or resolved.orchestrator.max_completion_tokens
         return cls(algorithm, resolved.orchestrator.temperature, scale)
