@@ -7,9 +7,9 @@
 - `copy`: "copy: kuze" -> "kuze"; same reward;
 - `count`: "count: 4" -> "xxxx"; reward = max(0, 1 - |#x - N| / 6 - 0.1 per other character).
 
-Measured on a 2-core CPU with a tiny random transformer (while developing the demo):
-`count` rises from scratch (0.07 -> 0.9 within 100 GRPO steps); `reverse` and `copy` rise by
-+0.4 to +0.5 after a short supervised warm start. The answer is read up to the first newline.
+A tiny random model learns `count` from scratch, `reverse` and `copy` after a short supervised
+warm start (docs/components/orchestrator.md has the figures). The answer is read up to the first
+newline.
 """
 
 from __future__ import annotations
