@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from megatron_rl.config import DynamicSamplingConfig
 from megatron_rl.orchestrator.rollouts import Group
 from megatron_rl.orchestrator.sink import Verdict
 
@@ -66,7 +67,7 @@ class Dispatcher:
         live_version: Callable[[], int],
         next_group_id: int = 0,
         shipped_batches: int = 0,
-        dynamic_sampling=None,
+        dynamic_sampling: DynamicSamplingConfig | None = None,
     ):
         """`start_group(group_id, row_index)` runs one group; `judge(group)` gives its Verdict;
         `live_version()` is the policy version the inference servers run; `dynamic_sampling`

@@ -13,7 +13,8 @@ import asyncio
 
 import numpy as np
 
-from megatron_rl.envs import make_environment
+from megatron_rl.config import EvalConfig
+from megatron_rl.envs import Environment, make_environment
 from megatron_rl.inference.rollout import SamplingParams
 from megatron_rl.orchestrator.rollouts import run_member
 
@@ -21,7 +22,7 @@ EVAL_GROUP_OFFSET = 1 << 40  # session ids of evaluation rollouts never collide 
 
 
 class Evaluator:
-    def __init__(self, eval_configs, client, encoder, default_max_tokens: int, seed: int):
+    def __init__(self, eval_configs: list[EvalConfig], client, encoder, default_max_tokens: int, seed: int):
         self.sets = []
         for config in eval_configs:
             env = make_environment(config.environment, config.dataset, config.seed,
@@ -45,7 +46,9 @@ class Evaluator:
                 results[f"eval/{config.name}/error"] = f"{type(exc).__name__}: {exc}"
         return results
 
-    async def _run_set(self, config, env, sampling, step: int) -> dict:
+    async def _run_set(
+        self, config: EvalConfig, env: Environment, sampling: SamplingParams, step: int
+    ) -> dict:
         k = config.samples_per_example
         tasks = [
             run_member(

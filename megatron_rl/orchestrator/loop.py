@@ -29,6 +29,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from megatron_rl.algorithms import make_algorithm
+from megatron_rl.config import ResolvedConfig
 from megatron_rl.data.packing import pack_into_grid, pack_minibatches
 from megatron_rl.inference.rollout import SamplingParams
 from megatron_rl.orchestrator.dispatcher import Dispatcher
@@ -53,8 +54,8 @@ class Timeouts:
 
 
 class Orchestrator:
-    def __init__(self, resolved, env, encoder: PromptEncoder, client, weights, critic, send_policy,
-                 state: OrchestratorState, record_metrics, timeouts: Timeouts | None = None):  # fmt: skip
+    def __init__(self, resolved: ResolvedConfig, env, encoder: PromptEncoder, client, weights, critic,
+                 send_policy, state: OrchestratorState, record_metrics, timeouts: Timeouts | None = None):  # fmt: skip
         self.resolved = resolved
         self.env, self.encoder, self.client = env, encoder, client
         self.weights, self.critic, self.send_policy = weights, critic, send_policy

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from megatron_rl.config import OverlongConfig
+
 
 def explained_variance(values: np.ndarray, returns: np.ndarray) -> float | None:
     """1 - Var(returns - values) / Var(returns) over action tokens; None when undefined."""
@@ -32,7 +34,7 @@ def _stats(prefix: str, values) -> dict:
             f"{prefix}_min": float(values.min()), f"{prefix}_max": float(values.max())}  # fmt: skip
 
 
-def overlong_metrics(samples, overlong) -> dict:
+def overlong_metrics(samples, overlong: OverlongConfig | None) -> dict:
     """How many samples the length shaping touched: `overlong_shaped` (a nonzero penalty),
     `overlong_penalty_mean` (over every sample of the step), `overlong_masked` (mask mode: every
     truncated sample), `score_mean` (the environment's reward before shaping)."""
@@ -64,7 +66,8 @@ def turn_metrics(members) -> dict:
 
 
 def step_metrics(
-    step, batch, samples, counts, dispatcher, times, critic_status, live_version, batch_size, overlong=None
+    step, batch, samples, counts, dispatcher, times, critic_status, live_version, batch_size,
+    overlong: OverlongConfig | None = None,
 ) -> dict:
     """`counts`: the dispatcher's StepCounts of this step; `overlong`: the OverlongConfig or None."""
     members = [m for group, _ in batch for m in group.members if m.status == "finished"]

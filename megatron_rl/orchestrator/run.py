@@ -20,6 +20,7 @@ import logging
 import time
 from pathlib import Path
 
+from megatron_rl.config import ResolvedConfig
 from megatron_rl.critic.client import HttpValueScorer
 from megatron_rl.envs import make_environment
 from megatron_rl.inference.pool import InferencePool, WeightSync, served_model_dir
@@ -93,7 +94,7 @@ class VersionFollower:
 
 
 class CriticLink:
-    def __init__(self, resolved, timeout_s: float):
+    def __init__(self, resolved: ResolvedConfig, timeout_s: float):
         service, layout = resolved.value.service, resolved.layout.critic
         self.url = f"http://{service.host}:{service.port}"
         self.scorer = HttpValueScorer(
@@ -114,7 +115,7 @@ class CriticLink:
         self.sender.close()
 
 
-def attach_pool(resolved) -> InferencePool:
+def attach_pool(resolved: ResolvedConfig) -> InferencePool:
     """The running servers (`layout.inference_urls`) and router (`inference.host`:`router_port`)
     of `resolved.inference`, started by the launcher."""
     inference = resolved.inference
@@ -124,7 +125,7 @@ def attach_pool(resolved) -> InferencePool:
     return InferencePool.attach(controls, router, inference.served_model_name)
 
 
-async def orchestrate(resolved, pool: InferencePool, tokenizer=None) -> int:
+async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=None) -> int:
     """Runs the configured steps against `pool`; returns the number of steps run."""
     from transformers import AutoTokenizer
 
@@ -181,7 +182,7 @@ async def orchestrate(resolved, pool: InferencePool, tokenizer=None) -> int:
         await asyncio.to_thread(policy_sender.close)
 
 
-def trainer_resume_step(resolved) -> int:
+def trainer_resume_step(resolved: ResolvedConfig) -> int:
     """The step the trainers resume at: one past the step every role has checkpointed."""
 
     if not resolved.checkpoint.resume:

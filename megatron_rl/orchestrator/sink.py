@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megatron_rl.config import AdmissionConfig, OverlongConfig
 from megatron_rl.data.types import TrainingSample
 from megatron_rl.orchestrator.rollouts import Group
 
@@ -53,7 +54,12 @@ def overlong_penalty(completion_tokens: int, max_completion_tokens: int, buffer_
 
 
 class TrainSink:
-    def __init__(self, admission, overlong=None, max_completion_tokens: int | None = None):
+    def __init__(
+        self,
+        admission: AdmissionConfig,
+        overlong: OverlongConfig | None = None,
+        max_completion_tokens: int | None = None,
+    ):
         """`overlong` (an OverlongConfig or None) needs `max_completion_tokens`, the budget L_max."""
         if overlong is not None and max_completion_tokens is None:
             raise ValueError("orchestrator.overlong needs orchestrator.max_completion_tokens")

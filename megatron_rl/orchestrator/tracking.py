@@ -35,6 +35,8 @@ import logging
 import time
 from pathlib import Path
 
+from megatron_rl.config import ResolvedConfig, WandbConfig
+
 log = logging.getLogger(__name__)
 
 ROLE_FILES = {"policy": "policy_metrics.jsonl", "critic": "critic_metrics.jsonl"}
@@ -68,7 +70,7 @@ def _missing(key: str, package: str, exc: ImportError) -> TrackingError:
 class WandbBackend:
     key = "logging.wandb"
 
-    def __init__(self, config, log_dir: Path, run_config: dict | None, resume: bool):
+    def __init__(self, config: WandbConfig, log_dir: Path, run_config: dict | None, resume: bool):
         try:
             import wandb
         except ImportError as exc:
@@ -183,8 +185,8 @@ class Tracker:
     `close(final_step)` waits (up to `timeout_s`) for each trainer file that exists to reach
     `final_step`, logs the last lines and closes the trackers."""
 
-    def __init__(self, log_dir: str | Path, *, wandb=None, tensorboard: bool = False, run_config: dict | None = None,
-                 resume: bool = True, roles: dict[str, str] = ROLE_FILES):  # fmt: skip
+    def __init__(self, log_dir: str | Path, *, wandb: WandbConfig | None = None, tensorboard: bool = False,
+                 run_config: dict | None = None, resume: bool = True, roles: dict[str, str] = ROLE_FILES):  # fmt: skip
         self.dir = Path(log_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.backends: list = []
@@ -200,7 +202,7 @@ class Tracker:
         }
 
     @classmethod
-    def from_config(cls, resolved) -> Tracker | None:
+    def from_config(cls, resolved: ResolvedConfig) -> Tracker | None:
         """The tracker of `resolved.logging`, or None when no tracker is on."""
         cfg = resolved.logging
         wandb = cfg.wandb if cfg.wandb is not None and cfg.wandb.mode != "disabled" else None
