@@ -44,7 +44,7 @@ import httpx
 import msgspec
 import numpy as np
 
-from megatron_rl.config import load_config, parse_config
+from megatron_rl.config import ResolvedConfig, load_config, parse_config
 from megatron_rl.critic.client import HttpValueScorer
 from megatron_rl.critic.wire import BINARY_VALUES, STEP_HEADER
 from megatron_rl.inference.rollout import Completion
@@ -169,7 +169,7 @@ class _ScoreBody(msgspec.Struct):
 class SimCritic:
     """The critic's HTTP service (an httpx transport) and trainer; one GPU group for both."""
 
-    def __init__(self, cluster: SimCluster, resolved):
+    def __init__(self, cluster: SimCluster, resolved: ResolvedConfig):
         self.cluster, self.resolved = cluster, resolved
         value = resolved.value
         self.arch, self.gpus = value.model.architecture, resolved.layout.critic.world_size
@@ -249,7 +249,7 @@ class SimCritic:
 class SimPolicy:
     """Receives the policy grid over ZMQ, trains, broadcasts; then the version is live."""
 
-    def __init__(self, cluster: SimCluster, resolved):
+    def __init__(self, cluster: SimCluster, resolved: ResolvedConfig):
         self.cluster, self.resolved = cluster, resolved
         a = resolved.algorithm
         self.arch, self.gpus = resolved.model.architecture, resolved.layout.policy.world_size
@@ -287,7 +287,7 @@ class SimSync:
         self.version = self.policy.installed
 
 
-def cluster_config(example: str | Path, run_dir: str | Path, **orchestrator):
+def cluster_config(example: str | Path, run_dir: str | Path, **orchestrator) -> ResolvedConfig:
     """The resolved config of `example` (a YAML, e.g. examples/configs/qwen3_30b_a3b_sao.yaml)
     with `orchestrator` keys replaced and the run's directories under `run_dir`."""
     data = load_config(example).model_dump(exclude={"layout"}, exclude_none=True)
@@ -333,7 +333,11 @@ class SimCluster:
     """The stand-ins around one Orchestrator; `run()` returns a SimResult."""
 
     def __init__(
-        self, resolved, model: ClusterModel | None = None, seed: int = 0, run_dir: str | Path | None = None
+        self,
+        resolved: ResolvedConfig,
+        model: ClusterModel | None = None,
+        seed: int = 0,
+        run_dir: str | Path | None = None,
     ):
         self.model = model or ClusterModel()
         self.model.check()

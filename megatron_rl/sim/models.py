@@ -5,13 +5,11 @@ the real orchestrator runs against.
 
 Defaults: the Qwen3-30B-A3B example configs (examples/configs/qwen3_30b_a3b_*.yaml; the
 architecture, layouts, epochs and recomputation are read from the resolved config) and the
-seed's measured figures: a critic step of 64 sequences x 31K tokens on 4 GPUs took 227-773 s
-(`seed_*`: they calibrate the training throughput per GPU, for the critic and the policy
-alike, and the step-to-step spread), and one NCCL weight broadcast 48.7 s. The inference rates
-have no measured figure yet: they are chosen so that one batch's generation takes about as long
-as its training on the SAO 30B layout at 64 rollouts (the regime where asynchrony pays): the
-longest completion, the 15,360-token budget at 100 tokens/s, takes ~154 s; critic training,
-scoring, policy training and the broadcast ~150 s.
+seed's measured critic steps and weight broadcast (`seed_*`, `broadcast_s`: they calibrate the
+training throughput per GPU, for the critic and the policy alike, and the step-to-step spread).
+The inference rates are chosen so that one batch's generation takes about as long as its
+training on the SAO 30B layout at 64 rollouts, the regime where asynchrony pays. docs/scale.md
+gives these figures and where they come from.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ import math
 import zlib
 from dataclasses import dataclass, field, fields
 
+from megatron_rl.config import Architecture, ModelConfig
 from megatron_rl.envs import Environment, Turn
 
 
@@ -82,7 +81,7 @@ class ClusterModel:
             )
 
 
-def active_parameters(arch, lm_head: bool) -> float:
+def active_parameters(arch: Architecture, lm_head: bool) -> float:
     """Parameters one token passes through (MoE: the routed top-k experts and the router), plus
     the output layer when `lm_head` (the policy; a critic's value head is one column)."""
     h, d = arch.hidden_size, arch.kv_channels
@@ -94,7 +93,7 @@ def active_parameters(arch, lm_head: bool) -> float:
     return arch.num_layers * (attention + mlp) + (h * arch.vocab_size if lm_head else h)
 
 
-def forward_flops(arch, lengths, lm_head: bool) -> float:
+def forward_flops(arch: Architecture, lengths, lm_head: bool) -> float:
     """FLOPs of one forward pass over packed sequences of `lengths` tokens: 2 x active parameters
     per token plus causal attention, 2 x layers x heads x head_dim x n^2 per sequence."""
     per_token = 2.0 * active_parameters(arch, lm_head)
@@ -102,7 +101,7 @@ def forward_flops(arch, lengths, lm_head: bool) -> float:
     return sum(per_token * n + attention * n * n for n in lengths)
 
 
-def training_passes(model_config, epochs: int, extra_forwards: int = 0) -> int:
+def training_passes(model_config: ModelConfig, epochs: int, extra_forwards: int = 0) -> int:
     """Forward-equivalents of a training step: 3 per epoch (forward, backward = 2 forwards), one
     more with full recomputation, plus `extra_forwards` (a recomputed pi_old)."""
     recompute = getattr(model_config, "recompute", None)
@@ -110,7 +109,7 @@ def training_passes(model_config, epochs: int, extra_forwards: int = 0) -> int:
     return epochs * per_epoch + extra_forwards
 
 
-def seed_flops_per_gpu_s(model: ClusterModel, critic_model_config, epochs: int) -> float:
+def seed_flops_per_gpu_s(model: ClusterModel, critic_model_config: ModelConfig, epochs: int) -> float:
     """Training FLOPs per second per GPU that reproduce the seed's critic step (its geometric
     mean time) with this config's critic architecture, epochs and recomputation."""
     lengths = [model.seed_tokens_per_sequence] * model.seed_sequences
@@ -121,8 +120,9 @@ def seed_flops_per_gpu_s(model: ClusterModel, critic_model_config, epochs: int) 
 
 
 def spread(model: ClusterModel, seed: int, what: str, step: int) -> float:
-    """A step's factor on its modelled training time: log-uniform over the seed's range around
-    its geometric mean (227-773 s: 0.54x-1.84x), drawn from (seed, what, step)."""
+    """A step's factor on its modelled training time: log-uniform over the seed's range
+    [seed_step_s_low, seed_step_s_high] around its geometric mean (0.54x-1.84x with the defaults),
+    drawn from (seed, what, step)."""
     mean = math.sqrt(model.seed_step_s_low * model.seed_step_s_high)
     u = (zlib.crc32(f"{seed}:{what}:{step}".encode()) & 0xFFFFFFFF) / 2**32
     low, high = math.log(model.seed_step_s_low / mean), math.log(model.seed_step_s_high / mean)
