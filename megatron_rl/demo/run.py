@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Chosen by measurement (docs/getting-started/demo.md, benchmarks/demo_learning.py): `count` rises from the
 # random initialisation for all three algorithms at 64 rollouts a step with a character vocabulary.
 DEFAULTS = {"steps": 50, "task": "count", "sft_steps": 0, "rollouts": 64, "lr": 3.0e-3}
-# `--task tool` (docs/getting-started/tool-demo.md): the calculator environment of TOOL_TASK, a
+# `--task tool` (docs/getting-started/demo.md, "The tool demo"): the calculator environment of TOOL_TASK, a
 # warm start on its format until the loss is below TOOL["sft_target_loss"] (at most sft_steps).
 TOOL = {"steps": 40, "sft_steps": 300, "sft_target_loss": 0.1, "lr": 5.0e-4, "max_prompt_tokens": 32,
         "max_completion_tokens": 56}  # fmt: skip

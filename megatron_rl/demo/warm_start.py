@@ -9,9 +9,9 @@ writing "3901"; its demonstrations train the two turns of the model and not the 
 Cross-entropy on the answer tokens (plus the end-of-sequence token) of prompts rendered exactly as
 the orchestrator renders them (the tokenizer's chat template, once), rows from a seed that the
 RL run does not use. From a random initialisation a tiny model learns the answer *format* in a
-minute and then improves under RL (measured while developing the demo: reverse rises from 0.44 to
-0.9 after 50-80 warm-start steps; without it only `count` rises). Prints the loss every 10 steps
-and writes the model (HF format, tokenizer included) to --out.
+minute and then improves under RL, which without a warm start only `count` does
+(docs/getting-started/demo.md, "How the task was chosen"). Prints the loss every 10 steps and
+writes the model (HF format, tokenizer included) to --out.
 """
 
 from __future__ import annotations
