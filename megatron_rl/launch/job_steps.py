@@ -16,12 +16,13 @@ import os
 import sys
 import time
 
+from megatron_rl.config import ResolvedConfig
 from megatron_rl.inference.pool import InferencePool, router_settings
 from megatron_rl.inference.router import _free_loopback_port, router_command
 from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
 
 
-def exec_inference_server(resolved, index: int) -> None:
+def exec_inference_server(resolved: ResolvedConfig, index: int) -> None:
     """Becomes server `index`; its devices are the ones SLURM gave this step."""
 
     placeholder = [["0"] * resolved.inference.tp for _ in range(resolved.inference.num_servers)]
@@ -35,14 +36,14 @@ def exec_inference_server(resolved, index: int) -> None:
     os.execve(server.command[0], server.command, env)
 
 
-def exec_router(resolved) -> None:
+def exec_router(resolved: ResolvedConfig) -> None:
     command = router_command(resolved.layout.inference_urls, resolved.inference.host, resolved.inference.router_port,
                              _free_loopback_port(), router_settings(resolved))  # fmt: skip
     print(f"router: {' '.join(command)}", flush=True)
     os.execv(command[0], command)
 
 
-def wait_inference(resolved) -> int:
+def wait_inference(resolved: ResolvedConfig) -> int:
     inference = resolved.inference
     api_key = inference.api_key()
     deadline = time.monotonic() + inference.startup_timeout_s

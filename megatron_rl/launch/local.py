@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_rl.config import load_config
+from megatron_rl.config import ResolvedConfig, load_config
 from megatron_rl.inference.pool import InferencePool, router_settings, served_model_dir
 from megatron_rl.inference.router import router_command
 from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
@@ -84,7 +84,7 @@ class Component:
             return
         if sig == signal.SIGTERM and self.url is not None:
             # A vLLM server: the API server stops its engine itself (SIGTERM to the engine as
-            # well made it log an EngineDeadError traceback).
+            # well would make it log an EngineDeadError traceback).
             os.kill(self.process.pid, sig)
             return
         ranks = _children(self.process.pid) if self.torchrun else []
@@ -117,7 +117,7 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def visible_devices(resolved) -> list[str]:
+def visible_devices(resolved: ResolvedConfig) -> list[str]:
     """The devices this launch may use: CUDA_VISIBLE_DEVICES as given, else every GPU; on CPU
     one pseudo-device per process."""
     deployment = resolved.deployment
@@ -134,7 +134,7 @@ def visible_devices(resolved) -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU")]
 
 
-def assign_devices(resolved, visible: list[str]) -> dict[str, list[str]]:
+def assign_devices(resolved: ResolvedConfig, visible: list[str]) -> dict[str, list[str]]:
     """Disjoint device lists: `inference_{i}` (inference.tp each), `critic`, `policy`."""
     deployment, inference = resolved.deployment, resolved.inference
     needed = deployment.inference_gpus + deployment.policy_gpus + resolved.layout.value_gpus
@@ -154,7 +154,7 @@ def assign_devices(resolved, visible: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def training_env(resolved, role: str) -> dict[str, str]:
+def training_env(resolved: ResolvedConfig, role: str) -> dict[str, str]:
     """What megatron needs in the environment of a training role's ranks ("policy" or "critic"):
     on CUDA with TP > 1, CUDA_DEVICE_MAX_CONNECTIONS=1. Megatron's tensor-parallel linear layers
     issue the sequence-parallel all-gather and reduce-scatter, or the input-gradient all-reduce,
@@ -167,7 +167,7 @@ def training_env(resolved, role: str) -> dict[str, str]:
     return {}
 
 
-def _role_env(resolved, role: str, devices: list[str]) -> dict[str, str]:
+def _role_env(resolved: ResolvedConfig, role: str, devices: list[str]) -> dict[str, str]:
     if resolved.deployment.device == "cpu":
         return {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     return {"CUDA_VISIBLE_DEVICES": ",".join(devices), **training_env(resolved, role)}
@@ -179,7 +179,7 @@ def torchrun_command(nproc: int, port: int, role_args: list[str]) -> list[str]:
 
 
 def plan_local(
-    resolved, resolved_path: Path, devices: dict[str, list[str]], ports: dict[str, int]
+    resolved: ResolvedConfig, resolved_path: Path, devices: dict[str, list[str]], ports: dict[str, int]
 ) -> list[Component]:
     """The components of one local run, in start order. `ports`: `policy_rendezvous`,
     `critic_rendezvous` (with a value section), `router_metrics`."""
@@ -224,7 +224,7 @@ def plan_local(
     return components
 
 
-def probe_launch_ports(resolved) -> dict[str, int]:
+def probe_launch_ports(resolved: ResolvedConfig) -> dict[str, int]:
     """Both groups' rendezvous ports and the router's metrics port, chosen together, free on
     the host address and loopback, none of the configured ports."""
     names = ["policy_rendezvous", "router_metrics"] + (

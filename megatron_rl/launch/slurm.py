@@ -33,7 +33,7 @@ from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from megatron_rl.config import load_config
+from megatron_rl.config import ResolvedConfig, load_config
 from megatron_rl.launch.local import training_env
 
 
@@ -48,7 +48,7 @@ class StepPlacement:
     gpus_per_node: int
 
 
-def place(resolved) -> dict[str, StepPlacement | list[StepPlacement]]:
+def place(resolved: ResolvedConfig) -> dict[str, StepPlacement | list[StepPlacement]]:
     deployment, inference, layout = resolved.deployment, resolved.inference, resolved.layout
     g, nodes = deployment.gpus_per_node, deployment.nodes
     free = [g] * nodes
@@ -122,8 +122,8 @@ def srun_export(env: dict[str, str]) -> str:
     return ",".join(["ALL", *(f"{key}={value}" for key, value in sorted(env.items()))])
 
 
-def render(resolved, config_path: Path, partition: str | None = None, time_limit: str | None = None,
-           python: str | None = None) -> str:  # fmt: skip
+def render(resolved: ResolvedConfig, config_path: Path, partition: str | None = None,
+           time_limit: str | None = None, python: str | None = None) -> str:  # fmt: skip
     placement = place(resolved)
     templates = Environment(loader=FileSystemLoader(Path(__file__).parent / "templates"), undefined=StrictUndefined,
                             keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
