@@ -21,7 +21,8 @@ Both runs of a seed start from the same model (for `tool`: the same warm start),
 the same. From `reward_mean` in each run's orchestrator_metrics.jsonl it computes, for every
 N from `--min-steps` to `--steps`, the check's statistic on the run's first N steps, as the test
 computes it on an N-step run (a run's first N steps are an N-step run: the learning rate is
-constant and nothing else depends on the number of steps):
+constant and nothing else depends on the number of steps; checked on count at seed 0, where a
+6-step run's rewards equal the first 6 of the 20-step run's, learning and frozen alike):
 
 - count: the mean reward of the last w of the N steps minus that of the first w, with
   w = min(5, N // 2) so the two windows never overlap;
@@ -30,15 +31,19 @@ constant and nothing else depends on the number of steps):
 It prints a table per task: N, w, the smallest learning rise over the seeds, the largest noise
 rise, the gap between them, the noise's spread (the standard deviation of the statistic when
 nothing learns: the pooled within-run standard deviation of the noise runs' per-step rewards,
-times sqrt(2 / w) for count and sqrt(1 + 1/5) for tool) and the mean seconds of training the N
-steps took in the learning runs. The chosen N is the smallest from which on every N up to
-`--steps` separates clearly: gap >= CLEAR_FACTOR (2) x the noise's spread. Its margin is halfway
-between the smallest learning rise and the largest noise rise, so it sits at least one noise
-spread from each. Writes benchmarks/results/learning_check.json: figure (per task: the chosen N,
-window, margin and training seconds), reference (per task: `--steps` and its training seconds),
-ratio (their training seconds), params, the tables, and every run's per-step rewards and step
-seconds so the choice can be re-derived. Run directories `OUT/TASK-learning-sS` and
-`OUT/TASK-noise-sS` are reused when finished (a sweep that was cut short continues).
+times sqrt(2 / w) for count and sqrt(1 + 1/5) for tool), the learning rises' spread (their
+standard deviation over the seeds) and the mean seconds of training the N steps took in the
+learning runs. The chosen N is the smallest from which on every N up to `--steps` separates
+clearly: gap >= CLEAR_FACTOR (2) x the larger of the two spreads. Its margin is halfway between
+the smallest learning rise and the largest noise rise, so it sits at least one spread from
+each. When no N does, the figure is the row of `--steps` itself, marked `"clear": false`. For
+`tool` a second table applies count's statistic (first w against last w steps) to the same
+runs, for comparison; the choice is the test's statistic's. Writes
+benchmarks/results/learning_check.json: figure (per task: the chosen N, window, margin and
+training seconds), reference (per task: `--steps` and its training seconds), ratio (their
+training seconds), params, the tables, and every run's per-step rewards and step seconds so the
+choice can be re-derived. Run directories `OUT/TASK-learning-sS` and `OUT/TASK-noise-sS` are
+reused when finished (a sweep that was cut short continues).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -110,21 +116,25 @@ def largest_weight_change(run_dir: Path) -> float:
     return max((last[name].double() - start[name].double()).abs().max().item() for name in start)
 
 
-def table(task: str, learning: list[dict], noise: list[dict], min_steps: int, max_steps: int) -> list[dict]:
-    """One row per N: the learning and noise statistics over the seeds, the gap and the noise's spread."""
-    statistic = STATISTICS[task]
+def table(
+    statistic: str, learning: list[dict], noise: list[dict], min_steps: int, max_steps: int
+) -> list[dict]:
+    """One row per N: `statistic` (a STATISTICS name) of the learning and noise runs over the seeds,
+    the gap, both spreads, whether it separates clearly and the halfway margin."""
     step_sd = pooled_step_sd([run["rewards"] for run in noise])
     rows = []
     for steps in range(min_steps, max_steps + 1):
-        learning_rises = [statistic(run["rewards"], steps) for run in learning]
-        noise_rises = [statistic(run["rewards"], steps) for run in noise]
-        spread = statistic_sd(task, steps, step_sd)
+        learning_rises = [STATISTICS[statistic](run["rewards"], steps) for run in learning]
+        noise_rises = [STATISTICS[statistic](run["rewards"], steps) for run in noise]
+        noise_sd = statistic_sd(statistic, steps, step_sd)
+        learning_sd = statistics.stdev(learning_rises) if len(learning_rises) > 1 else 0.0
         gap = min(learning_rises) - max(noise_rises)
         train_s = sum(sum(run["step_seconds"][:steps]) for run in learning) / len(learning)
-        rows.append({"steps": steps, "window": count_window(steps) if task == "count" else WINDOW,
+        rows.append({"steps": steps, "window": count_window(steps) if statistic == "count" else WINDOW,
                      "learning": [round(x, 4) for x in learning_rises], "noise": [round(x, 4) for x in noise_rises],
                      "learning_min": round(min(learning_rises), 4), "noise_max": round(max(noise_rises), 4),
-                     "gap": round(gap, 4), "noise_sd": round(spread, 4), "clear": gap >= CLEAR_FACTOR * spread,
+                     "gap": round(gap, 4), "noise_sd": round(noise_sd, 4), "learning_sd": round(learning_sd, 4),
+                     "clear": gap >= CLEAR_FACTOR * max(noise_sd, learning_sd),
                      "margin": round((min(learning_rises) + max(noise_rises)) / 2, 2),
                      "train_s": round(train_s, 1)})  # fmt: skip
     return rows
@@ -140,29 +150,29 @@ def choose(rows: list[dict]) -> dict | None:
     return chosen
 
 
-def print_table(task: str, rows: list[dict], chosen: dict | None) -> None:
-    print(f"\n[learning-check] {task}: the check's statistic on the first N steps, over the seeds")
-    print(f"{'N':>3} {'w':>2} {'learning min':>12} {'noise max':>9} {'gap':>7} {'noise sd':>8} {'gap/sd':>6} "
-          f"{'train s':>7}  learning | noise")  # fmt: skip
+def print_table(title: str, rows: list[dict], chosen: dict | None) -> None:
+    print(f"\n[learning-check] {title}: the statistic on the first N steps, over the seeds (* clear)")
+    print(f"{'N':>3} {'w':>2} {'learning min':>12} {'noise max':>9} {'gap':>7} {'noise sd':>8} {'learn sd':>8} "
+          f"{'gap/sd':>6} {'margin':>6} {'train s':>7}  learning | noise")  # fmt: skip
     for row in rows:
         mark = " <-" if row is chosen else ("  *" if row["clear"] else "   ")
         print(f"{row['steps']:>3} {row['window']:>2} {row['learning_min']:>+12.3f} {row['noise_max']:>+9.3f} "
-              f"{row['gap']:>+7.3f} {row['noise_sd']:>8.3f} {row['gap'] / row['noise_sd']:>6.1f} "
+              f"{row['gap']:>+7.3f} {row['noise_sd']:>8.3f} {row['learning_sd']:>8.3f} "
+              f"{row['gap'] / max(row['noise_sd'], row['learning_sd']):>6.1f} {row['margin']:>+6.2f} "
               f"{row['train_s']:>7.1f}{mark} {' '.join(f'{x:+.3f}' for x in row['learning'])} | "
               f"{' '.join(f'{x:+.3f}' for x in row['noise'])}")  # fmt: skip
     if chosen is None:
-        print(
-            f"[learning-check] {task}: no N separates clearly (gap >= {CLEAR_FACTOR:g} x noise sd) up to the last"
-        )
+        print(f"[learning-check] {title}: no N up to {rows[-1]['steps']} separates clearly "
+              f"(gap >= {CLEAR_FACTOR:g} x the larger spread)")  # fmt: skip
     else:
-        print(f"[learning-check] {task}: N = {chosen['steps']} (window {chosen['window']}), margin "
+        print(f"[learning-check] {title}: N = {chosen['steps']} (window {chosen['window']}), margin "
               f"{chosen['margin']:+.2f} (halfway between {chosen['noise_max']:+.3f} and {chosen['learning_min']:+.3f}; "
-              f"gap {chosen['gap'] / chosen['noise_sd']:.1f} noise sd)")  # fmt: skip
+              f"gap {chosen['gap'] / max(chosen['noise_sd'], chosen['learning_sd']):.1f} x the larger spread)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    # As launch/demo.sh runs it (the tests' runs): one thread a process, set before torch is
-    # imported, so the in-process warm start is the tests' too.
+    # As launch/demo.sh runs it, and so the tests: one thread a process unless set otherwise
+    # (before torch is imported, for the in-process warm start too).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from _results import write_result
 
@@ -227,13 +237,16 @@ def main(argv: list[str] | None = None) -> int:
         rows = tables[task] = table(task, learning, noise, args.min_steps, args.steps)
         chosen = choose(rows)
         print_table(task, rows, chosen)
+        if task == "tool":  # the same runs under count's statistic, for comparison
+            windows = tables["tool, count's windows"] = table(
+                "count", learning, noise, args.min_steps, args.steps
+            )
+            print_table("tool, count's windows", windows, choose(windows))
         reference[task] = {"steps": args.steps, "train_s": rows[-1]["train_s"]}
-        if chosen is None:
-            figure[task], ratio[task] = None, None
-        else:
-            figure[task] = {k: chosen[k] for k in ("steps", "window", "margin", "train_s", "learning_min", "noise_max",
-                                                   "gap", "noise_sd")}  # fmt: skip
-            ratio[task] = round(chosen["train_s"] / rows[-1]["train_s"], 3)
+        row = chosen or rows[-1]  # none separates clearly: the row of --steps, marked clear false
+        figure[task] = {k: row[k] for k in ("steps", "window", "margin", "clear", "train_s", "learning_min",
+                                            "noise_max", "gap", "noise_sd", "learning_sd")}  # fmt: skip
+        ratio[task] = round(row["train_s"] / rows[-1]["train_s"], 3)
     path = write_result(
         "learning_check", figure=figure, reference=reference, ratio=ratio,
         params={"tasks": tasks, "seeds": seeds, "steps": args.steps, "min_steps": args.min_steps,
@@ -241,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                 "lr": {task: settings[task][1] for task in tasks}},
         tables=tables, runs=runs,
         note="figure: per task, the smallest N from which on every N separates learning from noise "
-        "(smallest learning rise - largest noise rise >= clear_factor x the noise's sd), its window, its margin "
-        "(halfway) and its training seconds; reference: the same at --steps; ratio: their training seconds",
+        "(smallest learning rise - largest noise rise >= clear_factor x the larger of the noise's sd and the "
+        "learning rises' sd over seeds), its window, its margin (halfway) and its training seconds, or the row "
+        "of --steps with clear false; reference: the same at --steps; ratio: their training seconds",
     )  # fmt: skip
     print(f"[learning-check] wrote {path}")
     return 0
