@@ -55,6 +55,26 @@ def rise(run_dir: Path, k: int = 5) -> tuple[float, float]:
     return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
 
 
+def run_or_reuse(out: Path, algo: str, seed: int, steps: int, task: str, sft_steps: int, lr: float) -> int:
+    """Runs the demo's job (`algo`, or a VARIANTS name) into `out` and returns its exit code; a
+    finished run of `steps` steps already in `out` is kept (exit code 0), anything else there is
+    removed first."""
+    from megatron_rl.demo.plot import load_run
+    from megatron_rl.demo.run import run_demo
+    from megatron_rl.launch.local import run_local
+
+    done = len(load_run(out)["orchestrator"]) if out.is_dir() else 0
+    if done == steps:  # a finished run of an earlier, cut-short sweep: keep it
+        print(f"[curves] {algo} seed {seed}: reusing the finished run in {out}", flush=True)
+        return 0
+    if out.exists():
+        shutil.rmtree(out)
+    algorithm, overrides = VARIANTS.get(algo, (algo, []))
+    return run_demo(
+        algorithm, steps, out, seed, sft_steps, task, lr=lr, overrides=overrides, launcher=run_local
+    )
+
+
 def reward_figure(runs: dict[str, list[Path]], out: Path) -> Path:
     """One panel per algorithm: the mean reward of every seed's run against the step."""
     import matplotlib
@@ -83,9 +103,8 @@ def reward_figure(runs: dict[str, list[Path]], out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     from _results import write_result
 
-    from megatron_rl.demo.plot import load_run, plot_runs, summary_table
-    from megatron_rl.demo.run import DEFAULTS, TASKS, TOOL, run_demo
-    from megatron_rl.launch.local import run_local
+    from megatron_rl.demo.plot import plot_runs, summary_table
+    from megatron_rl.demo.run import DEFAULTS, TASKS, TOOL
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algos", default="sao,ppo,grpo")
@@ -103,16 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         for algo in algos:
             out = args.out / f"{algo}-s{seed}"
             began = time.monotonic()
-            done = len(load_run(out)["orchestrator"]) if out.is_dir() else 0
-            if done == args.steps:  # a finished run of an earlier, cut-short sweep: keep it
-                print(f"[curves] {algo} seed {seed}: reusing the finished run in {out}", flush=True)
-                code = 0
-            else:
-                if out.exists():
-                    shutil.rmtree(out)
-                algorithm, overrides = VARIANTS.get(algo, (algo, []))
-                code = run_demo(algorithm, args.steps, out, seed, sft_steps, args.task, lr=lr,
-                                overrides=overrides, launcher=run_local)  # fmt: skip
+            code = run_or_reuse(out, algo, seed, args.steps, args.task, sft_steps, lr)
             if code != 0:
                 print(f"[curves] {algo} seed {seed} exited {code}; see {out}/logs", file=sys.stderr)
                 return code
