@@ -5,9 +5,11 @@ two runs module by module (what scripts/coverage.sh measures before and after a 
     python scripts/coverage_compare.py BEFORE/modules.json AFTER/modules.json [--moved OLD=NEW ...]
 
 A module is named by its path inside the package (`critic/service.py`). `--moved` names a module
-that a change moved (`testing/sim.py=sim/cluster.py`): it is compared under its new name. The
-comparison prints every module's percentage before and after and exits 1 when any module present
-in both runs is covered less afterwards (a module that left the package is listed, not failed).
+that a change moved (`testing/sim.py=sim/cluster.py`) or split (`policy/publish.py=
+policy/publish/files.py+policy/publish/broadcast.py`): it is compared with its new modules taken
+together (their statements and covered lines summed). The comparison prints every module's
+percentage before and after and exits 1 when any module present in both runs is covered less
+afterwards (a module that left the package is listed, not failed).
 """
 
 from __future__ import annotations
@@ -36,21 +38,37 @@ def module_figures(report: dict) -> dict[str, dict]:
     return dict(sorted(modules.items()))
 
 
-def compare(before: dict, after: dict, moved: dict[str, str]) -> tuple[list[str], list[str]]:
+def compare(before: dict, after: dict, moved: dict[str, list[str]]) -> tuple[list[str], list[str]]:
     """(table lines, the modules covered less afterwards)."""
-    before = {moved.get(name, name): figures for name, figures in before.items()}
+    after = dict(after)
+    renamed = {}
+    for name, figures in before.items():
+        if name not in moved:
+            renamed[name] = figures
+            continue
+        targets = moved[name]
+        key = "+".join(targets)
+        renamed[key] = figures
+        parts = [after.pop(t) for t in targets if t in after]
+        if parts:
+            statements, covered = sum(p["statements"] for p in parts), sum(p["covered"] for p in parts)
+            after[key] = {"statements": statements, "covered": covered,
+                          "percent": round(100.0 * covered / statements, 2) if statements else 100.0}  # fmt: skip
+    before = renamed
     lines = [f"{'module':48} {'before %':>9} {'after %':>9} {'change':>8}"]
+    width = max([48, *map(len, set(before) | set(after))])
+    lines[0] = f"{'module':{width}} {'before %':>9} {'after %':>9} {'change':>8}"
     drops = []
     for name in sorted(set(before) | set(after)):
         old, new = before.get(name), after.get(name)
         if old is None:
-            lines.append(f"{name:48} {'(new)':>9} {new['percent']:9.2f}")
+            lines.append(f"{name:{width}} {'(new)':>9} {new['percent']:9.2f}")
             continue
         if new is None:
-            lines.append(f"{name:48} {old['percent']:9.2f} {'(gone)':>9}")
+            lines.append(f"{name:{width}} {old['percent']:9.2f} {'(gone)':>9}")
             continue
         change = new["percent"] - old["percent"]
-        lines.append(f"{name:48} {old['percent']:9.2f} {new['percent']:9.2f} {change:+8.2f}")
+        lines.append(f"{name:{width}} {old['percent']:9.2f} {new['percent']:9.2f} {change:+8.2f}")
         if change < 0:
             drops.append(name)
     return lines, drops
@@ -72,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.moved:
         old, sep, new = item.partition("=")
         if not sep or not old or not new:
-            parser.error(f"--moved {item!r}: expected OLD=NEW (module paths inside megatron_rl)")
-        moved[old] = new
+            parser.error(f"--moved {item!r}: expected OLD=NEW[+NEW...] (module paths inside megatron_rl)")
+        moved[old] = new.split("+")
     lines, drops = compare(json.loads(args.before.read_text()), json.loads(args.after.read_text()), moved)
     print("\n".join(lines))
     if drops:
