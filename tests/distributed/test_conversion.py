@@ -8,10 +8,7 @@ test runs each tool as a real process."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -23,37 +20,13 @@ from safetensors.torch import load_file, save_file
 from megatron_rl.config import Architecture
 from tests.support.ranks import gather_vocab, hf_logits
 from tests.support.spawn import run_ranks
-
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
+from tests.support.tools import TOOLS, run_tools
 
 
 def run_tool_process(name: str, *args) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(TOOLS / name), *map(str, args)], capture_output=True, text=True, timeout=300
     )
-
-
-def tools_rank(rank, world_size, calls):
-    """Each (tool, argv) of `calls` in this process as its command line runs it (`main(argv)`,
-    what `sys.exit` it would make): [(exit code, stdout, stderr)]."""
-    results = []
-    for name, argv in calls:
-        main = runpy.run_path(str(TOOLS / name), run_name="tool")["main"]
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(argv)
-            except SystemExit as exit_:  # argparse
-                code = exit_.code
-        results.append((code or 0, out.getvalue(), err.getvalue()))
-    return results
-
-
-def run_tools(*calls: tuple) -> list[subprocess.CompletedProcess]:
-    """Each call (tool name, *args) in one rank, in order: what its process would have returned."""
-    argvs = [(name, [str(a) for a in args]) for name, *args in calls]
-    results = run_ranks(tools_rank, 1, argvs)[0]
-    return [subprocess.CompletedProcess([name, *argv], *result) for (name, argv), result in zip(argvs, results)]
 
 
 def both_ways(hf_dir: Path, work: Path, *extra) -> list[tuple]:
@@ -147,7 +120,9 @@ def test_converted_checkpoint_loads_at_tp2_with_transformers_logits(tiny_models,
 
 
 def test_bad_inputs_exit_nonzero_naming_the_problem(tiny_models, tmp_path):
-    missing = run_tool_process("convert_hf_to_megatron.py", "--hf", tmp_path / "nowhere", "--out", tmp_path / "out")
+    missing = run_tool_process(
+        "convert_hf_to_megatron.py", "--hf", tmp_path / "nowhere", "--out", tmp_path / "out"
+    )
     assert missing.returncode == 2 and "config.json: missing" in missing.stderr  # the tool as a process
 
     unknown = tmp_path / "gpt2"
@@ -214,7 +189,15 @@ def test_a_te_layout_checkpoint_converts_to_hf(tiny_models, tmp_path):
     hf_dir = tiny_models["qwen3_moe"]
     run_ranks(save_te_layout_checkpoint, 1, str(hf_dir), str(tmp_path / "te"))
     (back,) = run_tools(
-        ("convert_megatron_to_hf.py", "--megatron", tmp_path / "te", "--out", tmp_path / "hf", "--hf-config", hf_dir)
+        (
+            "convert_megatron_to_hf.py",
+            "--megatron",
+            tmp_path / "te",
+            "--out",
+            tmp_path / "hf",
+            "--hf-config",
+            hf_dir,
+        )
     )
     assert back.returncode == 0, back.stderr
     assert_bit_exact(

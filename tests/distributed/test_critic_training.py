@@ -4,8 +4,6 @@ value pretraining, dummy-only data ranks, policy snapshots across layouts, check
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,7 @@ from megatron_rl.data.packing import dummy_micro_batch, pack_into_grid
 from tests.support.critic import critic_config
 from tests.support.samples import training_samples
 from tests.support.spawn import run_ranks
+from tests.support.tools import run_tools
 
 HEAD = ("value_head.bias", "value_head.weight")
 
@@ -147,7 +146,9 @@ def _with_value_options(path: Path, **optimizer_and_model) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_snapshot_loaded_into_an_offloaded_critic_is_what_its_next_step_trains(tiny_models, tmp_path, dtype):
+def test_a_snapshot_loaded_into_an_offloaded_critic_is_what_its_next_step_trains(
+    tiny_models, tmp_path, dtype
+):
     """The policy snapshot of step 1 is loaded, then a full step trains (no head-only retune): with
     the optimizer offloaded (megatron's hybrid optimizer, its host copies emulated on CPU) the
     weights after that step are the non-offloaded critic's, i.e. the snapshot plus one update.
@@ -207,27 +208,12 @@ def test_pipeline_parallel_critic_trains_like_one_process(tiny_models, tmp_path)
 
 def test_critic_starts_from_hf_or_converted_checkpoints_at_tp2(tiny_models, tmp_path):
     hf_dir = tiny_models["qwen3"]
-    convert = [
-        sys.executable,
-        str(Path(__file__).resolve().parents[2] / "tools" / "convert_hf_to_megatron.py"),
-    ]
-    subprocess.run(
-        [*convert, "--hf", str(hf_dir), "--out", str(tmp_path / "gpt")], check=True, capture_output=True
-    )
-    subprocess.run(
-        [
-            *convert,
-            "--hf",
-            str(hf_dir),
-            "--out",
-            str(tmp_path / "critic"),
-            "--value-model",
-            "--head-init-std",
-            "0.3",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    converted = run_tools(
+        ("convert_hf_to_megatron.py", "--hf", hf_dir, "--out", tmp_path / "gpt"),
+        ("convert_hf_to_megatron.py", "--hf", hf_dir, "--out", tmp_path / "critic", "--value-model",
+         "--head-init-std", "0.3"),
+    )  # fmt: skip
+    assert all(done.returncode == 0 for done in converted), [done.stderr[-1500:] for done in converted]
     full = {}
     for name, checkpoint in [("hf", hf_dir), ("gpt", tmp_path / "gpt"), ("critic", tmp_path / "critic")]:
         _, path = critic_config(tmp_path / f"run_{name}", hf_dir, world=2, tp=2)
@@ -275,6 +261,7 @@ def test_snapshot_from_a_moe_policy_at_ep2_loads_into_a_one_rank_critic(tiny_mod
 def _named(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
+
 def _adam_steps(trainer) -> dict[str, list[int]]:
     """Adam step counts of the head groups and of the other groups."""
     from megatron_rl.trainer.optimizer import HEAD_GROUP_KEY, torch_optimizers
@@ -289,6 +276,7 @@ def _adam_steps(trainer) -> dict[str, list[int]]:
                     steps[kind].add(int(state["step"]))
     return {k: sorted(v) for k, v in steps.items()}
 
+
 def _groups(trainer) -> list[tuple[bool, int, float]]:
     """Per optimizer group: whether it is a value-head group, its parameter count, wd_mult."""
     from megatron_rl.trainer.optimizer import HEAD_GROUP_KEY, torch_optimizers
@@ -298,6 +286,7 @@ def _groups(trainer) -> list[tuple[bool, int, float]]:
         for opt in torch_optimizers(trainer.trainable.optimizer)
         for group in opt.param_groups
     ]
+
 
 def critic_plan(rank, world_size, resolved_path, plan):
     """Builds a CriticTrainer from a resolved config and runs `plan` on it, recording after each
@@ -345,7 +334,9 @@ def critic_plan(rank, world_size, resolved_path, plan):
         elif action[0] == "resume":
             from megatron_rl.trainer.resume import complete_steps
 
-            steps = complete_steps(trainer.checkpoint_dir)  # a critic trained without a policy: its own latest
+            steps = complete_steps(
+                trainer.checkpoint_dir
+            )  # a critic trained without a policy: its own latest
             meta = trainer.resume(steps[-1]) if steps else None
             record["step"] = None if meta is None else meta["step"]
             record["trained_step"] = trainer.trained_step
@@ -366,6 +357,7 @@ def critic_plan(rank, world_size, resolved_path, plan):
         )
         records.append(record)
     return records
+
 
 def policy_snapshot(rank, world_size, arch, tp, seed, snapshot_root, checkpoint_root, ep=1):
     """A policy GPT model at TP = tp (EP = ep) with random weights: exports snapshot version 1
@@ -394,6 +386,7 @@ def policy_snapshot(rank, world_size, arch, tp, seed, snapshot_root, checkpoint_
     export_snapshot(model, snapshot_root, version=1, info={"tp": tp})
     save_checkpoint(checkpoint_root, 0, trainable)
     return gather_full_parameters(model)
+
 
 def converted_parameters(rank, world_size, checkpoint_dir):
     """Full parameters of a converted checkpoint (tools/convert_hf_to_megatron.py)."""

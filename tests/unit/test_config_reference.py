@@ -5,13 +5,12 @@ run's config."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_rl.config import reference
+from tests.support.cli import run_cli
 from tests.unit.test_config_keys import config_keys
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,11 +18,7 @@ PAGE = ROOT / "docs" / "reference" / "configuration.md"
 EXAMPLES = ROOT / "examples" / "configs"
 
 
-def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_rl.launch.cli", *args],
-        capture_output=True, text=True, timeout=120, cwd=cwd,
-    )  # fmt: skip
+_cli = run_cli
 
 
 def test_committed_page_is_what_the_models_generate():

@@ -11,7 +11,6 @@ one: `megatron-rl slurm` renders its job) after it:
 
 from __future__ import annotations
 
-import os
 import shlex
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import load_config
+from tests.support.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
@@ -50,11 +50,6 @@ def tiny_model_built():
     return ROOT / "runs" / "tiny_model"
 
 
-def cli(*args: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_rl.launch.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=180, env={**os.environ, **(env or {})})  # fmt: skip
-
-
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_every_example_says_what_makes_it_runnable_and_dry_runs_after_it(path, tmp_path, request):
     lines = header(path)
@@ -73,7 +68,7 @@ def test_every_example_says_what_makes_it_runnable_and_dry_runs_after_it(path, t
         arch = resolved.model.architecture
         assert (arch.hidden_size, arch.intermediate_size, arch.head_dim, arch.vocab_size) == (
             built["hidden_size"], built["intermediate_size"], built["head_dim"], built["vocab_size"])  # fmt: skip
-        done = cli("run", str(path), "--dry-run")
+        done = run_cli("run", str(path), "--dry-run")
     else:
         commands = [shlex.split(c) for c in lines["after"].split("&&")]
         converted = {argv[argv.index("--out") + 1]: argv for argv in commands}
@@ -83,9 +78,9 @@ def test_every_example_says_what_makes_it_runnable_and_dry_runs_after_it(path, t
         if resolved.value is not None:
             assert "--value-model" in converted[resolved.value.model.checkpoint]
         if "slurm" in lines["run"]:
-            done = cli("slurm", str(path), "--out", str(tmp_path / "job.sbatch"))
+            done = run_cli("slurm", str(path), "--out", str(tmp_path / "job.sbatch"))
             assert (tmp_path / "job.sbatch").is_file()
         else:
             visible = ",".join(str(i) for i in range(resolved.deployment.gpus_per_node))
-            done = cli("run", str(path), "--dry-run", env={"CUDA_VISIBLE_DEVICES": visible})
+            done = run_cli("run", str(path), "--dry-run", env={"CUDA_VISIBLE_DEVICES": visible})
     assert done.returncode == 0, f"{path.name}:\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}"

@@ -6,7 +6,6 @@ a component killed with SIGKILL stops everything, naming it."""
 from __future__ import annotations
 
 import io
-import multiprocessing as mp
 import random
 import signal
 import socket
@@ -28,6 +27,7 @@ from megatron_rl.launch.local import (
 from megatron_rl.launch.ports import PortProbeError, probe_ports
 from megatron_rl.parallel import free_port
 from tests.support.orchestrator import orchestrator_config
+from tests.support.spawn import forkserver_context
 
 
 def gpu_config():
@@ -158,7 +158,9 @@ def _probe_and_bind(barrier, results):
 
 
 def test_concurrent_launches_get_distinct_free_ports():
-    context = mp.get_context("spawn")
+    # Separate processes probing at once (forks of the session's forkserver: the ports come from
+    # SystemRandom, so forks draw independently; a fresh interpreter each costs seconds).
+    context = forkserver_context()
     for _ in range(2):
         barrier, results = context.Barrier(4), context.Queue()
         workers = [context.Process(target=_probe_and_bind, args=(barrier, results)) for _ in range(4)]

@@ -4,8 +4,6 @@ offloaded optimizer's host share includes the pinned gradient copy; the KL refer
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from megatron_rl.config.memory_plan import (
     memory_plan,
     rank_parameters,
 )
+from tests.support.cli import run_cli
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("*.yaml"))
 SAO_30B = next(p for p in EXAMPLES if p.name == "qwen3_30b_a3b_sao.yaml")
@@ -116,10 +115,7 @@ def test_cpu_configs_print_a_plan_but_are_not_checked_against_a_gpu():
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_check_config_prints_the_plan_for_every_example(example):
-    result = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.launch.cli", "check-config", str(example)],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    result = run_cli("check-config", str(example))
     assert result.returncode == 0, result.stderr
     assert "memory plan (GiB per GPU" in result.stderr and "policy" in result.stderr
     assert result.stdout.lstrip().startswith("{")  # stdout stays the resolved JSON
