@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_rl.config import Architecture
 from tests.gpu.checks import CPU_LIMIT_S, DEFAULT_BUDGET_S, LIMIT_S, REGISTRY, model_flops
 
@@ -26,6 +28,7 @@ def test_run_sh_without_cuda_checks_nothing_and_exits_0(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no record claims anything
 
 
+@pytest.mark.slow  # the driver end to end: every check forked and run at toy sizes (about a minute)
 def test_checks_run_at_toy_sizes_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
     proc = subprocess.run(

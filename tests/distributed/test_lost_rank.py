@@ -11,8 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from megatron_rl.parallel import free_port
 from megatron_rl.parallel.watchdog import LOST_PEER_EXIT
+
+# Whole processes killed, stopped and timed out (fresh interpreters: a fork of the test's
+# forkserver leaves the group faster than a launched rank and races the store): the slow group.
+pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 4.0  # heartbeat timeout of these groups
 

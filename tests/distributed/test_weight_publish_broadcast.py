@@ -131,7 +131,10 @@ def layer_of(name: str) -> int:
     return -1 if name == "model.embed_tokens.weight" else 10**6
 
 
-@pytest.mark.parametrize("family,pp,ep", [("qwen3", 2, 1), ("qwen3_moe", 1, 2), ("qwen3_moe", 2, 2)])
+@pytest.mark.parametrize(
+    "family,pp,ep",
+    [("qwen3", 2, 1), ("qwen3_moe", 1, 2), pytest.param("qwen3_moe", 2, 2, marks=pytest.mark.slow)],
+)  # 4 ranks: slow
 def test_policy_ranks_broadcast_to_an_inference_worker(family, pp, ep, tiny_models, tmp_path):
     hf_dir, http_port = str(tiny_models[family]), free_port()
     out = tmp_path / "worker_state.json"

@@ -33,6 +33,7 @@ def layer_bytes(state: dict[str, torch.Tensor]) -> dict[int, int]:
     return sizes
 
 
+@pytest.mark.slow  # PP = 2 x EP = 2: four policy ranks and a worker, twice
 @pytest.mark.parametrize("layers", [2, 4])
 def test_moe_update_holds_about_one_decoder_layer(layers, tmp_path):
     from megatron_rl.models.tiny import make_tiny_model
