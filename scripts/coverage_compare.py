@@ -2,12 +2,14 @@
 two runs module by module (what scripts/coverage.sh measures before and after a change).
 
     python scripts/coverage_compare.py --modules OUT/coverage.json > OUT/modules.json
-    python scripts/coverage_compare.py BEFORE/modules.json AFTER/modules.json [--moved OLD=NEW ...]
+    python scripts/coverage_compare.py BEFORE/modules.json AFTER/modules.json [--moved OLD[+OLD]=NEW[+NEW] ...]
 
 A module is named by its path inside the package (`critic/service.py`). `--moved` names a module
-that a change moved (`testing/sim.py=sim/cluster.py`) or split (`policy/publish.py=
-policy/publish/files.py+policy/publish/broadcast.py`): it is compared with its new modules taken
-together (their statements and covered lines summed). The comparison prints every module's
+that a change moved (`testing/sim.py=sim/cluster.py`), split (`policy/publish.py=
+policy/publish/files.py+policy/publish/broadcast.py`) or redistributed among several
+(`trainer/step.py+trainer/batches.py=trainer/step.py+trainer/batches.py+policy/loss.py`): the old
+modules taken together are compared with the new ones taken together (statements and covered
+lines summed). The comparison prints every module's
 percentage before and after and exits 1 when any module present in both runs is covered less
 afterwards (a module that left the package is listed, not failed).
 """
@@ -38,22 +40,25 @@ def module_figures(report: dict) -> dict[str, dict]:
     return dict(sorted(modules.items()))
 
 
-def compare(before: dict, after: dict, moved: dict[str, list[str]]) -> tuple[list[str], list[str]]:
-    """(table lines, the modules covered less afterwards)."""
-    after = dict(after)
-    renamed = {}
-    for name, figures in before.items():
-        if name not in moved:
-            renamed[name] = figures
-            continue
-        targets = moved[name]
-        key = "+".join(targets)
-        renamed[key] = figures
-        parts = [after.pop(t) for t in targets if t in after]
+def _summed(parts: list[dict]) -> dict:
+    statements, covered = sum(p["statements"] for p in parts), sum(p["covered"] for p in parts)
+    return {"statements": statements, "covered": covered,
+            "percent": round(100.0 * covered / statements, 2) if statements else 100.0}  # fmt: skip
+
+
+def compare(before: dict, after: dict, moved: list[tuple[list[str], list[str]]]) -> tuple[list[str], list[str]]:
+    """(table lines, the modules covered less afterwards). Each move (OLD modules, NEW modules)
+    compares the OLD taken together before with the NEW taken together after."""
+    before, after = dict(before), dict(after)
+    for olds, news in moved:
+        key = "+".join(olds) + " -> " + "+".join(news)
+        parts = [before.pop(o) for o in olds if o in before]
         if parts:
-            statements, covered = sum(p["statements"] for p in parts), sum(p["covered"] for p in parts)
-            after[key] = {"statements": statements, "covered": covered,
-                          "percent": round(100.0 * covered / statements, 2) if statements else 100.0}  # fmt: skip
+            before[key] = _summed(parts)
+        parts = [after.pop(n) for n in news if n in after]
+        if parts:
+            after[key] = _summed(parts)
+    renamed = before
     before = renamed
     lines = [f"{'module':48} {'before %':>9} {'after %':>9} {'change':>8}"]
     width = max([48, *map(len, set(before) | set(after))])
@@ -86,12 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.before is None or args.after is None:
         parser.error("give --modules REPORT, or BEFORE and AFTER modules.json files")
-    moved = {}
+    moved = []
     for item in args.moved:
         old, sep, new = item.partition("=")
         if not sep or not old or not new:
-            parser.error(f"--moved {item!r}: expected OLD=NEW[+NEW...] (module paths inside megatron_rl)")
-        moved[old] = new.split("+")
+            parser.error(f"--moved {item!r}: expected OLD[+OLD...]=NEW[+NEW...] (module paths inside megatron_rl)")
+        moved.append((old.split("+"), new.split("+")))
     lines, drops = compare(json.loads(args.before.read_text()), json.loads(args.after.read_text()), moved)
     print("\n".join(lines))
     if drops:
