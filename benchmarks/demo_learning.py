@@ -55,16 +55,21 @@ def rise(run_dir: Path, k: int = 5) -> tuple[float, float]:
     return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
 
 
+def finished_run(out: Path, steps: int) -> bool:
+    """Whether `out` holds a run that finished `steps` steps."""
+    from megatron_rl.demo.plot import load_run
+
+    return out.is_dir() and len(load_run(out)["orchestrator"]) == steps
+
+
 def run_or_reuse(out: Path, algo: str, seed: int, steps: int, task: str, sft_steps: int, lr: float) -> int:
     """Runs the demo's job (`algo`, or a VARIANTS name) into `out` and returns its exit code; a
     finished run of `steps` steps already in `out` is kept (exit code 0), anything else there is
     removed first."""
-    from megatron_rl.demo.plot import load_run
     from megatron_rl.demo.run import run_demo
     from megatron_rl.launch.local import run_local
 
-    done = len(load_run(out)["orchestrator"]) if out.is_dir() else 0
-    if done == steps:  # a finished run of an earlier, cut-short sweep: keep it
+    if finished_run(out, steps):  # a finished run of an earlier, cut-short sweep: keep it
         print(f"[curves] {algo} seed {seed}: reusing the finished run in {out}", flush=True)
         return 0
     if out.exists():

@@ -4,7 +4,7 @@
                                         [--out runs/learning_check]
 
 The two learning checks of tests/e2e/test_demo.py run the demo's SAO job for a number of steps
-and compare rewards. For each task (`count`: the SAO run of `test_demo_runs_each_algorithm`;
+and compare rewards. For each task (`count`: the SAO demo's test;
 `tool`: `test_tool_demo_calls_the_tool_through_the_stack_and_learns`) this runs the same job
 (`demo_learning.run_or_reuse`: `launch/demo.sh`'s `run_demo` with the local launcher) for
 `--steps` steps at every seed twice:
@@ -24,21 +24,22 @@ computes it on an N-step run (a run's first N steps are an N-step run: the learn
 constant and nothing else depends on the number of steps; checked on count at seed 0, where a
 6-step run's rewards equal the first 6 of the 20-step run's, learning and frozen alike):
 
-- count: the mean reward of the last w of the N steps minus that of the first w, with
-  w = min(5, N // 2) so the two windows never overlap;
-- tool: the mean reward of steps N-5..N-1 minus step 0's (the warm-started model's).
+- `windows` (both tests' statistic): the mean reward of the last w of the N steps minus that of
+  the first w, with w = min(5, N // 2) so the two windows never overlap;
+- `step0` (the tool test's statistic before, for comparison): the mean reward of steps
+  N-5..N-1 minus step 0's (the warm-started model's).
 
 It prints a table per task: N, w, the smallest learning rise over the seeds, the largest noise
 rise, the gap between them, the noise's spread (the standard deviation of the statistic when
 nothing learns: the pooled within-run standard deviation of the noise runs' per-step rewards,
-times sqrt(2 / w) for count and sqrt(1 + 1/5) for tool), the learning rises' spread (their
+times sqrt(2 / w) for `windows` and sqrt(1 + 1/5) for `step0`), the learning rises' spread (their
 standard deviation over the seeds) and the mean seconds of training the N steps took in the
 learning runs. The chosen N is the smallest from which on every N up to `--steps` separates
 clearly: gap >= CLEAR_FACTOR (2) x the larger of the two spreads. Its margin is halfway between
 the smallest learning rise and the largest noise rise, so it sits at least one spread from
 each. When no N does, the figure is the row of `--steps` itself, marked `"clear": false`. For
-`tool` a second table applies count's statistic (first w against last w steps) to the same
-runs, for comparison; the choice is the test's statistic's. Writes
+`tool` a second table applies `step0` to the same runs, for comparison; the choice is the
+tests' statistic's (`windows`). Writes
 benchmarks/results/learning_check.json: figure (per task: the chosen N, window, margin and
 training seconds), reference (per task: `--steps` and its training seconds), ratio (their
 training seconds), params, the tables, and every run's per-step rewards and step seconds so the
@@ -57,7 +58,7 @@ import sys
 import time
 from pathlib import Path
 
-from demo_learning import run_or_reuse
+from demo_learning import finished_run, run_or_reuse
 
 NOISE_LR = 1e-30
 CLEAR_FACTOR = 2.0
@@ -65,27 +66,28 @@ WINDOW = 5  # the tests' window: five steps
 
 
 def count_window(steps: int) -> int:
-    """The count check's window for an N-step run: 5, or N // 2 when 5 + 5 steps do not fit."""
+    """The `windows` statistic's window for an N-step run: 5, or N // 2 when 5 + 5 steps do not fit."""
     return min(WINDOW, steps // 2)
 
 
-def count_statistic(rewards: list[float], steps: int) -> float:
+def windows_statistic(rewards: list[float], steps: int) -> float:
     """Mean reward of the last w of the first `steps` steps minus that of the first w."""
     w, head = count_window(steps), rewards[:steps]
     return sum(head[-w:]) / w - sum(head[:w]) / w
 
 
-def tool_statistic(rewards: list[float], steps: int) -> float:
+def step0_statistic(rewards: list[float], steps: int) -> float:
     """Mean reward of steps N-5..N-1 minus step 0's, N = `steps`."""
     return sum(rewards[steps - WINDOW : steps]) / WINDOW - rewards[0]
 
 
-STATISTICS = {"count": count_statistic, "tool": tool_statistic}
+STATISTICS = {"windows": windows_statistic, "step0": step0_statistic}
+TASKS = ("count", "tool")
 
 
-def statistic_sd(task: str, steps: int, step_sd: float) -> float:
+def statistic_sd(statistic: str, steps: int, step_sd: float) -> float:
     """The statistic's standard deviation for independent steps of standard deviation `step_sd`."""
-    if task == "count":
+    if statistic == "windows":
         return step_sd * math.sqrt(2 / count_window(steps))
     return step_sd * math.sqrt(1 + 1 / WINDOW)
 
@@ -130,7 +132,7 @@ def table(
         learning_sd = statistics.stdev(learning_rises) if len(learning_rises) > 1 else 0.0
         gap = min(learning_rises) - max(noise_rises)
         train_s = sum(sum(run["step_seconds"][:steps]) for run in learning) / len(learning)
-        rows.append({"steps": steps, "window": count_window(steps) if statistic == "count" else WINDOW,
+        rows.append({"steps": steps, "window": count_window(steps) if statistic == "windows" else WINDOW,
                      "learning": [round(x, 4) for x in learning_rises], "noise": [round(x, 4) for x in noise_rises],
                      "learning_min": round(min(learning_rises), 4), "noise_max": round(max(noise_rises), 4),
                      "gap": round(gap, 4), "noise_sd": round(noise_sd, 4), "learning_sd": round(learning_sd, 4),
@@ -190,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tasks, seeds = args.tasks.split(","), [int(s) for s in args.seeds.split(",")]
     for task in tasks:
-        if task not in STATISTICS:
-            parser.error(f"--tasks: {task!r} is not one of {sorted(STATISTICS)}")
+        if task not in TASKS:
+            parser.error(f"--tasks: {task!r} is not one of {list(TASKS)}")
     if not 2 <= args.min_steps <= args.steps or args.steps < WINDOW + 1:
         parser.error(f"--min-steps {args.min_steps} and --steps {args.steps}: need 2 <= min-steps <= steps "
                      f"and steps > {WINDOW}")  # fmt: skip
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             for kind, run_lr in (("learning", lr), ("noise", NOISE_LR)):
                 out = args.out / f"{task}-{kind}-s{seed}"
                 wall_file = args.out / f"{out.name}.wall.json"
-                finished = out.is_dir() and len(load_run(out)["orchestrator"]) == args.steps
+                finished = finished_run(out, args.steps)
                 began = time.monotonic()
                 print(f"[learning-check] {task} {kind} seed {seed} (lr {run_lr:g}) -> {out}", flush=True)
                 code = run_or_reuse(out, "sao", seed, args.steps, task, sft_steps, run_lr)
@@ -234,14 +236,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[learning-check] {task} {run['kind']} seed {run['seed']}: largest weight change "
                       f"{run['largest_weight_change']:.3g}, {sum(run['step_seconds']):.0f} s training, "
                       f"{run['wall_s']} s in all")  # fmt: skip
-        rows = tables[task] = table(task, learning, noise, args.min_steps, args.steps)
+        rows = tables[task] = table("windows", learning, noise, args.min_steps, args.steps)
         chosen = choose(rows)
         print_table(task, rows, chosen)
-        if task == "tool":  # the same runs under count's statistic, for comparison
-            windows = tables["tool, count's windows"] = table(
-                "count", learning, noise, args.min_steps, args.steps
+        if task == "tool":  # the same runs under the statistic the tool test had before
+            against_step0 = tables["tool, against step 0"] = table(
+                "step0", learning, noise, args.min_steps, args.steps
             )
-            print_table("tool, count's windows", windows, choose(windows))
+            print_table("tool, against step 0", against_step0, choose(against_step0))
         reference[task] = {"steps": args.steps, "train_s": rows[-1]["train_s"]}
         row = chosen or rows[-1]  # none separates clearly: the row of --steps, marked clear false
         figure[task] = {k: row[k] for k in ("steps", "window", "margin", "clear", "train_s", "learning_min",
