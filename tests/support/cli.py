@@ -12,29 +12,16 @@ import io
 import os
 import subprocess
 from pathlib import Path
+from unittest import mock
 
 from megatron_rl.launch.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@contextlib.contextmanager
-def environment(env: dict[str, str]):
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), environment(env or {}), \
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), mock.patch.dict(os.environ, env or {}), \
             contextlib.chdir(cwd):  # fmt: skip
         try:
             code = main(list(args))
