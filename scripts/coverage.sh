@@ -15,8 +15,10 @@ cd "$root"
 export MEGATRON_RL_COVERAGE_DIR="$out" PYTHONHASHSEED=0 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 py="$root/.venv/bin/python"
 if [ "$#" -eq 0 ]; then
-  "$py" -m coverage run -m pytest -q -m "not slow" tests; rc_fast=$?
-  "$py" -m coverage run -m pytest -q -m "slow" tests; rc_slow=$?
+  # As tests/run.sh runs them: on MEGATRON_RL_TEST_WORKERS xdist workers (each measures itself).
+  workers=(-n "${MEGATRON_RL_TEST_WORKERS:-2}" --dist loadgroup)
+  "$py" -m coverage run -m pytest -q "${workers[@]}" -m "not slow" tests; rc_fast=$?
+  "$py" -m coverage run -m pytest -q "${workers[@]}" -m "slow" tests; rc_slow=$?
   rc=$(( rc_fast != 0 ? rc_fast : rc_slow ))
 else
   "$py" -m coverage run -m pytest -q "$@"; rc=$?
