@@ -63,11 +63,8 @@ class Orchestrator:
         self.record_metrics = record_metrics
         self.timeouts = timeouts or Timeouts()
         o = resolved.orchestrator
+        # An advantage that reads values without a critic: make_algorithm refuses it, naming the key.
         self.algorithm = make_algorithm(resolved.algorithm, critic.scorer if critic is not None else None)
-        if self.algorithm.needs_critic and critic is None:
-            raise OrchestratorError(
-                f"algorithm.advantage {resolved.algorithm.advantage!r} needs the critic (a value section)"
-            )
         self.sink = TrainSink(o.admission, o.overlong, o.max_completion_tokens)
         self.one_packing = self._policy_packs_like_the_critic()
 

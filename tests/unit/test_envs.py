@@ -47,6 +47,10 @@ def test_calculator_evaluates_arithmetic_only_and_runs_turns():
     assert turn.done is False and turn.observation == "<result>42</result>"
     assert env.step(row, ["<calc>1</calc>", f"it is {row['answer']}"]).reward == 1.0
     assert env.step(row, ["<calc>open('x')</calc>"]).reward == 0.0  # a tool error ends the rollout
+    assert evaluate("-3 + 5") == 2
+    # A call in the last turn allowed, where the answer had to be: the rollout ends unanswered.
+    last = env.step(row, ["<calc>1</calc>"] * env.max_turns)
+    assert (last.done, last.reward, last.passed, last.tool_calls, last.tool_errors) == (True, 0.0, False, 1, 0)
 
 
 def test_math_environment_grades_with_math_verify_and_names_bad_lines(tmp_path):

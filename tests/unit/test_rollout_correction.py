@@ -227,6 +227,36 @@ def test_sequence_level_max_and_min_are_the_raw_sequence_ratios_as_verl_reports_
     assert applied.max() <= threshold and summary["rollout_is_mean"] == pytest.approx(applied.mean())
 
 
+def test_a_cp_rank_without_action_tokens_reports_the_identities_of_max_and_min():
+    """Token level, the first CP rank's slice holds no action token: its weights' max is -inf and
+    min +inf, so the reduced extremes are the other rank's alone."""
+    config = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.3)
+    busy = random_sequences(8, count=3)
+    quiet_length = sum(len(m) for _, m in busy) + 2  # longer than the busy ones: the first slice is quiet
+    views, _, _ = packed_views([(np.zeros(quiet_length), np.zeros(quiet_length, dtype=bool))] + busy, 2)
+    assert not views[0].mask.any() and views[1].mask.any()
+    metrics = [m for _, m in run_cp(config, views)]
+    assert float(metrics[0]["rollout_is_weight_max"]) == -math.inf
+    assert float(metrics[0]["rollout_is_weight_min"]) == math.inf
+    summary = reduced_summary(config, views)
+    assert summary["rollout_is_max"] == pytest.approx(float(metrics[1]["rollout_is_weight_max"]))
+    assert summary["rollout_is_min"] == pytest.approx(float(metrics[1]["rollout_is_weight_min"]))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_a_step_without_action_tokens_reports_no_weight_extremes(level):
+    """No sequence of the step has an action token: the extremes stay -inf and +inf (the sequence
+    level reads the CP-reduced sequence ratios, so every rank sees that) and the summary leaves
+    the rollout_is_* metrics out rather than reporting them."""
+    config = RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=1.3)
+    views, _, _ = packed_views([(np.zeros(6), np.zeros(6, dtype=bool)), (np.zeros(5), np.zeros(5, dtype=bool))], 2)
+    for _, metrics in run_cp(config, views):
+        assert float(metrics["rollout_is_weight_max"]) == -math.inf
+        assert float(metrics["rollout_is_weight_min"]) == math.inf
+    totals = {key: float(value) for key, value in run_cp(config, views)[0][1].items()}
+    assert not any(key.startswith("rollout_is_") for key in rollout_correction.summarise(totals))
+
+
 def test_bad_settings_are_refused_naming_the_key():
     with pytest.raises(ValueError, match="rollout_is_threshold.*lower bound 2.0 is above"):
         RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="2.0_1.0")

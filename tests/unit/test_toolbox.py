@@ -120,6 +120,17 @@ def test_token_whitening_differs_from_whitening_members_by_the_documented_factor
     assert (tokens_each == 1) == (factor == 1.0)
 
 
+def test_token_whitening_refuses_counts_that_do_not_fit_the_values_naming_them():
+    values = [torch.tensor([1.0, 2.0]), torch.tensor([0.5])]
+    with pytest.raises(ValueError, match=r"action_tokens: 1 groups for 2 groups of values"):
+        adv.token_whitened(values, [torch.tensor([3, 1])])
+    with pytest.raises(ValueError, match=r"action_tokens of group 1: shape \(2,\), values \(1,\)"):
+        adv.token_whitened(values, [torch.tensor([3, 1]), torch.tensor([2, 2])])
+    with pytest.raises(ValueError, match=r"action_tokens: negative counts \[-1.0\]"):
+        adv.token_whitened(values, [torch.tensor([3, -1]), torch.tensor([2])])
+    assert adv.token_whitened([], []) == []
+
+
 def test_gae_is_not_an_outcome_estimator_and_unknown_names_are_refused():
     with pytest.raises(ValueError, match="needs the critic's values"):
         advantage_estimator("gae")
