@@ -6,6 +6,7 @@ tests that share an expensive fixture run on one worker, and the longest work st
 from __future__ import annotations
 
 import json
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -41,19 +42,16 @@ def longest_first(items: list[pytest.Item], seconds: dict[str, float]) -> list[p
     """`items` with the units of work that take longest first (in their collection order within),
     so that no long unit starts last while the other worker has nothing left (longest processing
     time first). A test costs its file's measured seconds shared among the file's tests."""
-    per_file: dict[str, int] = {}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        per_file[path] = per_file.get(path, 0) + 1
-    cost: dict[str, float] = {}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        cost[unit_of(item)] = cost.get(unit_of(item), 0.0) + seconds.get(path, 1.0) / per_file[path]
+    paths = [item.nodeid.split("::")[0] for item in items]
+    units = [unit_of(item) for item in items]
+    per_file = Counter(paths)
+    cost: dict[str, float] = defaultdict(float)
     first: dict[str, int] = {}
-    for index, item in enumerate(items):
-        first.setdefault(unit_of(item), index)
-    order = sorted(enumerate(items), key=lambda pair: (-cost[unit_of(pair[1])], first[unit_of(pair[1])], pair[0]))
-    return [item for _, item in order]
+    for index, (path, unit) in enumerate(zip(paths, units)):
+        cost[unit] += seconds.get(path, 1.0) / per_file[path]
+        first.setdefault(unit, index)
+    order = sorted(range(len(items)), key=lambda i: (-cost[units[i]], first[units[i]], i))
+    return [items[i] for i in order]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the marks (it suffixes node ids with the group)
