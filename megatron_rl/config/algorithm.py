@@ -181,6 +181,7 @@ class AlgorithmConfig(Strict):
     rollout_correction: RolloutCorrectionConfig | None = Field(default=None, description="Importance weights / rejection against the train-inference mismatch; null: none.")
     loss_aggregation: LossAggregation = Field(default="token-mean", description="How token losses become the step's loss (verl's loss_agg_mode). The seq-mean modes divide by the sequences that keep an action token after rollout rejection, as token-mean divides by the kept tokens (verl's trainer divides them by the whole mini-batch, rejected sequences included).")
     loss_scale_factor: int | None = Field(default=None, gt=0, description="seq-mean-token-sum-norm's constant divisor (Dr. GRPO), in tokens; null: orchestrator.max_completion_tokens.")
+    routing_replay: Literal["off", "measure", "replay"] = Field(default="off", description="A mixture-of-experts policy: 'measure' has vLLM return the experts it routed every token to and reports how often the trainer's own router agrees (router_agreement, router_token_mismatch per step); 'replay' also makes every trainer forward that gives log-probs of sampled tokens route each token to vLLM's experts (R3); the critic never replays. 'off': neither.")
 
     @model_validator(mode="before")
     @classmethod

@@ -263,6 +263,19 @@ def update_options_fit_together(ctx: Context) -> list[str]:
     return errors
 
 
+def routing_replay_has_experts(ctx: Context) -> list[str]:
+    """algorithm.routing_replay 'measure' / 'replay' needs a mixture-of-experts policy whose expert
+    index fits the routes' uint16."""
+    mode, policy = ctx.config.algorithm.routing_replay, ctx.policy_arch
+    if mode == "off" or policy is None:
+        return []
+    if not policy.num_experts:
+        return [f"algorithm.routing_replay: {mode!r} needs a mixture-of-experts policy; this one is dense (no experts)"]
+    if policy.num_experts > 65536:
+        return [f"algorithm.routing_replay: {policy.num_experts} experts; routes hold expert indices up to 65,536"]
+    return []
+
+
 RULES: tuple[Callable[[Context], list[str]], ...] = (
     algorithm_parts_are_registered,
     algorithm_has_its_critic,
@@ -277,4 +290,5 @@ RULES: tuple[Callable[[Context], list[str]], ...] = (
     inference_gpus_match_the_servers,
     training_samples_are_untruncated,
     update_options_fit_together,
+    routing_replay_has_experts,
 )

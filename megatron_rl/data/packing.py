@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_rl.data.types import MICRO_BATCH_FLOAT_FIELDS, Grid, MicroBatch, TrainingSample
+from megatron_rl.data.types import MICRO_BATCH_FLOAT_FIELDS, Grid, MicroBatch, TrainingSample, padding_routes
 
 CostModel = Callable[[int], float]
 
@@ -179,7 +179,32 @@ def _balance(bins: list[_Bin], lengths, costs, dp: int, seq_len: int, max_rounds
     return ranks
 
 
-def _micro_batch(samples: Sequence[TrainingSample], items: list[int], cp: int) -> MicroBatch:
+def _routes(samples: Sequence[TrainingSample], items: list[int], total: int) -> tuple[np.ndarray, np.ndarray]:
+    """A bin's `routes` [total, moe_layers, top_k] and `routed` [total]: each sample's routes,
+    padding routes (experts 0..k-1) on the tokens the sampler did not route and the bin's tail."""
+    shapes = set()
+    for i in items:
+        if samples[i].routes is None:
+            raise PackingError(
+                f"sample {i} (group {samples[i].group_id}, branch {samples[i].branch_index}) has no routes; "
+                "routing replay needs the sampler's routes of every sample (the inference pool captures them)"
+            )
+        shapes.add((samples[i].routes.shape[1:], samples[i].routes.dtype))
+    if len(shapes) != 1:
+        raise PackingError(f"samples {sorted(items)} have routes of different layers, top-k or dtype: {sorted(map(str, shapes))}")
+    ((layers, topk), dtype) = shapes.pop()
+    routes = padding_routes(total, layers, topk, dtype)
+    routed = np.zeros(total, dtype=np.bool_)
+    start = 0
+    for i in items:
+        r = samples[i].routes
+        routes[start : start + len(r)] = r
+        routed[start : start + len(r)] = True
+        start += len(samples[i])
+    return routes, routed
+
+
+def _micro_batch(samples: Sequence[TrainingSample], items: list[int], cp: int, routes: bool = False) -> MicroBatch:
     lengths = [len(samples[i]) for i in items]
     real = sum(lengths)
     total = -(-real // cp) * cp
@@ -201,6 +226,7 @@ def _micro_batch(samples: Sequence[TrainingSample], items: list[int], cp: int) -
         "inference_logprobs": cat(lambda s: s.inference_logprobs, np.float32),
     }
     assert set(floats) == set(MICRO_BATCH_FLOAT_FIELDS)
+    route_arrays = dict(zip(("routes", "routed"), _routes(samples, items, total))) if routes else {}
     return MicroBatch(
         input_ids=cat(lambda s: s.token_ids, np.int64),
         position_ids=np.concatenate(
@@ -213,6 +239,7 @@ def _micro_batch(samples: Sequence[TrainingSample], items: list[int], cp: int) -
             + [np.full(pad, -1, dtype=np.int64)]
         ),
         **floats,
+        **route_arrays,
     )
 
 
@@ -241,11 +268,13 @@ def pack_into_grid(
     context_parallel_size: int = 1,
     cost: CostModel | None = None,
     sequence_parallel_size: int = 1,
+    routes: bool = False,
 ) -> Grid:
     """Packs `samples` into `grid[data_rank][micro_step]` (see the module docstring).
 
     `sequence_parallel_size` is the TP size when the model runs sequence parallel (megatron MoE
-    with TP > 1), else 1.
+    with TP > 1), else 1. `routes`: the micro-batches carry the samples' routes (the policy's
+    grid under routing replay; every sample must have them).
     """
     dp = data_parallel_size
     if dp < 1 or context_parallel_size < 1 or sequence_parallel_size < 1:
@@ -277,7 +306,7 @@ def pack_into_grid(
     for rank_bins in ranks:
         # Longest bins first: the heaviest micro-steps line up across ranks.
         ordered = sorted(rank_bins, key=lambda b: (-sum(costs[i] for i in b.items), min(b.items)))
-        row = [_micro_batch(samples, sorted(b.items), cp) for b in ordered]
+        row = [_micro_batch(samples, sorted(b.items), cp, routes) for b in ordered]
         row += [dummy_micro_batch(cp) for _ in range(steps - len(row))]
         grid.append(row)
     return grid
@@ -345,19 +374,21 @@ def pack_minibatches(
     context_parallel_size: int = 1,
     sequence_parallel_size: int = 1,
     cost: CostModel | None = None,
+    routes: bool = False,
 ) -> Grid:
     """`grid[data_rank]` = mini-batch 0's micro-steps, then mini-batch 1's, ... (each MicroBatch
     carries its `minibatch`; `sample_index` refers to `samples`). Each mini-batch is packed on its
     own (`pack_into_grid`), so each is balanced over the data ranks with the same number of
-    micro-steps on every rank."""
+    micro-steps on every rank. `routes` as in `pack_into_grid`."""
     parts = split_into_minibatches(len(samples), num_minibatches, seed)
     if len(parts) == 1:
-        return pack_into_grid(samples, seq_len, data_parallel_size, context_parallel_size, cost, sequence_parallel_size)
+        return pack_into_grid(samples, seq_len, data_parallel_size, context_parallel_size, cost,
+                              sequence_parallel_size, routes)  # fmt: skip
     grid: Grid = [[] for _ in range(data_parallel_size)]
     for k, indices in enumerate(parts):
         original = np.asarray(indices, dtype=np.int64)
         part = pack_into_grid([samples[i] for i in indices], seq_len, data_parallel_size, context_parallel_size,
-                              cost, sequence_parallel_size)  # fmt: skip
+                              cost, sequence_parallel_size, routes)  # fmt: skip
         for rank, row in enumerate(part):
             for mb in row:
                 mb.minibatch = k

@@ -29,6 +29,12 @@ class TrainingSample:
 
     `reward` is what the advantages see: the environment's reward plus any shaping
     (`orchestrator.overlong`); `score` is the environment's own reward (default: `reward`).
+
+    `routes` (a MoE policy with `algorithm.routing_replay` on): the experts the sampler routed
+    each token to, [R, moe_layers, top_k] (uint8 up to 256 experts, else uint16) for the first
+    R <= T tokens; vLLM routes every token it ran through the model, so R is T - 1 (the last
+    sampled token was never fed back). The tokens after R get padding routes when packed
+    (models/routing.py).
     """
 
     token_ids: np.ndarray  # [T] int64
@@ -45,6 +51,7 @@ class TrainingSample:
     advantages: np.ndarray | None = None  # [T] float32
     returns: np.ndarray | None = None  # [T] float32
     score: float | None = None  # the environment's reward before shaping
+    routes: np.ndarray | None = None  # [R <= T, moe_layers, top_k] uint8 / uint16
 
     def __post_init__(self) -> None:
         if self.score is None:
@@ -59,6 +66,15 @@ class TrainingSample:
                     f"TrainingSample(group {self.group_id}, branch {self.branch_index}): {name} has "
                     f"{len(getattr(self, name))} entries for {n} tokens"
                 )
+        if self.routes is not None:
+            routes = np.asarray(self.routes)
+            if routes.ndim != 3 or len(routes) > n or routes.dtype not in ROUTE_DTYPES:
+                raise ValueError(
+                    f"TrainingSample(group {self.group_id}, branch {self.branch_index}): routes of shape "
+                    f"{routes.shape} and dtype {routes.dtype}; expected [at most {n} tokens, moe_layers, top_k] "
+                    "of uint8 or uint16"
+                )
+            self.routes = routes
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -66,6 +82,25 @@ class TrainingSample:
     @property
     def num_action_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+
+# Expert indices of `routes` (models/routing.py route_dtype).
+ROUTE_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16))
+
+def route_dtype(num_experts: int) -> np.dtype:
+    """The compact dtype of expert indices: uint8 up to 256 experts, uint16 up to 65,536."""
+    if num_experts <= 256:
+        return np.dtype(np.uint8)
+    if num_experts <= 65536:
+        return np.dtype(np.uint16)
+    raise ValueError(f"routing replay: {num_experts} experts do not fit a uint16 expert index")
+
+
+def padding_routes(num_tokens: int, num_layers: int, topk: int, dtype=np.uint8) -> np.ndarray:
+    """Routes for tokens vLLM did not route (padding, a sample's last token): experts 0..k-1 in
+    every layer, valid and distinct. Real tokens never see them (they are in no sequence, or
+    after every position that has a target)."""
+    return np.broadcast_to(np.arange(topk, dtype=dtype), (num_tokens, num_layers, topk)).copy()
 
 
 # Per-token float arrays a MicroBatch carries (all [num_tokens] float32).
@@ -83,6 +118,10 @@ class MicroBatch:
     has an all-False mask and contributes exactly zero loss and gradient. `minibatch` is the
     policy mini-batch of the step it belongs to (`algorithm.policy_minibatches`; 0 for the
     critic and when there is one): the policy makes one optimizer step per mini-batch.
+
+    The policy's grid carries the samples' `routes` when routing replay is on ([N, moe_layers,
+    top_k], padding routes where the sampler routed nothing) and `routed` ([N] bool: the sampler
+    routed the token); the critic's grid never does. A dummy carries neither.
     """
 
     input_ids: np.ndarray  # [N] int64
@@ -96,6 +135,8 @@ class MicroBatch:
     sample_index: np.ndarray  # [N] int64
     is_dummy: bool = False
     minibatch: int = 0
+    routes: np.ndarray | None = None  # [N, moe_layers, top_k] uint8 / uint16
+    routed: np.ndarray | None = None  # [N] bool
 
     @property
     def num_tokens(self) -> int:
@@ -110,7 +151,12 @@ class MicroBatch:
         return int(self.loss_mask.sum())
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("is_dummy", "minibatch")}
+        """The arrays that travel (`routes` and `routed` only when set)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("is_dummy", "minibatch") and getattr(self, f.name) is not None
+        }
 
 
 Grid = list[list[MicroBatch]]  # grid[data_rank][micro_step]

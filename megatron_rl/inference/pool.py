@@ -273,6 +273,7 @@ class InferencePool:
                     seed=resolved.orchestrator.seed,
                     http_log_level=resolved.logging.inference_level,
                     extra_args=inference.extra_args,
+                    return_routed_experts=resolved.algorithm.routing_replay != "off",
                     api_key=api_key,
                     launch=launch,
                 )  # fmt: skip

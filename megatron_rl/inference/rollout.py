@@ -8,6 +8,14 @@ policy version the pool ran when the request was sent (a lower bound on the vers
 produced its tokens: a weight update in mode `keep` may land mid-request). Text is never
 re-tokenised: a multi-turn rollout (`TokenTrajectory`) extends the exact token sequence it holds.
 
+With `SamplingParams.routed_experts` (a MoE policy under `algorithm.routing_replay`), every
+request also asks for the experts vLLM routed each token to (`routed_experts_prompt_start`: the
+first prompt position whose routes the trajectory does not hold yet) and the reply's
+`routed_experts` (base64 of an `np.save` array, [tokens - 1 - prompt start, moe_layers, top_k]:
+vLLM routes every token it runs through the model, so not the last sampled one) becomes the
+completion's `routes`. A multi-turn `TokenTrajectory` joins them: turn n + 1 asks from turn n's
+last sampled token on, so the trajectory holds the routes of every token but its last.
+
 Every request carries the `x-session-id` header, so the router's consistent hash sends every
 turn of one session to the same worker. A request the router could not deliver (HTTP 5xx: the
 worker died or refused before answering) is retried once, straight on another worker of the pool,
@@ -17,6 +25,9 @@ router's message carries its URL) or the router.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import re
 import zlib
 from collections.abc import Callable
@@ -24,8 +35,10 @@ from dataclasses import dataclass, field
 
 import httpx
 import msgspec
+import numpy as np
 
 from megatron_rl.config import OrchestratorConfig
+from megatron_rl.data.types import route_dtype
 from megatron_rl.inference.router import SESSION_HEADER
 
 
@@ -40,15 +53,17 @@ class SamplingParams:
     max_tokens: int = 64
     seed: int | None = None
     prompt_logprobs: bool = False  # also return the log-probability of every prompt token
+    routed_experts: int = 0  # > 0: return the routes of a MoE policy with this many experts
 
     @classmethod
-    def from_config(cls, orchestrator: OrchestratorConfig) -> SamplingParams:
+    def from_config(cls, orchestrator: OrchestratorConfig, routed_experts: int = 0) -> SamplingParams:
         return cls(
             temperature=orchestrator.temperature,
             top_p=orchestrator.top_p,
             max_tokens=orchestrator.max_completion_tokens,
             seed=orchestrator.seed,
             prompt_logprobs=orchestrator.train_on_observations,
+            routed_experts=routed_experts,
         )
 
 
@@ -60,6 +75,9 @@ class Completion:
     policy_version: int
     worker: str  # the worker that answered, or the router's URL when the router chose it
     prompt_logprobs: list[float] | None = None  # with SamplingParams.prompt_logprobs (nan at 0)
+    # With SamplingParams.routed_experts: [rows, moe_layers, top_k] the experts of the request's
+    # tokens from its routes start to the second-to-last sampled token (uint8 / uint16).
+    routes: np.ndarray | None = None
 
     @property
     def truncated(self) -> bool:
@@ -79,6 +97,7 @@ class _Choice(msgspec.Struct):
     logprobs: _Logprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: list[dict[str, _PromptLogprob] | None] | None = None
+    routed_experts: str | None = None
 
 
 class _CompletionReply(msgspec.Struct):
@@ -123,7 +142,8 @@ class RolloutClient:
         await self.close()
 
     def _body(
-        self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int | None, seed, stop
+        self, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int | None, seed, stop,
+        routes_start: int = 0,
     ) -> dict:
         body = {
             "model": self.model,
@@ -139,6 +159,8 @@ class RolloutClient:
             body["seed"] = int(seed)
         if sampling.prompt_logprobs:  # vLLM: 0 = the prompt token's own log-probability only
             body["prompt_logprobs"] = 0
+        if sampling.routed_experts:
+            body["routed_experts_prompt_start"] = int(routes_start)
         if stop:  # e.g. the end of a tool call; the stop string stays in the tokens
             body["stop"] = list(stop)
             body["include_stop_str_in_output"] = True
@@ -160,12 +182,14 @@ class RolloutClient:
         max_tokens: int | None = None,
         seed: int | None = None,
         stop: list[str] | None = None,
+        routes_start: int = 0,
     ) -> Completion:
         """One completion of `prompt_ids` (token ids); `max_tokens` overrides the sampling's
         (a multi-turn rollout's remaining budget), `seed` its seed, `stop` ends the turn at a
-        string (kept in the output)."""
+        string (kept in the output); `routes_start`: the first prompt position whose routes to
+        return (with `sampling.routed_experts`)."""
         version = self.version_source()
-        body = self._body(prompt_ids, sampling, max_tokens, seed, stop)
+        body = self._body(prompt_ids, sampling, max_tokens, seed, stop, routes_start)
         target = self.session_workers.get(session_id, self.router_url)
         response = await self._post(target, body, session_id)
         if response.status_code >= 500 and self.worker_urls:
@@ -184,7 +208,8 @@ class RolloutClient:
                 f"completion for session {session_id!r} failed on {who}: HTTP {response.status_code}: "
                 f"{response.text[:500]}"
             )
-        return self._parse(response.content, version, target, prompt_ids if sampling.prompt_logprobs else None)
+        routes = (len(prompt_ids) - routes_start, sampling.routed_experts) if sampling.routed_experts else None
+        return self._parse(response.content, version, target, prompt_ids if sampling.prompt_logprobs else None, routes)
 
     def _failed_worker(self, message: str, target: str) -> str | None:
         if target != self.router_url:
@@ -202,7 +227,12 @@ class RolloutClient:
             return None
         return candidates[zlib.crc32(session_id.encode()) % len(candidates)]
 
-    def _parse(self, payload: bytes, version: int, target: str, prompt_ids: list[int] | None = None) -> Completion:
+    def _parse(
+        self, payload: bytes, version: int, target: str, prompt_ids: list[int] | None = None,
+        routes: tuple[int, int] | None = None,
+    ) -> Completion:
+        """The reply as a Completion; `routes` (prompt tokens from the routes start, experts):
+        decode its routed_experts too."""
         try:
             reply = msgspec.json.decode(payload, type=_CompletionReply)
         except msgspec.ValidationError as exc:
@@ -226,7 +256,33 @@ class RolloutClient:
             policy_version=version,
             worker=target,
             prompt_logprobs=None if prompt_ids is None else _prompt_logprobs(choice, prompt_ids, target),
+            routes=None if routes is None else _routes(choice, routes[0] + len(choice.token_ids) - 1, routes[1], target),
         )
+
+
+def _routes(choice: _Choice, rows: int, num_experts: int, target: str) -> np.ndarray:
+    """The reply's `routed_experts` as [rows, moe_layers, top_k] of `route_dtype(num_experts)`;
+    RolloutError when it is missing or cannot be the routes of the request's tokens."""
+    if choice.routed_experts is None:
+        raise RolloutError(
+            f"{target}: the reply has no routed_experts (routing replay needs vLLM started with "
+            "--enable-return-routed-experts, which the inference pool does when algorithm.routing_replay is on)"
+        )
+    try:
+        routes = np.load(io.BytesIO(base64.b64decode(choice.routed_experts, validate=True)), allow_pickle=False)
+    except (ValueError, binascii.Error, OSError) as exc:
+        raise RolloutError(f"{target}: routed_experts is not a base64 .npy array ({exc})") from None
+    if routes.ndim != 3 or len(routes) != rows or routes.dtype.kind not in "iu":
+        raise RolloutError(
+            f"{target}: routed_experts of shape {routes.shape} and dtype {routes.dtype}; expected integer "
+            f"experts of {rows} tokens (prompt and completion from the routes start, but the last token) "
+            "x moe_layers x top_k"
+        )
+    if routes.size and (routes.min() < 0 or routes.max() >= num_experts):
+        raise RolloutError(
+            f"{target}: routed_experts names experts {int(routes.min())}..{int(routes.max())}; the policy has {num_experts}"
+        )
+    return routes.astype(route_dtype(num_experts), copy=False)
 
 
 def _prompt_logprobs(choice: _Choice, prompt_ids: list[int], target: str) -> list[float]:
@@ -259,6 +315,8 @@ class TokenTrajectory:
     policy_versions: list[int] = field(default_factory=list)
     finish_reason: str = ""
     observation_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each
+    route_chunks: list[np.ndarray] = field(default_factory=list)  # each completion's routes, in order
+    routed_tokens: int = 0  # the positions 0..routed_tokens - 1 have routes (the next request's start)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -272,6 +330,14 @@ class TokenTrajectory:
         self.logprobs += completion.logprobs
         self.policy_versions.append(completion.policy_version)
         self.finish_reason = completion.finish_reason
+        if completion.routes is not None:
+            self.route_chunks.append(completion.routes)
+            self.routed_tokens += len(completion.routes)
+
+    def routes(self) -> np.ndarray | None:
+        """[routed_tokens, moe_layers, top_k]: the routes of every token but the last, or None
+        when the completions carried none."""
+        return np.concatenate(self.route_chunks) if self.route_chunks else None
 
     def add_observation(self, token_ids: list[int]) -> None:
         self.observation_spans.append((len(self.token_ids), len(self.token_ids) + len(token_ids)))

@@ -79,9 +79,12 @@ def vllm_command(
     api_key: str | None = None,
     extra_args: list[str] | None = None,
     env: dict | None = None,
+    return_routed_experts: bool = False,
 ) -> ServerCommand:
     """The vLLM server for `model_dir` on `host:port`: its command line (`extra_args` last) and
-    environment (this process's, with the server's settings and `env` on top)."""
+    environment (this process's, with the server's settings and `env` on top).
+    `return_routed_experts`: capture every token's MoE routes and return them per request
+    (routing replay; vLLM's AuxOutput connector, which needs Model Runner V2: GPUs only)."""
     model_dir = str(model_dir)
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -121,6 +124,8 @@ def vllm_command(
             server_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     if api_key:
         argv += ["--api-key", api_key]
+    if return_routed_experts:
+        argv.append("--enable-return-routed-experts")
     # The worker imports the extension: make this checkout importable there.
     root = str(Path(__file__).resolve().parents[2])
     server_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, server_env.get("PYTHONPATH")) if p)

@@ -97,7 +97,7 @@ async def run_member(
         completion = await client.complete(
             trajectory.token_ids, sampling, session, max_tokens=min(sampling.max_tokens, remaining),
             seed=None if sampling.seed is None else request_seed(sampling.seed, group_id, branch, turn),
-            stop=list(env.stop) or None,
+            stop=list(env.stop) or None, routes_start=trajectory.routed_tokens,
         )  # fmt: skip
         if completion.prompt_logprobs is not None and trajectory.observation_spans:  # the ablation
             start, end = span = trajectory.observation_spans[-1]

@@ -114,6 +114,7 @@ class TrainSink:
                 branch_index=m.branch_index,
                 policy_version=m.trajectory.policy_version,
                 score=float(m.reward),
+                routes=m.trajectory.routes(),
             )
             for m, reward in zip(kept, rewards)
         ]

@@ -23,6 +23,7 @@ import torch
 from megatron_rl import faults, parallel
 from megatron_rl.config import ModelLayout, ResolvedConfig
 from megatron_rl.models.builder import build_gpt_model
+from megatron_rl.models.routing import attach_routing
 from megatron_rl.policy.publish import make_publisher
 from megatron_rl.policy.update import UpdateSettings, policy_update
 from megatron_rl.trainer.role import RoleTrainer
@@ -70,7 +71,12 @@ class PolicyTrainer(RoleTrainer):
         self.settings = UpdateSettings.from_config(resolved)
 
     def build_model(self) -> torch.nn.Module:
-        return build_policy_model(self.resolved, self.layout)
+        """The policy, with routing replay on its MoE layers when `algorithm.routing_replay` is on
+        (never on the KL reference: `build_reference` builds a model of its own)."""
+        model = build_policy_model(self.resolved, self.layout)
+        arch = self.resolved.layout.policy_architecture
+        attach_routing(model, self.resolved.algorithm.routing_replay, arch.num_layers, arch.num_experts_per_tok)
+        return model
 
     def prepare_model(self) -> None:
         kl = self.resolved.algorithm.kl_coef > 0
@@ -86,6 +92,8 @@ class PolicyTrainer(RoleTrainer):
             f"kl_ref {record['kl_ref']:.2e} entropy {record['entropy']:.3f} "
             + (f"updates {record['optimizer_steps']} (ratio last {record['ratio_mean_last']:.3f}, "
                f"clip last {record['clip_fraction_last']:.3f}) " if record["optimizer_steps"] > 1 else "")
+            + (f"router agreement {record['router_agreement']:.4f} (tokens differing {record['router_token_mismatch']:.3f}) "
+               if record.get("router_agreement") is not None else "")
             + f"grad_norm {record['grad_norm'] or 0:.3f} lr {record['lr']:.2e} {record['tokens_per_s'] or 0:.0f} tok/s"
             + (f" | optimizer step SKIPPED: non-finite loss or gradients ({record['skipped_steps']} skipped so far)"
                if record.get("update_skipped") else "")

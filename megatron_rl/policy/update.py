@@ -15,6 +15,11 @@ Order, on this rank's grid item (the micro-batches of every mini-batch, `MicroBa
 4. for each epoch, for each mini-batch in order: one `train_on_batches` (each normalised by its
    own global count).
 
+With `algorithm.routing_replay` on, every policy forward of the step (pi_old, each training
+forward and its recomputation in the backward) replays the sampler's routes (models/routing.py),
+and the step's metrics carry the router's agreement with the sampler's, measured on the weights
+that sampled (`measured`). The KL reference routes by its own router.
+
 Every log-prob is of softmax(logits / T), T = `orchestrator.temperature`, the distribution the
 samples were drawn from. `policy_minibatches = policy_epochs = 1` with `sampler` is one
 train_step on the grid item.
@@ -23,6 +28,7 @@ train_step on the grid item.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
@@ -35,6 +41,7 @@ from megatron_rl.algorithms import aggregation, rollout_correction
 from megatron_rl.config import AlgorithmConfig, ResolvedConfig
 from megatron_rl.data.types import MicroBatch
 from megatron_rl.faults import kill_point
+from megatron_rl.models.routing import ModelRouting, routing_of
 from megatron_rl.parallel import collective_device
 from megatron_rl.policy.loss import (
     PolicyBatch,
@@ -190,6 +197,9 @@ def policy_update(
     (`check_minibatches`) before any forward pass or update of the step."""
     algorithm, times = settings.algorithm, {}
     check_minibatches(micro_batches, algorithm.policy_minibatches)
+    routing = routing_of(trainable.model[0])
+    if routing is not None:
+        check_routes(micro_batches, algorithm.routing_replay)
     cp_rank = parallel_state.get_context_parallel_rank()
     cp_size = parallel_state.get_context_parallel_world_size()
     batches = [policy_batch(mb, cp_rank, cp_size) for mb in micro_batches]
@@ -200,7 +210,8 @@ def policy_update(
     mismatch = None
     if algorithm.old_logprobs == "recompute":
         began = time.perf_counter()
-        recompute_old_logprobs(trainable.model[0], batches, settings.temperature)
+        with measured(routing, True):
+            recompute_old_logprobs(trainable.model[0], batches, settings.temperature)
         times["recompute"] = time.perf_counter() - began
         began = time.perf_counter()
         mismatch = correct_rollouts(settings, batches)
@@ -213,9 +224,31 @@ def policy_update(
         for group in minibatch_groups(batches):
             if updates:
                 kill_point("step.minibatch")
-            updates.append(train_on_batches(trainable, group, loss))
+            with measured(routing, not updates and algorithm.old_logprobs != "recompute"):
+                updates.append(train_on_batches(trainable, group, loss))
     times["train"] = time.perf_counter() - began
-    return summarise_updates(updates, algorithm.policy_epochs, mismatch, times)
+    record = summarise_updates(updates, algorithm.policy_epochs, mismatch, times)
+    if routing is not None:
+        record.update(routing.statistics())
+    return record
+
+
+def measured(routing: ModelRouting | None, first_pass: bool):
+    """Router health is measured on the weights that sampled: in the pi_old pass when there is
+    one, else in the first mini-batch's training forward (before any update of the step)."""
+    return routing.measure() if routing is not None and first_pass else nullcontext()
+
+
+def check_routes(micro_batches: list[MicroBatch], mode: str) -> None:
+    """Raises ValueError naming `algorithm.routing_replay` when a micro-batch of this rank's grid
+    item (other than a dummy) comes without the sampler's routes."""
+    missing = [index for index, mb in enumerate(micro_batches) if not mb.is_dummy and mb.routes is None]
+    if missing:
+        raise ValueError(
+            f"algorithm.routing_replay is {mode!r}, but micro-batches {missing[:8]} of this step's policy grid "
+            "carry no routes: the orchestrator packs them only with the same setting; give both the same "
+            "resolved config"
+        )
 
 
 def _means(metrics: dict) -> dict:

@@ -38,6 +38,11 @@ class RankBatch:
     cu_seqlens: torch.Tensor  # [S + 1] of the full row (padding tail included as a segment)
     total_tokens: int
     loss_mask: torch.Tensor  # [n] bool: the next token is an action
+    # Routing replay (the policy's grid only): the sampler's experts of each token of this slice
+    # ([n, moe_layers, top_k], uint8 or int32: not shifted, a token is routed where it is the
+    # input) and which tokens it routed ([n] bool); None without.
+    routes: torch.Tensor | None = None
+    routed: torch.Tensor | None = None
 
     def loss_normaliser(self) -> torch.Tensor:
         """This micro-batch's share of the global normaliser (0-d int tensor): its action tokens."""
@@ -95,7 +100,12 @@ class RowSlice:
     def shared_fields(self) -> dict:
         """The fields of `RankBatch`, for a role's batch to extend."""
         mb = self.mb
+        routes = {}
+        if mb.routes is not None:
+            compact = mb.routes if mb.routes.dtype == np.uint8 else mb.routes.astype(np.int32)
+            routes = dict(routes=self.tensor(compact, None), routed=self.tensor(mb.routed, torch.bool))
         return dict(
+            **routes,
             input_ids=self.tensor(mb.input_ids, torch.long)[None],
             position_ids=self.tensor(mb.position_ids, torch.long)[None],
             cu_seqlens=torch.as_tensor(self.cu, dtype=torch.int32, device=self.device),

@@ -3,6 +3,7 @@
 `forward_only(model, batches, output_fn)` runs `model` on every RankBatch (megatron's forward-
 only schedule when PP > 1) and returns `[output_fn(output, batch), ...]` on the last pipeline
 stage, None on other stages. Used for critic scoring and reference-policy log-probabilities.
+A model with routing replay (models/routing.py) replays each batch's routes.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_rl.models.attention import packed_seq_params
+from megatron_rl.models.routing import routing_pass, set_batch_routes
 from megatron_rl.trainer.batches import RankBatch
 
 
 def _run(model, batch: RankBatch):
+    set_batch_routes(model, batch)
     return model(
         batch.input_ids,
         batch.position_ids,
@@ -30,6 +33,11 @@ def _run(model, batch: RankBatch):
 
 @torch.no_grad()
 def forward_only(model, batches: list[RankBatch], output_fn: Callable) -> list | None:
+    with routing_pass(model, training=False):
+        return _forward_only(model, batches, output_fn)
+
+
+def _forward_only(model, batches: list[RankBatch], output_fn: Callable) -> list | None:
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return [output_fn(_run(model, batch), batch) for batch in batches]
 

@@ -19,7 +19,13 @@ def receiver_id_in_replica() -> int:
     )
 
 
-def grid_receiver(resolved: ResolvedConfig, port: int, wait_for_sender: bool = True, vocab_size: int | None = None):
+def grid_receiver(
+    resolved: ResolvedConfig,
+    port: int,
+    wait_for_sender: bool = True,
+    vocab_size: int | None = None,
+    num_experts: int | None = None,
+):
     """This rank's GridReceiver on a model's ZMQ stream (its data rank, its index in the
     replica); without `wait_for_sender` the handshake completes at the first receive."""
 
@@ -33,4 +39,5 @@ def grid_receiver(resolved: ResolvedConfig, port: int, wait_for_sender: bool = T
         timeout_s=transport.receive_timeout_s,
         handshake_timeout_s=transport.handshake_timeout_s if wait_for_sender else None,
         vocab_size=vocab_size,
+        num_experts=num_experts,
     )

@@ -128,7 +128,8 @@ class RoleTrainer(ABC):
         )
 
     def receiver(self, port: int, wait_for_sender: bool = True):
-        return grid_receiver(self.resolved, port, wait_for_sender=wait_for_sender, vocab_size=self.arch.vocab_size)
+        return grid_receiver(self.resolved, port, wait_for_sender=wait_for_sender, vocab_size=self.arch.vocab_size,
+                             num_experts=self.arch.num_experts or None)  # fmt: skip
 
     def write_metrics(self, record: dict) -> None:
         """Rank 0: appends `record` to the role's metrics JSONL (and prints its console line)."""

@@ -26,6 +26,7 @@ from torch.distributed import ReduceOp
 from megatron_rl.data.types import MicroBatch
 from megatron_rl.faults import kill_point
 from megatron_rl.models.attention import packed_seq_params
+from megatron_rl.models.routing import routing_pass, set_batch_routes
 from megatron_rl.parallel import any_rank, collective_device
 from megatron_rl.trainer.batches import RankBatch
 from megatron_rl.trainer.optimizer import Trainable, freeze_non_head_groups
@@ -72,6 +73,7 @@ def train_on_batches(trainable: Trainable, batches: list[RankBatch], loss_func: 
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
+        set_batch_routes(model, batch)
         output = model(
             batch.input_ids,
             batch.position_ids,
@@ -91,15 +93,16 @@ def train_on_batches(trainable: Trainable, batches: list[RankBatch], loss_func: 
 
         return output, loss
 
-    reported = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=trainable.model,
-        num_microbatches=len(batches),
-        seq_length=max(b.input_ids.shape[1] for b in batches),
-        micro_batch_size=1,
-        forward_only=False,
-    )
+    with routing_pass(trainable.model[0], training=True):
+        reported = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(batches),
+            model=trainable.model,
+            num_microbatches=len(batches),
+            seq_length=max(b.input_ids.shape[1] for b in batches),
+            micro_batch_size=1,
+            forward_only=False,
+        )
     kill_point("train.backward")
     if trainable.head_only:
         freeze_non_head_groups(trainable)

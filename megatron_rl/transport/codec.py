@@ -3,7 +3,9 @@
 Frames: [header, buffer, buffer, ...]. The header is msgpack:
     {"format": "megatron_rl.grid", "version": 2, "step", "data_rank", "num_micro_steps",
      "micro_batches": [{"is_dummy", "minibatch", "arrays": [{"name", "dtype", "shape", "nbytes", "crc32"}]}]}
-followed by one raw buffer per array, in header order.
+followed by one raw buffer per array, in header order. Every array is one-dimensional except a
+policy grid's `routes` under routing replay ([N, moe_layers, top_k] uint8 or uint16, sent with
+`routed`, [N] bool).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import numpy as np
 from megatron_rl.data.types import MicroBatch
 
 FORMAT = "megatron_rl.grid"
-VERSION = 2  # 2: micro-batches carry their policy mini-batch
-_ALLOWED_DTYPES = {"int64", "int32", "float32", "float64", "bool"}
+VERSION = 3  # 2: micro-batches carry their policy mini-batch; 3: and may carry routes
+_ALLOWED_DTYPES = {"int64", "int32", "float32", "float64", "bool", "uint8", "uint16"}
 
 
 class TransportError(RuntimeError):
@@ -72,10 +74,13 @@ ARRAY_DTYPES = {
     "advantages": "float32", "returns": "float32", "old_values": "float32", "inference_logprobs": "float32",
     "sample_index": "int64",
 }  # fmt: skip
+# The arrays a policy grid under routing replay adds (both or neither), their dtypes.
+ROUTE_ARRAYS = {"routes": ("uint8", "uint16"), "routed": ("bool",)}
 
 
 def decode_grid_item(
-    frames: list, where: str, step: int, data_rank: int, vocab_size: int | None = None
+    frames: list, where: str, step: int, data_rank: int, vocab_size: int | None = None,
+    num_experts: int | None = None,
 ) -> list[MicroBatch]:
     """Validates and decodes frames; raises TransportError naming `where`, step and what is wrong.
 
@@ -83,7 +88,9 @@ def decode_grid_item(
     packed row: all nine arrays, one-dimensional, the per-token ones of one length; `cu_seqlens`
     starts at 0, increases and ends inside the row; positions restart at 0 for every sequence;
     padding after the last sequence is masked; the mask is 0/1; float arrays are finite; token
-    ids lie in the vocabulary (when `vocab_size` is given). Nothing invalid reaches a model."""
+    ids lie in the vocabulary (when `vocab_size` is given); routes, when sent, are [N, layers, k]
+    with distinct experts per token and layer, below `num_experts` when given. Nothing invalid
+    reaches a model."""
     context = f"{where}: grid item for step {step}, data rank {data_rank}"
     if not frames:
         raise TransportError(f"{context}: empty message")
@@ -124,8 +131,9 @@ def decode_grid_item(
                 "(mini-batches are numbered from 0 and come in order)"
             )
         names = [spec.name for spec in batch.arrays]
-        if sorted(names) != sorted(ARRAY_DTYPES):
-            missing, extra = sorted(set(ARRAY_DTYPES) - set(names)), sorted(set(names) - set(ARRAY_DTYPES))
+        expected = sorted(ARRAY_DTYPES) + (sorted(ROUTE_ARRAYS) if set(ROUTE_ARRAYS) & set(names) else [])
+        if sorted(names) != sorted(expected):
+            missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
             raise TransportError(f"{where_mb}: arrays missing {missing}, unexpected {extra}, repeated "
                                  f"{sorted({n for n in names if names.count(n) > 1})}")  # fmt: skip
         fields = {}
@@ -133,13 +141,16 @@ def decode_grid_item(
             buffer = memoryview(frames[position]).cast("B")
             position += 1
             name = spec.name
-            if spec.dtype not in _ALLOWED_DTYPES or spec.dtype != ARRAY_DTYPES[name]:
+            allowed = ROUTE_ARRAYS.get(name, (ARRAY_DTYPES.get(name),))
+            if spec.dtype not in _ALLOWED_DTYPES or spec.dtype not in allowed:
                 raise TransportError(
-                    f"{where_mb} array {name}: unexpected dtype {spec.dtype!r} (expected {ARRAY_DTYPES[name]})"
+                    f"{where_mb} array {name}: unexpected dtype {spec.dtype!r} (expected {' or '.join(allowed)})"
                 )
             if buffer.nbytes != spec.nbytes:
                 raise TransportError(f"{where_mb} array {name}: {buffer.nbytes} bytes, header says {spec.nbytes}")
-            if len(spec.shape) != 1 or spec.shape[0] < 0 or spec.shape[0] * np.dtype(spec.dtype).itemsize != spec.nbytes:
+            dims = 3 if name == "routes" else 1
+            if (len(spec.shape) != dims or min(spec.shape) < 0
+                    or int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize != spec.nbytes):  # fmt: skip
                 raise TransportError(
                     f"{where_mb} array {name}: impossible shape {spec.shape} for {spec.nbytes} bytes of {spec.dtype}"
                 )
@@ -147,8 +158,25 @@ def decode_grid_item(
                 raise TransportError(f"{where_mb} array {name}: checksum mismatch (corrupt data)")
             fields[name] = np.frombuffer(buffer, dtype=spec.dtype).reshape(spec.shape).copy()
         _check_row(fields, batch.is_dummy, vocab_size, where_mb)
+        if "routes" in fields:
+            _check_routes(fields["routes"], fields["routed"], num_experts, where_mb)
         out.append(MicroBatch(**fields, is_dummy=batch.is_dummy, minibatch=batch.minibatch))
     return out
+
+
+def _check_routes(routes: np.ndarray, routed: np.ndarray, num_experts: int | None, where: str) -> None:
+    """Raises TransportError unless every token's experts in every layer are distinct (replay
+    dispatches each token to k experts) and below `num_experts`, and `routed` is 0/1."""
+    if np.any(routed.view(np.uint8) > 1):
+        raise TransportError(f"{where} array routed: values other than 0/1")
+    if not routes.size:
+        return
+    if num_experts is not None and int(routes.max()) >= num_experts:
+        raise TransportError(f"{where} array routes: expert {int(routes.max())} of a model with {num_experts} experts")
+    ordered = np.sort(routes, axis=-1)
+    if np.any(ordered[..., 1:] == ordered[..., :-1]):
+        token = int(np.flatnonzero((ordered[..., 1:] == ordered[..., :-1]).any(axis=(1, 2)))[0])
+        raise TransportError(f"{where} array routes: token {token} repeats an expert within a layer")
 
 
 def _loose_header(frame):

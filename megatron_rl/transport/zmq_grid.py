@@ -244,13 +244,14 @@ class GridReceiver:
         timeout_s: float = 600.0,
         handshake_timeout_s: float | None = 120.0,
         vocab_size: int | None = None,
+        num_experts: int | None = None,
     ):
         """`handshake_timeout_s=None` does not wait for the sender here: the handshake then
         completes inside the first `poll`/`receive` (a critic serves requests before the
         orchestrator's sender exists). With `vocab_size`, a frame with a token id outside the
         vocabulary is refused like any other invalid frame."""
         self.endpoint = f"tcp://{host}:{port}"
-        self.vocab_size = vocab_size
+        self.vocab_size, self.num_experts = vocab_size, num_experts
         self.data_rank = data_rank
         self.receiver_id = receiver_id
         self.timeout_s = timeout_s
@@ -331,7 +332,7 @@ class GridReceiver:
         if kind != b"DATA":
             raise TransportError(f"{self.endpoint}: step {step}: unexpected reply {kind!r}")
         micro_batches = decode_grid_item(
-            [f.buffer for f in frames], self.endpoint, step, self.data_rank, self.vocab_size
+            [f.buffer for f in frames], self.endpoint, step, self.data_rank, self.vocab_size, self.num_experts
         )
         self._socket.send_multipart([b"ACK", _pack({"step": step, **self._who})])
         return micro_batches

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 
 from megatron_rl.config import parse_config
-from megatron_rl.data.types import ScoreResult
+from megatron_rl.data.types import ScoreResult, route_dtype
 from megatron_rl.inference.rollout import Completion
 
 
@@ -36,16 +36,18 @@ class FakeClient:
     request of that turn (a failure mid-rollout); `script` gives fixed completions per turn."""
 
     def __init__(self, weights, vocab: int = 500, eos: int | None = None, delay_s: float = 0.0,
-                 fail=None, script: list[list[int]] | None = None):  # fmt: skip
+                 fail=None, script: list[list[int]] | None = None, moe_layers: int = 2, topk: int = 2):  # fmt: skip
         self.weights, self.vocab, self.eos, self.delay_s = weights, vocab, eos, delay_s
         self.fail = fail or {}
         self.script = script
+        self.moe_layers, self.topk = moe_layers, topk  # the routes' shape, with sampling.routed_experts
         self.calls: list[dict] = []
 
-    async def complete(self, prompt_ids, sampling, session_id, max_tokens=None, seed=None, stop=None):
+    async def complete(self, prompt_ids, sampling, session_id, max_tokens=None, seed=None, stop=None, routes_start=0):
         version = self.weights.version()
         turn = sum(1 for c in self.calls if c["session"] == session_id)
-        self.calls.append({"session": session_id, "prompt": list(prompt_ids), "version": version})
+        self.calls.append({"session": session_id, "prompt": list(prompt_ids), "version": version,
+                           "routes_start": routes_start})  # fmt: skip
         group, branch = (int(x.removeprefix("group").removeprefix("branch")) for x in session_id.split("-"))
         for key in ((group, branch), (group, branch, turn)):
             if key in self.fail:
@@ -59,7 +61,13 @@ class FakeClient:
             tokens = [rng.randrange(1, self.vocab) for _ in range(rng.randint(1, limit))]
         finish = "stop" if len(tokens) < limit else "length"
         logprobs = [-rng.random() * 3 for _ in tokens]
-        return Completion(tokens, logprobs, finish, policy_version=version, worker="fake")
+        routes = None
+        if sampling.routed_experts:  # random distinct experts for every token from the start but the last
+            rows = len(prompt_ids) + len(tokens) - 1 - routes_start
+            choice = np.argsort(np.random.default_rng(rng.randrange(2**32)).random((rows, self.moe_layers,
+                                                                                    sampling.routed_experts)), -1)  # fmt: skip
+            routes = choice[..., : self.topk].astype(route_dtype(sampling.routed_experts))
+        return Completion(tokens, logprobs, finish, policy_version=version, worker="fake", routes=routes)
 
 
 class FakeWeights:

@@ -67,7 +67,7 @@ def test_a_turn_that_fails_mid_rollout_ends_its_member_and_the_group_completes(e
     resolved = orchestrator_config("ppo", num_steps=1, batch_size=1, group_size=3, max_completion_tokens=64)
 
     class Scripted(FakeClient):  # member 2 writes the bad call, the others the good one
-        async def complete(self, prompt_ids, sampling, session_id, max_tokens=None, seed=None, stop=None):
+        async def complete(self, prompt_ids, sampling, session_id, max_tokens=None, seed=None, stop=None, routes_start=0):
             completion = await super().complete(prompt_ids, sampling, session_id, max_tokens, seed, stop)
             if session_id == "group0-branch2":
                 completion.token_ids = bad_call
@@ -183,7 +183,7 @@ def test_train_on_observations_marks_observations_as_actions_with_the_samplers_l
     observation = tok.encode("<result>6</result>", add_special_tokens=False)
 
     class WithPromptLogprobs(FakeClient):
-        async def complete(self, prompt_ids, sampling, session_id, max_tokens=None, seed=None, stop=None):
+        async def complete(self, prompt_ids, sampling, session_id, max_tokens=None, seed=None, stop=None, routes_start=0):
             completion = await super().complete(prompt_ids, sampling, session_id, max_tokens, seed, stop)
             assert sampling.prompt_logprobs
             return dataclasses.replace(completion, prompt_logprobs=[float("nan")] + [-0.5 - i for i in range(1, len(prompt_ids))])
