@@ -13,6 +13,9 @@ a token-rate and a FLOPs model, real ZMQ grids and real /score encoding on a vir
    servers get faster): the median step time, async / sync (goal <= 0.6), and the
    inference servers' busy fraction with the long completion tail; for group size 1 (SAO) and
    8 (GRPO, examples/configs/qwen3_30b_a3b_grpo.yaml: no critic).
+3. Routing replay: the policy grid at the smallest size with `algorithm.routing_replay: replay`
+   (the samples carry vLLM's routes) against the same run without: bytes a token more, beside
+   what they should be (layers x top-k uint8 experts and one `routed` byte).
 
 Every parameter of the cluster model is a flag (below; defaults: the 30B configs and the seed's
 figures, 227-773 s critic steps at 64 x 31K tokens on 4 GPUs and a 48.7 s NCCL broadcast).
@@ -42,9 +45,9 @@ SAO = ROOT / "examples/configs/qwen3_30b_a3b_sao.yaml"
 GRPO = ROOT / "examples/configs/qwen3_30b_a3b_grpo.yaml"
 
 
-def simulate(example, model, seed, **orchestrator):
+def simulate(example, model, seed, algorithm=None, **orchestrator):
     run_dir = tempfile.mkdtemp(prefix="bench_scale_")
-    resolved = cluster_config(example, run_dir, **orchestrator)
+    resolved = cluster_config(example, run_dir, algorithm, **orchestrator)
     return SimCluster(resolved, model, seed=seed, run_dir=run_dir).run()
 
 
@@ -53,8 +56,9 @@ def fitted_exponent(sizes, values) -> float:
     return float(np.polyfit(np.log(sizes), np.log(values), 1)[0])
 
 
-def scale_row(size: int, steps: int, model: ClusterModel, seed: int) -> dict:
-    result = simulate(SAO, model, seed, batch_size=size, group_size=1, num_steps=steps, max_async_level=1)
+def scale_row(size: int, steps: int, model: ClusterModel, seed: int, routing_replay: str = "off") -> dict:
+    result = simulate(SAO, model, seed, {"routing_replay": routing_replay}, batch_size=size, group_size=1,
+                      num_steps=steps, max_async_level=1)  # fmt: skip
     cpu_per_step = result.orchestrator_cpu_s / result.steps
     step_s = result.step_end_s[-1] / result.steps  # simulated seconds per step, warm-up included
     grid_bytes = sum(result.grid_bytes.values())
@@ -70,6 +74,7 @@ def scale_row(size: int, steps: int, model: ClusterModel, seed: int) -> dict:
         "policy_grid_bytes_per_step": result.grid_bytes["policy"] / result.steps,
         "grid_throughput_bytes_per_s": throughput,
         "grid_transport_s_per_step": grid_bytes / result.steps / throughput, "wall_s": result.wall_s,
+        "policy_grid_tokens_per_step": result.grid_tokens["policy"] / result.steps, "routing_replay": routing_replay,
     }  # fmt: skip
 
 
@@ -152,6 +157,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fitted exponent of CPU vs rollouts: {exponent:.3f} (goal <= 1.1); share at {largest['rollouts']:,}: "
           f"{100 * largest['share']:.3f}% (goal < 1%); grids at the measured {throughput:.0f} MB/s")  # fmt: skip
 
+    replayed = scale_row(sizes[0], args.steps, model, args.seed, routing_replay="replay")
+    plain = rows[0]
+    added = replayed["policy_grid_bytes_per_step"] - plain["policy_grid_bytes_per_step"]
+    per_token = added / replayed["policy_grid_tokens_per_step"]
+    arch = cluster_config(SAO, tempfile.mkdtemp(prefix="bench_scale_")).layout.policy_architecture
+    expected = arch.num_layers * arch.num_experts_per_tok + 1  # uint8 experts, and the `routed` flag
+    print(f"routing replay at {sizes[0]} rollouts: policy grid {replayed['policy_grid_bytes_per_step'] / 1e6:.1f} MB "
+          f"a step against {plain['policy_grid_bytes_per_step'] / 1e6:.1f} MB without (x "
+          f"{replayed['policy_grid_bytes_per_step'] / plain['policy_grid_bytes_per_step']:.2f}): {per_token:.1f} "
+          f"bytes a token more ({arch.num_layers} layers x top-{arch.num_experts_per_tok} uint8 + 1 = {expected})")  # fmt: skip
+
     async_rows, calibration = [], {}
     for example, group_size in ((SAO, 1), (GRPO, 8)):
         rates = model
@@ -182,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         figure={"cpu_exponent": exponent, "largest_share": largest["share"], "async_over_sync": best},
         reference={"goal_exponent": 1.1, "goal_share": 0.01, "goal_async_over_sync": 0.6},
         ratio=best, params=vars(args) | {"model": asdict(model)}, scale=rows, asynchrony=async_rows,
+        routing_replay={"row": replayed, "bytes_per_token": per_token, "expected_bytes_per_token": expected},
         calibration={str(g): c for g, c in calibration.items()},
     )  # fmt: skip
     if args.out:

@@ -32,6 +32,12 @@ What is exact and what is estimated:
 - activations are an estimate (per token and layer: the inputs of the norms, QKV, the attention
   output, SwiGLU's gate/up and product, for MoE the routed copies of the top-k experts), not a
   measurement; the GPU script (tests/gpu/run.sh) is where it gets compared with CUDA's peak;
+- routing replay (`algorithm.routing_replay` on): the policy builds every micro-batch of a step
+  before its first forward, so each policy GPU holds the routes of its share of the step's
+  tokens at once: at most batch_size x group_size samples of model.seq_len tokens over DP x CP,
+  each token L x k experts (1 byte up to 256 experts, else 2) and one `routed` byte, plus one
+  layer's int64 targets for one micro-batch's tokens per local layer (`routes_bytes`; an upper
+  bound: samples are rarely seq_len long);
 - `OVERHEAD_GIB` is an allowance, not a measurement.
 """
 
@@ -271,10 +277,29 @@ def _training_gpu(resolved: ResolvedConfig, role: str) -> GpuMemory:
         }  # fmt: skip
         if role == "policy" and resolved.algorithm.kl_coef > 0:
             parts["reference"] = weights  # the frozen initial policy, same layout and dtype
+        if role == "policy" and resolved.algorithm.routing_replay != "off":
+            parts["routes"] = routes_bytes(resolved) / GIB
         gpu = GpuMemory(role, where, parts, host_gib=on_host / GIB)
         if worst is None or gpu.total > worst.total:
             worst = gpu
     return worst
+
+
+def route_bytes_per_token(arch: Architecture) -> int:
+    """The routes of one token on the wire and in a policy GPU's memory: layers x top-k expert
+    indices (uint8 up to 256 experts, else uint16) and its `routed` flag (data/types.py)."""
+    return arch.num_layers * arch.num_experts_per_tok * (1 if arch.num_experts <= 256 else 2) + 1
+
+
+def routes_bytes(resolved: ResolvedConfig) -> float:
+    """One policy GPU's routes under routing replay (an upper bound; the module docstring)."""
+    arch, layout, model, o = (resolved.layout.policy_architecture, resolved.layout.policy, resolved.model,
+                              resolved.orchestrator)  # fmt: skip
+    tokens = o.batch_size * o.group_size * model.seq_len / (layout.dp * layout.cp)
+    local_layers = -(-arch.num_layers // layout.pp)  # the fuller stage's
+    sp = layout.tp if layout.sp > 1 else 1
+    targets = model.seq_len / layout.cp / sp * arch.num_experts_per_tok * 8 * local_layers
+    return tokens * route_bytes_per_token(arch) + targets
 
 
 def _inference_gpu(resolved: ResolvedConfig) -> GpuMemory:
@@ -356,6 +381,7 @@ def format_plan(resolved: ResolvedConfig, plan: list[GpuMemory]) -> str:
     columns = [
         "weights",
         "reference",
+        "routes",
         "gradients",
         "optimizer",
         "activations",

@@ -47,6 +47,7 @@ import numpy as np
 from megatron_rl.config import ResolvedConfig, load_config, parse_config
 from megatron_rl.critic.client import HttpValueScorer
 from megatron_rl.critic.wire import BINARY_VALUES, STEP_HEADER
+from megatron_rl.data.types import padding_routes, route_dtype
 from megatron_rl.inference.rollout import Completion
 from megatron_rl.orchestrator.loop import Orchestrator, Timeouts
 from megatron_rl.orchestrator.metrics import MetricsWriter
@@ -132,7 +133,7 @@ class SimInference:
         self.servers = [Server(k, m.concurrency_per_server) for k in range(num_servers)]
         self.completion_tokens: list[int] = []
 
-    async def complete(self, prompt_ids, sampling, session_id, max_tokens=None, seed=None, stop=None):
+    async def complete(self, prompt_ids, sampling, session_id, max_tokens=None, seed=None, stop=None, routes_start=0):
         m, c = self.cluster.model, self.cluster
         version = c.follower.version()  # like RolloutClient: the version live when sent
         limit = max_tokens or sampling.max_tokens
@@ -154,8 +155,13 @@ class SimInference:
             tokens = rng.integers(1, c.vocab_size, n).tolist()
             logprobs = (-3.0 * rng.random(n)).tolist()
             self.completion_tokens.append(n)
+            routes = None
+            if sampling.routed_experts:  # what vLLM returns under routing replay: its size, not its choice
+                arch = c.resolved.layout.policy_architecture
+                routes = padding_routes(len(prompt_ids) + n - 1 - routes_start, arch.num_layers,
+                                        arch.num_experts_per_tok, route_dtype(sampling.routed_experts))  # fmt: skip
         return Completion(tokens, logprobs, "length" if n >= limit else "stop", policy_version=version,
-                          worker=f"sim-server-{server.index}")  # fmt: skip
+                          worker=f"sim-server-{server.index}", routes=routes)  # fmt: skip
 
     def pause(self, start: float, seconds: float) -> None:
         for server in self.servers:
@@ -287,10 +293,14 @@ class SimSync:
         self.version = self.policy.installed
 
 
-def cluster_config(example: str | Path, run_dir: str | Path, **orchestrator) -> ResolvedConfig:
+def cluster_config(
+    example: str | Path, run_dir: str | Path, algorithm: dict | None = None, **orchestrator
+) -> ResolvedConfig:
     """The resolved config of `example` (a YAML, e.g. examples/configs/qwen3_30b_a3b_sao.yaml)
-    with `orchestrator` keys replaced and the run's directories under `run_dir`."""
+    with `orchestrator` keys and `algorithm` keys replaced and the run's directories under
+    `run_dir`."""
     data = load_config(example).model_dump(exclude={"layout"}, exclude_none=True)
+    data["algorithm"].update(algorithm or {})
     unknown = sorted(
         set(orchestrator)
         - set(data["orchestrator"])
@@ -320,6 +330,7 @@ class SimResult:
     score_request_bytes: int = 0
     score_reply_bytes: int = 0
     grid_bytes: dict = field(default_factory=dict)  # model -> bytes over the run
+    grid_tokens: dict = field(default_factory=dict)  # model -> packed tokens over the run (padding included)
     grid_wall_s: dict = field(default_factory=dict)  # model -> wall seconds publish -> every ack
     grid_micro_steps: dict = field(default_factory=dict)  # model -> {step: [micro-steps per data rank]}
     version_at_ship: dict = field(default_factory=dict)  # step -> version live when its policy grid went
@@ -427,7 +438,7 @@ class SimCluster:
         result = SimResult(
             steps=steps, step_end_s=ends, records=records, events=self.events, shipped=shipped,
             orchestrator_cpu_s=cpu - self.ledger.seconds, standin_cpu_s=self.ledger.seconds, wall_s=wall,
-            grid_bytes={k.name: k.bytes for k in links}, grid_wall_s={k.name: k.wall_s for k in links},
+            grid_bytes={k.name: k.bytes for k in links}, grid_tokens={k.name: k.tokens for k in links}, grid_wall_s={k.name: k.wall_s for k in links},
             grid_micro_steps={k.name: k.micro_steps for k in links},
             version_at_ship=dict(self.policy.link.version_at_send),
             server_busy=float(np.mean([s.busy_s for s in self.inference.servers])) / total if total else 0.0,

@@ -31,6 +31,7 @@ class ReceivedItem:
     micro_steps: int
     sequence_lengths: list[int]  # of every real sequence in its micro-batches
     nbytes: int  # array bytes of its frames
+    tokens: int = 0  # packed tokens of its real micro-batches (padding included)
 
 
 class GridLink:
@@ -44,7 +45,7 @@ class GridLink:
             timeout_s,
         )
         self.port = free_port()
-        self.bytes, self.wall_s = 0, 0.0
+        self.bytes, self.tokens, self.wall_s = 0, 0, 0.0
         self.micro_steps: dict[int, list[int]] = {}  # step -> micro-steps of each data rank
         self.version_at_send: dict[int, int] = {}
         self._received: queue.Queue = queue.Queue()
@@ -75,7 +76,8 @@ class GridLink:
                         int(n) for mb in micro_batches if not mb.is_dummy for n in np.diff(mb.cu_seqlens)
                     ]
                     nbytes = sum(a.nbytes for mb in micro_batches for a in mb.arrays().values())
-                    self._received.put((step, ReceivedItem(rank, len(micro_batches), lengths, nbytes)))
+                    tokens = sum(mb.num_tokens for mb in micro_batches if not mb.is_dummy)
+                    self._received.put((step, ReceivedItem(rank, len(micro_batches), lengths, nbytes, tokens)))
                     step += 1
                 now = time.thread_time()
                 ledger.add(now - spent)
@@ -98,6 +100,7 @@ class GridLink:
         items = sorted((item for _, item in items), key=lambda item: item.data_rank)
         nbytes = sum(item.nbytes for item in items)
         self.bytes += nbytes
+        self.tokens += sum(item.tokens for item in items)
         self.micro_steps[step] = [item.micro_steps for item in items]
         previous = self._tasks[-1] if self._tasks else None
         task = asyncio.ensure_future(self._after_the_wire(step, items, nbytes, previous))

@@ -10,7 +10,10 @@ base64 of `np.save` of the experts of every token from `routed_experts_prompt_st
 second-to-last sampled one ([tokens - 1 - start, layers, top_k], uint8 up to 256 experts, as
 vLLM's RoutedExpertsCapturer). The routes are transformers' Qwen3-MoE router's choice
 (tests/support/hf_routes.py; `--perturb` chooses from a perturbed copy of it). Also `GET
-/health` and `GET /v1/models`.
+/health`, `GET /v1/models` and the dev-mode admin endpoints a pool's weight sync uses (`/pause`,
+`/resume`, `/is_paused`, `/reset_prefix_cache`, and `/collective_rpc` with our worker
+extension's `load_published_version` (the model is reloaded from the published directory),
+`reload_weights` and `get_weights_version`), so it serves a whole CPU stack's policy versions.
 """
 
 from __future__ import annotations
@@ -72,8 +75,8 @@ def complete(sampler: RoutedSampler, body: dict, eos: int | None) -> dict:
 
 
 def make_app(args) -> web.Application:
-    sampler = RoutedSampler(args.model_dir, args.perturb, seed=args.perturb_seed)
-    eos = sampler.model.config.eos_token_id
+    state = {"sampler": RoutedSampler(args.model_dir, args.perturb, seed=args.perturb_seed), "version": 0,
+             "paused": False}  # fmt: skip
 
     async def models(request):
         return web.json_response({"object": "list", "data": [{"id": args.model, "object": "model"}]})
@@ -83,14 +86,37 @@ def make_app(args) -> web.Application:
 
     async def completions(request):
         body = await request.json()
-        choice = complete(sampler, body, eos)
+        sampler = state["sampler"]
+        choice = complete(sampler, body, sampler.model.config.eos_token_id)
         return web.json_response({"id": "cmpl-routed", "object": "text_completion", "model": args.model,
                                   "choices": [choice]})  # fmt: skip
+
+    async def admin(request):
+        state["paused"] = {"/pause": True, "/resume": False}.get(request.path, state["paused"])
+        return web.json_response({})
+
+    async def is_paused(request):
+        return web.json_response({"is_paused": state["paused"]})
+
+    async def collective_rpc(request):
+        body = await request.json()
+        method, kwargs = body["method"], body.get("kwargs", {})
+        if method in ("load_published_version", "reload_weights"):
+            state["sampler"] = RoutedSampler(kwargs["weights_path"], args.perturb, seed=args.perturb_seed)
+            state["version"] = int(kwargs.get("version", state["version"]))
+            return web.json_response({"results": [None]})
+        if method == "get_weights_version":
+            return web.json_response({"results": [state["version"]]})
+        raise web.HTTPBadRequest(text=f"the routed stand-in has no worker method {method!r}")
 
     app = web.Application()
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_post("/v1/completions", completions)
+    for path in ("/pause", "/resume", "/reset_prefix_cache"):
+        app.router.add_post(path, admin)
+    app.router.add_get("/is_paused", is_paused)
+    app.router.add_post("/collective_rpc", collective_rpc)
     return app
 
 

@@ -15,6 +15,7 @@ from megatron_rl.config.memory_plan import (
     format_plan,
     memory_plan,
     rank_parameters,
+    route_bytes_per_token,
 )
 from tests.support.cli import run_cli
 
@@ -119,3 +120,17 @@ def test_check_config_prints_the_plan_for_every_example(example):
     assert result.returncode == 0, result.stderr
     assert "memory plan (GiB per GPU" in result.stderr and "policy" in result.stderr
     assert result.stdout.lstrip().startswith("{")  # stdout stays the resolved JSON
+
+
+def test_routing_replay_adds_the_routes_of_a_steps_share_of_tokens():
+    off = memory_plan(load_config(SAO_30B))[0]
+    resolved = load_config(SAO_30B, ["algorithm.routing_replay=replay"])
+    policy, critic = memory_plan(resolved)[:2]
+    assert "routes" not in off.parts and "routes" not in critic.parts
+    arch, layout, o = resolved.layout.policy_architecture, resolved.layout.policy, resolved.orchestrator
+    assert route_bytes_per_token(arch) == 48 * 8 + 1  # Qwen3-30B-A3B: 48 MoE layers, top-8 of 128 (uint8)
+    tokens = o.batch_size * o.group_size * resolved.model.seq_len / (layout.dp * layout.cp)
+    targets = resolved.model.seq_len * arch.num_experts_per_tok * 8 * arch.num_layers  # int64, one micro-batch
+    assert policy.parts["routes"] == pytest.approx((tokens * 385 + targets) / GIB)
+    assert policy.total == pytest.approx(off.total + policy.parts["routes"])
+    assert "routes" in format_plan(resolved, memory_plan(resolved))

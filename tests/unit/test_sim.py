@@ -50,6 +50,8 @@ def test_the_scale_benchmark_runs_small(tmp_path, monkeypatch):
     }
     assert all(0 < r["server_busy"] <= 1 and r["step_s"] >= 0 for r in record["asynchrony"])
     assert all(r["step_s"] > 0 for r in record["asynchrony"] if r["max_async_level"] == 0)
+    # Routing replay: the policy grid carries 48 layers x top-8 uint8 experts and a flag a token more.
+    assert record["routing_replay"]["bytes_per_token"] == record["routing_replay"]["expected_bytes_per_token"] == 385
     with pytest.raises(SystemExit):
         module.main(["--decode-tokens-per-s", "0", "--out", str(out)])  # a model parameter out of range
 

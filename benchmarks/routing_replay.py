@@ -1,0 +1,129 @@
+"""The step-time cost of routing replay: one RL step (`policy_update`, `old_logprobs: recompute`,
+so the pi_old pass replays too) of a small MoE policy with `algorithm.routing_replay` off,
+`measure` and `replay`, and off / replay with full activation recomputation (the backward then
+recomputes every layer, replaying the queued routes), same weights, same samples, same process,
+variants interleaved round by round.
+
+What replay adds per MoE layer and micro-batch: the routes' int64 copy of that layer, a gather of
+the router's scores at the replayed experts instead of a top-k, and (measure and replay) the
+router's own top-k and the agreement count; per step, the routes' share of the grid on the wire
+and in memory (benchmarks/scale.py section 3, the memory plan).
+
+    python benchmarks/routing_replay.py [--samples 64] [--hidden-size 128] [--layers 4] [--experts 8] [--rounds 5]
+
+Writes benchmarks/results/routing_replay.json (`ratio`: replay / off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from _results import write_result  # benchmarks/ is on sys.path when run as a script
+
+VARIANTS = {  # name: (routing_replay, activation recomputation)
+    "off": ("off", False),
+    "measure": ("measure", False),
+    "replay": ("replay", False),
+    "off, recompute": ("off", True),
+    "replay, recompute": ("replay", True),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    import megatron_rl.compat  # noqa: F401  (before megatron-core)
+
+    import numpy as np
+    import torch
+
+    from megatron_rl import parallel
+    from megatron_rl.config import AlgorithmConfig, Architecture, OptimizerConfig
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.data.types import TrainingSample
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.routing import attach_routing
+    from megatron_rl.policy.update import UpdateSettings, policy_update
+    from megatron_rl.trainer.optimizer import build_trainable
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(parallel.free_port()), RANK="0", WORLD_SIZE="1")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    parallel.initialize_distributed()
+    parallel.initialize_model_parallel()
+    arch = Architecture(family="qwen3_moe", hidden_size=args.hidden_size, num_layers=args.layers,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden_size // 4,
+                        intermediate_size=3 * args.hidden_size, vocab_size=512, qk_norm=True,
+                        num_experts=args.experts, num_experts_per_tok=args.topk,
+                        moe_intermediate_size=args.hidden_size // 2)  # fmt: skip
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(args.samples):
+        n = int(rng.integers(args.seq_len // 8, args.seq_len // 2))
+        mask = np.zeros(n, dtype=bool)
+        mask[n // 4 :] = True
+        routes = np.argsort(rng.random((n - 1, args.layers, args.experts)), -1)[..., : args.topk].astype(np.uint8)
+        samples.append(TrainingSample(
+            token_ids=rng.integers(0, arch.vocab_size, n), loss_mask=mask,
+            inference_logprobs=np.where(mask, -np.log(arch.vocab_size) + rng.normal(scale=0.1, size=n), 0.0),
+            reward=1.0, group_id=i, advantages=np.where(mask, rng.normal(size=n), 0.0).astype(np.float32),
+            returns=np.zeros(n, dtype=np.float32), values=np.zeros(n, dtype=np.float32), routes=routes,
+        ))  # fmt: skip
+    torch.manual_seed(0)
+    initial = build_gpt_model(arch, seq_len=args.seq_len).state_dict()
+    trainables, grids, settings = {}, {}, {}
+    for name, (mode, recompute) in VARIANTS.items():
+        fields = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+        model = build_gpt_model(arch, seq_len=args.seq_len, **fields)
+        model.load_state_dict(initial)
+        attach_routing(model, mode, arch.num_layers, arch.num_experts_per_tok)
+        trainables[name] = build_trainable(model, OptimizerConfig(lr=1e-6), total_steps=10_000)
+        grids[name] = pack_into_grid(samples, args.seq_len, 1, routes=mode != "off")[0]
+        settings[name] = UpdateSettings(AlgorithmConfig(type="ppo", old_logprobs="recompute", routing_replay=mode))
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    agreement = {}
+    for round_index in range(args.rounds + 1):  # round 0 warms up
+        for name in VARIANTS:
+            began = time.perf_counter()
+            record = policy_update(trainables[name], grids[name], settings[name])
+            if round_index:
+                times[name].append(time.perf_counter() - began)
+                agreement[name] = record.get("router_agreement")
+    parallel.destroy()
+
+    off = statistics.median(times["off"])
+    tokens = sum(len(s) for s in samples)
+    rows = []
+    print(f"{'variant':<20}{'s/step (median)':>16}{'min':>8}{'max':>8}{'/ off':>8}{'router agreement':>18}")
+    for name, values in times.items():
+        median = statistics.median(values)
+        base = statistics.median(times["off, recompute"]) if "recompute" in name else off
+        shown = "-" if agreement[name] is None else f"{agreement[name]:.3f}"
+        print(f"{name:<20}{median:>16.3f}{min(values):>8.3f}{max(values):>8.3f}{median / base:>8.3f}{shown:>18}")
+        rows.append({"variant": name, "median_s": median, "min_s": min(values), "max_s": max(values),
+                     "ratio": median / base, "router_agreement": agreement[name]})  # fmt: skip
+    figure = statistics.median(times["replay"])
+    print("(ratios: against off, the recompute variants against off with recomputation; the routes are random, "
+          "so the agreement is chance's: k / experts)")
+    out = write_result(
+        "routing_replay", figure, off, figure / off,
+        {"samples": args.samples, "tokens": tokens, "hidden_size": args.hidden_size, "layers": args.layers,
+         "experts": args.experts, "topk": args.topk, "seq_len": args.seq_len, "rounds": args.rounds},
+        variants=rows,
+    )  # fmt: skip
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
