@@ -2,7 +2,7 @@
 so the pi_old pass replays too) of a small MoE policy with `algorithm.routing_replay` off,
 `measure` and `replay`, and off / replay with full activation recomputation (the backward then
 recomputes every layer, replaying the queued routes), same weights, same samples, same process,
-variants interleaved round by round.
+variants interleaved round by round (each round starting with the next variant).
 
 What replay adds per MoE layer and micro-batch: the routes' int64 copy of that layer, a gather of
 the router's scores at the replayed experts instead of a top-k, and (measure and replay) the
@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         settings[name] = UpdateSettings(AlgorithmConfig(type="ppo", old_logprobs="recompute", routing_replay=mode))
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     agreement = {}
-    for round_index in range(args.rounds + 1):  # round 0 warms up
-        for name in VARIANTS:
+    names = list(VARIANTS)
+    for round_index in range(args.rounds + 1):  # round 0 warms up; each round starts one variant later
+        for name in names[round_index % len(names) :] + names[: round_index % len(names)]:
             began = time.perf_counter()
             record = policy_update(trainables[name], grids[name], settings[name])
             if round_index:
