@@ -265,7 +265,7 @@ def update_options_fit_together(ctx: Context) -> list[str]:
 
 def routing_replay_has_experts(ctx: Context) -> list[str]:
     """algorithm.routing_replay 'measure' / 'replay' needs a mixture-of-experts policy whose expert
-    index fits the routes' uint16."""
+    index fits the routes' uint16, and vLLM's GPU build (the CPU build cannot return routes)."""
     mode, policy = ctx.config.algorithm.routing_replay, ctx.policy_arch
     if mode == "off" or policy is None:
         return []
@@ -273,6 +273,12 @@ def routing_replay_has_experts(ctx: Context) -> list[str]:
         return [f"algorithm.routing_replay: {mode!r} needs a mixture-of-experts policy; this one is dense (no experts)"]
     if policy.num_experts > 65536:
         return [f"algorithm.routing_replay: {policy.num_experts} experts; routes hold expert indices up to 65,536"]
+    if ctx.config.inference.backend == "vllm-cpu":
+        return [
+            f"algorithm.routing_replay: {mode!r} needs vLLM to return routed experts, which inference.backend "
+            "'vllm-cpu' cannot (vLLM-cpu 0.32 refuses --enable-return-routed-experts: its AuxOutput connector "
+            "needs Model Runner V2, which needs Triton); run inference on GPUs (inference.backend 'vllm')"
+        ]
     return []
 
 

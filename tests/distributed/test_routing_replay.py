@@ -15,7 +15,9 @@ policy batch, the forward-only log-probs):
 - TP = 2 with sequence parallel, EP = 2, CP = 2 and PP = 2 give what one process gives;
 - a policy update with `old_logprobs: recompute`, two mini-batches and a KL reference gives the
   same weights with full activation recomputation as without (the recomputation in the backward
-  replays the same routes), and megatron's process-wide replay list stays empty.
+  replays the same routes), and megatron's process-wide replay list stays empty;
+- the fused router (TransformerEngine's, which bypasses RouterReplay) is off in our models, and
+  replay refuses a model built with it.
 """
 
 from __future__ import annotations
@@ -160,7 +162,28 @@ def test_recomputation_in_the_backward_replays_the_same_routes(moe, perturbed):
     assert moved > 1e-4
 
 
+def test_the_fused_router_which_bypasses_replay_stays_off(moe):
+    _, arch, _ = moe
+    default, refusal = run_ranks(fused_router, 1, arch)[0]
+    assert default is False
+    assert "routing replay needs megatron's unfused router (moe_router_fusion off)" in refusal
+
+
 # Rank functions: module-level, so that the spawned ranks can import them.
+
+
+def fused_router(rank, world_size, arch):
+    """(moe_router_fusion of a model our builder makes, the refusal of replay on a fused one)."""
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.routing import attach_routing
+
+    parallel.initialize_model_parallel()
+    default = build_gpt_model(arch).config.moe_router_fusion
+    try:
+        attach_routing(build_gpt_model(arch, moe_router_fusion=True), "replay", arch.num_layers, arch.num_experts_per_tok)
+    except ValueError as exc:
+        return default, str(exc)
+    return default, ""
 
 
 def _gather(tensor: torch.Tensor, group) -> torch.Tensor:

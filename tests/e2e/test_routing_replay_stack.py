@@ -31,7 +31,9 @@ def test_two_sao_steps_replay_the_samplers_routes_through_the_whole_stack(tiny_m
     with InferencePool.launch([server], free_port(), tmp_path, startup_timeout_s=120,
                               router_settings=RouterSettings(health_check_interval_s=5)) as pool:  # fmt: skip
         algorithm = {"type": "sao", "routing_replay": "replay", "old_logprobs": "recompute"}
-        resolved, resolved_path = stack_config(tmp_path, model_dir, algorithm, 2, pool, batch_size=4)
+        # The stand-in plays vLLM's GPU build: inference.backend 'vllm-cpu' cannot return routes.
+        resolved, resolved_path = stack_config(tmp_path, model_dir, algorithm, 2, pool, ["inference.backend=vllm"],
+                                               batch_size=4)  # fmt: skip
         assert resolved.value is not None  # the critic runs too (on a grid without routes)
         records = run_stack(tmp_path, resolved, resolved_path, pool)
     assert [r["step"] for r in records] == [0, 1]

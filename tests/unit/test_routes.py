@@ -10,10 +10,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from megatron_rl.config import ConfigError, parse_config
 from megatron_rl.data.packing import PackingError, pack_into_grid, pack_minibatches
 from megatron_rl.data.types import TrainingSample, padding_routes, route_dtype
+from megatron_rl.envs import make_environment
 from megatron_rl.inference.rollout import (
     Completion,
     RolloutClient,
@@ -21,6 +23,8 @@ from megatron_rl.inference.rollout import (
     SamplingParams,
     TokenTrajectory,
 )
+from megatron_rl.orchestrator.rollouts import PromptEncoder
+from megatron_rl.orchestrator.state import OrchestratorState
 from megatron_rl.transport import TransportError, decode_grid_item, encode_grid_item
 from tests.support.configs import ARCH, base
 from tests.support.routed_vllm import encode_routes
@@ -130,6 +134,10 @@ def test_routing_replay_needs_a_mixture_of_experts_policy():
         data["model"]["architecture"] = moe
         data["algorithm"]["routing_replay"] = mode
         assert parse_config(data).algorithm.routing_replay == mode
+    data["inference"]["backend"] = "vllm-cpu"
+    with pytest.raises(ConfigError, match="algorithm.routing_replay: 'replay' needs vLLM to return routed experts, "
+                                          "which inference.backend 'vllm-cpu' cannot"):  # fmt: skip
+        parse_config(data)
     data["algorithm"]["routing_replay"] = "sometimes"
     with pytest.raises(ConfigError, match="algorithm.routing_replay"):
         parse_config(data)
@@ -177,3 +185,39 @@ def test_a_trajectory_joins_its_turns_routes():
     assert len(trajectory.routes()) == len(trajectory.token_ids) - 1
     assert trajectory.routes()[:4].max() == 0 and trajectory.routes()[4:].min() == 1
     assert TokenTrajectory(prompt_ids=[1]).routes() is None
+
+
+def test_the_orchestrator_sends_routes_to_the_policy_only(tiny_models):
+    """One SAO step of the orchestrator (fake rollouts and critic) for a MoE policy under
+    `measure`: every request asks for routes, the policy grid carries every sample's routes (all
+    its tokens but the last), the critic's grid none."""
+    import megatron_rl.orchestrator.loop as loop_module
+    from tests.support.orchestrator import (
+        FakeClient,
+        FakeCritic,
+        FakePolicy,
+        FakeWeights,
+        orchestrator_config,
+    )
+
+    resolved = orchestrator_config("sao", num_steps=1)
+    data = resolved.model_dump(exclude={"layout"}, exclude_none=True)
+    data["model"]["architecture"].update(family="qwen3_moe", num_experts=EXPERTS, num_experts_per_tok=TOPK,
+                                         moe_intermediate_size=32)  # fmt: skip
+    data["algorithm"]["routing_replay"] = "measure"
+    resolved = parse_config(data)
+    events, weights = [], FakeWeights()
+    critic, policy, client = FakeCritic(events), FakePolicy(weights, events), FakeClient(weights, moe_layers=2, topk=TOPK)
+    orchestrator = loop_module.Orchestrator(
+        resolved, make_environment("procedural", None, 0), PromptEncoder(AutoTokenizer.from_pretrained(str(tiny_models["qwen3"]))),
+        client, weights, critic, policy.send, OrchestratorState(None), lambda record: None,
+        loop_module.Timeouts(batch_s=60, critic_s=60, weights_s=60),
+    )  # fmt: skip
+    assert asyncio.run(orchestrator.run()) == 1
+    assert client.calls and all(call["routes_start"] == 0 for call in client.calls)  # single-turn
+    policy_rows = [mb for rank in policy.grids[0] for mb in rank if not mb.is_dummy]
+    critic_rows = [mb for rank in critic.grids[0] for mb in rank if not mb.is_dummy]
+    assert all(mb.routes is None and mb.routed is None for mb in critic_rows)
+    assert all(mb.routes.shape == (mb.num_tokens, 2, TOPK) for mb in policy_rows)
+    sequences = sum(len(mb.cu_seqlens) - 1 for mb in policy_rows)
+    assert sum(int(mb.routed.sum()) for mb in policy_rows) == sum(int(mb.cu_seqlens[-1]) for mb in policy_rows) - sequences
