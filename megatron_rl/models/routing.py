@@ -132,18 +132,16 @@ class ModelRouting:
         """This micro-batch's routes on this rank: `routes` [n, num_layers, k] for the n tokens of
         the batch's CP slice, `routed` [n] bool (the tokens vLLM routed). None (a dummy
         micro-batch, or a grid without routes): padding routes everywhere, nothing measured."""
-        n = None
         if routes is not None:
             if routes.dim() != 3 or routes.shape[1:] != (self.num_layers, self.topk):
                 raise ValueError(
                     f"routing replay: routes of shape {tuple(routes.shape)}; the policy has "
                     f"{self.num_layers} MoE layers of top-{self.topk}"
                 )
-            n = routes.shape[0]
             if self.sequence_parallel:  # the MoE layer sees this TP rank's chunk of the sequence
                 tp = parallel_state.get_tensor_model_parallel_world_size()
                 rank = parallel_state.get_tensor_model_parallel_rank()
-                chunk = n // tp
+                chunk = routes.shape[0] // tp
                 routes, routed = routes[rank * chunk : (rank + 1) * chunk], routed[rank * chunk : (rank + 1) * chunk]
         self.routed = routed if routes is not None else None
         for layer in self.layers:  # int64 per layer (the gather's index), compact until here

@@ -64,8 +64,10 @@ REGISTRY = [
     Check(
         "vllm",
         80,
-        "the vLLM GPU build (eager mode, for its start-up time) serves a tiny model, takes "
-        "published weights (path (a), safetensors + reload) and then generates what transformers predicts",
+        "the vLLM GPU build (eager mode, for its start-up time) serves a tiny Qwen3-MoE with "
+        "--enable-return-routed-experts, takes published weights (path (a), safetensors + reload), then "
+        "generates what transformers predicts, and returns the routes of a two-turn rollout (uint8, every "
+        "token but the last) that the trainer's router agrees with (float32, >= 0.99)",
     ),
     Check(
         "te_checkpoints",

