@@ -15,11 +15,11 @@ Writes benchmarks/results/minibatches.json (`ratio`: N = 4 with recompute / plai
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
-from _results import write_result  # benchmarks/ is on sys.path when run as a script
+from _policy_step import one_rank, random_samples  # benchmarks/ is on sys.path when run as a script
+from _results import write_result
 
 VARIANTS = {  # name: (policy_minibatches, old_logprobs)
     "plain (N=1, sampler)": (1, "sampler"),
@@ -39,38 +39,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
 
-    import megatron_rl.compat  # noqa: F401  (before megatron-core)
+    one_rank()
 
-    import numpy as np
-    import torch
 
     from megatron_rl import parallel
     from megatron_rl.config import AlgorithmConfig, Architecture, OptimizerConfig
     from megatron_rl.data.packing import pack_minibatches
-    from megatron_rl.data.types import TrainingSample
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.policy.update import UpdateSettings, policy_update
     from megatron_rl.trainer.optimizer import build_trainable
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(parallel.free_port()), RANK="0", WORLD_SIZE="1")
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    parallel.initialize_distributed()
-    parallel.initialize_model_parallel()
     arch = Architecture(family="qwen3", hidden_size=args.hidden_size, num_layers=args.layers,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden_size // 4,
                         intermediate_size=3 * args.hidden_size, vocab_size=512, qk_norm=True)  # fmt: skip
-    rng = np.random.default_rng(0)
-    samples = []
-    for i in range(args.samples):
-        n = int(rng.integers(args.seq_len // 8, args.seq_len // 2))
-        mask = np.zeros(n, dtype=bool)
-        mask[n // 4 :] = True
-        samples.append(TrainingSample(
-            token_ids=rng.integers(0, arch.vocab_size, n), loss_mask=mask,
-            inference_logprobs=np.where(mask, -np.log(arch.vocab_size) + rng.normal(scale=0.1, size=n), 0.0),
-            reward=1.0, group_id=i, advantages=np.where(mask, rng.normal(size=n), 0.0).astype(np.float32),
-            returns=np.zeros(n, dtype=np.float32), values=np.zeros(n, dtype=np.float32),
-        ))  # fmt: skip
+    samples = random_samples(args.samples, args.seq_len, arch.vocab_size)
     model = build_gpt_model(arch, seq_len=args.seq_len)
     trainable = build_trainable(model, OptimizerConfig(lr=1e-6), total_steps=10_000)
     grids = {
