@@ -32,6 +32,9 @@ setup(
         "jinja2",
         # Grading of the math environment (offline).
         "math-verify",
+        # Prompt datasets as Parquet files and saved `datasets` directories (envs/datasets.py).
+        "pyarrow",
+        "datasets",
         # dist_checkpointing.save starts a multiprocessing Manager that needs psutil.
         "psutil",
     ],

@@ -70,7 +70,7 @@ class EvalConfig(Strict):
 
     name: str = Field(description="The set's name, the prefix of its metrics.")
     environment: EnvironmentName = Field(default="procedural", description="A built-in environment (procedural, math, calculator) or a plug-in 'package.module:name'.")
-    dataset: str | None = Field(default=None, description="procedural: the task (reverse, copy, count); math / calculator: a JSONL file of {prompt, answer}.")
+    dataset: str | None = Field(default=None, description="procedural: the task (reverse, copy, count); math / calculator: a JSONL or Parquet file, or a saved datasets directory, of prompts (text or messages) and answers.")
     environment_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor beyond dataset and seed (calculator: max_turns, low, high, ops, question, instruction; a plug-in: its own).")
     num_examples: int = Field(default=64, gt=0, description="Prompts in the set.")
     samples_per_example: int = Field(default=1, gt=0, description="Completions per prompt (k of pass@k).")
@@ -98,7 +98,7 @@ class OrchestratorConfig(Strict):
     dynamic_sampling: DynamicSamplingConfig | None = Field(default=None, description="Bound the groups one step consumes (DAPO); null: replace rejected groups without bound.")
     overlong: OverlongConfig | None = Field(default=None, description="DAPO's overlong shaping; null: no length shaping.")
     environment: EnvironmentName = Field(default="procedural", description="A built-in environment (procedural, math, calculator) or a plug-in 'package.module:name'.")
-    dataset: str | None = Field(default=None, description="procedural: the task (reverse, copy, count); math / calculator: a JSONL file of {prompt, answer}.")
+    dataset: str | None = Field(default=None, description="procedural: the task (reverse, copy, count); math / calculator: a JSONL or Parquet file, or a saved datasets directory, of prompts (text or messages) and answers.")
     environment_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor beyond dataset and seed (calculator: max_turns, low, high, ops, question, instruction; a plug-in: its own).")
     chat_template: bool = Field(default=True, description="Apply the tokenizer's chat template to prompts (once, when the tokenizer has one).")
     train_on_observations: bool = Field(default=False, description="Ablation: observation tokens are trained on as actions (loss mask 1, the sampler's log-probabilities of them from the next turn's prompt_logprobs; a last observation with no turn after it stays masked), to measure what skip-observation GAE buys. Needs temperature 1.")

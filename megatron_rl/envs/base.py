@@ -30,8 +30,9 @@ class Environment(ABC):
         return None
 
     @abstractmethod
-    def prompt(self, row: dict) -> str:
-        """The user message of the prompt."""
+    def prompt(self, row: dict) -> str | list[dict]:
+        """The prompt: the user message, or a list of messages (`{"role", "content"}`) the chat
+        template renders as they are."""
 
     @abstractmethod
     def step(self, row: dict, completions: list[str]) -> Turn:

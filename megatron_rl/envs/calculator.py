@@ -17,7 +17,8 @@ import random
 import re
 
 from megatron_rl.envs.base import Environment, Turn
-from megatron_rl.envs.math import ShuffledRows, load_jsonl_rows
+from megatron_rl.envs.datasets import load_rows
+from megatron_rl.envs.math import ShuffledRows
 
 CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 _OPS = {
@@ -84,7 +85,7 @@ class CalculatorEnvironment(Environment):
             ) from None
         self.max_turns, self.seed = max_turns, seed
         self.low, self.high, self.ops, self.question, self.instruction = low, high, ops, question, instruction
-        self._rows = ShuffledRows(load_jsonl_rows(dataset), seed) if dataset else None
+        self._rows = ShuffledRows(_text_rows(dataset), seed) if dataset else None
 
     def row(self, index: int) -> dict:
         if self._rows is not None:
@@ -122,3 +123,13 @@ class CalculatorEnvironment(Environment):
             raise ValueError(f"calculator row {row.get('index')}: no 'expression' to demonstrate a call with")
         result = format_number(evaluate(row["expression"]))
         return [(f"<calc>{row['expression']}</calc>", True), (f"<result>{result}</result>", False), (result, True)]
+
+
+def _text_rows(dataset: str) -> list[dict]:
+    """The dataset's rows (envs/datasets.py); the calculator appends its instruction to the
+    prompt, so a prompt must be text, not a list of messages."""
+    rows = load_rows(dataset)
+    for number, row in enumerate(rows, 1):
+        if not isinstance(row["prompt"], str):
+            raise ValueError(f"{dataset}: row {number}: the calculator's prompts are text, not a list of messages")
+    return rows

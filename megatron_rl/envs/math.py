@@ -1,36 +1,15 @@
-"""Math over a JSONL dataset (`{"prompt": ..., "answer": ...}` per line), graded with
-math-verify: reward 1 when the completion's final answer (a `\\boxed{}` one preferred) is
-mathematically equal to the reference answer, else 0."""
+"""Math over a prompt dataset (envs/datasets.py: JSONL, Parquet or a saved `datasets` directory;
+prompts a string or a list of messages; the answer `answer` or verl's
+`reward_model.ground_truth`, or the fields `environment_args` name), graded with math-verify:
+reward 1 when the completion's final answer (a `\\boxed{}` one preferred) is mathematically equal
+to the reference answer, else 0."""
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 from megatron_rl.envs.base import Environment, Turn
-
-
-def load_jsonl_rows(path: str | Path, required=("prompt", "answer")) -> list[dict]:
-    """Rows of a JSONL dataset; a bad line is an error naming the file and line."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"orchestrator.dataset: {path} does not exist")
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: not JSON ({exc})") from None
-        missing = [k for k in required if not isinstance(row, dict) or k not in row]
-        if missing:
-            raise ValueError(f"{path}:{number}: missing {missing} (each line needs {list(required)})")
-        rows.append({"prompt": str(row["prompt"]), "answer": str(row["answer"])})
-    if not rows:
-        raise ValueError(f"orchestrator.dataset: {path} has no rows")
-    return rows
+from megatron_rl.envs.datasets import load_rows
 
 
 class ShuffledRows:
@@ -54,12 +33,17 @@ def math_equal(completion: str, answer: str) -> bool:
 
 
 class MathEnvironment(Environment):
-    def __init__(self, dataset: str | None = None, seed: int = 0):
+    """`prompt_field` / `answer_field` (`orchestrator.environment_args`): dotted paths of the
+    prompt and the answer in a record, when they are not the defaults (envs/datasets.py)."""
+
+    def __init__(self, dataset: str | None = None, seed: int = 0, prompt_field: str | None = None,
+                 answer_field: str | None = None):  # fmt: skip
         if dataset is None:
             raise ValueError(
-                "orchestrator.dataset: the math environment needs a JSONL file of {prompt, answer}"
+                "orchestrator.dataset: the math environment needs a dataset of prompts and answers "
+                "(JSONL, Parquet or a saved datasets directory)"
             )
-        self.rows = load_jsonl_rows(dataset)
+        self.rows = load_rows(dataset, prompt_field, answer_field)
         self._row = ShuffledRows(self.rows, seed)
 
     def __len__(self) -> int:
@@ -68,7 +52,7 @@ class MathEnvironment(Environment):
     def row(self, index: int) -> dict:
         return self._row(index)
 
-    def prompt(self, row: dict) -> str:
+    def prompt(self, row: dict) -> str | list[dict]:
         return row["prompt"]
 
     def step(self, row: dict, completions: list[str]) -> Turn:

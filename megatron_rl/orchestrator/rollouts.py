@@ -29,13 +29,16 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.use_chat_template = use_chat_template and bool(getattr(tokenizer, "chat_template", None))
 
-    def prompt(self, text: str) -> list[int]:
+    def prompt(self, prompt: str | list[dict]) -> list[int]:
+        """The prompt's ids: a string is the user message; a list of messages (a system prompt,
+        few-shot turns) is rendered as it is, with the generation prompt after it."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if self.use_chat_template:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        if not isinstance(prompt, str):
+            raise ValueError("a prompt of messages needs a chat template; this tokenizer has none")
+        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
 
     def observation(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
