@@ -34,7 +34,7 @@ class TrainingSample:
     each token to, [R, moe_layers, top_k] (uint8 up to 256 experts, else uint16) for the first
     R <= T tokens; vLLM routes every token it ran through the model, so R is T - 1 (the last
     sampled token was never fed back). The tokens after R get padding routes when packed
-    (models/routing.py).
+    (`padding_routes`; models/routing.py replays them).
     """
 
     token_ids: np.ndarray  # [T] int64
@@ -84,8 +84,9 @@ class TrainingSample:
         return int(self.loss_mask.sum())
 
 
-# Expert indices of `routes` (models/routing.py route_dtype).
+# Expert indices of `routes` (`route_dtype`).
 ROUTE_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16))
+
 
 def route_dtype(num_experts: int) -> np.dtype:
     """The compact dtype of expert indices: uint8 up to 256 experts, uint16 up to 65,536."""

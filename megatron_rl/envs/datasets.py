@@ -97,11 +97,10 @@ def load_rows(path: str | Path, prompt_field: str | None = None, answer_field: s
         prompt = _field(record, prompt_field)
         if prompt is _MISSING:
             raise ValueError(f"{where}: no field {prompt_field!r} (the prompt)")
-        answers = [(name, _field(record, name)) for name in answer_fields]
-        found = [(name, value) for name, value in answers if value is not _MISSING]
-        if not found:
+        name = next((field for field in answer_fields if _field(record, field) is not _MISSING), None)
+        if name is None:
             raise ValueError(f"{where}: no answer field (looked for {list(answer_fields)})")
-        name, answer = found[0]
+        answer = _field(record, name)
         if isinstance(answer, bool) or not isinstance(answer, str | int | float):
             raise ValueError(f"{where} field {name!r}: the answer must be a string or a number, got {answer!r:.200}")
         row = {"prompt": _prompt(prompt, f"{where} field {prompt_field!r}"), "answer": str(answer)}

@@ -1,7 +1,7 @@
 """Wire format for one grid item (a data rank's micro-batches for one step). Never pickle.
 
 Frames: [header, buffer, buffer, ...]. The header is msgpack:
-    {"format": "megatron_rl.grid", "version": 2, "step", "data_rank", "num_micro_steps",
+    {"format": "megatron_rl.grid", "version": 3, "step", "data_rank", "num_micro_steps",
      "micro_batches": [{"is_dummy", "minibatch", "arrays": [{"name", "dtype", "shape", "nbytes", "crc32"}]}]}
 followed by one raw buffer per array, in header order. Every array is one-dimensional except a
 policy grid's `routes` under routing replay ([N, moe_layers, top_k] uint8 or uint16, sent with
@@ -174,8 +174,9 @@ def _check_routes(routes: np.ndarray, routed: np.ndarray, num_experts: int | Non
     if num_experts is not None and int(routes.max()) >= num_experts:
         raise TransportError(f"{where} array routes: expert {int(routes.max())} of a model with {num_experts} experts")
     ordered = np.sort(routes, axis=-1)
-    if np.any(ordered[..., 1:] == ordered[..., :-1]):
-        token = int(np.flatnonzero((ordered[..., 1:] == ordered[..., :-1]).any(axis=(1, 2)))[0])
+    repeated = (ordered[..., 1:] == ordered[..., :-1]).any(axis=(1, 2))  # per token
+    if repeated.any():
+        token = int(np.flatnonzero(repeated)[0])
         raise TransportError(f"{where} array routes: token {token} repeats an expert within a layer")
 
 
