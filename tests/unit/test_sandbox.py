@@ -1,0 +1,381 @@
+"""The sandboxed Python tool: plain runs and exceptions; each escape tried (a fork bomb, an endless
+loop, a memory hog, a huge print, reading and writing outside its directory, a socket to the host,
+a setsid() child) is contained and named, and afterwards no sandbox process is left; concurrent
+runs do not interfere; the venv's packages (sympy, numpy) import from a read-only mount, or are
+absent with packages=False; the limits are validated; missing isolation is refused by name."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.envs import sandbox as sandbox_module
+from megatron_rl.envs.sandbox import (
+    UID_RANGE,
+    PythonSandbox,
+    SandboxLimits,
+    SandboxResult,
+    SandboxUnavailable,
+)
+
+# One worker for the whole file: a run's processes must not be mistaken for another test's leftovers.
+pytestmark = pytest.mark.xdist_group("sandbox")
+
+ROOT = Path(__file__).resolve().parents[2]
+LIMITS = SandboxLimits(timeout_s=5.0, memory_mb=256, processes=16, output_bytes=8192, file_bytes=1 << 20)
+QUICK = dataclasses.replace(LIMITS, timeout_s=2.0)  # a run's own limits: for those that end at the time limit
+# The venv's site-packages directories, as the sandbox mounts them (this interpreter is the venv's).
+SITE_PACKAGES = tuple(
+    dict.fromkeys(os.path.realpath(path) for path in sys.path if path.endswith("site-packages"))
+)
+
+
+def sandbox_processes() -> list[str]:
+    """Processes of a sandbox run: a uid of UID_RANGE, or the marker in the command line."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+            cmdline = (
+                Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            )
+        except OSError:  # gone meanwhile
+            continue
+        uid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Uid:")))
+        if uid in UID_RANGE or sandbox_module._MARKER in cmdline:
+            found.append(f"{entry} uid {uid}: {cmdline[:120]}")
+    return found
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_running():
+    assert sandbox_processes() == [], "sandbox processes before the test"
+    yield
+    assert sandbox_processes() == [], "sandbox processes left running"
+
+
+def make(limits: SandboxLimits = LIMITS, packages: bool = True) -> PythonSandbox:
+    try:
+        return PythonSandbox(limits, packages=packages)
+    except SandboxUnavailable as exc:
+        pytest.skip(f"sandbox isolation unavailable on this machine: {exc}")
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> PythonSandbox:
+    return make()
+
+
+@pytest.fixture(scope="module")
+def stdlib_sandbox() -> PythonSandbox:
+    return make(packages=False)
+
+
+@pytest.fixture
+def outside():
+    """A world-readable, world-writable directory outside the sandbox (only isolation keeps it out)."""
+    with tempfile.TemporaryDirectory(prefix="sandbox-outside-") as path:
+        os.chmod(path, 0o777)
+        yield Path(path)
+
+
+def test_a_plain_run_prints_and_an_exception_is_an_error_with_its_traceback(sandbox):
+    result = sandbox.run("import math\nprint(math.comb(10, 3))")
+    assert result.ok and result.stdout == "120\n" and result.exit_code == 0 and result.error is None
+    assert result.observation() == "120\n"
+    failed = sandbox.run("print('partial')\nx = 1\nx / 0")
+    assert not failed.ok and failed.limit is None and failed.exit_code == 1
+    assert failed.error == "exit code 1: ZeroDivisionError: division by zero"
+    seen = failed.observation()
+    assert seen.startswith("partial") and 'File "main.py", line 3' in seen and "x / 0" in seen
+    assert "<string>" not in failed.stderr  # the wrapper's frames are not shown
+    assert sandbox.run("import sys; sys.exit(3)").error == "exit code 3"
+
+
+def test_the_child_is_pid_1_of_its_namespace_as_an_unprivileged_uid_in_its_own_directory(sandbox):
+    result = sandbox.run(
+        "import os\nopen('note', 'w').write('kept')\n"
+        "print(os.getuid(), os.getgid(), os.getgroups(), os.getpid(), os.getcwd(), open('note').read())"
+    )
+    uid, gid, groups, pid, cwd, note = result.stdout.split()
+    assert int(uid) in UID_RANGE and gid == uid and groups == "[]" and pid == "1"
+    assert (cwd, note) == ("/sandbox", "kept")
+    # A fresh directory per run: the last run's file is gone.
+    assert sandbox.run("import os; print(os.listdir('.'))").stdout == "['main.py']\n"
+
+
+def test_a_fork_bomb_hits_the_process_limit(sandbox):
+    result = sandbox.run("import os\nwhile True:\n    os.fork()")
+    assert result.limit == "processes" and result.error == "process limit: 16 processes and threads"
+    assert "BlockingIOError" in result.stderr
+
+
+def test_threads_count_as_processes(sandbox):
+    code = "import threading, time\nfor _ in range(100):\n    threading.Thread(target=time.sleep, args=(5,), daemon=True).start()"
+    assert sandbox.run(code).limit == "processes"
+
+
+def test_an_endless_loop_is_killed_at_the_time_limit(sandbox):
+    result = sandbox.run("print('start', flush=True)\nwhile True:\n    pass", QUICK)
+    assert result.limit == "time" and result.exit_code is None and result.stdout == "start\n"
+    assert result.error == "time limit: killed after 2 s"
+    assert result.observation().endswith("error: time limit: killed after 2 s")
+
+
+def test_a_memory_hog_hits_the_memory_limit(sandbox):
+    for code in (
+        "x = bytearray(10**10)",
+        "x = []\nwhile True:\n    x.append(' ' * 10**6)",
+        "print('x' * 10**9)",
+    ):
+        result = sandbox.run(code)
+        assert result.limit == "memory" and result.error == "memory limit: 256 MB", code
+        assert "MemoryError" in result.stderr
+
+
+def test_a_huge_print_hits_the_output_limit_and_is_not_kept(sandbox):
+    for code in ("while True:\n    print('x' * 1000)", "import sys; sys.stdout.write('y' * 10**7)"):
+        result = sandbox.run(code)
+        assert result.limit == "output" and result.exit_code is None, code
+        assert result.error == "output limit: more than 8192 bytes of output"
+        assert len(result.stdout) + len(result.stderr) <= 8192
+        assert len(result.observation()) <= 4096 + 100
+
+
+def test_files_outside_cannot_be_read(sandbox, stdlib_sandbox, outside):
+    secrets = {}
+    for mode in (0o600, 0o644):
+        path = outside / f"secret-{mode:o}"
+        path.write_text(f"SECRET-{mode:o}")
+        path.chmod(mode)
+        secrets[path] = f"SECRET-{mode:o}"
+    checkout, venv = [ROOT / "pyproject.toml", ROOT / "README.md"], Path(sys.prefix)
+    # The venv beyond its site-packages:
+    venv_files = [Path(sys.executable), venv / "pyvenv.cfg", venv / "bin" / "activate"]
+    for path in [*secrets, *checkout, *venv_files, Path("/etc/passwd")]:
+        result = sandbox.run(f"print(open({str(path)!r}).read())")
+        assert result.error.startswith("exit code 1: FileNotFoundError"), (path, result.error)
+        assert "SECRET" not in result.stdout
+    listing = stdlib_sandbox.run("import os\nprint(sorted(os.listdir('/')))").stdout
+    assert "tmp" not in listing and ROOT.parts[1] not in listing and "proc" not in listing
+    # With the packages: of a site-packages directory's ancestors (below the system directories and
+    # the base prefix, mounted whole), each holds only the next step towards it.
+    mounted = [Path("/usr"), Path(os.path.realpath(sys.base_prefix))]
+    for site in SITE_PACKAGES:
+        parts = Path(site).parts
+        for depth in range(2, len(parts)):
+            parent = Path(*parts[:depth])
+            if any(parent == top or top in parent.parents for top in mounted):
+                break
+            shown = sandbox.run(f"import os\nprint(os.listdir({str(parent)!r}))").stdout
+            assert shown == f"[{parts[depth]!r}]\n", (parent, shown)
+
+
+def test_files_outside_cannot_be_written(sandbox, outside):
+    marker = f"sandbox-write-{os.getpid()}"
+    targets = [outside / marker, Path("/tmp") / marker, ROOT / marker]
+    for path in targets:  # (the checkout's directory exists, read-only, when the venv's packages are in it)
+        result = sandbox.run(f"open({str(path)!r}, 'w').write('x')")
+        refused = ("exit code 1: FileNotFoundError", "exit code 1: OSError: [Errno 30] Read-only")
+        assert result.error.startswith(refused), (path, result.error)
+    for path in ("/usr/" + marker, "/" + marker, "/root/" + marker):  # the read-only new root
+        result = sandbox.run(f"open({path!r}, 'w').write('x')")
+        assert "Read-only file system" in result.error or "Permission denied" in result.error, result.error
+    assert not any(path.exists() for path in targets) and not Path("/usr", marker).exists()
+
+
+def test_sympy_and_numpy_import_from_the_venv(sandbox):
+    assert sandbox.package_paths == SITE_PACKAGES and SITE_PACKAGES
+    result = sandbox.run("import sympy\nprint(sympy.simplify('2*x+3*x'))")
+    assert result.ok and result.stdout == "5*x\n", result.error
+    # Under 256 MB and 16 processes: OpenBLAS is told to start no threads.
+    result = sandbox.run(
+        "import os, numpy\nprint(numpy.arange(3).sum())\na = numpy.ones((64, 64))\nprint((a @ a)[0, 0])\n"
+        "print(os.environ['OPENBLAS_NUM_THREADS'], os.environ['OMP_NUM_THREADS'], os.environ['MKL_NUM_THREADS'])"
+    )
+    assert result.ok and result.stdout == "3\n64.0\n1 1 1\n", result.error
+    # Isolated mode kept: the site-packages appended, nothing else (no user site, no cwd, no .pth).
+    result = sandbox.run("import sys\nprint(sys.flags.isolated, sys.flags.no_site, sys.path)")
+    isolated, no_site, path = result.stdout.split(" ", 2)
+    assert (isolated, no_site) == ("1", "1")
+    path = ast.literal_eval(path)
+    assert tuple(path[-len(SITE_PACKAGES) :]) == SITE_PACKAGES
+    assert all(entry.startswith(os.path.realpath(sys.base_prefix)) for entry in path[: -len(SITE_PACKAGES)])
+
+
+def test_the_packages_are_read_only(sandbox):
+    site = Path(SITE_PACKAGES[0])
+    new, existing = site / f"sandbox-write-{os.getpid()}", site / "numpy" / "__init__.py"
+    try:
+        for code in (f"open({str(new)!r}, 'w').write('x')", f"import os; os.mkdir({str(new)!r})"):
+            result = sandbox.run(code)
+            assert "OSError: [Errno 30] Read-only file system" in result.error, (code, result.error)
+        result = sandbox.run(f"open({str(existing)!r}, 'a')")  # the file's mode refuses first
+        assert "Permission denied" in result.error or "Read-only file system" in result.error, result.error
+        # The mount itself: read-only, nosuid, nodev.
+        flags = int(sandbox.run(f"import os; print(os.statvfs({str(site)!r}).f_flag)").stdout)
+        assert flags & os.ST_RDONLY and flags & os.ST_NOSUID and flags & os.ST_NODEV, flags
+        assert not new.exists()
+    finally:
+        if new.is_file():
+            new.unlink()
+        elif new.is_dir():
+            new.rmdir()
+
+
+def test_without_packages_only_the_standard_library(stdlib_sandbox):
+    assert stdlib_sandbox.package_paths == ()
+    for name in ("sympy", "numpy"):
+        result = stdlib_sandbox.run(f"import {name}")
+        assert result.error == f"exit code 1: ModuleNotFoundError: No module named {name!r}"
+    assert stdlib_sandbox.run("import json, fractions\nprint(fractions.Fraction(1, 3))").stdout == "1/3\n"
+    with pytest.raises(TypeError, match="packages must be True or False"):
+        PythonSandbox(LIMITS, packages="no")
+
+
+def test_a_large_file_hits_the_file_size_limit(sandbox):
+    result = sandbox.run("open('big', 'wb').write(b'x' * (2 << 20))")
+    assert result.limit == "file_size" and result.error == f"file size limit: {1 << 20} bytes per file"
+    many = "for i in range(10):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))"
+    result = sandbox.run(many)  # the directory holds 4 x file_bytes
+    assert result.limit == "file_size" and "the directory holds" in result.error
+
+
+def test_no_network_not_even_the_hosts_loopback(sandbox, outside):
+    with socket.socket() as server, socket.socket(socket.AF_UNIX) as unix_server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.setblocking(False)
+        unix_path = str(outside / "server.sock")
+        unix_server.bind(unix_path)
+        os.chmod(unix_path, 0o777)
+        unix_server.listen()
+        unix_server.setblocking(False)
+        port = server.getsockname()[1]
+        for address in (("127.0.0.1", port), ("localhost", port), ("8.8.8.8", 53)):
+            result = sandbox.run(f"import socket\nsocket.create_connection({address!r}, timeout=2)")
+            assert not result.ok and result.limit is None, address
+            assert "Network is unreachable" in result.error or "gaierror" in result.error, (
+                address,
+                result.error,
+            )
+        result = sandbox.run(f"import socket\nsocket.socket(socket.AF_UNIX).connect({unix_path!r})")
+        assert result.error.startswith("exit code 1: FileNotFoundError")
+        for listening in (server, unix_server):
+            with pytest.raises(BlockingIOError):
+                listening.accept()
+
+
+def test_a_setsid_grandchild_dies_with_the_run(sandbox):
+    escape = textwrap.dedent(
+        """\
+        import os, time
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                time.sleep(60)
+            os._exit(0)
+        print('parent', flush=True)
+        """
+    )
+    result = sandbox.run(escape)  # exits at once: its namespace and all in it go with it
+    assert result.ok and result.stdout == "parent\n"
+    result = sandbox.run(escape + "time.sleep(60)\n", QUICK)  # killed at the time limit, all of it
+    assert result.limit == "time" and result.stdout == "parent\n"
+
+
+def test_concurrent_runs_do_not_interfere(sandbox):
+    work = "import os\nfor _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n        os._exit(7)\n    os.waitpid(pid, 0)\nprint(sum(range({n})))"
+    bomb = "import os\nwhile True:\n    os.fork()"
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(sandbox.run, [bomb, work.format(n=10), bomb, work.format(n=100)]))
+    assert [r.limit for r in results] == ["processes", None, "processes", None]
+    assert [results[1].stdout, results[3].stdout] == ["45\n", "4950\n"]
+
+
+def test_limits_are_validated_by_name():
+    for field, bad in [
+        ("timeout_s", 0), ("timeout_s", -1.0), ("timeout_s", float("inf")), ("timeout_s", float("nan")),
+        ("timeout_s", "10"), ("timeout_s", True), ("memory_mb", 0), ("memory_mb", 1.5), ("processes", -1),
+        ("output_bytes", None), ("file_bytes", 0), ("file_bytes", False),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=rf"SandboxLimits\.{field}"):
+            SandboxLimits(**{field: bad})
+    assert SandboxLimits().timeout_s == 10.0 and SandboxLimits(timeout_s=1).timeout_s == 1
+
+
+def test_the_observation_is_bounded():
+    long = SandboxResult(stdout="a" * 10_000 + "END", stderr="", exit_code=0, limit=None, error=None)
+    assert len(long.observation()) <= 4096 and long.observation().endswith("END")
+    failed = SandboxResult("o" * 10_000, "e" * 10_000 + "Boom", 1, None, "exit code 1: Boom")
+    assert len(failed.observation()) <= 4096 and failed.observation().endswith("Boom")
+    killed = SandboxResult("", "", None, "time", "time limit: killed after 2 s")
+    assert killed.observation() == "error: time limit: killed after 2 s"
+
+
+def test_a_disabled_namespace_is_refused_by_name(monkeypatch, tmp_path):
+    for name in ("max_mnt_namespaces", "max_pid_namespaces", "max_ipc_namespaces", "max_uts_namespaces"):
+        (tmp_path / name).write_text("100\n")
+    (tmp_path / "max_net_namespaces").write_text("0\n")
+    monkeypatch.setattr(sandbox_module, "_SYSCTL_USER", str(tmp_path))
+    with pytest.raises(
+        SandboxUnavailable, match=r"network namespace: disabled \(.*max_net_namespaces is 0\)"
+    ):
+        PythonSandbox(LIMITS)
+
+
+def test_not_root_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(sandbox_module.os, "geteuid", lambda: 1000)
+    with pytest.raises(SandboxUnavailable, match="privilege drop: running as uid 1000.*need root"):
+        PythonSandbox(LIMITS)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops a capability of root")
+def test_a_refused_namespace_is_named(tmp_path):
+    """For real: without CAP_SYS_ADMIN (dropped from the bounding set before exec) the kernel
+    refuses the namespaces, and the constructor says which and why."""
+    script = tmp_path / "drop.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""\
+            import ctypes, importlib.util, os, sys
+            if len(sys.argv) == 1:
+                if ctypes.CDLL(None, use_errno=True).prctl(24, 21, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, CAP_SYS_ADMIN
+                    sys.exit("prctl failed")
+                os.execv(sys.executable, [sys.executable, "-I", __file__, "dropped"])
+            spec = importlib.util.spec_from_file_location("sandbox", {sandbox_module.__file__!r})
+            module = sys.modules["sandbox"] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            try:
+                module.PythonSandbox()
+            except module.SandboxUnavailable as exc:
+                print(exc)
+            """
+        )
+    )
+    out = subprocess.run([sys.executable, "-I", str(script)], capture_output=True, text=True, timeout=60)
+    assert (
+        out.stdout.strip()
+        == "network namespace: unshare(CLONE_NEWNET) failed: EPERM (Operation not permitted)"
+    ), out
+
+
+def test_a_run_whose_isolation_fails_refuses_to_run(sandbox, monkeypatch):
+    missing = "/nonexistent-sandbox-bind"
+    monkeypatch.setattr(sandbox, "_binds", [*sandbox._binds, ["dir", missing]])
+    with pytest.raises(SandboxUnavailable, match=f"file isolation: bind mount of {missing} failed: ENOENT"):
+        sandbox.run("print('never')")
+    assert stat.S_ISDIR(os.stat("/usr").st_mode)  # (nothing of the host was touched)
