@@ -58,6 +58,11 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
         if section:
             section["hf_config"], section["checkpoint"] = absolute(section["hf_config"]), absolute(section["checkpoint"])
     data["inference"]["model_dir"] = absolute(data["inference"]["model_dir"])
+    template = data["orchestrator"]["chat_template"]
+    if isinstance(template, str):  # a template file, like the model files relative to the config
+        data["orchestrator"]["chat_template"] = template = absolute(template)
+        if not Path(template).is_file():
+            raise ConfigError(source, [f"orchestrator.chat_template: no template file {template}"])
     layout = Layout(
         policy=policy_layout,
         critic=critic_layout,
@@ -126,7 +131,8 @@ def apply_overrides(data: dict, assignments: list[str]) -> dict:
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> ResolvedConfig:
     """Reads a user's YAML config, with `KEY=VALUE` overrides. Relative paths of model files
-    (`hf_config`, `checkpoint` of each model, `inference.model_dir`) are relative to the file's
+    (`hf_config`, `checkpoint` of each model, `inference.model_dir`, a chat template file
+    `orchestrator.chat_template`) are relative to the file's
     directory; run outputs (`checkpoint.dir`, `logging.dir`, `inference.publish_dir`) and
     datasets to the working directory the run starts in."""
     path = Path(path)

@@ -9,6 +9,17 @@ from pydantic import AfterValidator, Field, model_validator
 
 from megatron_rl.config.base import Strict
 
+# Keywords the rollout passes the chat template itself: chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KEYWORDS = frozenset(
+    {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "chat_template",
+     "continue_final_message", "return_dict", "return_tensors", "documents"}
+)  # fmt: skip
+
+
+def template_kwargs_error(kwargs: dict | None, key: str) -> str | None:
+    reserved = sorted(RESERVED_TEMPLATE_KEYWORDS & set(kwargs or ()))
+    return f"{key}: {reserved} are set by the rollout itself, not by the config" if reserved else None
+
 # The built-in environments and their classes, by import path (config sits below envs; a test
 # checks this against envs.ENVIRONMENTS).
 BUILTIN_ENVIRONMENTS = {
@@ -78,6 +89,7 @@ class EvalConfig(Strict):
     max_completion_tokens: int | None = Field(default=None, gt=0, description="Completion budget, in tokens; null: orchestrator.max_completion_tokens.")
     interval: int = Field(default=10, ge=1, description="Evaluate at step 0 and every this many steps.")
     seed: int = Field(default=1_000_003, description="Rows come from this seed (procedural tasks: a seed other than orchestrator.seed is held out).")
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="Keyword arguments of the chat template for this set (e.g. enable_thinking); null: orchestrator.chat_template_kwargs.")
 
 
 class OrchestratorConfig(Strict):
@@ -100,15 +112,29 @@ class OrchestratorConfig(Strict):
     environment: EnvironmentName = Field(default="procedural", description="A built-in environment (procedural, math, calculator) or a plug-in 'package.module:name'.")
     dataset: str | None = Field(default=None, description="procedural: the task (reverse, copy, count); math / calculator: a JSONL or Parquet file, or a saved datasets directory, of prompts (text or messages) and answers.")
     environment_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor beyond dataset and seed (calculator: max_turns, low, high, ops, question, instruction; a plug-in: its own).")
-    chat_template: bool = Field(default=True, description="Apply the tokenizer's chat template to prompts (once, when the tokenizer has one).")
+    chat_template: bool | str = Field(default=True, description="true: the tokenizer's own chat template renders prompts and tool messages (when it has one); false: prompts are raw text; a path: a Jinja template file used instead of the tokenizer's (relative to the config file).")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of every render of the chat template (e.g. enable_thinking: false).")
+    reasoning_markers: tuple[str, str] | None = Field(default=("<think>", "</think>"), description="Start and end of a completion's reasoning: the grader and the tool parser see only what follows the last end marker (nothing while the reasoning is unfinished); the trained tokens are always the sampled ones. null: the whole text.")
     train_on_observations: bool = Field(default=False, description="Ablation: observation tokens are trained on as actions (loss mask 1, the sampler's log-probabilities of them from the next turn's prompt_logprobs; a last observation with no turn after it stays masked), to measure what skip-observation GAE buys. Needs temperature 1.")
     eval: list[EvalConfig] = Field(default_factory=list, description="Held-out evaluation sets, never trained on.")
 
     @model_validator(mode="after")
     def _settings_fit(self) -> OrchestratorConfig:
         """overlong.buffer_tokens is less than max_completion_tokens, overlong mode mask is not
-        combined with admission.drop_truncated, train_on_observations samples at temperature 1."""
+        combined with admission.drop_truncated, train_on_observations samples at temperature 1,
+        chat_template_kwargs leave the rollout's own keywords alone, reasoning_markers are two
+        different strings."""
         overlong = self.overlong
+        problems = [template_kwargs_error(self.chat_template_kwargs, "orchestrator.chat_template_kwargs")]
+        problems += [template_kwargs_error(e.chat_template_kwargs, f"orchestrator.eval ({e.name}).chat_template_kwargs")
+                     for e in self.eval]  # fmt: skip
+        if self.chat_template == "":
+            problems.append("orchestrator.chat_template: true, false or the path of a Jinja template file, got ''")
+        if self.reasoning_markers is not None and (not all(self.reasoning_markers) or len(set(self.reasoning_markers)) < 2):
+            problems.append(f"orchestrator.reasoning_markers: two different non-empty strings, got {list(self.reasoning_markers)}")
+        problems = [problem for problem in problems if problem]
+        if problems:
+            raise ValueError("; ".join(problems))
         if overlong is not None and overlong.buffer_tokens >= self.max_completion_tokens:
             raise ValueError(
                 f"orchestrator.overlong.buffer_tokens ({overlong.buffer_tokens}) must be less than "

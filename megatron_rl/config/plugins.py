@@ -19,6 +19,8 @@ CALLS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "policy_loss": (("logprobs", "old_logprobs", "advantages", "mask"), ("sequences", "weights")),
     "advantage": (("groups",), ()),
     "environment": ((), ("dataset", "seed")),
+    "tool parser": ((), ()),
+    "tool": ((), ()),
 }
 # Keywords a kind of plug-in is also called with when its signature names them.
 OPTIONAL_KEYWORDS: dict[str, tuple[str, ...]] = {"advantage": ("action_tokens",)}

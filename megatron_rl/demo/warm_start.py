@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl.envs import make_environment
-from megatron_rl.orchestrator.rollouts import PromptEncoder
+from megatron_rl.orchestrator.chat import PromptEncoder
 
 # The tool demo's task: products of two-digit numbers (beyond a tiny model without the tool), one
 # call then the answer. environment, environment_args of the run config.

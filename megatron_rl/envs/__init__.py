@@ -1,9 +1,10 @@
 """Environments and datasets, behind one small interface and a registry.
 
-An `Environment` turns a dataset row into a prompt (text: the orchestrator applies the chat
-template once, with our tokenizer) and, for each turn, takes the completions so far (text,
-decoded from the exact token ids) and answers with a `Turn`: a reward, and for a multi-turn
-environment an observation to append (tokenised once, as new tokens with loss mask 0) and
+An `Environment` turns a dataset row into a prompt (text or messages: the orchestrator applies
+the chat template once, with our tokenizer, and the tools of `tool_schemas()`) and, for each
+turn, takes the completions so far (text decoded from the exact token ids, reasoning removed)
+and answers with a `Turn`: a reward, and for a multi-turn environment an observation to append
+(text tokenised once, or `tool` messages the template renders: new tokens with loss mask 0) and
 whether the rollout is done. Rows come from `row(index)`: deterministic in (seed, index), so a
 resumed run sees the same prompts from the same cursor.
 
@@ -11,6 +12,8 @@ resumed run sees the same prompts from the same cursor.
     make_environment("math", dataset="data/math.jsonl")         # {"prompt", "answer"}, math-verify
     make_environment("calculator", dataset=None, seed=0)        # multi-turn tool use
     make_environment("calculator", args={"max_turns": 2})       # constructor keywords
+    make_environment("math", dataset="data/math.parquet", args={"tools": ["python"]})
+                                                                # tool-integrated: envs/tools.py
     make_environment("my_pkg.tasks:Sudoku", dataset=..., seed=0)  # a plug-in: called with
                                                                   # dataset=, seed=; an Environment
 
@@ -25,6 +28,14 @@ from megatron_rl.envs.base import Environment, Turn
 from megatron_rl.envs.calculator import CalculatorEnvironment
 from megatron_rl.envs.math import MathEnvironment
 from megatron_rl.envs.procedural import ProceduralTask
+from megatron_rl.envs.tool_parsers import (
+    TOOL_PARSERS,
+    ParsedCompletion,
+    ToolCall,
+    ToolParser,
+    make_tool_parser,
+)
+from megatron_rl.envs.tools import TOOLS, Tool, ToolEnvironment, ToolResult, make_tools
 
 ENVIRONMENTS = {"procedural": ProceduralTask, "math": MathEnvironment, "calculator": CalculatorEnvironment}
 
@@ -53,4 +64,7 @@ def make_environment(
     return environment
 
 
-__all__ = ["ENVIRONMENTS", "Environment", "Turn", "make_environment"]
+__all__ = [
+    "ENVIRONMENTS", "TOOLS", "TOOL_PARSERS", "Environment", "ParsedCompletion", "Tool", "ToolCall",
+    "ToolEnvironment", "ToolParser", "ToolResult", "Turn", "make_environment", "make_tool_parser", "make_tools",
+]  # fmt: skip

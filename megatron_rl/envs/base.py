@@ -9,7 +9,9 @@ from dataclasses import dataclass
 @dataclass
 class Turn:
     reward: float = 0.0
-    observation: str | None = None  # text the environment appends before the next turn
+    # What the environment appends before the next turn: text (tokenised as it is), or messages
+    # (`{"role": "tool", "content": ...}`) the chat template renders (orchestrator/chat.py).
+    observation: str | list[dict] | None = None
     done: bool = True
     passed: bool | None = None  # for environments with a pass/fail notion (pass rate, eval accuracy)
     tool_calls: int = 0  # tool calls in this turn's completion (per-step metric `tool_calls`)
@@ -36,7 +38,18 @@ class Environment(ABC):
 
     @abstractmethod
     def step(self, row: dict, completions: list[str]) -> Turn:
-        """After turn len(completions): the reward when done, or an observation to continue."""
+        """After turn len(completions): the reward when done, or an observation to continue.
+        `completions` are the text of each turn's completion without its reasoning (the part up
+        to `orchestrator.reasoning_markers`' end marker); the trained tokens are the sampled ones."""
+
+    async def astep(self, row: dict, completions: list[str]) -> Turn:
+        """`step` as the orchestrator calls it: an environment whose step waits on something slow
+        (a tool, a sandbox) overrides it to run that off the event loop (envs/tools.py)."""
+        return self.step(row, completions)
+
+    def tool_schemas(self) -> list[dict] | None:
+        """The tools the chat template renders in the prompt (OpenAI function schemas), or None."""
+        return None
 
     def demonstration(self, row: dict) -> list[tuple[str, bool]]:
         """A correct rollout of `row` for a supervised warm start (`demo/warm_start.py`): its

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import random
 
-from megatron_rl.envs.base import Environment, Turn
+from megatron_rl.envs.base import Turn
 from megatron_rl.envs.datasets import load_rows
+from megatron_rl.envs.tools import ToolEnvironment
 
 
 class ShuffledRows:
@@ -32,17 +33,21 @@ def math_equal(completion: str, answer: str) -> bool:
     return bool(gold) and bool(verify(gold, parse(completion)))
 
 
-class MathEnvironment(Environment):
+class MathEnvironment(ToolEnvironment):
     """`prompt_field` / `answer_field` (`orchestrator.environment_args`): dotted paths of the
-    prompt and the answer in a record, when they are not the defaults (envs/datasets.py)."""
+    prompt and the answer in a record, when they are not the defaults (envs/datasets.py).
+    `tools` (e.g. `python`, the sandboxed interpreter), `tool_parser` and `max_turns` make it
+    tool-integrated reasoning (envs/tools.py): without tools it is one turn, graded."""
 
     def __init__(self, dataset: str | None = None, seed: int = 0, prompt_field: str | None = None,
-                 answer_field: str | None = None):  # fmt: skip
+                 answer_field: str | None = None, tools=(), tool_parser: str = "hermes",
+                 max_turns: int | None = None):  # fmt: skip
         if dataset is None:
             raise ValueError(
                 "orchestrator.dataset: the math environment needs a dataset of prompts and answers "
                 "(JSONL, Parquet or a saved datasets directory)"
             )
+        super().__init__(tools, tool_parser, max_turns)
         self.rows = load_rows(dataset, prompt_field, answer_field)
         self._row = ShuffledRows(self.rows, seed)
 
@@ -55,6 +60,6 @@ class MathEnvironment(Environment):
     def prompt(self, row: dict) -> str | list[dict]:
         return row["prompt"]
 
-    def step(self, row: dict, completions: list[str]) -> Turn:
-        correct = math_equal(completions[-1], row["answer"])
+    def grade(self, row: dict, answer: str) -> Turn:
+        correct = math_equal(answer, row["answer"])
         return Turn(reward=1.0 if correct else 0.0, passed=correct)

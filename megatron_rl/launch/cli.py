@@ -105,12 +105,8 @@ def _orchestrate(args: argparse.Namespace) -> int:
     from megatron_rl.orchestrator.run import attach_pool, orchestrate
 
     if args.start_inference:
-        inference = resolved.inference
-        if args.inference_devices:
-            devices = [group.split(",") for group in args.inference_devices.split(";")]
-        else:  # on CPU a "GPU" is a process
-            devices = [["cpu"] * inference.tp for _ in range(inference.num_servers)]
-        pool = InferencePool.from_config(resolved, devices, f"{resolved.logging.dir}/logs")
+        pool = InferencePool.from_config(resolved, _inference_devices(resolved, args.inference_devices),
+                                         f"{resolved.logging.dir}/logs")  # fmt: skip
     else:
         pool = attach_pool(resolved)
     try:
@@ -121,6 +117,74 @@ def _orchestrate(args: argparse.Namespace) -> int:
     finally:
         pool.stop()
     return 0
+
+
+def _inference_devices(resolved, spec: str | None) -> list[list[str]]:
+    """Device ids per server from '2,5;7,0'; on CPU (no spec) a "GPU" is a process."""
+    if spec:
+        return [group.split(",") for group in spec.split(";")]
+    return [["cpu"] * resolved.inference.tp for _ in range(resolved.inference.num_servers)]
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from megatron_rl.config import load_config
+
+    try:
+        resolved = load_config(args.config, args.set)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    configure_logging(resolved)
+    import time
+
+    from transformers import AutoTokenizer
+
+    from megatron_rl.inference.pool import InferencePool, served_model_dir
+    from megatron_rl.models.checkpoint_io import CheckpointError
+    from megatron_rl.models.hf_mapping import ConversionError
+    from megatron_rl.orchestrator.chat import ChatTemplateError
+    from megatron_rl.orchestrator.eval_only import (
+        EvalError,
+        check_sets,
+        eval_model_dir,
+        evaluate,
+        write_metrics,
+    )
+    from megatron_rl.orchestrator.run import attach_pool
+
+    try:
+        check_sets(resolved)
+        if args.attach and (args.model or args.checkpoint):
+            raise EvalError("--attach evaluates what the running servers serve; --model and --checkpoint start servers")
+        if args.attach:
+            model_dir, label = served_model_dir(resolved), "the running servers"
+        else:
+            model_dir, label = eval_model_dir(resolved, args.model, args.checkpoint)
+    except (EvalError, CheckpointError, ConversionError, ValueError) as exc:
+        print(f"eval: {exc}", file=sys.stderr)
+        return 2
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if args.attach:
+        pool = attach_pool(resolved)
+    else:
+        pool = InferencePool.from_config(resolved, _inference_devices(resolved, args.inference_devices),
+                                         f"{resolved.logging.dir}/logs", model_dir=model_dir)  # fmt: skip
+    try:
+        started = time.monotonic()
+        results = asyncio.run(evaluate(resolved, pool.router_url, pool.model_name, pool.worker_urls, tokenizer))
+    except (ChatTemplateError, ValueError) as exc:
+        print(f"eval: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        pool.stop()
+    path = write_metrics(resolved, label, results, time.monotonic() - started)
+    width = max(len(key) for key in results)
+    print(f"eval of {label}:")
+    for key, value in results.items():
+        print(f"  {key:<{width}}  {value}")
+    print(f"appended to {path}")
+    failed = [key for key in results if key.endswith("/error")]
+    return 1 if failed else 0
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -224,6 +288,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="device ids per server, e.g. '2,5;7,0' (GPU; default on CPU: one process per server)",
     )  # fmt: skip
     orchestrate.set_defaults(func=_orchestrate)
+    evaluate = commands.add_parser(
+        "eval",
+        help="the config's evaluation sets (orchestrator.eval) on one model, without training: the config's "
+        "model, an HF directory (--model) or a policy checkpoint step (--checkpoint); metrics to "
+        "LOGGING_DIR/eval_metrics.jsonl",
+    )
+    evaluate.add_argument("config", help="a YAML config file")
+    evaluate.add_argument("--model", default=None, help="an HF directory to evaluate (weights, config, tokenizer)")
+    evaluate.add_argument(
+        "--checkpoint", default=None, metavar="latest|STEP|DIR",
+        help="a step of the run's policy checkpoints (checkpoint.dir/policy), converted to HF first",
+    )  # fmt: skip
+    evaluate.add_argument("--attach", action="store_true", help="use the running servers and router as they are")
+    evaluate.add_argument("--inference-devices", default=None, help="device ids per server, e.g. '2,5;7,0'")
+    _add_set(evaluate)
+    evaluate.set_defaults(func=_eval)
     run = commands.add_parser(
         "run",
         help="the whole system on one machine: inference servers and router, critic, policy, orchestrator "

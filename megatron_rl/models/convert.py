@@ -142,13 +142,28 @@ def _group_of(name: str) -> int:
     return int(match[1]) if match else -1
 
 
+TRAINING_DIST_DIR = "dist"  # a training checkpoint's step directory (trainer/checkpoint.py)
+
+
+def model_dist_dir(checkpoint_dir: Path) -> Path:
+    """The dist_checkpointing directory of a converted checkpoint (`model/`) or of one step of a
+    training checkpoint (`dist/`, the model's tensors beside the optimizer's)."""
+    for name in (io.MODEL_DIR, TRAINING_DIST_DIR):
+        if (Path(checkpoint_dir) / name / "metadata.json").is_file():
+            return Path(checkpoint_dir) / name
+    raise io.CheckpointError(
+        f"{checkpoint_dir}: neither a converted checkpoint ({io.MODEL_DIR}/) nor a training checkpoint's step "
+        f"directory ({TRAINING_DIST_DIR}/), with megatron's metadata.json"
+    )
+
+
 def load_checkpoint_tensors(
     checkpoint_dir: Path, arch: Architecture, value_model: bool
 ) -> dict[str, torch.Tensor]:
     """The full megatron tensors of a converted (or training) checkpoint written with either
     layer spec, in the checkpoint's dtypes, loaded into buffers of exactly that size (gate/up
     loaded in place into their fused tensor)."""
-    dist_dir = Path(checkpoint_dir) / io.MODEL_DIR
+    dist_dir = model_dist_dir(checkpoint_dir)
     structure, _ = checkpoint_structure(arch, value_model)
     tensors = {k: v for k, v in structure.items() if not isinstance(v, ShardedObject)}
     plan = plan_load(tensors, checkpoint_keys(dist_dir))
@@ -183,12 +198,14 @@ def load_checkpoint_full(checkpoint_dir: Path, hf_config_dir: Path | None = None
     return arch, meta["value_model"], load_checkpoint_tensors(checkpoint_dir, arch, meta["value_model"])
 
 
-def checkpoint_to_hf(checkpoint_dir: Path, out_dir: Path, hf_config_dir: Path) -> list[str]:
-    """Writes the HF safetensors of a converted checkpoint (loaded once in its dtype, written one
-    decoder layer at a time)."""
+def checkpoint_to_hf(checkpoint_dir: Path, out_dir: Path, hf_config_dir: Path, value_model: bool | None = None) -> list[str]:
+    """Writes the HF safetensors of a converted checkpoint, or of one step of a training
+    checkpoint (whose meta.json does not say whether it is a value model: `value_model` does),
+    loaded once in its dtype, written one decoder layer at a time."""
     checkpoint_dir = Path(checkpoint_dir)
-    meta = io.read_meta(checkpoint_dir)
-    arch, value_model = io.read_architecture(hf_config_dir), meta["value_model"]
+    if value_model is None:
+        value_model = io.read_meta(checkpoint_dir)["value_model"]
+    arch = io.read_architecture(hf_config_dir)
     _single_process_group()
     mapping = family_mapping(arch, value_model)
     expected = set(mapping.renames) | {name for _, hf_names, _, _ in mapping.fused for name in hf_names}

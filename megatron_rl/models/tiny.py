@@ -28,11 +28,9 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from megatron_rl.models.chat_templates import CHATML as CHAT_TEMPLATE
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 WORDS = (
     "the answer is what plus minus times equals number sum result think step first then add take away "
     "compute solve question user assistant system tool call observation reward final yes no because so"

@@ -2,7 +2,9 @@
 
 Each set runs `num_examples` rows of its environment (rows from its own seed: never the
 training rows) with its own sampling (`temperature` 0 is greedy; `samples_per_example` k gives
-pass@k), at step 0 and every `interval` steps. Results are metrics only, never trained on. An
+pass@k: a row counts when any of its k samples passes, and mean@k: the fraction of all samples
+that pass) and its own chat template keywords (`chat_template_kwargs`, e.g. thinking off), at
+step 0 and every `interval` steps. Results are metrics only, never trained on. An
 error (a failed rollout, or the set itself failing) is counted and reported per set and does
 not stop training.
 """
@@ -29,25 +31,28 @@ class Evaluator:
                                    key=f"orchestrator.eval ({config.name}).environment", args=config.environment_args)
             sampling = SamplingParams(temperature=config.temperature, top_p=1.0,
                                       max_tokens=config.max_completion_tokens or default_max_tokens, seed=seed)  # fmt: skip
-            self.sets.append((config, env, sampling))
-        self.client, self.encoder = client, encoder
+            set_encoder = encoder.with_template_kwargs(config.chat_template_kwargs)
+            set_encoder.check_environment(env, f"orchestrator.eval ({config.name}).environment")
+            self.sets.append((config, env, sampling, set_encoder))
+        self.client = client
 
     def due(self, step: int) -> bool:
-        return any(step == 0 or step % config.interval == 0 for config, _, _ in self.sets)
+        return any(step == 0 or step % config.interval == 0 for config, *_ in self.sets)
 
-    async def run(self, step: int) -> dict:
+    async def run(self, step: int, every_set: bool = False) -> dict:
+        """The sets due at `step` (all of them with `every_set`: an eval-only run)."""
         results = {}
-        for config, env, sampling in self.sets:
-            if not (step == 0 or step % config.interval == 0):
+        for config, env, sampling, encoder in self.sets:
+            if not (every_set or step == 0 or step % config.interval == 0):
                 continue
             try:
-                results.update(await self._run_set(config, env, sampling, step))
+                results.update(await self._run_set(config, env, sampling, encoder, step))
             except Exception as exc:  # reported, never fatal
                 results[f"eval/{config.name}/error"] = f"{type(exc).__name__}: {exc}"
         return results
 
     async def _run_set(
-        self, config: EvalConfig, env: Environment, sampling: SamplingParams, step: int
+        self, config: EvalConfig, env: Environment, sampling: SamplingParams, encoder, step: int
     ) -> dict:
         k = config.samples_per_example
         tasks = [
@@ -55,7 +60,7 @@ class Evaluator:
                 env,
                 env.row(i),
                 self.client,
-                self.encoder,
+                encoder,
                 sampling,
                 EVAL_GROUP_OFFSET + step * 1_000_000 + i,
                 branch,
@@ -77,6 +82,7 @@ class Evaluator:
         name = f"eval/{config.name}"
         return {
             f"{name}/pass@{k}": float(passed.any(axis=1).mean()),
+            f"{name}/mean@{k}": float(passed.mean()),
             f"{name}/reward_mean": float(np.mean(rewards)) if rewards else None,
             f"{name}/errors": errors,
         }

@@ -32,10 +32,11 @@ from megatron_rl.algorithms import make_algorithm
 from megatron_rl.config import ResolvedConfig
 from megatron_rl.data.packing import pack_into_grid, pack_minibatches
 from megatron_rl.inference.rollout import SamplingParams
+from megatron_rl.orchestrator.chat import PromptEncoder
 from megatron_rl.orchestrator.dispatcher import Dispatcher
 from megatron_rl.orchestrator.evaluation import Evaluator
 from megatron_rl.orchestrator.metrics import step_metrics
-from megatron_rl.orchestrator.rollouts import PromptEncoder, run_group
+from megatron_rl.orchestrator.rollouts import run_group
 from megatron_rl.orchestrator.sink import TrainSink
 from megatron_rl.orchestrator.state import OrchestratorState
 

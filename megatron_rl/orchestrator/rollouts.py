@@ -1,8 +1,10 @@
 """Rollouts of one group: each member runs its environment's turns through the rollout client.
 
-The prompt text gets the tokenizer's chat template once (`PromptEncoder`); each completion
-extends the exact token sequence (`TokenTrajectory`), its text (decoded from those ids) goes to
-the environment, and an observation is tokenised once and appended with loss mask 0 (with
+The prompt gets the tokenizer's chat template once, with the environment's tools
+(`PromptEncoder`, orchestrator/chat.py); each completion extends the exact token sequence
+(`TokenTrajectory`), its text (decoded from those ids, reasoning removed) goes to the
+environment, and an observation is appended with loss mask 0: text tokenised once, or tool
+messages as the template renders them after the sampled tokens (with
 `orchestrator.train_on_observations`, an ablation, mask 1 and the sampler's log-probabilities of
 its tokens from the next turn's `prompt_logprobs`; a last observation with no turn after it stays
 masked). The whole
@@ -19,32 +21,7 @@ from dataclasses import dataclass, field
 
 from megatron_rl.envs import Environment
 from megatron_rl.inference.rollout import SamplingParams, TokenTrajectory
-
-
-class PromptEncoder:
-    """Our tokenizer's side of the rollout: prompt text -> ids (chat template applied once),
-    observation text -> ids, completion ids -> text."""
-
-    def __init__(self, tokenizer, use_chat_template: bool = True):
-        self.tokenizer = tokenizer
-        self.use_chat_template = use_chat_template and bool(getattr(tokenizer, "chat_template", None))
-
-    def prompt(self, prompt: str | list[dict]) -> list[int]:
-        """The prompt's ids: a string is the user message; a list of messages (a system prompt,
-        few-shot turns) is rendered as it is, with the generation prompt after it."""
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if self.use_chat_template:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        if not isinstance(prompt, str):
-            raise ValueError("a prompt of messages needs a chat template; this tokenizer has none")
-        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-
-    def observation(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+from megatron_rl.orchestrator.chat import PromptEncoder
 
 
 @dataclass
@@ -61,6 +38,7 @@ class Member:
     tool_calls: int = 0
     tool_errors: int = 0
     observation_tokens: int = 0  # appended by the environment (loss mask 0)
+    template_rewrites: int = 0  # tool messages rendered after a reference conversation (orchestrator/chat.py)
     budget_exhausted: bool = False  # cut by the rollout's token budget before the episode ended
 
     @property
@@ -89,10 +67,12 @@ async def run_member(
     env: Environment, row: dict, client, encoder: PromptEncoder, sampling: SamplingParams,
     group_id: int, branch: int, budget: int,
 ) -> Member:  # fmt: skip
-    trajectory = TokenTrajectory(prompt_ids=encoder.prompt(env.prompt(row)))
+    prompt, tools = env.prompt(row), env.tool_schemas()
+    trajectory = TokenTrajectory(prompt_ids=encoder.prompt(prompt, tools))
+    conversation = encoder.messages(prompt)  # the messages so far, for rendering tool messages
     prompt_len, texts = len(trajectory.prompt_ids), []
     session = f"group{group_id}-branch{branch}"
-    turn_result, tool_calls, tool_errors, observation_tokens = None, 0, 0, 0
+    turn_result, tool_calls, tool_errors, observation_tokens, rewrites = None, 0, 0, 0, 0
     for turn in range(env.max_turns):
         remaining = budget - (len(trajectory.token_ids) - prompt_len)
         if remaining <= 0:
@@ -106,12 +86,18 @@ async def run_member(
             start, end = span = trajectory.observation_spans[-1]
             trajectory.observation_as_action(span, completion.prompt_logprobs[start:end])
         trajectory.add_completion(completion)
-        texts.append(encoder.decode(completion.token_ids))
-        turn_result = env.step(row, texts)
+        texts.append(encoder.answer(encoder.decode(completion.token_ids)))
+        turn_result = await env.astep(row, texts)
         tool_calls, tool_errors = tool_calls + turn_result.tool_calls, tool_errors + turn_result.tool_errors
         if turn_result.done or completion.finish_reason == "length":
             break
-        observation = encoder.observation(turn_result.observation or "")
+        if isinstance(turn_result.observation, list):  # messages: the template renders them
+            observation, rewritten = encoder.extend(conversation, completion.token_ids, turn_result.observation, tools)
+            conversation += [{"role": "assistant", "content": encoder.decode(completion.token_ids)},
+                             *turn_result.observation]  # fmt: skip
+            rewrites += rewritten
+        else:
+            observation = encoder.observation(turn_result.observation or "")
         observation = observation[: max(0, budget - (len(trajectory.token_ids) - prompt_len))]
         trajectory.add_observation(observation)
         observation_tokens += len(observation)
@@ -122,7 +108,7 @@ async def run_member(
         reward=turn_result.reward if done else 0.0,
         passed=turn_result.passed if turn_result is not None else None, truncated=truncated,
         episode_done=done, turns=len(texts), tool_calls=tool_calls, tool_errors=tool_errors,
-        observation_tokens=observation_tokens,
+        observation_tokens=observation_tokens, template_rewrites=rewrites,
         budget_exhausted=not done and len(trajectory.token_ids) - prompt_len >= budget,
     )  # fmt: skip
 

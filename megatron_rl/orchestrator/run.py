@@ -27,9 +27,9 @@ from megatron_rl.inference.pool import InferencePool, WeightSync, served_model_d
 from megatron_rl.inference.rollout import RolloutClient
 from megatron_rl.inference.router import VllmRouter
 from megatron_rl.inference.vllm_control import VllmControl
+from megatron_rl.orchestrator.chat import PromptEncoder
 from megatron_rl.orchestrator.loop import Orchestrator, OrchestratorError, Timeouts
 from megatron_rl.orchestrator.metrics import MetricsWriter
-from megatron_rl.orchestrator.rollouts import PromptEncoder
 from megatron_rl.orchestrator.state import OrchestratorState
 from megatron_rl.orchestrator.tracking import Tracker
 from megatron_rl.trainer import atomic_dir
@@ -133,7 +133,7 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
     # First: a tracker whose package is missing is an error before anything starts.
     tracker = Tracker.from_config(resolved)  # None: no logging.wandb / logging.tensorboard
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(served_model_dir(resolved))
-    encoder = PromptEncoder(tokenizer, o.chat_template)
+    encoder = prompt_encoder(o, tokenizer)
     timeouts = Timeouts(batch_s=resolved.inference.request_timeout_s, critic_s=resolved.transport.receive_timeout_s,
                         weights_s=resolved.transport.receive_timeout_s)  # fmt: skip
     state = OrchestratorState(Path(resolved.layout.paths.orchestrator_state), o.seed)
@@ -160,6 +160,7 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
                            api_key=resolved.inference.api_key(),
                            on_worker_failure=lambda url: log.warning("inference server %s failed a request", url))  # fmt: skip
     environment = make_environment(o.environment, o.dataset, o.seed, args=o.environment_args)
+    encoder.check_environment(environment)
     orchestrator = Orchestrator(resolved, environment, encoder, client, follower, critic, send_policy, state, metrics,
                                 timeouts)  # fmt: skip
     follower.start()
@@ -180,6 +181,14 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
         if critic is not None:
             await critic.close()
         await asyncio.to_thread(policy_sender.close)
+
+
+def prompt_encoder(o, tokenizer) -> PromptEncoder:
+    """The rollouts' encoder from `orchestrator.chat_template`, `chat_template_kwargs` and
+    `reasoning_markers` (a template file is read once, here)."""
+    template = Path(o.chat_template).read_text() if isinstance(o.chat_template, str) else None
+    return PromptEncoder(tokenizer, o.chat_template is not False, template, o.chat_template_kwargs,
+                         o.reasoning_markers)  # fmt: skip
 
 
 def trainer_resume_step(resolved: ResolvedConfig) -> int:

@@ -49,9 +49,9 @@ from megatron_rl.critic.client import HttpValueScorer
 from megatron_rl.critic.wire import BINARY_VALUES, STEP_HEADER
 from megatron_rl.data.types import padding_routes, route_dtype
 from megatron_rl.inference.rollout import Completion
+from megatron_rl.orchestrator.chat import PromptEncoder
 from megatron_rl.orchestrator.loop import Orchestrator, Timeouts
 from megatron_rl.orchestrator.metrics import MetricsWriter
-from megatron_rl.orchestrator.rollouts import PromptEncoder
 from megatron_rl.orchestrator.run import VersionFollower
 from megatron_rl.orchestrator.state import OrchestratorState
 from megatron_rl.sim.models import (

@@ -5,7 +5,8 @@ safetensors), the train-inference mismatch KL stays below 1e-3 (float32). While 
 listening socket of the launcher's whole process tree is read: none listens on all interfaces
 (0.0.0.0 or ::), and each configured or probed port (inference server, router and its metrics,
 the policy's ZMQ sender, torchrun's rendezvous store) listens on 127.0.0.1, the configured host,
-only. The same launcher with a critic (its service, its ZMQ sender, its torchrun group, its clean
+only. `megatron-rl eval --checkpoint latest`'s conversion of the run's last policy checkpoint
+equals the weights the policy published after that step. The same launcher with a critic (its service, its ZMQ sender, its torchrun group, its clean
 stop) is watched the same way by the SAO demo's test (tests/e2e/test_demo.py)."""
 
 from __future__ import annotations
@@ -14,12 +15,21 @@ import json
 import sys
 
 import pytest
+import torch
 import yaml
 
+from megatron_rl.config import load_config
+from megatron_rl.orchestrator.eval_only import eval_model_dir
 from megatron_rl.parallel import free_port
 from tests.support.watch import assert_local_listeners, run_watched, stray_processes
 
 pytestmark = pytest.mark.slow
+
+
+def tensors(directory) -> dict:
+    from safetensors.torch import load_file
+
+    return {name: t for path in sorted(directory.glob("*.safetensors")) for name, t in load_file(path).items()}
 
 
 def lines(path) -> list[dict]:
@@ -53,7 +63,7 @@ def test_megatron_rl_run_trains_two_steps_and_stops_everything(tmp_path):
         },  # fmt: skip
         "deployment": {"device": "cpu", "nodes": 1, "gpus_per_node": 2, "inference_gpus": 1, "policy_gpus": 1},
         "transport": {"policy_port": ports[3]},
-        "checkpoint": {"dir": str(tmp_path / "checkpoints")},
+        "checkpoint": {"dir": str(tmp_path / "checkpoints"), "save_interval": 1},
         "logging": {"dir": str(tmp_path / "run")},
     }
     path = tmp_path / "run.yaml"
@@ -74,6 +84,14 @@ def test_megatron_rl_run_trains_two_steps_and_stops_everything(tmp_path):
     inference_log = (logs / "inference_0.log").read_text()
     assert "mode=drain" in inference_log, inference_log[-3000:]
     assert (tmp_path / "published" / "latest").read_text().strip() == "version_00000002"
+    # `megatron-rl eval --checkpoint latest` converts the last policy checkpoint to the weights
+    # the policy published after the same step, bit for bit
+    resolved = load_config(path)
+    exported, label = eval_model_dir(resolved, None, "latest")
+    assert label.endswith("step_00000001") and (exported / "tokenizer.json").is_file()
+    published = tensors(tmp_path / "published" / "version_00000002")
+    assert tensors(exported).keys() == published.keys()
+    assert all(torch.equal(tensor, published[name]) for name, tensor in tensors(exported).items())
     assert stray_processes(tmp_path) == []  # nothing of this run is left running
     # server, router, the policy's ZMQ sender; one torchrun group (the policy's)
     assert_local_listeners(seen, {ports[0], ports[1], ports[3]}, torchrun_groups=1)

@@ -108,9 +108,11 @@ def test_budget_cut_is_counted_and_bootstrapped_and_an_answer_is_not(encoder):
 def test_turn_metrics_of_no_member_and_of_members():
     assert turn_metrics([])["turns_mean"] is None and turn_metrics([])["tool_calls"] == 0
     members = [Member(0, "finished", turns=2, tool_calls=1, observation_tokens=5),
-               Member(1, "finished", turns=1, tool_calls=1, tool_errors=1, budget_exhausted=True)]  # fmt: skip
+               Member(1, "finished", turns=1, tool_calls=1, tool_errors=1, budget_exhausted=True,
+                      template_rewrites=1)]  # fmt: skip
     assert turn_metrics(members) == {"turns_mean": 1.5, "tool_calls": 2, "tool_errors": 1,
-                                     "observation_tokens_mean": 2.5, "budget_exhausted_rate": 0.5}  # fmt: skip
+                                     "observation_tokens_mean": 2.5, "budget_exhausted_rate": 0.5,
+                                     "template_rewrites": 1}  # fmt: skip
 
 
 def test_calculator_arguments_shape_its_rows_and_bad_ones_are_named():
