@@ -26,11 +26,12 @@ BUILTIN_ENVIRONMENTS = {
     "procedural": "megatron_rl.envs.procedural:ProceduralTask",
     "math": "megatron_rl.envs.math:MathEnvironment",
     "calculator": "megatron_rl.envs.calculator:CalculatorEnvironment",
+    "arithmetic": "megatron_rl.envs.arithmetic:ArithmeticEnvironment",
 }
 
 
 def _environment_name(value: str) -> str:
-    """A built-in environment (procedural, math, calculator) or a plug-in 'package.module:name'."""
+    """A built-in environment (procedural, math, calculator, arithmetic) or a plug-in 'package.module:name'."""
     if ":" not in value and value not in BUILTIN_ENVIRONMENTS:
         raise ValueError(
             f"unknown environment {value!r}; choose from {list(BUILTIN_ENVIRONMENTS)} or give a plug-in "
@@ -80,9 +81,9 @@ class EvalConfig(Strict):
     """A held-out evaluation set: run at step 0 and every `interval` steps, never trained on."""
 
     name: str = Field(description="The set's name, the prefix of its metrics.")
-    environment: EnvironmentName = Field(default="procedural", description="A built-in environment (procedural, math, calculator) or a plug-in 'package.module:name'.")
+    environment: EnvironmentName = Field(default="procedural", description="A built-in environment (procedural, math, calculator, arithmetic) or a plug-in 'package.module:name'.")
     dataset: str | None = Field(default=None, description="procedural: the task (reverse, copy, count); math / calculator: a JSONL or Parquet file, or a saved datasets directory, of prompts (text or messages) and answers.")
-    environment_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor beyond dataset and seed (calculator: max_turns, low, high, ops, question, instruction; a plug-in: its own).")
+    environment_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor beyond dataset and seed (calculator: max_turns, low, high, ops, question, instruction; math: prompt_field, answer_field, tools, tool_parser, max_turns; arithmetic: low, high, ops, question, system, tools, tool_parser, max_turns; a plug-in: its own).")
     num_examples: int = Field(default=64, gt=0, description="Prompts in the set.")
     samples_per_example: int = Field(default=1, gt=0, description="Completions per prompt (k of pass@k).")
     temperature: float = Field(default=0.0, ge=0, description="Sampling temperature; 0: greedy.")
@@ -109,9 +110,9 @@ class OrchestratorConfig(Strict):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="Which completed groups become training samples.")
     dynamic_sampling: DynamicSamplingConfig | None = Field(default=None, description="Bound the groups one step consumes (DAPO); null: replace rejected groups without bound.")
     overlong: OverlongConfig | None = Field(default=None, description="DAPO's overlong shaping; null: no length shaping.")
-    environment: EnvironmentName = Field(default="procedural", description="A built-in environment (procedural, math, calculator) or a plug-in 'package.module:name'.")
+    environment: EnvironmentName = Field(default="procedural", description="A built-in environment (procedural, math, calculator, arithmetic) or a plug-in 'package.module:name'.")
     dataset: str | None = Field(default=None, description="procedural: the task (reverse, copy, count); math / calculator: a JSONL or Parquet file, or a saved datasets directory, of prompts (text or messages) and answers.")
-    environment_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor beyond dataset and seed (calculator: max_turns, low, high, ops, question, instruction; a plug-in: its own).")
+    environment_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor beyond dataset and seed (calculator: max_turns, low, high, ops, question, instruction; math: prompt_field, answer_field, tools, tool_parser, max_turns; arithmetic: low, high, ops, question, system, tools, tool_parser, max_turns; a plug-in: its own).")
     chat_template: bool | str = Field(default=True, description="true: the tokenizer's own chat template renders prompts and tool messages (when it has one); false: prompts are raw text; a path: a Jinja template file used instead of the tokenizer's (relative to the config file).")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of every render of the chat template (e.g. enable_thinking: false).")
     reasoning_markers: tuple[str, str] | None = Field(default=("<think>", "</think>"), description="Start and end of a completion's reasoning: the grader and the tool parser see only what follows the last end marker (nothing while the reasoning is unfinished); the trained tokens are always the sampled ones. null: the whole text.")

@@ -32,13 +32,35 @@ TOOL_TASK = (
 )
 
 
+def demonstration_tokens(env, encoder: PromptEncoder, row: dict, eos: int) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of `row`'s demonstration as a rollout of it would lay them out: the
+    prompt (with the tools) through the chat template, the model's segments (mask 1), text
+    observations tokenised as they are and tool messages as the template renders them after the
+    model's turn, which ends with `eos` (mask 0), and `eos` after the last segment."""
+    prompt, tools = env.prompt(row), env.tool_schemas()
+    sequence = encoder.prompt(prompt, tools)
+    mask, conversation, turn = [0] * len(sequence), encoder.messages(prompt), []
+    for segment, action in env.demonstration(row):
+        if isinstance(segment, list):  # tool messages: the model ends its turn, the template renders them
+            turn = turn + [eos]
+            sequence, mask = sequence + [eos], mask + [1]
+            ids, _ = encoder.extend(conversation, turn, segment, tools)
+            conversation += [{"role": "assistant", "content": encoder.decode(turn)}, *segment]
+        else:
+            ids = encoder.observation(segment)  # plain encoding, no special tokens
+            turn = ids if action else turn
+        sequence, mask = sequence + ids, mask + [int(action)] * len(ids)
+    return sequence + [eos], mask + [1]
+
+
 def warm_start(model_dir: Path, out: Path, task: str = "reverse", steps: int = 80, lr: float = 3e-3,
                batch_size: int = 64, seed: int = 7_000_001, log=print, environment: str = "procedural",
                environment_args: dict | None = None, target_loss: float | None = None) -> list[float]:  # fmt: skip
     """Returns the loss of every step. `environment`, `task` (its dataset) and `environment_args`
     name the environment whose `demonstration`s are learnt: the model's own segments are trained
     (with the end-of-sequence token), observations are context only, each segment tokenised on
-    its own as a rollout does. With `target_loss`, training stops early once the mean loss of
+    its own as a rollout does (text as it is; tool messages as the chat template renders them
+    after the model's turn, which then ends with the end-of-sequence token, trained). With `target_loss`, training stops early once the mean loss of
     the last 5 steps is below it (the warm start is a threshold effect: a loss gate gives every
     seed a like start, a fixed step count does not)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -60,13 +82,9 @@ def warm_start(model_dir: Path, out: Path, task: str = "reverse", steps: int = 8
         index += batch_size
         sequences, masks = [], []
         for row in rows:
-            sequence = encoder.prompt(env.prompt(row))
-            mask = [0] * len(sequence)
-            for text, action in env.demonstration(row):
-                ids = encoder.observation(text)  # plain encoding, no special tokens
-                sequence, mask = sequence + ids, mask + [int(action)] * len(ids)
-            sequences.append(sequence + [eos])
-            masks.append(mask + [1])
+            sequence, mask = demonstration_tokens(env, encoder, row, eos)
+            sequences.append(sequence)
+            masks.append(mask)
         width = max(len(s) for s in sequences)
         ids = torch.tensor([s + [eos] * (width - len(s)) for s in sequences])
         mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)

@@ -14,6 +14,7 @@ resumed run sees the same prompts from the same cursor.
     make_environment("calculator", args={"max_turns": 2})       # constructor keywords
     make_environment("math", dataset="data/math.parquet", args={"tools": ["python"]})
                                                                 # tool-integrated: envs/tools.py
+    make_environment("arithmetic", seed=0)                      # the python tool, Hermes calls
     make_environment("my_pkg.tasks:Sudoku", dataset=..., seed=0)  # a plug-in: called with
                                                                   # dataset=, seed=; an Environment
 
@@ -24,6 +25,7 @@ keyword it does not take is an error naming the key and the constructor's signat
 from __future__ import annotations
 
 from megatron_rl.config.plugins import PluginError, check_call, is_plugin, load_plugin
+from megatron_rl.envs.arithmetic import ArithmeticEnvironment
 from megatron_rl.envs.base import Environment, Turn
 from megatron_rl.envs.calculator import CalculatorEnvironment
 from megatron_rl.envs.math import MathEnvironment
@@ -37,7 +39,10 @@ from megatron_rl.envs.tool_parsers import (
 )
 from megatron_rl.envs.tools import TOOLS, Tool, ToolEnvironment, ToolResult, make_tools
 
-ENVIRONMENTS = {"procedural": ProceduralTask, "math": MathEnvironment, "calculator": CalculatorEnvironment}
+ENVIRONMENTS = {
+    "procedural": ProceduralTask, "math": MathEnvironment, "calculator": CalculatorEnvironment,
+    "arithmetic": ArithmeticEnvironment,
+}  # fmt: skip
 
 
 def make_environment(

@@ -51,10 +51,11 @@ class Environment(ABC):
         """The tools the chat template renders in the prompt (OpenAI function schemas), or None."""
         return None
 
-    def demonstration(self, row: dict) -> list[tuple[str, bool]]:
+    def demonstration(self, row: dict) -> list[tuple[str | list[dict], bool]]:
         """A correct rollout of `row` for a supervised warm start (`demo/warm_start.py`): its
         segments after the prompt in order, each (text, True) for the model's own turns or
-        (text, False) for the environment's observations; the end-of-sequence token follows.
+        (text, False) for the environment's observations (or (messages, False): tool messages the
+        chat template renders); the end-of-sequence token follows.
 
         Optional: only a warm start calls it, and an environment without correct rollouts to
         show (math from a JSONL of answers, most plug-ins) is trained by RL alone, so the

