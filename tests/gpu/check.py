@@ -5,6 +5,11 @@
                                                      (tests/distributed/test_gpu_check.py)
     python -m tests.gpu.check --list                 the checks, their limits and what each shows
 
+Never green on nothing: without a CUDA device (and without --cpu) it says so and exits 3 (NO_CUDA),
+unless the caller asks to skip (--allow-no-gpu, or MEGATRON_RL_GPU_CHECKS=skip): then it prints
+"SKIPPED ... no CUDA device ... nothing checked" and exits 0. Without torch it exits 4 (NO_TORCH),
+skip or not. Otherwise 1 when a check FAILs, else 0.
+
 Each check runs in its own process (a crash, a hang or CUDA's out-of-memory in one leaves the
 others their say; with CUDA a fresh interpreter, on CPU a fork of a forkserver that imported
 torch, megatron-core and the checks once) on one rank (NCCL on CUDA, gloo on CPU) and reports PASS, FAIL, NOT RUN (with
@@ -46,6 +51,10 @@ from tests.gpu.checks import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+# Exit codes besides 0 (every check run passed) and 1 (a check failed); argparse's own is 2.
+NO_CUDA = 3  # no CUDA device: nothing checked (the caller did not ask to skip)
+NO_TORCH = 4  # torch not importable: nothing checked
+SKIP_ENV = "MEGATRON_RL_GPU_CHECKS"  # =skip: no CUDA device is a SKIPPED run, exit 0
 
 
 def run_one(name: str, cpu: bool, result: Path) -> None:
@@ -184,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="the checks, their limits and what each shows")
     parser.add_argument("--only", nargs="+", choices=CHECKS, help="run these checks only")
     parser.add_argument("--out", type=Path, help="where the JSON record goes")
+    parser.add_argument("--allow-no-gpu", action="store_true",
+                        help=f"without a CUDA device print SKIPPED and exit 0 (also {SKIP_ENV}=skip); "
+                             f"else that is exit {NO_CUDA}")  # fmt: skip
     parser.add_argument("--run-one", choices=CHECKS, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -196,11 +208,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"default budget {DEFAULT_BUDGET_S} s; the limits add up to {sum(LIMIT_S.values())} s")
         return 0
 
-    import torch
-
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001  (any import failure: nothing can be checked)
+        print(f"tests/gpu: torch not importable by {sys.executable} ({type(exc).__name__}: {exc}): "
+              f"nothing checked", file=sys.stderr)  # fmt: skip
+        return NO_TORCH
     if not args.cpu and not torch.cuda.is_available():
-        print("tests/gpu: no CUDA device here (torch.cuda.is_available() is False): nothing checked")
-        return 0
+        where = f"no CUDA device for {sys.executable} (torch {torch.__version__}: torch.cuda.is_available() is False)"
+        if args.allow_no_gpu or os.environ.get(SKIP_ENV) == "skip":
+            print(f"tests/gpu: SKIPPED as asked (--allow-no-gpu / {SKIP_ENV}=skip): {where}: nothing checked")
+            return 0
+        print(f"tests/gpu: {where}: nothing checked (exit {NO_CUDA}; --allow-no-gpu or {SKIP_ENV}=skip to "
+              f"skip on purpose)", file=sys.stderr)  # fmt: skip
+        return NO_CUDA
     out = args.out or (ROOT / "benchmarks" / "results" / ("gpu_cpu_smoke.json" if args.cpu else "gpu.json"))
     budget = args.budget_s if args.budget_s is not None else (float("inf") if args.cpu else DEFAULT_BUDGET_S)
     began = time.monotonic()
