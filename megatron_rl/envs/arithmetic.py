@@ -16,6 +16,7 @@ import random
 import re
 
 from megatron_rl.envs.base import Turn
+from megatron_rl.envs.calculator import check_operands
 from megatron_rl.envs.tool_parsers import ToolCall
 from megatron_rl.envs.tools import ToolEnvironment
 
@@ -29,14 +30,7 @@ class ArithmeticEnvironment(ToolEnvironment):
                  tool_parser: str = "hermes", max_turns: int = 2):  # fmt: skip
         if dataset is not None:
             raise ValueError("orchestrator.dataset: the arithmetic environment generates its rows (give none)")
-        if not 0 <= low <= high:
-            raise ValueError(f"orchestrator.environment_args: need 0 <= low <= high, got low {low}, high {high}")
-        if not ops or set(ops) - set("+-*"):
-            raise ValueError(f"orchestrator.environment_args.ops: a string of + - *, got {ops!r}")
-        try:
-            question.format(a=1, op="+", b=2)
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"orchestrator.environment_args.question: a format string of {{a}}, {{op}}, {{b}}: {exc!r}") from None
+        check_operands(low, high, ops, question)
         super().__init__(tools, tool_parser, max_turns)
         self.seed, self.low, self.high, self.ops, self.question, self.system = seed, low, high, ops, question, system
 

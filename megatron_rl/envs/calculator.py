@@ -55,6 +55,20 @@ def evaluate(expression: str) -> float:
         raise ValueError(str(exc)) from None
 
 
+def check_operands(low: int, high: int, ops: str, question: str) -> None:
+    """The generated questions' settings (environment_args low, high, ops, question), named when bad."""
+    if not 0 <= low <= high:
+        raise ValueError(f"orchestrator.environment_args: need 0 <= low <= high, got low {low}, high {high}")
+    if not ops or set(ops) - set("+-*"):
+        raise ValueError(f"orchestrator.environment_args.ops: a string of + - *, got {ops!r}")
+    try:
+        question.format(a=1, op="+", b=2)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(
+            f"orchestrator.environment_args.question: a format string of {{a}}, {{op}}, {{b}}; {question!r}: {exc!r}"
+        ) from None
+
+
 def format_number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
 
@@ -73,16 +87,7 @@ class CalculatorEnvironment(Environment):
     ):  # fmt: skip
         if max_turns < 1:
             raise ValueError(f"orchestrator.environment_args.max_turns: at least 1, got {max_turns}")
-        if not 0 <= low <= high:
-            raise ValueError(f"orchestrator.environment_args: need 0 <= low <= high, got low {low}, high {high}")
-        if not ops or set(ops) - set("+-*"):
-            raise ValueError(f"orchestrator.environment_args.ops: a string of + - *, got {ops!r}")
-        try:
-            question.format(a=1, op="+", b=2)
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(
-                f"orchestrator.environment_args.question: a format string of {{a}}, {{op}}, {{b}}; {question!r}: {exc!r}"
-            ) from None
+        check_operands(low, high, ops, question)
         self.max_turns, self.seed = max_turns, seed
         self.low, self.high, self.ops, self.question, self.instruction = low, high, ops, question, instruction
         self._rows = ShuffledRows(_text_rows(dataset), seed) if dataset else None

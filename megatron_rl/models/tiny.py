@@ -52,22 +52,27 @@ def corpus(seed: int, lines: int = 4000) -> list[str]:
     return out
 
 
-def build_tokenizer(vocab_size: int, seed: int):
+def _byte_level_bpe(vocab_size: int, texts: list[str], added: list[str] = ()) -> Tokenizer:
+    """A byte-level BPE trained on `texts` with SPECIAL_TOKENS, then `added` (not special):
+    `vocab_size` tokens at most."""
+    from tokenizers import AddedToken
+
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(corpus(seed), trainer)
+        vocab_size=vocab_size - len(added), special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in added])
     if tokenizer.get_vocab_size() > vocab_size:
-        raise SystemExit(
-            f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than --vocab-size {vocab_size}"
-        )
-    return _chat_tokenizer(tokenizer)
+        raise SystemExit(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than --vocab-size {vocab_size}")
+    return tokenizer
+
+
+def build_tokenizer(vocab_size: int, seed: int):
+    return _chat_tokenizer(_byte_level_bpe(vocab_size, corpus(seed)))
 
 
 # `bpe-tools`: Qwen3's tags for tool calls and reasoning, added tokens that decoding keeps (not
@@ -100,20 +105,7 @@ def tool_corpus(seed: int, lines: int = 400) -> list[str]:
 
 def build_tool_tokenizer(vocab_size: int, seed: int):
     """A byte-level BPE over the generated text and tool conversations, with TOOL_TAGS added."""
-    from tokenizers import AddedToken
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(TOOL_TAGS), special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )  # fmt: skip
-    tokenizer.train_from_iterator(corpus(seed) + tool_corpus(seed), trainer)
-    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TOOL_TAGS])
-    if tokenizer.get_vocab_size() > vocab_size:
-        raise SystemExit(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than --vocab-size {vocab_size}")
-    fast = _chat_tokenizer(tokenizer)
+    fast = _chat_tokenizer(_byte_level_bpe(vocab_size, corpus(seed) + tool_corpus(seed), TOOL_TAGS))
     fast.chat_template = CHATML_TOOLS
     return fast
 
