@@ -16,6 +16,7 @@ class Turn:
     passed: bool | None = None  # for environments with a pass/fail notion (pass rate, eval accuracy)
     tool_calls: int = 0  # tool calls in this turn's completion (per-step metric `tool_calls`)
     tool_errors: int = 0  # of which failed (metric `tool_errors`)
+    tool_malformed: int = 0  # of the failed, those the parser could not read (metric `tool_malformed`)
 
 
 class Environment(ABC):

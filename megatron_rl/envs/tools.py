@@ -187,12 +187,13 @@ class ToolEnvironment(Environment):
 
     def _turn(self, completions: list[str], parsed: ParsedCompletion, results: list[ToolResult]) -> Turn:
         errors = len(parsed.errors) + sum(result.error for result in results)
+        counts = {"tool_calls": parsed.attempted, "tool_errors": errors, "tool_malformed": len(parsed.errors)}
         if len(completions) >= self.max_turns:  # a call where the answer had to be
-            return Turn(reward=0.0, passed=False, tool_calls=parsed.attempted, tool_errors=errors)
+            return Turn(reward=0.0, passed=False, **counts)
         messages = [{"role": "tool", "content": f"Error: malformed tool call: {error}"} for error in parsed.errors]
         messages += [{"role": "tool", "name": call.name, "content": result.content}
                      for call, result in zip(parsed.calls, results, strict=True)]  # fmt: skip
-        return Turn(observation=messages, done=False, tool_calls=parsed.attempted, tool_errors=errors)
+        return Turn(observation=messages, done=False, **counts)
 
     def step(self, row: dict, completions: list[str]) -> Turn:
         parsed = self._parse(completions[-1])

@@ -50,18 +50,20 @@ def overlong_metrics(samples, overlong: OverlongConfig | None) -> dict:
 
 def turn_metrics(members) -> dict:
     """Multi-turn rollouts of the step's finished members: `turns_mean` (completions per
-    rollout), `tool_calls` and `tool_errors` (totals), `observation_tokens_mean` (tokens the
+    rollout), `tool_calls`, `tool_errors` and `tool_malformed` (totals; malformed: calls the
+    parser could not read, part of the errors), `observation_tokens_mean` (tokens the
     environment appended, loss mask 0), `budget_exhausted_rate` (rollouts cut by the token budget
     before their episode ended: bootstrapped by the critic's value), `template_rewrites` (tool
     messages the chat template could not render as an extension of the rollout: rendered after a
     reference conversation instead, orchestrator/chat.py)."""
     if not members:
-        return {"turns_mean": None, "tool_calls": 0, "tool_errors": 0, "observation_tokens_mean": None,
+        return {"turns_mean": None, "tool_calls": 0, "tool_errors": 0, "tool_malformed": 0, "observation_tokens_mean": None,
                 "budget_exhausted_rate": None, "template_rewrites": 0}  # fmt: skip
     return {
         "turns_mean": float(np.mean([m.turns for m in members])),
         "tool_calls": int(sum(m.tool_calls for m in members)),
         "tool_errors": int(sum(m.tool_errors for m in members)),
+        "tool_malformed": int(sum(m.tool_malformed for m in members)),
         "observation_tokens_mean": float(np.mean([m.observation_tokens for m in members])),
         "budget_exhausted_rate": float(np.mean([m.budget_exhausted for m in members])),
         "template_rewrites": int(sum(m.template_rewrites for m in members)),

@@ -37,6 +37,7 @@ class Member:
     turns: int = 0  # completions in the rollout
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_malformed: int = 0  # of the errors, calls the parser could not read
     observation_tokens: int = 0  # appended by the environment (loss mask 0)
     template_rewrites: int = 0  # tool messages rendered after a reference conversation (orchestrator/chat.py)
     budget_exhausted: bool = False  # cut by the rollout's token budget before the episode ended
@@ -72,7 +73,7 @@ async def run_member(
     conversation = encoder.messages(prompt)  # the messages so far, for rendering tool messages
     prompt_len, texts = len(trajectory.prompt_ids), []
     session = f"group{group_id}-branch{branch}"
-    turn_result, tool_calls, tool_errors, observation_tokens, rewrites = None, 0, 0, 0, 0
+    turn_result, tool_calls, tool_errors, malformed, observation_tokens, rewrites = None, 0, 0, 0, 0, 0
     for turn in range(env.max_turns):
         remaining = budget - (len(trajectory.token_ids) - prompt_len)
         if remaining <= 0:
@@ -89,6 +90,7 @@ async def run_member(
         texts.append(encoder.answer(encoder.decode(completion.token_ids)))
         turn_result = await env.astep(row, texts)
         tool_calls, tool_errors = tool_calls + turn_result.tool_calls, tool_errors + turn_result.tool_errors
+        malformed += turn_result.tool_malformed
         if turn_result.done or completion.finish_reason == "length":
             break
         if isinstance(turn_result.observation, list):  # messages: the template renders them
@@ -107,7 +109,7 @@ async def run_member(
         branch_index=branch, status="finished", trajectory=trajectory,
         reward=turn_result.reward if done else 0.0,
         passed=turn_result.passed if turn_result is not None else None, truncated=truncated,
-        episode_done=done, turns=len(texts), tool_calls=tool_calls, tool_errors=tool_errors,
+        episode_done=done, turns=len(texts), tool_calls=tool_calls, tool_errors=tool_errors, tool_malformed=malformed,
         observation_tokens=observation_tokens, template_rewrites=rewrites,
         budget_exhausted=not done and len(trajectory.token_ids) - prompt_len >= budget,
     )  # fmt: skip

@@ -175,7 +175,7 @@ def test_malformed_calls_unknown_tools_bad_arguments_and_failing_tools_are_count
     ]
     member, client = roll(env, PromptEncoder(qwen), [completion(qwen, t) for t in turns])
     assert member.reward == 1.0 and member.turns == 4
-    assert member.tool_calls == 5 and member.tool_errors == 4
+    assert member.tool_calls == 5 and member.tool_errors == 4 and member.tool_malformed == 1
     seen = qwen.decode(client.calls[3]["prompt"])
     assert "Error: malformed tool call: tool call 1: not JSON" in seen
     assert "Error: unknown tool 'multiply' (tools: ['add', 'explode'])" in seen
@@ -184,6 +184,7 @@ def test_malformed_calls_unknown_tools_bad_arguments_and_failing_tools_are_count
     # an unterminated call at the end of the budget of turns ends the rollout with reward 0
     member, _ = roll(Sums(max_turns=1), PromptEncoder(qwen), [completion(qwen, '<tool_call>\n{"name": "add"')])
     assert member.episode_done and member.reward == 0.0 and member.tool_calls == 1 and member.tool_errors == 1
+    assert member.tool_malformed == 1
 
 
 def test_a_completion_cut_by_a_stop_string_gets_the_whole_closing_of_its_turn(qwen):

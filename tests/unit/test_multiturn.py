@@ -110,7 +110,7 @@ def test_turn_metrics_of_no_member_and_of_members():
     members = [Member(0, "finished", turns=2, tool_calls=1, observation_tokens=5),
                Member(1, "finished", turns=1, tool_calls=1, tool_errors=1, budget_exhausted=True,
                       template_rewrites=1)]  # fmt: skip
-    assert turn_metrics(members) == {"turns_mean": 1.5, "tool_calls": 2, "tool_errors": 1,
+    assert turn_metrics(members) == {"turns_mean": 1.5, "tool_calls": 2, "tool_errors": 1, "tool_malformed": 0,
                                      "observation_tokens_mean": 2.5, "budget_exhausted_rate": 0.5,
                                      "template_rewrites": 1}  # fmt: skip
 
