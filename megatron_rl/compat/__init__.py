@@ -5,7 +5,8 @@ Import this module before megatron-core. `apply()` (run on import) installs the 
 
 - no CUDA (CPU + gloo): CUDA devices, streams and RNG, device="cuda" factories, gloo's
   collectives (split sizes as lists, equal-size gathers), the quiet warnings;
-- no TransformerEngine: the MoE router's `te_general_gemm` (undefined without TE);
+- no TransformerEngine (not installed, or its torch extension does not import: then it is not
+  used, and why is logged): the MoE router's `te_general_gemm` (undefined without TE);
 - no TransformerEngine and no Apex: the distributed optimizer's torch-Adam `step` handling;
 - always: sequence parallel with megatron's own WrappedTorchNorm, which the local layer spec
   uses on any machine (CPU, CP > 1, or no TE) and which refuses sequence parallel (MoE at TP > 1).
@@ -15,12 +16,39 @@ This is the only module in megatron_rl that knows about these differences.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import logging
+import sys
 from dataclasses import dataclass
 
-from megatron_rl.compat import patches
 
-import torch
+def _transformer_engine() -> tuple[bool, str]:
+    """(usable, why not): TE counts only when `transformer_engine.pytorch` imports, which loads
+    its compiled torch extension. A TE built against another torch, or whose extension is missing,
+    imports at the top level but fails there; the local layer spec and the patches for a machine
+    without TE are then used, and the reason is kept (MACHINE.transformer_engine_error) and logged."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False, ""
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception as exc:  # ImportError, OSError (a .so), RuntimeError (a CUDA mismatch)
+        # megatron-core guards its TE imports with `except ModuleNotFoundError` only: another
+        # ImportError would stop `import megatron.core` itself. Hide the broken package so that
+        # every later import of it is a ModuleNotFoundError, as on a machine without TE.
+        for name in [n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")]:
+            del sys.modules[name]
+        sys.modules["transformer_engine"] = None
+        return False, f"transformer_engine is installed but transformer_engine.pytorch does not import: {type(exc).__name__}: {exc}"
+    return True, ""
+
+
+# Before megatron-core is imported (by the patches below): it must not see a broken TE.
+_TE_USABLE, _TE_ERROR = _transformer_engine()
+
+from megatron_rl.compat import patches  # noqa: E402  (after the TE probe)
+
+import torch  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -30,14 +58,17 @@ class Machine:
     cuda: bool
     transformer_engine: bool
     apex: bool
+    # Why an installed TransformerEngine is not used (its torch extension did not import), or "".
+    transformer_engine_error: str = ""
 
 
 def detect() -> Machine:
-    """This machine (packages by whether they can be found, without importing them)."""
+    """This machine: CUDA, TransformerEngine when its torch extension imports, Apex when found."""
     return Machine(
         cuda=torch.cuda.is_available(),
-        transformer_engine=importlib.util.find_spec("transformer_engine") is not None,
+        transformer_engine=_TE_USABLE,
         apex=importlib.util.find_spec("apex") is not None,
+        transformer_engine_error=_TE_ERROR,
     )
 
 
@@ -57,6 +88,8 @@ assert list(PATCH_CONDITIONS) == list(patches.PATCHES)
 
 MACHINE: Machine = detect()
 CPU_MODE: bool = not MACHINE.cuda
+if MACHINE.transformer_engine_error:
+    logging.getLogger(__name__).warning("%s; using the local layer spec", MACHINE.transformer_engine_error)
 
 
 def select_patches(machine: Machine) -> list[str]:

@@ -66,3 +66,36 @@ def test_this_machine_installed_what_its_conditions_select():
     assert compat.apply() == compat.select_patches(compat.detect())
     with pytest.raises(ValueError, match=r"unknown compat patches \['no_such_patch'\]"):
         patches.install(["no_such_patch"])
+
+
+def test_a_transformer_engine_whose_torch_extension_fails_to_import_is_not_used(tmp_path):
+    """A TE whose top-level package imports but whose torch extension does not (built against
+    another torch, or missing its .so) is reported and not used: the local spec and the patches
+    of a machine without TE, not a crash in the first TE layer (second GPU reading, defect 3)."""
+    import subprocess
+    import sys
+
+    package = tmp_path / "transformer_engine"
+    (package / "pytorch").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "pytorch" / "__init__.py").write_text(
+        "raise ImportError('transformer_engine_torch.so: undefined symbol: _ZN3c104cuda9SetDevice')\n"
+    )
+    probe = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
+             "from megatron_rl import compat\n"
+             "print(compat.MACHINE.transformer_engine, 'te_general_gemm' in compat.select_patches(compat.MACHINE))\n"
+             "print(compat.MACHINE.transformer_engine_error)\n"
+             "from megatron_rl.models.builder import uses_transformer_engine\n"
+             "print(uses_transformer_engine())\n")  # fmt: skip
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    # The defect, reproduced: megatron-core alone does not even import beside such a TE (it
+    # guards its TE imports with `except ModuleNotFoundError`).
+    bare = subprocess.run([sys.executable, "-c", "import megatron.core"], capture_output=True, text=True,
+                          timeout=120, env=env)  # fmt: skip
+    assert bare.returncode != 0 and "ImportError: transformer_engine_torch.so" in bare.stderr
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    usable, error, spec = done.stdout.splitlines()[:3]
+    assert usable == "False True" and spec == "False"
+    assert "transformer_engine.pytorch does not import: ImportError: transformer_engine_torch.so" in error
+    assert "using the local layer spec" in done.stderr
