@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from megatron_rl.config.base import Strict
 
@@ -22,4 +22,16 @@ class DeploymentConfig(Strict):
     stop_grace_s: float = Field(default=60.0, gt=0, description="On a failure or Ctrl-C: SIGTERM, then SIGKILL after this many seconds (a checkpoint in progress finishes).")
     collective_timeout_s: float = Field(default=1800.0, gt=0, description="A collective not finished after this many seconds fails (the gloo/NCCL process-group timeout).")
     heartbeat_timeout_s: float = Field(default=60.0, gt=0, description="A rank whose heartbeat stops this many seconds is lost: the other ranks of its group exit naming it.")
-    gpu_memory_gb: float = Field(default=141.0, gt=0, description="Memory of one GPU in GB (H200: 141); check-config's memory plan must fit in it (device cuda).")
+    gpu_memory_gib: float = Field(default=140.4, gt=0, description="Memory of one GPU in GiB (2^30 bytes), as torch.cuda.mem_get_info reports its total (an H200, sold as 141 GB: 140.4); check-config's memory plan, in GiB, must fit in it (device cuda).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_budget(cls, data: Any) -> Any:
+        """The old `gpu_memory_gb` is refused, naming the new key: its number was compared with
+        GiB totals (an H200's "141" is 140.4 GiB), so taking it as it is would overstate the budget."""
+        if isinstance(data, dict) and "gpu_memory_gb" in data:
+            raise ValueError(
+                f"deployment.gpu_memory_gb (= {data['gpu_memory_gb']}) is now deployment.gpu_memory_gib, in GiB "
+                "(2^30 bytes) like the memory plan: an H200 (sold as 141 GB) has 140.4 GiB; set gpu_memory_gib"
+            )
+        return data

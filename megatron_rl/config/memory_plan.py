@@ -7,7 +7,7 @@ keeps on the host), activations of one micro-batch (one packed row of `seq_len` 
 by CP, and by TP under sequence parallelism) with the configured recomputation, the logits,
 and a fixed allowance for the CUDA context, NCCL buffers and allocator fragmentation; and per
 inference GPU the weights and the KV cache vLLM gets at `inference.gpu_memory_utilization`.
-`check_fits` turns a plan over `deployment.gpu_memory_gb` into errors that say by how much and
+`check_fits` turns a plan over `deployment.gpu_memory_gib` into errors that say by how much and
 which option would fix it; `check-config` prints the plan.
 
 What is exact and what is estimated:
@@ -306,7 +306,7 @@ def _inference_gpu(resolved: ResolvedConfig) -> GpuMemory:
     arch, inference = resolved.layout.policy_architecture, resolved.inference
     layout = ModelLayout(world_size=1, tp=1, cp=1, pp=1, ep=1, dp=1, expert_dp=1)
     single = rank_parameters(arch, layout)
-    budget = resolved.deployment.gpu_memory_gb * inference.gpu_memory_utilization
+    budget = resolved.deployment.gpu_memory_gib * inference.gpu_memory_utilization
     weights = single.total * 2 / inference.tp / GIB  # vLLM serves 16-bit weights, split by its TP
     kv = budget - weights - VLLM_RESERVE_GIB
     return GpuMemory(
@@ -335,7 +335,7 @@ def check_fits(resolved: ResolvedConfig, plan: list[GpuMemory]) -> list[str]:
     """Errors for GPUs the plan overfills (CUDA deployments only)."""
     if resolved.deployment.device != "cuda":
         return []
-    budget = resolved.deployment.gpu_memory_gb
+    budget = resolved.deployment.gpu_memory_gib
     errors = []
     for gpu in plan:
         if gpu.role == "inference":
@@ -367,7 +367,7 @@ def check_fits(resolved: ResolvedConfig, plan: list[GpuMemory]) -> list[str]:
         fixes.append("more GPUs for this model (its ep, tp or pp) to split the weights")
         errors.append(
             f"{gpu.where}: the {gpu.role} needs about {gpu.total:.1f} GiB per GPU ({parts} GiB), "
-            f"{over:.1f} GiB more than deployment.gpu_memory_gb = {budget:g}; "
+            f"{over:.1f} GiB more than deployment.gpu_memory_gib = {budget:g}; "
             + (f"the optimizer state is already offloaded at offload_fraction {optimizer.offload_fraction:g}; "
                if optimizer.cpu_offload else "")
             + "options: " + "; ".join(fixes)
@@ -377,7 +377,7 @@ def check_fits(resolved: ResolvedConfig, plan: list[GpuMemory]) -> list[str]:
 
 def format_plan(resolved: ResolvedConfig, plan: list[GpuMemory]) -> str:
     """The plan as a table, in GiB per GPU."""
-    budget = resolved.deployment.gpu_memory_gb
+    budget = resolved.deployment.gpu_memory_gib
     columns = [
         "weights",
         "reference",
@@ -390,7 +390,7 @@ def format_plan(resolved: ResolvedConfig, plan: list[GpuMemory]) -> str:
         "reserve",
     ]
     lines = [
-        f"memory plan (GiB per GPU; budget deployment.gpu_memory_gb = {budget:g}"
+        f"memory plan (GiB per GPU; budget deployment.gpu_memory_gib = {budget:g}"
         + ("" if resolved.deployment.device == "cuda" else "; deployment.device cpu: not checked")
         + ")",
         f"{'role':<10}" + "".join(f"{c:>12}" for c in columns) + f"{'total':>10}{'host':>8}",

@@ -38,19 +38,19 @@ def test_30b_example_fits_only_with_the_optimizer_offloaded():
     assert policy.parts["weights"] * GIB / 2 == pytest.approx(16.04e9, rel=0.01)
     assert policy.parts["gradients"] == pytest.approx(2 * policy.parts["weights"])
     assert policy.parts["optimizer"] == 0 and policy.host_gib > 150
-    assert policy.total < 141 and plan["critic"].total < 141
+    assert policy.total < 140.4 and plan["critic"].total < 140.4
     with pytest.raises(ConfigError) as refused:
         load_config(SAO_30B, ["optimizer.cpu_offload=false", "value.optimizer.cpu_offload=false"])
     message = str(refused.value)
     assert "model: the policy needs about" in message and "value.model: the critic needs about" in message
-    assert "GiB more than deployment.gpu_memory_gb = 141" in message
+    assert "GiB more than deployment.gpu_memory_gib = 140.4" in message
     assert "options: optimizer.cpu_offload: true (offload_fraction 1 moves" in message
     assert "value.optimizer.cpu_offload: true" in message
 
 
 @pytest.mark.parametrize("role", ["policy", "critic"])
 def test_offload_moves_the_optimizer_to_the_host_and_adds_the_gradient_copy(role):
-    roomy = ["deployment.gpu_memory_gb=1000"]
+    roomy = ["deployment.gpu_memory_gib=1000"]
     key = "optimizer" if role == "policy" else "value.optimizer"
     plans = {
         fraction: {g.role: g for g in memory_plan(load_config(SAO_30B, [*roomy, *overrides]))}[role]
@@ -79,23 +79,23 @@ def test_offload_moves_the_optimizer_to_the_host_and_adds_the_gradient_copy(role
 def test_a_kl_reference_model_is_a_second_copy_of_the_policy_weights():
     grpo = next(p for p in EXAMPLES if p.name == "qwen3_30b_a3b_grpo.yaml")
     without = memory_plan(load_config(grpo))[0]
-    with_kl = memory_plan(load_config(grpo, ["algorithm.kl_coef=0.05", "deployment.gpu_memory_gb=1000"]))[0]
+    with_kl = memory_plan(load_config(grpo, ["algorithm.kl_coef=0.05", "deployment.gpu_memory_gib=1000"]))[0]
     assert "reference" not in without.parts
     assert with_kl.parts["reference"] == with_kl.parts["weights"] == without.parts["weights"]
     assert with_kl.total == pytest.approx(without.total + without.parts["weights"])
-    # 138.9 GiB: it fits the H200's 141 since the log-prob kernel's logits cost 4 B, not 10.
+    # 138.9 GiB: it fits the H200's 140.4 GiB since the log-prob kernel's logits cost 4 B, not 10.
     assert with_kl.total == pytest.approx(138.86, abs=0.01)
     load_config(grpo, ["algorithm.kl_coef=0.05"])
     refused = r"the policy needs about 138\.\d GiB per GPU \(weights 29\.9, .*reference 29\.9 GiB\)"
     with pytest.raises(ConfigError, match=refused):
-        load_config(grpo, ["algorithm.kl_coef=0.05", "deployment.gpu_memory_gb=130"])
+        load_config(grpo, ["algorithm.kl_coef=0.05", "deployment.gpu_memory_gib=130"])
 
 
 def test_without_recomputation_the_activations_do_not_fit():
     with pytest.raises(ConfigError, match=r"model.recompute \{granularity: full"):
         load_config(SAO_30B, ["model.recompute={granularity: none}"])
     plan = memory_plan(
-        load_config(SAO_30B, ["model.recompute={granularity: selective}", "deployment.gpu_memory_gb=1000"])
+        load_config(SAO_30B, ["model.recompute={granularity: selective}", "deployment.gpu_memory_gib=1000"])
     )
     full = memory_plan(load_config(SAO_30B))
     assert plan[0].parts["activations"] > 2 * full[0].parts["activations"]
@@ -105,12 +105,12 @@ def test_inference_needs_room_for_one_sequence_of_kv_cache():
     with pytest.raises(
         ConfigError, match="inference: the weights .* leave .* KV cache .* raise inference.tp"
     ):
-        load_config(SAO_30B, ["deployment.gpu_memory_gb=36"])
+        load_config(SAO_30B, ["deployment.gpu_memory_gib=36"])
 
 
 def test_cpu_configs_print_a_plan_but_are_not_checked_against_a_gpu():
     tiny = next(p for p in EXAMPLES if p.name == "tiny_cpu_sao.yaml")
-    resolved = load_config(tiny, ["deployment.gpu_memory_gb=0.001"])
+    resolved = load_config(tiny, ["deployment.gpu_memory_gib=0.001"])
     assert "deployment.device cpu: not checked" in format_plan(resolved, memory_plan(resolved))
 
 
@@ -134,3 +134,8 @@ def test_routing_replay_adds_the_routes_of_a_steps_share_of_tokens():
     assert policy.parts["routes"] == pytest.approx((tokens * 385 + targets) / GIB)
     assert policy.total == pytest.approx(off.total + policy.parts["routes"])
     assert "routes" in format_plan(resolved, memory_plan(resolved))
+
+
+def test_the_old_budget_key_is_refused_naming_the_new_one():
+    with pytest.raises(ConfigError, match=r"deployment.gpu_memory_gb \(= 141\) is now deployment.gpu_memory_gib, in GiB"):
+        load_config(SAO_30B, ["deployment.gpu_memory_gb=141"])
