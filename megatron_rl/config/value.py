@@ -44,7 +44,7 @@ class ValueConfig(Strict):
     optimizer: OptimizerConfig = Field(default_factory=lambda: OptimizerConfig(lr=1e-5), description="The critic's optimizer.")
     epochs_per_step: int = Field(default=1, ge=1, description="Value optimizer steps (epochs over the step's samples) per training step.")
     head_only_warmup_steps: int = Field(default=0, ge=0, description="First training steps that update only the value head.")
-    freeze_attention: bool = Field(default=False, description="Keep the attention weights of the backbone frozen.")
+    freeze_attention: bool = Field(default=False, description="Keep the attention weights of the backbone frozen (the projections and q/k norms; the layer's input norm trains, under either layer spec).")
     lora: LoraConfig | None = Field(default=None, description="Train LoRA adapters (and the head) instead of the whole backbone; null: full fine-tuning.")
     pretrain_jsonl: str | None = Field(default=None, description='Value pretraining before RL: a JSONL file of {"token_ids", "loss_mask", "reward"} (Monte Carlo returns with algorithm.gamma) or {"token_ids", "loss_mask", "returns"}.')
     pretrain_steps: int = Field(default=0, ge=0, description="Optimizer steps of value pretraining on pretrain_jsonl.")

@@ -85,11 +85,18 @@ def build_value_model(
     return build_gpt_model(arch, config, seq_len, model_class=model_class, **config_kwargs)
 
 
+# TE fuses the layer's input norm into the QKV projection (`linear_qkv.layer_norm_weight`); the
+# local spec keeps it as `input_layernorm.weight`. It is not attention: it stays trainable in both.
+_FUSED_INPUT_NORM = (".linear_qkv.layer_norm_weight", ".linear_qkv.layer_norm_bias")
+
+
 def freeze_attention(model: torch.nn.Module) -> list[str]:
-    """Freezes every `self_attention.*` parameter; returns the frozen names."""
+    """Freezes every `self_attention.*` parameter but the input norm TE fuses into `linear_qkv`
+    (so that both layer specs, and the memory plan, freeze the same weights); returns the frozen
+    names."""
     frozen = []
     for name, param in model.named_parameters():
-        if ".self_attention." in name:
+        if ".self_attention." in name and not name.endswith(_FUSED_INPUT_NORM):
             param.requires_grad_(False)
             frozen.append(name)
     return frozen

@@ -35,3 +35,32 @@ def test_asking_for_te_where_it_cannot_run_names_the_reason():
     with pytest.raises(ValueError, match="needs TE importable, CUDA and context_parallel_size 1"):
         builder.uses_transformer_engine(1, True)
     assert builder.uses_transformer_engine(2, None) is False
+
+
+def test_freeze_attention_freezes_the_same_weights_under_both_layer_specs():
+    """Under TE the input norm is `linear_qkv.layer_norm_weight`, inside `self_attention`; it is not
+    attention and stays trainable, as the local spec's `input_layernorm.weight` (second GPU
+    reading, defect 9): the frozen weights are the projections and the q/k norms in both specs."""
+    import torch
+
+    from megatron_rl.models.value_model import freeze_attention
+
+    class Layer(torch.nn.Module):  # parameters under the specs' own names
+        def __init__(self, names):
+            super().__init__()
+            self.weights = {f"decoder.layers.0.{name}": torch.nn.Parameter(torch.zeros(1)) for name in names}
+
+        def named_parameters(self):
+            return list(self.weights.items())
+
+    layer = Layer
+
+    attention = ["self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+                 "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]  # fmt: skip
+    local = layer(["input_layernorm.weight", *attention, "mlp.linear_fc1.weight"])
+    te = layer(["self_attention.linear_qkv.layer_norm_weight", *attention, "mlp.linear_fc1.weight"])
+    frozen = {spec: sorted(n.removeprefix("decoder.layers.0.") for n in freeze_attention(m))
+              for spec, m in (("local", local), ("te", te))}  # fmt: skip
+    assert frozen["local"] == frozen["te"] == sorted(attention)
+    trainable = [n for n, p in te.named_parameters() if p.requires_grad]
+    assert trainable == ["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.0.mlp.linear_fc1.weight"]
