@@ -170,6 +170,7 @@ class OptimizerConfig(Strict):
     distributed_optimizer: bool = Field(default=True, description="Shard the optimizer state across data-parallel ranks (Megatron's distributed optimizer).")
     cpu_offload: bool = Field(default=False, description="Megatron's hybrid device optimizer: offload_fraction of the (DP-sharded) optimizer state and its update live on the host (CUDA only; needs the distributed optimizer).")
     offload_fraction: float = Field(default=1.0, ge=0, le=1, description="The fraction of the optimizer state and update on the host when cpu_offload is on.")
+    cpu_threads: int | None = Field(default=None, ge=1, description="Threads of the offloaded optimizer step on each rank (cpu_offload on CUDA); null: the cores the rank may use (its CPU affinity) shared among the training ranks on its node. torchrun's default is 1, which leaves the host step on one core.")
     overlap_grad_reduce: bool = Field(default=False, description="Overlap the DP gradient reduce-scatter with the backward pass (megatron DDP buckets).")
 
 

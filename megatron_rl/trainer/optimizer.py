@@ -19,6 +19,7 @@ per parameter, TE's and Apex's FusedAdam per parameter group (`adam_optimizers`,
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 
-from megatron_rl.config import OptimizerConfig
+from megatron_rl.config import OptimizerConfig, ResolvedConfig
 
 # Optimizer parameter groups whose parameters match this pattern carry `{HEAD_GROUP_KEY: True}`;
 # with `Trainable.head_only` every other group gets learning rate 0 for the step.
@@ -50,6 +51,30 @@ class Trainable:
     scheduler: object
     head_only: bool = False  # train only the head groups this step (see set_head_only)
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
+    optimizer_step_s: float = 0.0  # seconds in optimizer.step() since the role last reported them
+
+
+def training_ranks_per_node(resolved: ResolvedConfig, role: str) -> int:
+    """The training ranks (policy and critic) that share a node with a rank of `role`: a shared
+    critic's GPUs sit on the policy's nodes, a dedicated critic has nodes of its own."""
+    deployment, style = resolved.deployment, resolved.layout.deployment_style
+    if role == "critic" and style == "dedicated":
+        return min(resolved.layout.value_gpus, deployment.gpus_per_node)
+    shared = deployment.num_value_gpus_per_train_node if style == "shared" else 0
+    return min(deployment.policy_gpus, deployment.gpus_per_node - shared) + shared
+
+
+def offload_threads(resolved: ResolvedConfig, role: str, config: OptimizerConfig,
+                    cores: int | None = None) -> int | None:  # fmt: skip
+    """Threads for this rank's offloaded optimizer step, or None (no host step: no offload, or
+    the CPU device, where every process keeps one thread). `config.cpu_threads` when set, else
+    `cores` (this process's CPU affinity) divided among the node's training ranks."""
+    if not config.cpu_offload or resolved.deployment.device != "cuda":
+        return None
+    if config.cpu_threads is not None:
+        return config.cpu_threads
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    return max(1, cores // training_ranks_per_node(resolved, role))
 
 
 def build_trainable(

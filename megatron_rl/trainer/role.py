@@ -32,7 +32,7 @@ from megatron_rl import parallel
 from megatron_rl.config import Architecture, ModelConfig, OptimizerConfig, ResolvedConfig
 from megatron_rl.parallel import Role
 from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
-from megatron_rl.trainer.optimizer import build_trainable
+from megatron_rl.trainer.optimizer import build_trainable, offload_threads
 from megatron_rl.trainer.receive import grid_receiver
 from megatron_rl.trainer.resume import run_resume_step
 from megatron_rl.trainer.weights import load_initial_weights
@@ -66,6 +66,11 @@ class RoleTrainer(ABC):
             self.model, model_config.checkpoint, arch, value_model=self.value_model, where=where
         )
         self.prepare_model()
+        threads = offload_threads(resolved, self.role, optimizer_config)
+        if threads is not None:
+            torch.set_num_threads(threads)
+            if self.is_rank0:
+                self.log.info("%s: the offloaded optimizer step runs on %d threads per rank", self.role, threads)
         self.trainable = build_trainable(
             self.model, optimizer_config, total_steps=total_optimizer_steps, head_pattern=head_pattern
         )
@@ -132,9 +137,13 @@ class RoleTrainer(ABC):
                              num_experts=self.arch.num_experts or None)  # fmt: skip
 
     def write_metrics(self, record: dict) -> None:
-        """Rank 0: appends `record` to the role's metrics JSONL (and prints its console line)."""
+        """Rank 0: appends `record` to the role's metrics JSONL (and prints its console line), with
+        the seconds its optimizer steps took since the last record (`optimizer_step_s`, the host's
+        share too when offloaded) and torch's threads (`optimizer_threads`)."""
+        step_s, self.trainable.optimizer_step_s = self.trainable.optimizer_step_s, 0.0
         if not self.is_rank0:
             return
+        record = {**record, "optimizer_step_s": round(step_s, 4), "optimizer_threads": torch.get_num_threads()}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.resolved.logging.console:

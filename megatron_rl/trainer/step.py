@@ -13,6 +13,7 @@ tokens and contribute exactly zero.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,7 +64,8 @@ def train_on_batches(trainable: Trainable, batches: list[RankBatch], loss_func: 
 
     Returns {"loss": global loss (sum / global normaliser), "num_tokens": global action-token
     count, "grad_norm", "update_successful", plus the loss functions' summed metrics}, identical
-    on every rank.
+    on every rank. The optimizer step's seconds add up in `trainable.optimizer_step_s` (this
+    rank's; the roles report them per training step, trainer/role.py).
     """
     for chunk in trainable.model:
         if not chunk.config.calculate_per_token_loss:
@@ -108,7 +110,9 @@ def train_on_batches(trainable: Trainable, batches: list[RankBatch], loss_func: 
         freeze_non_head_groups(trainable)
     lr = trainable.optimizer.param_groups[0]["lr"]
     if all_finite(trainable, reported):
+        started = time.perf_counter()
         update_successful, grad_norm, _ = trainable.optimizer.step()
+        trainable.optimizer_step_s += time.perf_counter() - started
         trainable.scheduler.step(1)
     else:  # never write NaN/inf into the weights: drop this step's gradients, keep the weights
         trainable.optimizer.zero_grad()

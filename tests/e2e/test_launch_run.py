@@ -90,7 +90,9 @@ def test_megatron_rl_run_trains_two_steps_and_stops_everything(tmp_path):
     orchestrator = lines(tmp_path / "run" / "orchestrator_metrics.jsonl")
     assert [r["step"] for r in orchestrator] == [0, 1]
     assert [r["live_version"] for r in orchestrator] == [0, 1]  # a new version live every step
-    assert all(0 <= r["mismatch_kl"] < 1e-3 for r in lines(tmp_path / "run" / "policy_metrics.jsonl"))
+    policy = lines(tmp_path / "run" / "policy_metrics.jsonl")
+    assert all(0 <= r["mismatch_kl"] < 1e-3 for r in policy)
+    assert all(r["optimizer_step_s"] > 0 and r["optimizer_threads"] == 1 for r in policy)  # CPU: one thread a process
     # The model called the python tool in its own format through the whole stack: calls parsed
     # and run in the sandbox, malformed ones counted as tool errors, never a crash.
     calls, errors, malformed = (sum(r[key] for r in orchestrator) for key in ("tool_calls", "tool_errors", "tool_malformed"))

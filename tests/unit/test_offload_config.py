@@ -4,12 +4,16 @@ masters, moments and gradients; nothing of it without offload."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from megatron_rl.config import Architecture, OptimizerConfig
+from megatron_rl.config import Architecture, OptimizerConfig, load_config
 from megatron_rl.models.builder import transformer_config
 from megatron_rl.trainer.optimizer import megatron_optimizer_config
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
 
 ARCH = Architecture(family="qwen3", hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=16, intermediate_size=96, vocab_size=128)  # fmt: skip
@@ -49,3 +53,22 @@ def test_offload_without_the_distributed_optimizer_is_refused_naming_the_keys():
         megatron_optimizer_config(
             OptimizerConfig(cpu_offload=True, distributed_optimizer=False), transformer_config(ARCH)
         )
+
+
+def test_the_offloaded_step_gets_the_cores_of_its_node_shared_among_training_ranks():
+    """torchrun starts every rank with OMP_NUM_THREADS=1, which left the host's Adam step of a
+    30B model on one core (second GPU reading, defect 6): the trainer sets torch's threads to the
+    rank's share of the node's cores, or to optimizer.cpu_threads."""
+    from megatron_rl.trainer.optimizer import offload_threads, training_ranks_per_node
+
+    sao = load_config(EXAMPLES / "qwen3_30b_a3b_sao.yaml")  # a shared critic on the policy's nodes
+    assert sao.layout.deployment_style == "shared"
+    per_node = training_ranks_per_node(sao, "policy")
+    d = sao.deployment
+    assert per_node == training_ranks_per_node(sao, "critic") == min(d.policy_gpus, d.gpus_per_node - d.num_value_gpus_per_train_node) + d.num_value_gpus_per_train_node
+    assert offload_threads(sao, "policy", sao.optimizer, cores=96) == 96 // per_node
+    assert offload_threads(sao, "policy", sao.optimizer.model_copy(update={"cpu_threads": 5}), cores=96) == 5
+    assert offload_threads(sao, "policy", sao.optimizer.model_copy(update={"cpu_offload": False}), cores=96) is None
+    assert offload_threads(sao, "policy", sao.optimizer, cores=2) == 1  # never 0
+    tiny = load_config(EXAMPLES / "tiny_cpu_sao.yaml")  # the CPU device keeps one thread a process
+    assert offload_threads(tiny, "policy", tiny.optimizer.model_copy(update={"cpu_offload": True}), cores=96) is None
