@@ -112,6 +112,7 @@ def build_trainable(
     for hybrid in hybrid_optimizers(optimizer):
         hybrid.register_step_pre_hook(_give_device_fp32_params_their_gradient)
         hybrid._update_fp32_params_by_new_state = types.MethodType(_stepped_copies_from_state, hybrid)
+        hybrid._move_new_state_to_right_device = types.MethodType(_state_beside_its_parameters, hybrid)
     decay_steps = max(total_steps, config.warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -226,6 +227,23 @@ def _stepped_copies_from_state(hybrid: HybridDeviceOptimizer) -> None:
         stepped, master = hybrid.param_to_inner_param.get(param, param), state.get("master_param")
         if master is not None and master is not stepped:
             stepped.data.copy_(master)
+
+
+@torch.no_grad()
+def _state_beside_its_parameters(hybrid: HybridDeviceOptimizer) -> None:
+    """Replaces HybridDeviceOptimizer._move_new_state_to_right_device (run when its state is
+    loaded): each state tensor of a parameter's size goes to the device of the parameter its
+    sub-optimizer steps; scalars (torch Adam's `step`) stay where the load put them. megatron's
+    version decides by `isinstance(sub_optimizer, cpu_optimizer_cls)`: without TE or Apex the
+    device and host sub-optimizers are both torch's Adam, so at an offload fraction below 1 the
+    device half's moments went to the host and its next CUDA step met host tensors (second GPU
+    reading, defect 4)."""
+    for optimizer in hybrid.sub_optimizers:
+        for param, state in optimizer.state.items():
+            original = hybrid.inner_param_to_orig_param.get(param, param)
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    hybrid.state[original][key] = state[key] = value.to(param.device)
 
 
 @torch.no_grad()

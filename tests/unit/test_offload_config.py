@@ -72,3 +72,39 @@ def test_the_offloaded_step_gets_the_cores_of_its_node_shared_among_training_ran
     assert offload_threads(sao, "policy", sao.optimizer, cores=2) == 1  # never 0
     tiny = load_config(EXAMPLES / "tiny_cpu_sao.yaml")  # the CPU device keeps one thread a process
     assert offload_threads(tiny, "policy", tiny.optimizer.model_copy(update={"cpu_offload": True}), cores=96) is None
+
+
+def test_loaded_optimizer_state_goes_to_the_device_of_the_parameters_its_sub_optimizer_steps():
+    """Offload at a fraction below 1 without TE: the device and host sub-optimizers are both
+    torch's Adam, and megatron's `_move_new_state_to_right_device` (by `isinstance` of the host
+    class) sent the device half's moments to the host on load (second GPU reading, defect 4).
+    Two sub-optimizers of one class stand in, one over a host parameter, one over a parameter on
+    another device (`meta`): after a load each moment is beside its parameter, scalars stay."""
+    import types
+
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    from megatron_rl.trainer.optimizer import _state_beside_its_parameters
+
+    host, device = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4, device="meta"))
+    hybrid = types.SimpleNamespace(
+        sub_optimizers=[torch.optim.AdamW([host]), torch.optim.AdamW([device])],
+        inner_param_to_orig_param={}, defaults={"cpu_optimizer_cls": torch.optim.AdamW}, state={},
+    )  # fmt: skip
+
+    def loaded():  # what a load leaves: every tensor on the host, `step` a host scalar
+        for optimizer in hybrid.sub_optimizers:
+            for param in optimizer.param_groups[0]["params"]:
+                optimizer.state[param] = {"step": torch.tensor(3.0), "exp_avg": torch.ones(4), "exp_avg_sq": torch.ones(4)}
+                hybrid.state[param] = dict(optimizer.state[param])
+
+    loaded()
+    HybridDeviceOptimizer._move_new_state_to_right_device(hybrid)  # megatron's: the defect
+    assert hybrid.sub_optimizers[1].state[device]["exp_avg"].device.type == "cpu"
+    loaded()
+    _state_beside_its_parameters(hybrid)
+    for optimizer, param in zip(hybrid.sub_optimizers, (host, device)):
+        state = optimizer.state[param]
+        assert state["exp_avg"].device == state["exp_avg_sq"].device == param.device
+        assert hybrid.state[param]["exp_avg"].device == param.device
+        assert state["step"].device.type == "cpu"
