@@ -45,7 +45,6 @@ def demonstration_tokens(env, encoder: PromptEncoder, row: dict, eos: int) -> tu
             turn = turn + [eos]
             sequence, mask = sequence + [eos], mask + [1]
             ids, _ = encoder.extend(conversation, turn, segment, tools)
-            conversation += [{"role": "assistant", "content": encoder.decode(turn)}, *segment]
         else:
             ids = encoder.observation(segment)  # plain encoding, no special tokens
             turn = ids if action else turn

@@ -51,7 +51,9 @@ class ToolParser(ABC):
     def parse(self, text: str) -> ParsedCompletion: ...
 
     def format(self, call: ToolCall) -> str:
-        """`call` as the model writes it (demonstrations for a warm start); parse(format(c)) is c."""
+        """`call` as the model writes it (demonstrations for a warm start); parse(format(c)) is c.
+        Optional for a plug-in parser: only a warm start on demonstrations calls it, so the default
+        names the parser instead of guessing its format."""
         raise NotImplementedError(f"tool parser {self.name!r} cannot write calls")
 
 

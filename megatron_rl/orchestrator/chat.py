@@ -135,10 +135,12 @@ class PromptEncoder:
                tools: list[dict] | None = None) -> tuple[list[int], bool]:  # fmt: skip
         """The tokens after the sampled `completion_ids` (the last assistant turn; `conversation`
         is everything before it) that render `messages` and the next generation prompt, and
-        whether the template rewrote earlier text (module docstring)."""
+        whether the template rewrote earlier text (module docstring). `conversation` gets the
+        assistant turn and `messages` appended, ready for the next turn."""
         if not self.use_chat_template:
             raise ChatTemplateError("the environment answered with messages, which only a chat template renders")
-        history = [*conversation, {"role": "assistant", "content": self.decode(completion_ids)}]
+        before_turn = list(conversation)
+        history = [*before_turn, {"role": "assistant", "content": self.decode(completion_ids)}]
         before = self.render(history, tools)
         after = self.render(history + messages, tools, generation=True)
         rewritten = not after.startswith(before)
@@ -150,8 +152,9 @@ class PromptEncoder:
                     f"the chat template rewrites earlier text when a {messages[0].get('role')!r} message follows, "
                     "even after a minimal conversation: a rollout cannot be extended token by token with it"
                 )
-        closing = self.closing(conversation, tools)
+        closing = self.closing(before_turn, tools)
         sampled = self.tokenizer.decode(completion_ids, skip_special_tokens=False)
+        conversation[:] = history + messages
         return self.encode(closing[_overlap(sampled, closing) :] + after[len(before) :]), rewritten
 
     def closing(self, conversation: list[dict], tools: list[dict] | None = None) -> str:

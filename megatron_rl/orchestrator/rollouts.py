@@ -95,8 +95,6 @@ async def run_member(
             break
         if isinstance(turn_result.observation, list):  # messages: the template renders them
             observation, rewritten = encoder.extend(conversation, completion.token_ids, turn_result.observation, tools)
-            conversation += [{"role": "assistant", "content": encoder.decode(completion.token_ids)},
-                             *turn_result.observation]  # fmt: skip
             rewrites += rewritten
         else:
             observation = encoder.observation(turn_result.observation or "")

@@ -130,6 +130,8 @@ def test_ensure_venv_gpu_dry_run_prints_the_plan_runs_the_check_and_installs_not
     assert sorted((ROOT / ".venv").glob(".megatron_rl-*")) == stamps
 
 
+# On a GPU machine `ensure_venv.sh --gpu` would install the GPU environment for real (gigabytes);
+# the refusal it checks only exists where there is no GPU.
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a machine with nvidia-smi: --gpu would install")
 def test_ensure_venv_gpu_refuses_a_machine_without_cuda():
     proc = subprocess.run(["bash", "scripts/ensure_venv.sh", "--gpu"], cwd=ROOT, capture_output=True, text=True,
