@@ -103,3 +103,56 @@ def qwen_tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(qwen_tokenizer_dir())
+
+
+# The words a Qwen-vocabulary test model writes: each " word" is one regular token of Qwen's
+# vocabulary, so any sequence of them (and of added tokens) decodes to text that encodes back to
+# the same ids: sampled completions are canonical, and a render of the conversation can be
+# compared with the sampled tokens id for id.
+WORDS = (" apple", " river", " stone", " seven", " blue", " light", " house", " answer", " is", " the", " green",
+         " tree")  # fmt: skip
+
+
+def qwen_vocabulary_model(out: Path, seed: int = 0, words=WORDS, added=("<think>", "</think>")) -> Path:
+    """A one-layer random qwen3 over Qwen's whole vocabulary (151,936 rows, as Qwen3's configs),
+    saved with the real tokenizer: its sampled tokens are `words`, the `added` tokens and
+    <|im_end|>, in random order.
+
+    How: every token's embedding carries 1.0 in coordinate 0 (the rest random, std 0.02: the
+    residual stream keeps a large positive coordinate 0 through the final RMSNorm); the LM head
+    gives that coordinate +3 for the tokens it may write and -3 for every other token, about 47
+    nats apart after the norm, so the other 151,9xx tokens together keep a probability near
+    1e-15; the head's other coordinates are random (std 0.15), so the writable tokens have varied
+    probabilities that depend a little on the context (<|im_end|> about one in ten: completions of
+    about ten tokens)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    tokenizer = qwen_tokenizer()
+    writable = []
+    for word in words:
+        ids = tokenizer.encode(word, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"{word!r} is {len(ids)} tokens in Qwen's vocabulary, not one")
+        writable.append(ids[0])
+    writable += [QWEN3_IDS[token] for token in added] + [tokenizer.eos_token_id]
+    config = Qwen3Config(
+        vocab_size=151_936, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        rms_norm_eps=1e-6, rope_theta=1_000_000.0, torch_dtype="float32",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        embed.normal_(0.0, 0.02)
+        embed[:, 0] = 1.0
+        head.zero_()
+        head[:, 0] = -3.0
+        head[writable, 0] = 3.0
+        head[writable, 1:] = 0.15 * torch.randn(len(writable), head.shape[1] - 1)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
