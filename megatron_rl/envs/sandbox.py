@@ -5,8 +5,8 @@
     result.ok, result.stdout, result.limit, result.error, result.observation()
     PythonSandbox(packages=False)  # the standard library only (default: also the venv's packages)
 
-Each run starts a root supervisor (`python -I -S -c _SUPERVISOR`) in a new session. It enters new
-network (loopback only, down), PID, IPC and UTS namespaces and forks the child, PID 1 of the new
+Each run starts a supervisor (`python -I -S -c _SUPERVISOR`) in a new session. Run as root, it
+enters new network (loopback only, down), PID, IPC and UTS namespaces and forks the child, PID 1 of the new
 PID namespace. The child takes its own mount namespace and a new root: a read-only tmpfs holding
 read-only bind mounts of /usr (and /lib*, /bin, /sbin as they are), the interpreter's prefix, the
 dynamic loader's cache, a few devices and, with `packages` (the default), the site-packages
@@ -21,11 +21,25 @@ kills everything else in its namespace, setsid() or not; the supervisor reaps it
 status. The host kills the supervisor, which kills PID 1 (a parent-death signal and a lifeline
 pipe cover the supervisor's own death).
 
+Run by any other user (rootless: a SLURM user, a container without CAP_SYS_ADMIN), the supervisor
+first enters a user namespace of its own, where the run's uid and gid are the only ones mapped
+(to the caller's), with setgroups denied; it holds the capabilities of that namespace only, and the
+other namespaces, the mounts, the new root and the rlimits are made exactly as above. The child
+is already the run's uid inside it: the exec drops every capability (a non-zero uid, no file
+capabilities, no new privileges, nosuid mounts), so the code cannot undo the mounts. Since Linux
+5.14, RLIMIT_NPROC counts the tasks of a user in each user namespace, and the caller's uid holds
+no capability outside it, so the process limit counts the run's own tasks here too (plus the
+supervisor). The caller's supplementary groups stay, unmapped (shown as the overflow gid); the
+new root holds only read-only system directories and packages, where they open nothing more.
+This needs unprivileged user namespaces (`/proc/sys/user/max_user_namespaces` > 0, and no
+distribution policy refusing them): where they are refused, the sandbox says so and refuses.
+
 The limits are wall time (the host kills), output (the host reads stdout and stderr with a cap
 and kills past it), memory (RLIMIT_AS), processes (RLIMIT_NPROC of the run's own uid), file size
 (RLIMIT_FSIZE; the directory holds 4 x file_bytes and 1024 files). A limit hit is a result with
-`limit` and a one-line `error`, not an exception. When isolation is unavailable (not root, a
-namespace type disabled or refused, the interpreter unable to run in the new root),
+`limit` and a one-line `error`, not an exception. When isolation is unavailable (a namespace type
+disabled or refused, unprivileged user namespaces refused to a non-root caller, the interpreter
+unable to run in the new root, or by the caller's uid),
 PythonSandbox() and run() raise SandboxUnavailable naming the missing piece: code never runs
 unisolated. Linux only (x86_64, aarch64).
 """
@@ -56,6 +70,8 @@ _NAMESPACES = (
     ("uts namespace", "CLONE_NEWUTS", 0x04000000, "max_uts_namespaces"),
     ("mount namespace", "CLONE_NEWNS", 0x00020000, "max_mnt_namespaces"),
 )  # fmt: skip
+# Rootless (not root): entered first, so that the caller may make the others.
+_USER_NAMESPACE = ("user namespace", "CLONE_NEWUSER", 0x10000000, "max_user_namespaces")
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # syscall numbers (glibc has no wrapper)
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")
@@ -78,7 +94,7 @@ class SandboxUnavailable(RuntimeError):
 class SandboxLimits:
     timeout_s: float = 10.0  # wall clock, from the start of the run
     memory_mb: int = 512  # address space of each process (RLIMIT_AS)
-    processes: int = 32  # processes + threads of the run's uid (RLIMIT_NPROC)
+    processes: int = 32  # processes + threads of the run (RLIMIT_NPROC)
     output_bytes: int = 65536  # stdout + stderr kept; more is a limit hit ("output")
     file_bytes: int = 16 << 20  # largest file it may write (RLIMIT_FSIZE)
 
@@ -138,6 +154,7 @@ class PythonSandbox:
             raise TypeError(f"PythonSandbox: packages must be True or False, got {packages!r}")
         self.limits = limits
         self.packages = packages
+        self.rootless = os.geteuid() != 0  # a user namespace of its own (the module docstring)
         missing = _missing_isolation()
         if missing:
             raise SandboxUnavailable("; ".join(missing))
@@ -146,7 +163,7 @@ class PythonSandbox:
         self._uids: set[int] = set()
         # The trial runs under these limits, with room for its output and a slow start.
         trial = self.run(
-            f"PACKAGES = {list(self.package_paths)!r}\n{_TRIAL}",
+            f"PACKAGES = {list(self.package_paths)!r}\nROOTLESS = {self.rootless!r}\n{_TRIAL}",
             replace(self.limits, timeout_s=max(self.limits.timeout_s, 10.0), output_bytes=4096),
         )
         if trial.stdout.strip() != "ok" or not trial.ok:
@@ -186,6 +203,7 @@ class PythonSandbox:
             "memory": limits.memory_mb << 20, "processes": limits.processes, "file_bytes": limits.file_bytes,
             "work_bytes": 4 * limits.file_bytes + len(code) + (1 << 20), "max_files": _MAX_FILES,
             "work": _WORK, "wrapper": _WRAPPER, "paths": list(self.package_paths),
+            "rootless": self.rootless, "outer_uid": os.geteuid(), "outer_gid": os.getegid(),
         }  # fmt: skip
         try:
             proc = subprocess.Popen(
@@ -361,12 +379,10 @@ def _missing_isolation() -> list[str]:
     if sys.platform != "linux":
         return [f"namespaces: Linux only, this is {sys.platform}"]
     missing = []
-    if os.geteuid() != 0:
-        missing.append(
-            f"privilege drop: running as uid {os.geteuid()}; switching the child to an unprivileged uid "
-            "and creating its namespaces need root"
-        )
-    for name, _, _, sysctl in _NAMESPACES:
+    namespaces = list(_NAMESPACES)
+    if os.geteuid() != 0:  # rootless: the other namespaces are made inside a user namespace
+        namespaces.append(_USER_NAMESPACE)
+    for name, _, _, sysctl in namespaces:
         path = os.path.join(_SYSCTL_USER, sysctl)
         try:
             with open(path) as file:
@@ -442,8 +458,16 @@ def _interpreter(python: str, packages: bool) -> tuple[str, list[list[str]], tup
 _TRIAL = """
 import errno, os, socket
 problems = []
-if os.getuid() == 0 or os.geteuid() == 0 or os.getgroups():
+# Rootless, the caller's supplementary groups stay: its own gid (mapped to the run's), the others
+# unmapped (the overflow gid).
+groups = [g for g in os.getgroups() if not (ROOTLESS and g in (os.getgid(), 65534))]
+if os.getuid() == 0 or os.geteuid() == 0 or groups:
     problems.append("privilege drop: uid %d, groups %s" % (os.getuid(), os.getgroups()))
+try:
+    os.chroot("/")  # needs CAP_SYS_CHROOT (in the run's user namespace too, rootless)
+    problems.append("privilege drop: the code holds capabilities (chroot worked)")
+except PermissionError:
+    pass
 if os.getpid() != 1:
     problems.append("pid namespace: the child is not its PID 1")
 try:
@@ -498,7 +522,7 @@ except BaseException as exc:
     sys.exit(1)
 """
 
-# The root supervisor (python -I -S -B -c _SUPERVISOR CONFIG_JSON), the run's code on stdin. It
+# The supervisor (python -I -S -B -c _SUPERVISOR CONFIG_JSON), the run's code on stdin. It
 # reports "SETUP <what>: <why>" for anything it could not isolate (and never runs the code then),
 # else "EXIT <n>" or "SIGNAL <n>" of the child, on the status pipe.
 _SUPERVISOR = r"""# megatron-rl-sandbox supervisor
@@ -531,6 +555,13 @@ def mount(source, target, fstype, flags, data, what):
     enc = lambda text: None if text is None else text.encode()
     check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), what)
 
+def kept_flags(target):
+    # A remount keeps the flags the mount already has (a user namespace may not clear them:
+    # the atime flags, noexec, nosuid, nodev, read-only of the caller's mounts are locked).
+    have = os.statvfs(target).f_flag
+    return sum(ms for st, ms in ((1, MS_RDONLY), (2, MS_NOSUID), (4, MS_NODEV), (8, MS_NOEXEC), (1024, 1024),
+                                 (2048, 2048), (4096, 1 << 21)) if have & st)
+
 def child(lifeline):
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     uid, root, work = cfg["uid"], cfg["root"], cfg["work"]
@@ -554,6 +585,7 @@ def child(lifeline):
         what = "file isolation: bind mount of " + path
         mount(path, target, None, MS_BIND, None, what)
         flags = MS_REMOUNT | MS_BIND | MS_NOSUID | (MS_NOEXEC if kind == "dev" else MS_RDONLY | MS_NODEV)
+        flags |= kept_flags(target)
         mount(None, target, None, flags, None, what + " (read-only remount)")
     os.mkdir(root + work)
     options = "size=%d,nr_inodes=%d,mode=0700,uid=%d,gid=%d" % (cfg["work_bytes"], cfg["max_files"], uid, uid)
@@ -572,7 +604,9 @@ def child(lifeline):
     os.dup2(null, 0)
     os.close(null)
     try:
-        for limit, value in ((resource.RLIMIT_AS, cfg["memory"]), (resource.RLIMIT_NPROC, cfg["processes"]),
+        # Rootless, the supervisor is a task of the run's uid in its user namespace too.
+        processes = cfg["processes"] + (1 if cfg["rootless"] else 0)
+        for limit, value in ((resource.RLIMIT_AS, cfg["memory"]), (resource.RLIMIT_NPROC, processes),
                              (resource.RLIMIT_FSIZE, cfg["file_bytes"]), (resource.RLIMIT_CORE, 0),
                              (resource.RLIMIT_NOFILE, 256)):
             hard = resource.getrlimit(limit)[1]  # never above the current hard limit
@@ -581,7 +615,8 @@ def child(lifeline):
     except (OSError, ValueError) as exc:
         fail("limits: setrlimit: %s" % exc)
     try:
-        os.setgroups([])
+        if not cfg["rootless"]:  # rootless, setgroups is denied: the groups stay, unmapped
+            os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
     except OSError as exc:
@@ -603,7 +638,23 @@ def child(lifeline):
     except OSError as exc:
         fail("interpreter: cannot execute %s as uid %d in the new root: %s" % (python, uid, exc))
 
+def enter_user_namespace():
+    # Rootless: the run's uid and gid are the only ones mapped (to the caller's), setgroups denied.
+    check(libc.unshare(0x10000000), "user namespace: unshare(CLONE_NEWUSER) (unprivileged user namespaces refused here?)")
+    for name, line in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (cfg["uid"], cfg["outer_uid"])),
+                       ("gid_map", "%d %d 1" % (cfg["uid"], cfg["outer_gid"]))):
+        try:
+            fd = os.open("/proc/self/" + name, os.O_WRONLY)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            fail("user namespace: writing /proc/self/%s: %s" % (name, exc))
+
 def main():
+    if cfg["rootless"]:
+        enter_user_namespace()
     for name, flag_name, flag in cfg["namespaces"]:
         check(libc.unshare(flag), "%s: unshare(%s)" % (name, flag_name))
     pid, terminated = 0, []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import os
 import socket
 import stat
@@ -72,8 +73,8 @@ def make(limits: SandboxLimits = LIMITS, packages: bool = True) -> PythonSandbox
         return PythonSandbox(limits, packages=packages)
     except SandboxUnavailable as exc:
         # As root (this machine, CI) the isolation must be there: a refusal fails the test. Not as
-        # root the sandbox refuses by design (no rootless mode yet, issue 35): the escapes cannot
-        # be tried there, and the refusal tests below still run.
+        # root it needs unprivileged user namespaces (the rootless mode), which a machine may
+        # refuse: the escapes cannot be tried there, and the refusal tests below still run.
         if os.geteuid() == 0:
             raise
         pytest.skip(f"sandbox isolation unavailable on this machine: {exc}")
@@ -342,10 +343,89 @@ def test_a_disabled_namespace_is_refused_by_name(monkeypatch, tmp_path):
         PythonSandbox(LIMITS)
 
 
-def test_not_root_is_refused_by_name(monkeypatch):
+def test_not_root_without_user_namespaces_is_refused_by_name(monkeypatch, tmp_path):
+    for name in ("max_mnt_namespaces", "max_pid_namespaces", "max_ipc_namespaces", "max_uts_namespaces",
+                 "max_net_namespaces"):  # fmt: skip
+        (tmp_path / name).write_text("100\n")
+    (tmp_path / "max_user_namespaces").write_text("0\n")
+    monkeypatch.setattr(sandbox_module, "_SYSCTL_USER", str(tmp_path))
     monkeypatch.setattr(sandbox_module.os, "geteuid", lambda: 1000)
-    with pytest.raises(SandboxUnavailable, match="privilege drop: running as uid 1000.*need root"):
+    with pytest.raises(SandboxUnavailable, match=r"user namespace: disabled \(.*max_user_namespaces is 0\)"):
         PythonSandbox(LIMITS)
+
+
+# Run as an unprivileged user (nobody) by the system's interpreter (the venv's lives under root's
+# home, closed to other users), with the sandbox module loaded from its file: the standard library.
+ROOTLESS_SCRIPT = """
+import importlib.util, json, os, sys
+spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1])
+module = sys.modules["sandbox"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+outside, port = sys.argv[2], int(sys.argv[3])
+box = module.PythonSandbox(module.SandboxLimits(timeout_s=3.0, memory_mb=256, processes=16, output_bytes=8192,
+                                                file_bytes=1 << 20), python=sys.executable, packages=False)
+codes = {
+    "plain": "import os; print(os.getpid(), os.getuid(), sorted(os.listdir('/')))",
+    "fork_bomb": "import os\\nwhile True: os.fork()",
+    "endless": "while True: pass",
+    "memory": "x = bytearray(1 << 30)",
+    "print": "print('x' * 100000)",
+    "read_outside": "print(open(%r).read())" % (outside + "/secret"),
+    "write_outside": "open(%r, 'w').write('escaped')" % (outside + "/written"),
+    "socket": "import socket; socket.create_connection(('127.0.0.1', %d), timeout=1)" % port,
+    "remount": ("import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+                "print(libc.mount(None, b'/usr', None, 32 | 4096, None), ctypes.get_errno())"),
+    "setsid": ("import os, time\\nif os.fork() == 0:\\n    os.setsid()\\n    time.sleep(60)\\nprint('parent done')"),
+}
+results = {}
+for name, code in codes.items():
+    r = box.run(code)
+    results[name] = {"ok": r.ok, "limit": r.limit, "error": r.error, "stdout": r.stdout}
+print(json.dumps({"uid": os.geteuid(), "rootless": box.rootless, "results": results}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becomes another user (nobody) to be a non-root caller")
+def test_rootless_a_non_root_caller_gets_the_same_isolation(outside):
+    """The rootless mode for real: a caller that is not root (uid nobody) runs each escape through
+    a sandbox of its own user namespace; each is contained and named as for root, the code holds
+    no capability (a remount is refused), and nothing is left running (the autouse check)."""
+    python = "/usr/bin/python3"
+    assert os.access(python, os.X_OK), f"this test runs the sandbox as nobody with {python}: not found"
+    (outside / "secret").write_text("host secret")
+    os.chmod(outside / "secret", 0o644)
+    script = Path(tempfile.mkdtemp(prefix="sandbox-rootless-")) / "rootless.py"
+    script.write_text(ROOTLESS_SCRIPT)
+    os.chmod(script.parent, 0o755)
+    os.chmod(script, 0o644)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    try:
+        done = subprocess.run(
+            [python, "-I", str(script), sandbox_module.__file__, str(outside), str(listener.getsockname()[1])],
+            capture_output=True, text=True, timeout=120, cwd="/", user=65534, group=65534, extra_groups=[],
+        )  # fmt: skip
+    finally:
+        listener.close()
+        script.unlink()
+        script.parent.rmdir()
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    results = report["results"]
+    assert report["uid"] == 65534 and report["rootless"] is True
+    pid, uid, root = results["plain"]["stdout"].split(" ", 2)
+    assert results["plain"]["ok"] and pid == "1" and int(uid) in UID_RANGE and "'sandbox'" in root
+    assert "'tmp'" not in root and "'proc'" not in root and "'root'" not in root
+    assert results["fork_bomb"]["limit"] == "processes"
+    assert results["endless"]["limit"] == "time"
+    assert results["memory"]["limit"] == "memory"
+    assert results["print"]["limit"] == "output"
+    assert "FileNotFoundError" in results["read_outside"]["error"] and "host secret" not in results["read_outside"]["stdout"]
+    assert not results["write_outside"]["ok"] and not (outside / "written").exists()
+    assert "Network is unreachable" in results["socket"]["error"]
+    assert results["remount"]["stdout"].split() == ["-1", "1"]  # EPERM: no CAP_SYS_ADMIN left
+    assert results["setsid"]["ok"] and results["setsid"]["stdout"] == "parent done\n"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="drops a capability of root")
