@@ -11,13 +11,18 @@ replicated and shard B [out / tp, rank] like W; the gradient reaching A is summe
 every rank's A stays identical. Row-parallel layers (linear_proj, linear_fc2: W is
 [out, in / tp]) shard A [rank, in / tp] like W and all-reduce A x before the replicated
 B [out, rank]. B starts at zero, so a fresh adapter leaves the model unchanged. `merge_lora`
-folds the adapters into W (per shard) for export.
+folds the adapters into W (per shard) for export; `merge_adapter_tensors` does it on a full
+(gathered) state dict, where a wrapped layer's own tensors keep the layer's names
+(`models/sharding.canonical_name`) and its adapters sit beside them. `adapters_disabled` runs the
+base model (the adapters skipped): the frozen reference of a LoRA-adapted model, with no copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
+from collections.abc import Iterator, Mapping
 
 import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
 
@@ -84,6 +89,7 @@ class LoRALinear(nn.Module):
         for adapter in (self.lora_a, self.lora_b):
             adapter.allreduce = not expert_local
         self.fuses_input_norm = hasattr(base, "layer_norm_weight")
+        self.enabled = True  # False: the wrapped layer alone (`adapters_disabled`)
         if parallel_kind == "column":
             self.lora_b.tensor_model_parallel, self.lora_b.partition_dim, self.lora_b.partition_stride = (
                 True,
@@ -99,6 +105,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x, *args, **kwargs):
         output, bias = self.base(x, *args, **kwargs)
+        if not self.enabled:
+            return output, bias
         if self.fuses_input_norm:
             x = fused_norm(self.base, x)
         if self.parallel_kind == "column":
@@ -181,3 +189,45 @@ def merge_lora(model: nn.Module) -> None:
             module.base.weight.copy_(module.merged_weight())
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, module.base)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[int]:
+    """Within the block the model is its base (every adapter skipped; yields how many); they are
+    back after it, also on an exception. Changes no parameter: a frozen reference without a copy."""
+    adapters = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    before = [m.enabled for m in adapters]
+    for module in adapters:
+        module.enabled = False
+    try:
+        yield len(adapters)
+    finally:
+        for module, enabled in zip(adapters, before):
+            module.enabled = enabled
+
+
+def merge_adapter_tensors(full: Mapping[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+    """A full state dict of a LoRA-adapted model (gathered: `layer.weight`, `layer.lora_a`,
+    `layer.lora_b`) as the plain model's: each adapted weight W + (alpha / rank) B A, in W's dtype
+    (computed in float32), the adapters dropped; every other tensor as it is (not copied)."""
+    out = {}
+    for name, tensor in full.items():
+        if name.endswith((".lora_a", ".lora_b")):
+            continue
+        layer = name[: -len(".weight")] if name.endswith(".weight") else None
+        a, b = (full.get(f"{layer}.lora_a"), full.get(f"{layer}.lora_b")) if layer else (None, None)
+        if (a is None) != (b is None):
+            raise ValueError(f"{layer}: LoRA adapter lora_a without lora_b, or the reverse, in the state dict")
+        if a is None:
+            out[name] = tensor
+            continue
+        if b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(tensor.shape):
+            raise ValueError(
+                f"{layer}: adapters B {tuple(b.shape)} A {tuple(a.shape)} do not fit weight {tuple(tensor.shape)}"
+            )
+        delta = (alpha / a.shape[0]) * (b.float() @ a.float())
+        out[name] = (tensor.float() + delta).to(tensor.dtype)
+    orphans = [n for n in full if n.endswith((".lora_a", ".lora_b")) and n.rsplit(".", 1)[0] + ".weight" not in full]
+    if orphans:
+        raise ValueError(f"LoRA adapters without their layer's weight in the state dict: {orphans[:3]}")
+    return out

@@ -29,6 +29,8 @@ _TE_FUSED_NORMS = {
     ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
 }
 # TE's grouped experts (moe_grouped_gemm) hold expert e's weight as `experts.linear_fc1.weight{e}`.
+# A layer wrapped by LoRA (models/lora.py) holds its own tensors under `base.`, beside its adapters.
+_LORA_BASE = re.compile(r"\.base\.(weight|bias|layer_norm_weight|layer_norm_bias)$")
 _GROUPED_EXPERT = re.compile(r"^(.*\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
 _EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
 
@@ -40,8 +42,10 @@ ROW_PARALLEL_KINDS = ("linear_proj", "linear_fc2")
 
 
 def canonical_name(name: str) -> str:
-    """The local-spec name of a parameter: TE's fused-norm names map to separate norms, TE's
-    grouped expert weights to per-expert names."""
+    """The local-spec name of a parameter: a LoRA-wrapped layer's own tensors under the layer's
+    name (its adapters `lora_a`, `lora_b` beside them), TE's fused-norm names map to separate
+    norms, TE's grouped expert weights to per-expert names."""
+    name = _LORA_BASE.sub(r".\1", name)
     for te_suffix, local_suffix in _TE_FUSED_NORMS.items():
         if name.endswith(te_suffix):
             return name[: -len(te_suffix)] + local_suffix
@@ -65,7 +69,9 @@ def partition_axis(name: str) -> int:
 
 
 def _is_gated_fc1(name: str, gated: bool) -> bool:
-    return gated and canonical_name(name).endswith("linear_fc1.weight")
+    """A gated linear_fc1's weight holds [gate; up], and each TP rank [gate_shard; up_shard]; so
+    does a LoRA adapter's B of that layer (its rows are the weight's)."""
+    return gated and canonical_name(name).endswith(("linear_fc1.weight", "linear_fc1.lora_b"))
 
 
 def local_to_global_name(name: str, layer_offset: int, expert_offset: int) -> str:

@@ -64,7 +64,81 @@ def test_expert_adapters_under_ep2_get_their_own_experts_gradients():
     assert {n for _, grads, _ in ep2 for n in grads} == set(ep1[0][1])  # the ranks hold every expert
 
 
+def test_a_gathered_lora_model_merges_to_the_plain_models_weights_and_its_base_runs_without_a_copy():
+    """At TP = 1 and TP = 2 (gated SwiGLU fc1, whose B rows are [gate; up] per shard like W's):
+    the gathered state of a LoRA model keeps the plain model's names beside its adapters, and
+    `merge_adapter_tensors` of it equals `merge_lora` at TP = 1; the merged weights run as the
+    adapted model; within `adapters_disabled` the adapted model is the plain one, bit for bit."""
+    from megatron_rl.models.hf_mapping import megatron_to_hf
+
+    full = run_ranks(reference_weights, 1, ARCH, 3)[0]
+    input_ids = tokens(vocab=ARCH.vocab_size)
+    plain = run_ranks(model_logits, 1, ARCH, full, 1, 1, input_ids)[0]
+    reference = run_ranks(lora_gathered, 1, ARCH, full, 1, input_ids)[0]
+    merged_tp1, names_tp1, adapted_tp1, disabled_tp1, merged_by_layer = reference
+    assert names_tp1 == sorted(full) and not any(".base." in n for n in merged_tp1)
+    for name, tensor in merged_by_layer.items():  # merge_lora (per shard) at TP = 1
+        torch.testing.assert_close(merged_tp1[name], tensor, atol=1e-6, rtol=0, msg=name)
+    assert sum(not torch.equal(merged_tp1[n], full[n]) for n in full) == 4 * ARCH.num_layers  # the adapted layers
+    assert torch.equal(disabled_tp1, plain) and (adapted_tp1 - plain).abs().max() > 1e-3
+    merged_logits = run_ranks(model_logits, 1, ARCH, merged_tp1, 1, 1, input_ids)[0]
+    torch.testing.assert_close(merged_logits, adapted_tp1, atol=1e-5, rtol=0)
+    megatron_to_hf(merged_tp1, ARCH)  # every HF tensor of the plain model is there
+    for merged, names, adapted, disabled, _ in run_ranks(lora_gathered, 2, ARCH, full, 2, input_ids):
+        assert names == names_tp1
+        for name, tensor in merged_tp1.items():
+            torch.testing.assert_close(merged[name], tensor, atol=1e-6, rtol=0, msg=name)
+        torch.testing.assert_close(adapted, adapted_tp1, atol=1e-5, rtol=0)
+        torch.testing.assert_close(disabled, plain, atol=1e-5, rtol=0)
+
+
 # Rank functions: module-level, so that the spawned ranks can import them.
+
+
+def lora_gathered(rank, world_size, arch, full, tp, input_ids):
+    """LoRA (rank 4, alpha 8; B drawn from each layer's name, so equal at every TP) at `tp`:
+    (merge_adapter_tensors of the gathered state, the gathered names without adapters, adapted
+    logits, logits within adapters_disabled, at TP = 1 the full weights after merge_lora)."""
+    import zlib
+
+    from megatron_rl.models.lora import adapters_disabled, apply_lora, merge_adapter_tensors, merge_lora
+    from megatron_rl.models.sharding import (
+        gather_full_parameters,
+        global_parameter_names,
+        shard_full_state_dict,
+    )
+
+    parallel.initialize_model_parallel(tp=tp)
+    model = build_gpt_model(arch, tp=tp)
+    load_full_state_dict(model, full)
+    apply_lora(model, rank=4, alpha=8.0)
+    names = global_parameter_names(model)
+    full_b = {}
+    for n, p in model.named_parameters():
+        if n.endswith("lora_b"):  # a full B per layer, then this rank's shard of it
+            rows = p.shape[0] * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+            g = torch.Generator().manual_seed(zlib.crc32(names[n].encode()))
+            full_b[names[n]] = 0.05 * torch.randn(rows, p.shape[1], generator=g)
+    assert model.config.gated_linear_unit  # fc1 holds [gate; up]
+    shards = shard_full_state_dict(model, {**gather_full_parameters(model), **full_b})
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("lora_b"):
+                p.copy_(shards[n])
+    model.eval()
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    with torch.no_grad():
+        adapted = gather_vocab(model(input_ids, positions, attention_mask=None))
+        with adapters_disabled(model) as count:
+            assert count == 4 * arch.num_layers
+            disabled = gather_vocab(model(input_ids, positions, attention_mask=None))
+    gathered = gather_full_parameters(model)
+    merged = merge_adapter_tensors(gathered, alpha=8.0)
+    by_layer = {}
+    if tp == 1:
+        merge_lora(model)
+        by_layer = full_parameters(model)
+    return merged, sorted(merged), adapted, disabled, by_layer
 
 
 def lora_ddp_gradients(rank, world_size, arch, full, ep):
