@@ -214,7 +214,9 @@ def load_checkpoint(directory: str | Path, trainable: Trainable, step: int | Non
     sharding = meta.get("optimizer_format", LEGACY_OPTIMIZER_FORMAT)
     settings = group_settings(trainable)  # before megatron's sharded_state_dict / load touch them
     for hybrid in hybrid_optimizers(trainable.optimizer):
-        if not hybrid.state:  # what megatron's load does first (a CPU patch would fill torch-Adam state instead)
+        # what megatron's load does first (a CPU patch would fill torch-Adam state instead); our
+        # dummy_step (trainer/optimizer.py) makes no gradient for every parameter at once
+        if not hybrid.state:
             hybrid.dummy_step()
     unify_adam_steps(trainable)  # one step count per optimizer, as megatron checkpoints it
     model = trainable.model[0].module

@@ -13,7 +13,9 @@ optimizer only copies it to the host, so the masters stay on the GPU (4 bytes pe
 parameter). On the precision-aware path the hybrid optimizer's fp32 copies are the masters, on
 the host for the offloaded fraction. Adam state comes in two layouts: torch's Adam keeps `step`
 per parameter, TE's and Apex's FusedAdam per parameter group (`adam_optimizers`,
-`restart_untouched_adam_state` and `unify_adam_steps` handle both).
+`restart_untouched_adam_state` and `unify_adam_steps` handle both). `patch_hybrid_optimizer` lists
+what we change in megatron's hybrid optimizer (resume state without a gradient copy of every
+parameter; a load that keeps its sub-optimizers, their state placement and step counts).
 """
 
 from __future__ import annotations
@@ -110,9 +112,7 @@ def build_trainable(
     with torch.no_grad() if config.cpu_offload else contextlib.nullcontext():
         optimizer = get_megatron_optimizer(optimizer_config, [ddp], config_overrides=overrides)
     for hybrid in hybrid_optimizers(optimizer):
-        hybrid.register_step_pre_hook(_give_device_fp32_params_their_gradient)
-        hybrid._update_fp32_params_by_new_state = types.MethodType(_stepped_copies_from_state, hybrid)
-        hybrid._move_new_state_to_right_device = types.MethodType(_state_beside_its_parameters, hybrid)
+        patch_hybrid_optimizer(hybrid)
     decay_steps = max(total_steps, config.warmup_steps + 1)
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -202,6 +202,79 @@ def adam_optimizers(optimizer) -> list:
     return out
 
 
+def patch_hybrid_optimizer(hybrid: HybridDeviceOptimizer) -> None:
+    """Installs our fixes of megatron's hybrid device optimizer on `hybrid` (once, where it is
+    built): the device share's fp32 parameters get their gradient; a load keeps the sub-optimizers,
+    refreshes every stepped copy, places the state beside its parameters and leaves each
+    sub-optimizer its own step count; the state a load fills is made without a gradient for every
+    parameter (second GPU reading, defects 1 (resume), 4 and 8)."""
+    hybrid.register_step_pre_hook(_give_device_fp32_params_their_gradient)
+    hybrid._update_fp32_params_by_new_state = types.MethodType(_stepped_copies_from_state, hybrid)
+    hybrid._move_new_state_to_right_device = types.MethodType(_settle_loaded_state, hybrid)
+    hybrid.dummy_step = types.MethodType(initialise_state_with_one_gradient_buffer, hybrid)
+    hybrid._init_sub_optimizers = types.MethodType(_keep_sub_optimizers, hybrid)
+
+
+def _keep_sub_optimizers(hybrid: HybridDeviceOptimizer) -> None:
+    """Replaces HybridDeviceOptimizer._init_sub_optimizers once the hybrid optimizer is built;
+    megatron's load hook calls it to rebuild the sub-optimizers over new copies "as the parameters
+    may change", which a load into our optimizer never does (torch's load keeps the parameters). The
+    rebuild failed at an offload fraction below 1: the device share's fp32 parameters are views made
+    without autograd, and once stepped in place torch refuses to ask a new optimizer whether they
+    are leaves ("A view was created in no_grad mode ..."), so no resume at fraction 0.5 loaded.
+    Kept, the sub-optimizers, their copies and hooks stay; the load hook then refreshes their groups
+    and state as before."""
+    built_for = list(hybrid.param_to_inner_param)
+    current = [param for group in hybrid.param_groups for param in group["params"]]
+    if len(current) != len(built_for) or any(a is not b for a, b in zip(current, built_for)):
+        raise RuntimeError(
+            f"hybrid device optimizer: its parameters changed after it was built ({len(built_for)} then, "
+            f"{len(current)} now, or other tensors); its sub-optimizers step copies of the old ones"
+        )
+
+
+@torch.no_grad()
+def initialise_state_with_one_gradient_buffer(hybrid: HybridDeviceOptimizer) -> None:
+    """Replaces HybridDeviceOptimizer.dummy_step, which makes the state a checkpoint load fills in
+    place (megatron's distributed optimizer calls it when the state is empty). megatron's sets a
+    `randn_like` gradient on every parameter at once and steps: a second copy of every shard, +28.4
+    GiB on a 30B rank's GPU (second GPU reading, defect 1). Here every parameter a sub-optimizer
+    steps gets a zero gradient that is a view of one buffer per (device, dtype), as large as the
+    largest such parameter, and each sub-optimizer steps once at learning rate and weight decay 0:
+    the sub-optimizers' own code makes their state (keys, shapes, dtypes, devices, `step` 1, as
+    megatron's would), the parameters keep their values, and the extra memory is one parameter's
+    worth per device. Unlike megatron's without TE, the device share's fp32 parameters get state too
+    (our step pre-hook gave them no gradient in megatron's dummy step, torch's AdamW then made no
+    state for them, and the load failed with a KeyError)."""
+    stepped = [p for opt in hybrid.sub_optimizers for group in opt.param_groups for p in group["params"]]
+    largest: dict[tuple, int] = {}
+    for param in stepped:
+        key = (param.device, param.dtype)
+        largest[key] = max(largest.get(key, 0), param.numel())
+    zeros = {key: torch.zeros(numel, dtype=key[1], device=key[0]) for key, numel in largest.items()}
+    hybrid._sync_hdo_param_groups_to_sub_optimizers()  # as its step() does first
+    settings = []
+    for optimizer in hybrid.sub_optimizers:
+        for group in optimizer.param_groups:
+            settings.append((group, group["lr"], group.get("weight_decay")))
+            group["lr"] = 0.0
+            if "weight_decay" in group:
+                group["weight_decay"] = 0.0
+    for param in stepped:
+        param.grad = zeros[(param.device, param.dtype)][: param.numel()].view_as(param)
+    try:
+        for optimizer in hybrid.sub_optimizers:
+            optimizer.step()
+    finally:
+        for param in stepped:
+            param.grad = None
+        for group, lr, weight_decay in settings:
+            group["lr"] = lr
+            if weight_decay is not None:
+                group["weight_decay"] = weight_decay
+    hybrid._sync_sub_optimizers_state_to_hdo()
+
+
 def _give_device_fp32_params_their_gradient(hybrid: HybridDeviceOptimizer, args, kwargs) -> None:
     """Step pre-hook of a hybrid device optimizer: on the precision-aware path megatron puts every
     gradient in `.decoupled_grad`; the hybrid optimizer reads it for the parameters it offloads and
@@ -222,11 +295,14 @@ def _stepped_copies_from_state(hybrid: HybridDeviceOptimizer) -> None:
     loaded): the tensors its sub-optimizers step (fp32 copies of 16-bit parameters, host copies
     of offloaded fp32 parameters, fp32 parameters themselves) take the loaded `master_param`.
     megatron's version looks every parameter up among the fp32 copies of 16-bit ones, a KeyError
-    for the first fp32 parameter (norms, the value head), so no checkpoint with offload loads."""
+    for the first fp32 parameter (norms, the value head), so no checkpoint with offload loads.
+    `master_param` then names the stepped tensor again, as after a step."""
     for param, state in hybrid.state.items():
         stepped, master = hybrid.param_to_inner_param.get(param, param), state.get("master_param")
         if master is not None and master is not stepped:
             stepped.data.copy_(master)
+            # what the next step's state sync would do: the loaded copy is freed now, not then
+            state["master_param"] = stepped
 
 
 @torch.no_grad()
@@ -244,6 +320,37 @@ def _state_beside_its_parameters(hybrid: HybridDeviceOptimizer) -> None:
             for key, value in state.items():
                 if torch.is_tensor(value) and value.dim() > 0:
                     hybrid.state[original][key] = state[key] = value.to(param.device)
+
+
+def _keeps_step_per_parameter(optimizer) -> bool:
+    """torch's Adam and AdamW keep `step` in each parameter's state; TE's and Apex's FusedAdam in
+    each param group (megatron's DistributedOptimizer.state_dict tells them apart the same way)."""
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+
+
+@torch.no_grad()
+def _own_step_counts(hybrid: HybridDeviceOptimizer) -> None:
+    """After a load, each sub-optimizer keeps its step count where it counts it. megatron's load
+    puts the checkpoint's `step` in the hybrid optimizer's param groups (which the sub-optimizers'
+    groups copied when the load rebuilt them) and a `step` tensor in every parameter's state. Left
+    there, `_sync_hdo_param_groups_to_sub_optimizers` copied the loaded `step` into FusedAdam's
+    groups before every step, so its bias correction stayed at the checkpoint's step + 1 and
+    `set_adam_steps` / `restart_untouched_adam_state` were undone (second GPU reading, defect 8);
+    and the per-parameter `step` made FusedAdam's groups look like torch Adam's to them."""
+    for group in hybrid.param_groups:
+        group.pop("step", None)
+    for optimizer in hybrid.sub_optimizers:
+        if not _keeps_step_per_parameter(optimizer):
+            for state in optimizer.state.values():
+                state.pop("step", None)
+
+
+def _settle_loaded_state(hybrid: HybridDeviceOptimizer) -> None:
+    """Replaces HybridDeviceOptimizer._move_new_state_to_right_device, the last thing its
+    `_sync_hdo_state_to_sub_optimizers` does after a load: the state beside its parameters, and
+    the step counts where their sub-optimizers keep them."""
+    _state_beside_its_parameters(hybrid)
+    _own_step_counts(hybrid)
 
 
 @torch.no_grad()
