@@ -22,6 +22,7 @@ class DeploymentConfig(Strict):
     stop_grace_s: float = Field(default=60.0, gt=0, description="On a failure or Ctrl-C: SIGTERM, then SIGKILL after this many seconds (a checkpoint in progress finishes).")
     collective_timeout_s: float = Field(default=1800.0, gt=0, description="A collective not finished after this many seconds fails (the gloo/NCCL process-group timeout).")
     heartbeat_timeout_s: float = Field(default=60.0, gt=0, description="A rank whose heartbeat stops this many seconds is lost: the other ranks of its group exit naming it.")
+    host_memory_gib: float = Field(default=1800.0, gt=0, description="Host memory of one node in GiB that the training ranks may take (a DGX H200 has 2 TB, 1862 GiB; leave the OS and the page cache theirs); check-config's memory plan sums the offloaded optimizer state of a node's training ranks, pinned allocations rounded up to powers of two as torch's pinned allocator takes them, and refuses a layout over it (device cuda).")
     gpu_memory_gib: float = Field(default=140.4, gt=0, description="Memory of one GPU in GiB (2^30 bytes), as torch.cuda.mem_get_info reports its total (an H200, sold as 141 GB: 140.4); check-config's memory plan, in GiB, must fit in it (device cuda).")
 
     @model_validator(mode="before")

@@ -38,209 +38,129 @@ What is exact and what is estimated:
   each token L x k experts (1 byte up to 256 experts, else 2) and one `routed` byte, plus one
   layer's int64 targets for one micro-batch's tokens per local layer (`routes_bytes`; an upper
   bound: samples are rarely seq_len long);
-- `OVERHEAD_GIB` is an allowance, not a measurement.
+- `CUDA_CONTEXT_GIB`, `FRAGMENTATION_GIB` and `NCCL_GIB_PER_COMMUNICATOR` are allowances, not
+  measurements.
+
+Peaks besides the steady state (one training step), per training GPU, in the order the code
+allocates (trainer/role.py):
+- start-up: megatron DDP (distributed_data_parallel.py ~291-297) builds the dense parameter and
+  gradient buffers, then the expert ones; each allocates the new parameter buffer (distributed
+  optimizer) and the fp32 gradient buffer before it copies the old weights in and frees them
+  (param_and_grad_buffer.py ~795-835), so while a group is built its old weights, its new copy
+  and its gradients are resident at once. Then the optimizer (under cpu_offload megatron first
+  builds a hybrid optimizer over the full parameters: its GPU fp32 copies of the share kept on the
+  GPU coexist with the sharded one's), then the KL reference (the policy builds it after the
+  optimizer, `PolicyTrainer.after_optimizer`, so it is not resident during DDP's buffers);
+- resume: the state of one step less its activations, plus what the load allocates on the GPU:
+  the hybrid optimizer's state initialisation (trainer/optimizer.py
+  `initialise_state_with_one_gradient_buffer`: one zero fp32 gradient buffer per device as large
+  as the largest parameter stepped there, so nothing on the GPU at offload fraction 1; megatron's
+  own `dummy_step` took a `randn_like` gradient of every shard at once, `hybrid_optimizer.py`
+  ~453-463, +28.4 GiB on a 30B policy GPU); the hybrid optimizer keeps its sub-optimizers and their
+  fp32 copies through a load (trainer/optimizer.py `_keep_sub_optimizers`: megatron's load hook
+  would rebuild them beside the old ones); the dist checkpoint loader fills the existing tensors in place (the `dp_reshardable` format hands it
+  the optimizer's own tensors: distrib_optimizer.py `get_parameter_state_dp_reshardable`);
+- NCCL: `NCCL_GIB_PER_COMMUNICATOR` for each communicator a GPU of the role uses (groups of more
+  than one rank: data-parallel, expert data-parallel, expert all-to-all, tensor, context and
+  pipeline parallel, and the policy's weight broadcast under `inference.weight_update: nccl`);
+- host: config/host_memory.py (pinned rounding, megatron's two optimizer builds), summed over the
+  training ranks of each node and checked against `deployment.host_memory_gib`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from megatron_rl.config.host_memory import GIB, HostMemory, ShardTensor, offloaded_host_memory
 from megatron_rl.config.layout import ModelLayout, ResolvedConfig
-from megatron_rl.config.model import Architecture, RecomputeConfig
+from megatron_rl.config.model import Architecture
+from megatron_rl.config.model_memory import (  # the per-rank counts, imported from here by tests and tools
+    BYTES,
+    HOST_OFFLOAD_BYTES,
+    LOGITS_PER_LOGIT,
+    LOGPROB_CHUNK_BYTES,
+    LOGPROB_CHUNK_BYTES_PER_ELEMENT,
+    LOGPROB_CHUNK_ELEMENTS,
+    RankParameters,
+    activation_bytes,
+    adam_tensor_elements,
+    adam_tensors,
+    layer_parameters,
+    layer_tensors,
+    optimizer_bytes,
+    rank_parameters,
+    rank_tensors,
+)
 
-GIB = float(1 << 30)
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-OVERHEAD_GIB = 5.0  # CUDA context, NCCL buffers, allocator fragmentation: an allowance
-# Per offloaded optimizer element on the host: fp32 master 4, exp_avg 4, exp_avg_sq 4, and the
-# pinned fp32 gradient copy the hybrid optimizer keeps for the host step 4.
-HOST_OFFLOAD_BYTES = 16
-# The log-prob kernel (models/logprobs.py) keeps the logits (model dtype) and writes one gradient
-# of the same dtype; its fp32 temporaries are chunk-sized, at most 24 B per element of a chunk of
-# CHUNK_ELEMENTS (tests/distributed/test_logprobs.py; docs/gpu/review.md has the measurement).
-LOGITS_PER_LOGIT = 2  # the logits and their gradient, each in the model's dtype
-LOGPROB_CHUNK_ELEMENTS = 1 << 24  # models.logprobs.CHUNK_ELEMENTS (config imports nothing of ours)
-LOGPROB_CHUNK_BYTES_PER_ELEMENT = 24
-LOGPROB_CHUNK_BYTES = LOGPROB_CHUNK_BYTES_PER_ELEMENT * LOGPROB_CHUNK_ELEMENTS
+__all__ = [
+    "BYTES", "CUDA_CONTEXT_GIB", "FRAGMENTATION_GIB", "GIB", "HOST_OFFLOAD_BYTES", "LOGITS_PER_LOGIT",
+    "LOGPROB_CHUNK_BYTES", "LOGPROB_CHUNK_BYTES_PER_ELEMENT", "LOGPROB_CHUNK_ELEMENTS", "NCCL_GIB_PER_COMMUNICATOR",
+    "GpuMemory", "Peak", "RankParameters", "activation_bytes", "adam_tensor_elements", "adam_tensors",
+    "check_fits", "format_plan", "layer_parameters", "layer_tensors", "memory_plan", "node_host_memory",
+    "optimizer_bytes", "rank_parameters", "rank_tensors", "route_bytes_per_token", "routes_bytes",
+]  # fmt: skip
+
+# The CUDA context with cuBLAS handles and workspaces: about 0.5-0.6 GiB on Hopper under CUDA 12's
+# lazy module loading; an allowance.
+CUDA_CONTEXT_GIB = 1.0
+FRAGMENTATION_GIB = 2.0  # the caching allocator's fragmentation: an allowance
+# NCCL's buffers per communicator grow with its channels and connections (NVIDIA/nccl#986: linear
+# in the number of communicators); about 1.6 GB measured for a first communicator with its CUDA
+# context after an all-reduce (NVIDIA/nccl#864). NCCL_NVLS_ENABLE=0 or fewer channels lower it.
+NCCL_GIB_PER_COMMUNICATOR = 1.0
 VLLM_RESERVE_GIB = 4.0  # vLLM's activations, CUDA graphs and sampler beside weights and KV cache
 
 
-@dataclass(frozen=True)
-class RankParameters:
-    """Parameter counts on one rank: all of them and the trainable ones, dense and expert."""
-
-    dense: int
-    expert: int
-    dense_trainable: int
-    expert_trainable: int
-
-    @property
-    def total(self) -> int:
-        return self.dense + self.expert
-
-    @property
-    def trainable(self) -> int:
-        return self.dense_trainable + self.expert_trainable
-
-
-def layer_parameters(arch: Architecture, tp: int, ep: int) -> dict[str, tuple[int, bool]]:
-    """One transformer layer's parameters on one rank: name -> (count, is_expert)."""
-    h, d = arch.hidden_size, arch.kv_channels
-    nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
-    parts = {
-        "input_layernorm": (h, False),
-        "self_attention.linear_qkv": (h * (nq + 2 * nkv) * d // tp, False),
-        "self_attention.linear_proj": (nq * d * h // tp, False),
-        "pre_mlp_layernorm": (h, False),
-    }
-    if arch.qk_norm:
-        parts["self_attention.q_layernorm"] = (d, False)
-        parts["self_attention.k_layernorm"] = (d, False)
-    if arch.num_experts:
-        f = arch.moe_intermediate_size
-        parts["mlp.router"] = (arch.num_experts * h, False)
-        parts["mlp.experts"] = ((arch.num_experts // ep) * 3 * h * f // tp, True)
-    else:
-        parts["mlp.linear_fc1"] = (h * 2 * arch.intermediate_size // tp, False)
-        parts["mlp.linear_fc2"] = (arch.intermediate_size * h // tp, False)
-    return parts
-
-
-def rank_parameters(
-    arch: Architecture,
-    layout: ModelLayout,
-    *,
-    value_model: bool = False,
-    freeze_attention: bool = False,
-    lora_rank: int | None = None,
-    stage: int = 0,
-) -> RankParameters:
-    """The parameters pipeline stage `stage` of a model holds on each of its ranks."""
-    tp, pp, ep = layout.tp, layout.pp, layout.ep
-    first, last = stage == 0, stage == pp - 1
-    layers = arch.num_layers // pp + (1 if stage < arch.num_layers % pp else 0)
-    dense = expert = dense_frozen = expert_frozen = 0
-    for name, (count, is_expert) in layer_parameters(arch, tp, ep).items():
-        frozen = freeze_attention and name.startswith("self_attention.")
-        if is_expert:
-            expert += count * layers
-            expert_frozen += count * layers if frozen else 0
-        else:
-            dense += count * layers
-            dense_frozen += count * layers if frozen else 0
-    embedding = arch.vocab_size // tp * arch.hidden_size
-    if first:
-        dense += embedding
-    if last:
-        dense += arch.hidden_size  # final_layernorm
-        if value_model:
-            dense += arch.hidden_size + 1  # value_head (weight and bias)
-        elif not (arch.tie_word_embeddings and first):
-            dense += embedding  # output_layer
-    if lora_rank is not None:  # adapters train, the backbone does not (the value head does)
-        head = arch.hidden_size + 1 if value_model and last else 0
-        adapters = _lora_parameters(arch, tp, ep, lora_rank) * layers
-        return RankParameters(dense + adapters, expert, adapters + head, 0)
-    return RankParameters(dense, expert, dense - dense_frozen, expert - expert_frozen)
-
-
-def _lora_parameters(arch: Architecture, tp: int, ep: int, rank: int) -> int:
-    """Adapter parameters per layer for the default targets (A: rank x in, B: out x rank on each
-    wrapped linear, the TP-split side divided by TP): an upper bound within a few percent."""
-    h, d = arch.hidden_size, arch.kv_channels
-    qkv_out = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * d
-    total = rank * (h + qkv_out // tp) + rank * (arch.num_attention_heads * d // tp + h)
-    if arch.num_experts:
-        f = arch.moe_intermediate_size
-        total += (arch.num_experts // ep) * (rank * (h + 2 * f // tp) + rank * (f // tp + h))
-    else:
-        f = arch.intermediate_size
-        total += rank * (h + 2 * f // tp) + rank * (f // tp + h)
-    return total
-
-
-def adam_tensor_elements(params: RankParameters, layout: ModelLayout, distributed: bool = True) -> float:
-    """Elements of one Adam tensor (a moment, or the fp32 master copy) on one rank: every
-    trainable parameter's, sharded by the distributed optimizer over DP x CP (dense) and
-    expert-DP (experts)."""
-    if not distributed:
-        return float(params.trainable)
-    return params.dense_trainable / (layout.dp * layout.cp) + params.expert_trainable / layout.expert_dp
-
-
-def adam_tensors(dtype: str) -> int:
-    """Two moments, plus an fp32 master copy of a 16-bit model's weights."""
-    return 2 + (1 if BYTES[dtype] < 4 else 0)
-
-
-def optimizer_bytes(elements: float, dtype: str, offload_fraction: float) -> tuple[float, float]:
-    """(GPU bytes, host bytes) of the optimizer for `elements` (one Adam tensor's elements on the
-    rank, `adam_tensor_elements`) with `offload_fraction` of them offloaded (0 without offload):
-    the Adam tensors of the share kept on the GPU, `HOST_OFFLOAD_BYTES` per offloaded element."""
-    gpu = elements * (1.0 - offload_fraction) * adam_tensors(dtype) * 4
-    return gpu, elements * offload_fraction * HOST_OFFLOAD_BYTES
-
-
-def activation_bytes(
-    arch: Architecture,
-    layout: ModelLayout,
-    seq_len: int,
-    dtype: str,
-    recompute: RecomputeConfig,
-    value_model: bool,
-    stage: int = 0,
-) -> float:
-    """Activations kept for the backward pass of one micro-batch on one rank of stage `stage`
-    (an estimate: see the module docstring), times the micro-batches in flight at that stage
-    under 1F1B pipelining, plus the logits on the last stage."""
-    tp, cp, pp = layout.tp, layout.cp, layout.pp
-    moe = bool(arch.num_experts)
-    sp = tp > 1 and moe  # our builders use sequence parallelism with MoE
-    tokens = seq_len / cp
-    h, d, b = arch.hidden_size, arch.kv_channels, BYTES[dtype]
-    nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
-    replicated = 2 * h  # the two norms' inputs
-    attention = h + (nq + 2 * nkv) * d + 2 * nq * d  # QKV input, q/k/v, attention output and proj input
-    if moe:
-        k, f = arch.num_experts_per_tok, arch.moe_intermediate_size
-        mlp = h + k * (h + 3 * f) + 2 * arch.num_experts  # router in, routed copies, gate/up/product, logits
-    else:
-        mlp = h + 3 * arch.intermediate_size
-    core_attention = 2 * nq * d  # what selective recomputation drops
-    per_token = (replicated / (tp if sp else 1) + (attention + mlp) / tp) * b
-    full_layer = tokens * per_token
-    layers = arch.num_layers // pp + (1 if stage < arch.num_layers % pp else 0)
-    if recompute.granularity == "full":
-        n = recompute.num_layers
-        checkpoint = tokens * h * b / (tp if sp else 1)  # a recomputed unit keeps only its input
-        if recompute.method == "uniform":
-            units = -(-layers // n)
-            kept = units * checkpoint + min(n, layers) * full_layer  # one unit rebuilt at a time
-        else:  # block: the first n layers of the stage are recomputed
-            recomputed = min(n, layers)
-            kept = recomputed * checkpoint + (layers - recomputed) * full_layer + full_layer
-    elif recompute.granularity == "selective":
-        kept = layers * (full_layer - tokens * core_attention * b / tp)
-    else:
-        kept = layers * full_layer
-    in_flight = pp - stage if pp > 1 else 1
-    total = kept * in_flight
-    if stage == pp - 1 and not value_model:
-        total += tokens * arch.vocab_size / tp * LOGITS_PER_LOGIT * b + LOGPROB_CHUNK_BYTES
-    return total
-
-
 @dataclass
-class GpuMemory:
-    """One GPU of one role, in GiB."""
+class Peak:
+    """One moment of a GPU's memory: its name (steady, start-up, resume), when it happens, and
+    what is resident then (GiB)."""
 
-    role: str
-    where: str  # the config section, for messages
+    name: str
+    moment: str
     parts: dict[str, float]
-    host_gib: float = 0.0  # offloaded optimizer state (and its gradient copy), in host memory
 
     @property
     def total(self) -> float:
         return sum(self.parts.values())
+
+
+@dataclass
+class GpuMemory:
+    """One GPU of one role, in GiB: the steady state of a step (`parts`) and its other peaks."""
+
+    role: str
+    where: str  # the config section, for messages
+    parts: dict[str, float]
+    host_gib: float = 0.0  # offloaded optimizer state and gradient copies in host memory, steady, per rank
+    peaks: list[Peak] = field(default_factory=list)  # start-up and resume (training roles)
+    host: HostMemory | None = None  # bytes, per rank, under optimizer.cpu_offload
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def all_peaks(self) -> list[Peak]:
+        return [Peak("steady", "a training step", self.parts), *self.peaks]
+
+    def largest(self) -> Peak:
+        return max(self.all_peaks(), key=lambda peak: peak.total)
+
+
+def communicators(resolved: ResolvedConfig, role: str, layout: ModelLayout) -> list[str]:
+    """The NCCL communicators one GPU of `role` uses (groups of more than one rank)."""
+    names = []
+    if layout.dp * layout.cp > 1:
+        names.append("data-parallel")
+    if layout.ep > 1 and layout.expert_dp > 1:
+        names.append("expert data-parallel")
+    for size, name in ((layout.ep, "expert all-to-all"), (layout.tp, "tensor-parallel"),
+                       (layout.cp, "context-parallel"), (layout.pp, "pipeline")):  # fmt: skip
+        if size > 1:
+            names.append(name)
+    if role == "policy" and resolved.inference.weight_update == "nccl" and resolved.deployment.inference_gpus:
+        names.append("weight broadcast")
+    return names
 
 
 def _training_gpu(resolved: ResolvedConfig, role: str) -> GpuMemory:
@@ -258,31 +178,81 @@ def _training_gpu(resolved: ResolvedConfig, role: str) -> GpuMemory:
             resolved.layout.critic,
         )
         value_model, freeze, lora, where = True, value.freeze_attention, value.lora, "value.model"  # fmt: skip
+    fraction = optimizer.offload_fraction if optimizer.cpu_offload else 0.0
+    distributed = optimizer.distributed_optimizer
+    nccl = NCCL_GIB_PER_COMMUNICATOR * len(communicators(resolved, role, layout))
+    fixed = {"cuda_context": CUDA_CONTEXT_GIB, "fragmentation": FRAGMENTATION_GIB, "nccl": nccl}
     worst: GpuMemory | None = None  # the fuller of the first and last pipeline stage
     for stage in sorted({0, layout.pp - 1}):
         params = rank_parameters(
             arch, layout, value_model=value_model, freeze_attention=freeze,
             lora_rank=lora.rank if lora else None, stage=stage,
         )  # fmt: skip
-        elements = adam_tensor_elements(params, layout, optimizer.distributed_optimizer)
-        fraction = optimizer.offload_fraction if optimizer.cpu_offload else 0.0
+        elements = adam_tensor_elements(params, layout, distributed)
         on_gpu, on_host = optimizer_bytes(elements, model.dtype, fraction)
-        weights = params.total * BYTES[model.dtype] / GIB
+        size = BYTES[model.dtype]
+        weights = params.total * size / GIB
+        activations = activation_bytes(arch, layout, model.seq_len, model.dtype, model.recompute, value_model, stage)
+        chunk = LOGPROB_CHUNK_BYTES if stage == layout.pp - 1 and not value_model else 0.0
         parts = {
             "weights": weights,
             "gradients": params.trainable * 4 / GIB,
             "optimizer": on_gpu / GIB,
-            "activations": activation_bytes(arch, layout, model.seq_len, model.dtype, model.recompute, value_model, stage) / GIB,
-            "overhead": OVERHEAD_GIB,
-        }  # fmt: skip
-        if role == "policy" and resolved.algorithm.kl_coef > 0:
+            "activations": (activations - chunk) / GIB,
+        }
+        if chunk:
+            parts["logprob_chunk"] = chunk / GIB
+        reference = role == "policy" and resolved.algorithm.kl_coef > 0
+        if reference:
             parts["reference"] = weights  # the frozen initial policy, same layout and dtype
         if role == "policy" and resolved.algorithm.routing_replay != "off":
             parts["routes"] = routes_bytes(resolved) / GIB
-        gpu = GpuMemory(role, where, parts, host_gib=on_host / GIB)
-        if worst is None or gpu.total > worst.total:
+        parts.update(fixed)
+        tensors = rank_tensors(arch, layout, value_model, freeze, lora.rank if lora else None, stage, distributed)
+        peaks = [
+            _start_up_peak(params, size, distributed, fraction, parts, fixed, reference),
+            _resume_peak(parts, tensors, fraction, elements, optimizer.cpu_offload),
+        ]
+        host = offloaded_host_memory(tensors, size, fraction) if optimizer.cpu_offload else None
+        host_gib = sum(host.steady.values()) / GIB if host else on_host / GIB  # pinned rounding included
+        gpu = GpuMemory(role, where, parts, host_gib=host_gib, peaks=peaks, host=host)
+        if worst is None or gpu.largest().total > worst.largest().total:
             worst = gpu
     return worst
+
+
+def _start_up_peak(params: RankParameters, size: int, distributed: bool, fraction: float, steady: dict,
+                   fixed: dict, reference: bool) -> Peak:  # fmt: skip
+    """The largest moment of building DDP (dense buffers, then expert buffers), the optimizer,
+    then the KL reference (module docstring)."""
+    weights = params.total * size / GIB
+    new_copy = size / GIB if distributed else 0.0  # the distributed optimizer re-maps the weights
+    dense, expert = params.dense_trainable, params.expert_trainable
+    moments = [
+        Peak("start-up", "DDP builds the dense buffers", {
+            "weights": weights, "new_dense_weights": dense * new_copy, "dense_gradients": dense * 4 / GIB, **fixed}),
+        Peak("start-up", "DDP builds the expert buffers", {
+            "weights": weights, "new_expert_weights": expert * new_copy, "gradients": params.trainable * 4 / GIB,
+            **fixed}),
+    ]  # fmt: skip
+    building = {"weights": weights, "gradients": steady["gradients"], "optimizer": steady["optimizer"]}
+    if 0.0 < fraction < 1.0:  # the first hybrid optimizer's fp32 copies of the GPU share, of full parameters
+        building["first_optimizer_copies"] = params.trainable * (1.0 - fraction) * 4 / GIB
+    moments.append(Peak("start-up", "the optimizer is built", {**building, **fixed}))
+    if reference:
+        resident = {k: steady[k] for k in ("weights", "gradients", "optimizer")}
+        moments.append(Peak("start-up", "the KL reference is built", {**resident, "reference": steady["reference"], **fixed}))  # fmt: skip
+    return max(moments, key=lambda peak: peak.total)
+
+
+def _resume_peak(steady: dict, tensors: list[ShardTensor], fraction: float, elements: float, offload: bool) -> Peak:
+    """A checkpoint load before the first step (module docstring)."""
+    parts = {k: v for k, v in steady.items() if k not in ("activations", "logprob_chunk", "routes")}
+    if offload and fraction < 1.0:
+        # trainer/optimizer.py's state initialisation: one zero fp32 gradient buffer per device, as
+        # large as the largest parameter stepped there (a whole tensor: most lie in one rank's range)
+        parts["state_init_gradient"] = max(t.elements for t in tensors) * 4 / GIB
+    return Peak("resume", "a checkpoint is loaded", parts)
 
 
 def route_bytes_per_token(arch: Architecture) -> int:
@@ -309,10 +279,17 @@ def _inference_gpu(resolved: ResolvedConfig) -> GpuMemory:
     budget = resolved.deployment.gpu_memory_gib * inference.gpu_memory_utilization
     weights = single.total * 2 / inference.tp / GIB  # vLLM serves 16-bit weights, split by its TP
     kv = budget - weights - VLLM_RESERVE_GIB
-    return GpuMemory(
-        "inference", "inference",
-        {"weights": weights, "kv_cache": max(kv, 0.0), "reserve": VLLM_RESERVE_GIB},
-    )  # fmt: skip
+    parts = {"weights": weights, "kv_cache": max(kv, 0.0), "reserve": VLLM_RESERVE_GIB}
+    # vLLM's start-up (its profile run) stays within gpu_memory_utilization; a weight update
+    # receives one decoder layer at a time (policy/publish/) beside it, over its own communicator
+    # under weight_update nccl, both outside vLLM's share of the GPU.
+    layer = sum(count for count, _ in layer_parameters(arch, 1, 1).values()) * 2 / inference.tp / GIB
+    update = {**parts, "update_layer": layer}
+    if inference.weight_update == "nccl":
+        update["nccl"] = NCCL_GIB_PER_COMMUNICATOR
+    peaks = [Peak("start-up", "vLLM starts (within gpu_memory_utilization)", parts),
+             Peak("weight update", "a new policy version is received", update)]  # fmt: skip
+    return GpuMemory("inference", "inference", parts, peaks=peaks)
 
 
 def kv_bytes_per_token(arch: Architecture, tp: int) -> float:
@@ -331,8 +308,31 @@ def memory_plan(resolved: ResolvedConfig) -> list[GpuMemory]:
     return plan
 
 
+def node_host_memory(resolved: ResolvedConfig, plan: list[GpuMemory]) -> list[tuple[str, float, dict[str, int]]]:
+    """Per kind of node: (name, host GiB at its largest moment, training ranks by role), summing
+    each rank's offloaded-optimizer host memory over the training ranks the node holds."""
+    host = {gpu.role: gpu.host for gpu in plan if gpu.host is not None}
+    if not host:
+        return []
+    deployment, style = resolved.deployment, resolved.layout.deployment_style
+    shared = deployment.num_value_gpus_per_train_node if style == "shared" else 0
+    nodes = [("policy node", {"policy": min(deployment.policy_gpus, deployment.gpus_per_node - shared), "critic": shared})]
+    if style == "dedicated":
+        nodes.append(("critic node", {"critic": min(resolved.layout.value_gpus, deployment.gpus_per_node)}))
+    out = []
+    for name, ranks in nodes:
+        moments = {}
+        for moment in ("steady", "start_up", "resume"):
+            moments[moment] = sum(
+                count * sum(getattr(host[role], moment).values()) for role, count in ranks.items() if role in host
+            )
+        out.append((name, max(moments.values()) / GIB, {r: c for r, c in ranks.items() if c and r in host}))
+    return out
+
+
 def check_fits(resolved: ResolvedConfig, plan: list[GpuMemory]) -> list[str]:
-    """Errors for GPUs the plan overfills (CUDA deployments only)."""
+    """Errors for GPUs the plan overfills at their largest peak, and for nodes whose host memory
+    the offloaded optimizers overfill (CUDA deployments only)."""
     if resolved.deployment.device != "cuda":
         return []
     budget = resolved.deployment.gpu_memory_gib
@@ -349,12 +349,21 @@ def check_fits(resolved: ResolvedConfig, plan: list[GpuMemory]) -> list[str]:
                     f"gpu_memory_utilization {resolved.inference.gpu_memory_utilization} of "
                     f"{budget:g} GiB; one {longest}-token sequence needs {need:.2f} GiB: raise inference.tp"
                 )
+            peak = gpu.largest()
+            if peak.total > budget:
+                parts = ", ".join(f"{k} {v:.1f}" for k, v in peak.parts.items())
+                errors.append(
+                    f"inference: the {peak.name} peak (when {peak.moment}) needs about {peak.total:.1f} GiB per GPU "
+                    f"({parts} GiB), more than deployment.gpu_memory_gib = {budget:g}: lower "
+                    f"inference.gpu_memory_utilization ({resolved.inference.gpu_memory_utilization})"
+                )
             continue
-        if gpu.total <= budget:
+        peak = gpu.largest()
+        if peak.total <= budget:
             continue
-        over = gpu.total - budget
+        over = peak.total - budget
         prefix = "value." if gpu.role == "critic" else ""
-        parts = ", ".join(f"{k} {v:.1f}" for k, v in gpu.parts.items())
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in peak.parts.items())
         fixes = []
         model = resolved.value.model if gpu.role == "critic" else resolved.model
         optimizer = resolved.value.optimizer if gpu.role == "critic" else resolved.optimizer
@@ -362,40 +371,67 @@ def check_fits(resolved: ResolvedConfig, plan: list[GpuMemory]) -> list[str]:
             fixes.append(
                 f"{prefix}optimizer.cpu_offload: true (offload_fraction 1 moves {gpu.parts['optimizer']:.1f} GiB to the host)"
             )
-        if model.recompute.granularity != "full":
+        if peak.name == "steady" and model.recompute.granularity != "full":
             fixes.append(f"{prefix}model.recompute {{granularity: full, method: uniform, num_layers: 1}}")
         fixes.append("more GPUs for this model (its ep, tp or pp) to split the weights")
+        what = "" if peak.name == "steady" else f"'s {peak.name} peak (when {peak.moment})"
         errors.append(
-            f"{gpu.where}: the {gpu.role} needs about {gpu.total:.1f} GiB per GPU ({parts} GiB), "
+            f"{gpu.where}: the {gpu.role}{what} needs about {peak.total:.1f} GiB per GPU ({parts} GiB), "
             f"{over:.1f} GiB more than deployment.gpu_memory_gib = {budget:g}; "
             + (f"the optimizer state is already offloaded at offload_fraction {optimizer.offload_fraction:g}; "
                if optimizer.cpu_offload else "")
             + "options: " + "; ".join(fixes)
         )  # fmt: skip
+    host_budget = resolved.deployment.host_memory_gib
+    for name, need, ranks in node_host_memory(resolved, plan):
+        if need > host_budget:
+            each = ", ".join(f"{count} {role} ranks" for role, count in ranks.items())
+            errors.append(
+                f"deployment.host_memory_gib: a {name} needs about {need:.0f} GiB of host memory for the offloaded "
+                f"optimizer state of its {each} (pinned allocations rounded to powers of two), more than "
+                f"deployment.host_memory_gib = {host_budget:g}; options: a lower optimizer.offload_fraction, "
+                "more nodes for the training ranks, or deployment.host_memory_gib if the nodes have more"
+            )
     return errors
 
 
+COLUMNS = ["weights", "reference", "routes", "gradients", "optimizer", "activations", "logprob_chunk",
+           "cuda_context", "fragmentation", "nccl", "kv_cache", "reserve"]  # fmt: skip
+
+
 def format_plan(resolved: ResolvedConfig, plan: list[GpuMemory]) -> str:
-    """The plan as a table, in GiB per GPU."""
+    """The plan as tables, in GiB per GPU: the steady state by part, then every training GPU's
+    steady, start-up and resume peaks (with the parts of the two latter), then host memory."""
     budget = resolved.deployment.gpu_memory_gib
-    columns = [
-        "weights",
-        "reference",
-        "routes",
-        "gradients",
-        "optimizer",
-        "activations",
-        "overhead",
-        "kv_cache",
-        "reserve",
-    ]
     lines = [
         f"memory plan (GiB per GPU; budget deployment.gpu_memory_gib = {budget:g}"
         + ("" if resolved.deployment.device == "cuda" else "; deployment.device cpu: not checked")
         + ")",
-        f"{'role':<10}" + "".join(f"{c:>12}" for c in columns) + f"{'total':>10}{'host':>8}",
+        f"{'role':<10}" + "".join(f"{c:>14}" for c in COLUMNS) + f"{'total':>10}{'host':>8}",
     ]
     for gpu in plan:
-        cells = "".join(f"{gpu.parts[c]:>12.2f}" if c in gpu.parts else f"{'-':>12}" for c in columns)
+        cells = "".join(f"{gpu.parts[c]:>14.2f}" if c in gpu.parts else f"{'-':>14}" for c in COLUMNS)
         lines.append(f"{gpu.role:<10}{cells}{gpu.total:>10.2f}{gpu.host_gib:>8.1f}")
+    lines.append(f"peaks (GiB per GPU; the largest must fit in {budget:g})")
+    lines.append(f"{'role':<10}{'steady':>10}{'start-up':>10}{'resume':>10}  largest (GiB)")
+    for gpu in plan:
+        if not gpu.peaks:
+            continue
+        by_name = {peak.name: peak for peak in gpu.all_peaks()}
+        cells = "".join(f"{by_name[n].total:>10.2f}" if n in by_name else f"{'-':>10}" for n in ("steady", "start-up", "resume"))  # fmt: skip
+        largest = gpu.largest()
+        lines.append(f"{gpu.role:<10}{cells}  {largest.name} {largest.total:.2f}")
+        for peak in gpu.peaks:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in peak.parts.items())
+            lines.append(f"  {gpu.role} {peak.name} (when {peak.moment}): {parts}")
+    for gpu in plan:
+        if gpu.host is not None:
+            moments = {"steady": gpu.host.steady, "start-up": gpu.host.start_up, "resume": gpu.host.resume}
+            lines.append(f"  {gpu.role} host per rank (GiB): " + "; ".join(
+                f"{moment} {sum(parts.values()) / GIB:.1f} (" + ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items()) + ")"
+                for moment, parts in moments.items()))  # fmt: skip
+    for name, need, ranks in node_host_memory(resolved, plan):
+        each = ", ".join(f"{count} {role}" for role, count in ranks.items())
+        lines.append(f"host memory of a {name} ({each} ranks): {need:.0f} GiB at its largest "
+                     f"(budget deployment.host_memory_gib = {resolved.deployment.host_memory_gib:g})")  # fmt: skip
     return "\n".join(lines)

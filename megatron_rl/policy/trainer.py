@@ -44,9 +44,10 @@ def build_policy_model(resolved: ResolvedConfig, layout: ModelLayout) -> torch.n
 
 
 def build_reference(model: torch.nn.Module, layout: ModelLayout, resolved: ResolvedConfig) -> torch.nn.Module:
-    """The frozen reference policy for `algorithm.kl_coef`: the initial weights (taken from the
-    freshly initialised `model` before any checkpoint is resumed, so a resumed run keeps the
-    same reference), same layout, no gradients, eval mode."""
+    """The frozen reference policy for `algorithm.kl_coef`: the initial weights (taken from
+    `model` before any checkpoint is resumed or any step taken, so a resumed run keeps the same
+    reference), same layout, no gradients, eval mode. `model` may already be wrapped by DDP (its
+    weights are then views into DDP's buffer): the reference copies them into weights of its own."""
     reference = build_policy_model(resolved, layout)
     reference.load_state_dict(model.state_dict())
     reference.requires_grad_(False)
@@ -78,7 +79,12 @@ class PolicyTrainer(RoleTrainer):
         attach_routing(model, self.resolved.algorithm.routing_replay, arch.num_layers, arch.num_experts_per_tok)
         return model
 
-    def prepare_model(self) -> None:
+    def after_optimizer(self) -> None:
+        """The KL reference, built once DDP and the optimizer exist: DDP allocates a new
+        parameter and fp32 gradient buffer before it frees the old weights, and a reference
+        already resident then would add its weights to that peak (on the 30B REINFORCE++
+        example: 146.5 GiB of tensors, 152.5 with the memory plan's allowances, on a 140.4 GiB
+        GPU; config/memory_plan.py plans this order)."""
         kl = self.resolved.algorithm.kl_coef > 0
         self.reference = build_reference(self.model, self.layout, self.resolved) if kl else None
 

@@ -3,8 +3,11 @@
 `RoleTrainer.__init__` is collective over the role's ranks and does, in this order: the process
 groups of the role's layout (with the lost-rank watchdog), the model (`build_model`), its initial
 weights (`model.checkpoint` / `value.model.checkpoint`), what the role does to the model before
-its optimizer exists (`prepare_model`: the KL reference, LoRA, freezing), megatron DDP with the
-optimizer and scheduler. Then:
+its optimizer exists (`prepare_model`: LoRA, freezing), megatron DDP with the optimizer and
+scheduler, a garbage collection (megatron builds its hybrid offload optimizer twice, and the first
+one, kept alive by a reference cycle, holds an fp32 host copy of every offloaded parameter), and
+what the role builds once the optimizer exists (`after_optimizer`: the KL reference, which must
+not be resident while DDP allocates its buffers; see config/memory_plan.py). Then:
 
     resume()          the checkpoint of `resume_step()` (model, optimizer, scheduler, RNG, step)
                       and the role's own extras (`restore_extra`); sets `loaded`
@@ -21,6 +24,7 @@ weights and exports snapshots; the critic serves /score between steps).
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 from abc import ABC, abstractmethod
@@ -74,6 +78,12 @@ class RoleTrainer(ABC):
         self.trainable = build_trainable(
             self.model, optimizer_config, total_steps=total_optimizer_steps, head_pattern=head_pattern
         )
+        # Under cpu_offload megatron first builds a hybrid optimizer over the full parameters,
+        # then replaces it by one over the shards; its step hooks close over it, so only the
+        # cyclic collector frees the first one and its fp32 host copies (4 B per offloaded
+        # element). Collect now, before the first step allocates the Adam moments.
+        gc.collect()
+        self.after_optimizer()
         self.checkpoint_dir = Path(checkpoint_dir)
         self.metrics_path = Path(resolved.logging.dir) / f"{self.role}_metrics.jsonl"
         if self.is_rank0:
@@ -87,7 +97,11 @@ class RoleTrainer(ABC):
         """The role's model at `self.layout` (collective: every rank of the role calls it)."""
 
     def prepare_model(self) -> None:  # noqa: B027  (an optional hook)
-        """After the initial weights, before the optimizer (nothing by default)."""
+        """After the initial weights, before DDP and the optimizer (nothing by default)."""
+
+    def after_optimizer(self) -> None:  # noqa: B027  (an optional hook)
+        """After DDP and the optimizer exist, before any resume (nothing by default): what must
+        not be on the GPU while DDP builds its parameter and gradient buffers."""
 
     def checkpoint_extra(self, step: int) -> dict:
         """The role's own state saved with checkpoint `step` (besides model and optimizer)."""

@@ -1,6 +1,8 @@
 """check-config's memory plan: the 30B examples fit only with the seed's options, a layout that
-cannot fit is refused with the numbers and the fixes, every example config prints a plan; the
-offloaded optimizer's host share includes the pinned gradient copy; the KL reference model."""
+cannot fit is refused with the numbers and the fixes, every example config prints a plan with its
+steady, start-up and resume peaks; the offloaded optimizer's host share includes the pinned
+gradient copy, rounded as torch's pinned allocator rounds it, summed per node; the KL reference
+model and the REINFORCE++ example's start-up peak."""
 
 from __future__ import annotations
 
@@ -9,8 +11,12 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import ConfigError, ModelLayout, load_config
+from megatron_rl.config.host_memory import ShardTensor, offloaded_host_memory, pinned_bytes
 from megatron_rl.config.memory_plan import (
+    CUDA_CONTEXT_GIB,
+    FRAGMENTATION_GIB,
     GIB,
+    NCCL_GIB_PER_COMMUNICATOR,
     adam_tensor_elements,
     format_plan,
     memory_plan,
@@ -37,7 +43,7 @@ def test_30b_example_fits_only_with_the_optimizer_offloaded():
     # EP=2 on 2 GPUs: about 16.0B parameters per GPU in bf16, fp32 gradients, the optimizer on the host.
     assert policy.parts["weights"] * GIB / 2 == pytest.approx(16.04e9, rel=0.01)
     assert policy.parts["gradients"] == pytest.approx(2 * policy.parts["weights"])
-    assert policy.parts["optimizer"] == 0 and policy.host_gib > 150
+    assert policy.parts["optimizer"] == 0 and policy.host_gib > 200
     assert policy.total < 140.4 and plan["critic"].total < 140.4
     with pytest.raises(ConfigError) as refused:
         load_config(SAO_30B, ["optimizer.cpu_offload=false", "value.optimizer.cpu_offload=false"])
@@ -69,11 +75,18 @@ def test_offload_moves_the_optimizer_to_the_host_and_adds_the_gradient_copy(role
     # bf16: an fp32 master and two moments per element on the GPU without offload ...
     assert plans[0.0].parts["optimizer"] * GIB == pytest.approx(12 * elements)
     assert plans[0.0].host_gib == 0
-    # ... and on the host with it, plus the pinned fp32 gradient copy (before: 12 B, not 16)
+    # ... and on the host with it, plus the pinned fp32 gradient copy (before: 12 B, not 16), which
+    # torch's pinned allocator rounds up to a power of two (and the cached 16-bit staging copies)
     assert plans[1.0].parts["optimizer"] == 0
-    assert plans[1.0].host_gib * GIB == pytest.approx(16 * elements)
+    host = plans[1.0].host.steady
+    assert host["masters"] + host["moments"] == pytest.approx(12 * elements)
+    assert 4 * elements < host["pinned_gradients"] < 8 * elements
+    assert plans[1.0].host_gib * GIB == pytest.approx(sum(host.values()))
     assert plans[0.5].parts["optimizer"] * GIB == pytest.approx(6 * elements)
-    assert plans[0.5].host_gib * GIB == pytest.approx(8 * elements)
+    half = plans[0.5].host.steady
+    assert half["masters"] + half["moments"] + half["pinned_gradients"] == pytest.approx(
+        0.5 * (host["masters"] + host["moments"] + host["pinned_gradients"])
+    )
 
 
 def test_a_kl_reference_model_is_a_second_copy_of_the_policy_weights():
@@ -83,10 +96,11 @@ def test_a_kl_reference_model_is_a_second_copy_of_the_policy_weights():
     assert "reference" not in without.parts
     assert with_kl.parts["reference"] == with_kl.parts["weights"] == without.parts["weights"]
     assert with_kl.total == pytest.approx(without.total + without.parts["weights"])
-    # 138.9 GiB: it fits the H200's 140.4 GiB since the log-prob kernel's logits cost 4 B, not 10.
-    assert with_kl.total == pytest.approx(138.86, abs=0.01)
+    # 139.9 GiB: it fits the H200's 140.4 GiB since the log-prob kernel's logits cost 4 B, not 10
+    # (with 1 GiB of CUDA context, 2 of fragmentation and 3 NCCL communicators: DP, EP, weight broadcast).
+    assert with_kl.total == pytest.approx(139.86, abs=0.01)
     load_config(grpo, ["algorithm.kl_coef=0.05"])
-    refused = r"the policy needs about 138\.\d GiB per GPU \(weights 29\.9, .*reference 29\.9 GiB\)"
+    refused = r"the policy needs about 139\.\d GiB per GPU \(weights 29\.9, .*reference 29\.9, .*nccl 3\.0 GiB\)"
     with pytest.raises(ConfigError, match=refused):
         load_config(grpo, ["algorithm.kl_coef=0.05", "deployment.gpu_memory_gib=130"])
 
@@ -119,6 +133,7 @@ def test_check_config_prints_the_plan_for_every_example(example):
     result = run_cli("check-config", str(example))
     assert result.returncode == 0, result.stderr
     assert "memory plan (GiB per GPU" in result.stderr and "policy" in result.stderr
+    assert "peaks (GiB per GPU; the largest must fit in" in result.stderr
     assert result.stdout.lstrip().startswith("{")  # stdout stays the resolved JSON
 
 
@@ -139,3 +154,128 @@ def test_routing_replay_adds_the_routes_of_a_steps_share_of_tokens():
 def test_the_old_budget_key_is_refused_naming_the_new_one():
     with pytest.raises(ConfigError, match=r"deployment.gpu_memory_gb \(= 141\) is now deployment.gpu_memory_gib, in GiB"):
         load_config(SAO_30B, ["deployment.gpu_memory_gb=141"])
+
+
+REINFORCE_PP_30B = next(p for p in EXAMPLES if p.name == "qwen3_30b_a3b_reinforce_pp.yaml")
+FIXED_GIB = CUDA_CONTEXT_GIB + FRAGMENTATION_GIB  # per GPU, besides NCCL
+
+
+def peak_rows(stderr: str) -> dict[str, tuple[float | None, ...]]:
+    """check-config's peaks table: role -> (steady, start-up, resume) GiB (None: no such peak)."""
+    lines = stderr.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("peaks (GiB per GPU"))
+    rows = {}
+    for line in lines[start + 2 :]:
+        if line.startswith((" ", "host memory")):
+            continue
+        cells = line.split()
+        rows[cells[0]] = tuple(None if c == "-" else float(c) for c in cells[1:4])
+    return rows
+
+
+def test_reinforce_pp_30b_check_config_shows_its_start_up_peak_and_fits_it():
+    result = run_cli("check-config", str(REINFORCE_PP_30B))
+    assert result.returncode == 0, result.stderr
+    steady, start_up, resume = peak_rows(result.stderr)["policy"]
+    # By hand: Qwen3-30B-A3B at EP=2 on 2 GPUs, bf16, fp32 gradients, optimizer on the host.
+    experts = 48 * 64 * 3 * 2048 * 768  # per rank
+    dense = 48 * (2048 + 2048 * (32 + 8) * 128 + 32 * 128 * 2048 + 2048 + 2 * 128 + 128 * 2048) + 2 * 151936 * 2048 + 2048
+    weights, gradients = (experts + dense) * 2 / GIB, (experts + dense) * 4 / GIB
+    nccl = 3 * NCCL_GIB_PER_COMMUNICATOR  # data-parallel, expert all-to-all, weight broadcast
+    # The reference is built after DDP and the optimizer: the start-up peak is that moment ...
+    assert start_up == pytest.approx(2 * weights + gradients + FIXED_GIB + nccl, abs=0.01)
+    assert "policy start-up (when the KL reference is built)" in result.stderr
+    assert start_up <= 140.4 and steady <= 140.4 and resume <= 140.4
+    # ... where building it before DDP (the old order) peaked while DDP built the expert
+    # buffers, with the reference resident: over the H200's 140.4 GiB.
+    old_order = weights + experts * 2 / GIB + gradients + weights + FIXED_GIB + nccl
+    assert old_order == pytest.approx(152.5, abs=0.05) and old_order > 140.4
+    # resume: no activations yet; the state initialisation's one gradient buffer is on the host
+    # at offload fraction 1 (megatron's dummy_step put a gradient of every shard on the GPU: +28.4)
+    assert resume == pytest.approx(start_up, abs=0.01)
+    assert "policy resume (when a checkpoint is loaded): weights 29.87, gradients 59.74, optimizer 0.00, reference 29.87" in result.stderr
+
+
+def test_a_layout_over_its_start_up_peak_but_not_its_steady_state_is_refused_naming_the_peak():
+    roomy = {gpu.role: gpu for gpu in memory_plan(load_config(SAO_30B))}
+    policy = roomy["policy"]
+    start_up = next(peak for peak in policy.peaks if peak.name == "start-up")
+    assert policy.total < 115 < start_up.total  # the steady state fits 115 GiB, DDP's buffers do not
+    experts = 48 * 64 * 3 * 2048 * 768
+    assert start_up.parts["new_expert_weights"] == pytest.approx(experts * 2 / GIB)
+    assert start_up.total == pytest.approx(
+        policy.parts["weights"] + experts * 2 / GIB + policy.parts["gradients"] + FIXED_GIB + policy.parts["nccl"]
+    )
+    with pytest.raises(ConfigError) as refused:
+        load_config(SAO_30B, ["deployment.gpu_memory_gib=115"])
+    message = str(refused.value)
+    assert (
+        "model: the policy's start-up peak (when DDP builds the expert buffers) needs about 122.6 GiB per GPU "
+        "(weights 29.9, new_expert_weights 27.0, gradients 59.7," in message
+    )
+    assert "7.6 GiB more than deployment.gpu_memory_gib = 115" in message
+    assert "value.model: the critic's start-up peak (when DDP builds the expert buffers)" in message
+
+
+def test_resume_peak_adds_one_gradient_buffer_and_nothing_rebuilt():
+    resolved = load_config(SAO_30B, ["optimizer.offload_fraction=0.5", "deployment.gpu_memory_gib=1000"])
+    policy = memory_plan(resolved)[0]
+    resume = next(peak for peak in policy.peaks if peak.name == "resume")
+    arch, layout = resolved.layout.policy_architecture, resolved.layout.policy
+    elements = adam_tensor_elements(rank_parameters(arch, layout), layout)
+    # one fp32 zero gradient as large as the largest parameter stepped on the GPU: the embedding
+    assert resume.parts["state_init_gradient"] == pytest.approx(151936 * 2048 * 4 / GIB)
+    assert set(resume.parts) - set(policy.parts) == {"state_init_gradient"}  # the sub-optimizers are kept
+    assert elements > 0
+    assert "activations" not in resume.parts and "logprob_chunk" not in resume.parts
+    steady_without_step = policy.total - policy.parts["activations"] - policy.parts["logprob_chunk"]
+    extra = resume.parts["state_init_gradient"]
+    assert resume.total == pytest.approx(steady_without_step + extra)
+
+
+def test_pinned_allocations_round_up_to_powers_of_two():
+    assert [pinned_bytes(n) for n in (1, 4096, 4097, 12 << 20)] == [1, 4096, 8192, 16 << 20]
+    # An expert's fc1 of Qwen3-30B-A3B: 2 x 768 x 2048 elements; its pinned fp32 gradient is 12 MiB,
+    # taken as 16 MiB. A dense tensor of 1000 elements sharded over 2 ranks: 4000 B -> 4096, half each.
+    fc1, small = ShardTensor(2 * 768 * 2048, 1), ShardTensor(1000, 2)
+    host = offloaded_host_memory([fc1, small], dtype_bytes=2, fraction=1.0)
+    assert host.steady["pinned_gradients"] == (16 << 20) + 4096 / 2
+    assert host.steady["masters"] == 4 * (2 * 768 * 2048 + 500)  # pageable fp32 masters: exact
+    assert host.steady["moments"] == 8 * (2 * 768 * 2048 + 500)
+    assert host.steady["pinned_cache"] == (8 << 20) + 2048  # the dropped bf16 staging copies, one per class
+    # megatron's first optimizer (full tensors) and the second one's masters at start-up
+    assert host.start_up["first_optimizer_copies"] == 4 * (2 * 768 * 2048 + 1000)
+    assert set(host.resume) - set(host.steady) == {"state_init_gradient"}  # the masters are kept
+    assert host.resume["state_init_gradient"] == 4 * 2 * 768 * 2048  # one fp32 buffer, the largest tensor
+    with pytest.raises(ValueError, match="offload fraction must be within"):
+        offloaded_host_memory([fc1], dtype_bytes=2, fraction=1.5)
+
+
+def test_host_memory_is_summed_per_node_and_refused_naming_the_node_figure():
+    plan = {gpu.role: gpu for gpu in memory_plan(load_config(SAO_30B))}
+    policy, critic = plan["policy"].host, plan["critic"].host
+    # Every expert tensor of the policy rank whole (expert-DP 1): 48 x 64 x (16 + 8) MiB pinned.
+    assert policy.steady["pinned_gradients"] >= 48 * 64 * (24 << 20)
+    assert policy.steady["pinned_gradients"] > 1.3 * policy.steady["masters"]  # 16 B a element was 4 B of it
+    node = 2 * sum(policy.resume.values()) + 2 * sum(critic.resume.values())  # resume is the largest moment
+    result = run_cli("check-config", str(SAO_30B))
+    assert f"host memory of a policy node (2 policy, 2 critic ranks): {node / GIB:.0f} GiB" in result.stderr
+    assert node / GIB > 950  # the old 16 B per element said 892 GiB: pinned rounding adds about 84
+    with pytest.raises(ConfigError, match=rf"deployment.host_memory_gib: a policy node needs about {node / GIB:.0f} "
+                                          r"GiB of host memory .* 2 policy ranks, 2 critic ranks .* "
+                                          r"deployment.host_memory_gib = 900"):  # fmt: skip
+        load_config(SAO_30B, ["deployment.host_memory_gib=900"])
+
+
+def test_inference_plans_its_weight_update_beside_vllms_share():
+    result = run_cli("check-config", str(SAO_30B))
+    assert result.returncode == 0, result.stderr
+    steady, start_up, resume = peak_rows(result.stderr)["inference"]
+    assert steady == start_up and resume is None  # vLLM's start-up stays within its utilization
+    # one decoder layer of Qwen3-30B-A3B in bf16, split by inference.tp 2, and its communicator
+    layer = (2048 + 2048 * 40 * 128 + 32 * 128 * 2048 + 2048 + 2 * 128 + 128 * 2048 + 128 * 3 * 2048 * 768) * 2 / 2
+    update = steady + layer / GIB + NCCL_GIB_PER_COMMUNICATOR
+    assert f"{'inference':<10}{steady:>10.2f}{start_up:>10.2f}{'-':>10}  weight update {update:.2f}" in result.stderr
+    with pytest.raises(ConfigError, match=r"inference: the weight update peak \(when a new policy version is "
+                                          r"received\) needs about 140\.\d GiB .* lower inference.gpu_memory_utilization"):  # fmt: skip
+        load_config(SAO_30B, ["inference.gpu_memory_utilization=0.99"])

@@ -1,0 +1,229 @@
+"""What one rank of a model holds: its parameters (counts, and tensors as the optimizer shards
+them), the Adam state, the activations of one micro-batch. config/memory_plan.py's docstring says
+what is exact and what is estimated; it adds these up per GPU and moment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_rl.config.host_memory import ShardTensor
+from megatron_rl.config.layout import ModelLayout
+from megatron_rl.config.model import Architecture, RecomputeConfig
+
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Per offloaded optimizer element on the host: fp32 master 4, exp_avg 4, exp_avg_sq 4, and the
+# pinned fp32 gradient copy the hybrid optimizer keeps for the host step 4.
+HOST_OFFLOAD_BYTES = 16
+# The log-prob kernel (models/logprobs.py) keeps the logits (model dtype) and writes one gradient
+# of the same dtype; its fp32 temporaries are chunk-sized, at most 24 B per element of a chunk of
+# CHUNK_ELEMENTS (tests/distributed/test_logprobs.py; docs/gpu/review.md has the measurement).
+LOGITS_PER_LOGIT = 2  # the logits and their gradient, each in the model's dtype
+LOGPROB_CHUNK_ELEMENTS = 1 << 24  # models.logprobs.CHUNK_ELEMENTS (config imports nothing of ours)
+LOGPROB_CHUNK_BYTES_PER_ELEMENT = 24
+LOGPROB_CHUNK_BYTES = LOGPROB_CHUNK_BYTES_PER_ELEMENT * LOGPROB_CHUNK_ELEMENTS
+
+
+@dataclass(frozen=True)
+class RankParameters:
+    """Parameter counts on one rank: all of them and the trainable ones, dense and expert."""
+
+    dense: int
+    expert: int
+    dense_trainable: int
+    expert_trainable: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+    @property
+    def trainable(self) -> int:
+        return self.dense_trainable + self.expert_trainable
+
+
+def layer_parameters(arch: Architecture, tp: int, ep: int) -> dict[str, tuple[int, bool]]:
+    """One transformer layer's parameters on one rank: name -> (count, is_expert)."""
+    h, d = arch.hidden_size, arch.kv_channels
+    nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
+    parts = {
+        "input_layernorm": (h, False),
+        "self_attention.linear_qkv": (h * (nq + 2 * nkv) * d // tp, False),
+        "self_attention.linear_proj": (nq * d * h // tp, False),
+        "pre_mlp_layernorm": (h, False),
+    }
+    if arch.qk_norm:
+        parts["self_attention.q_layernorm"] = (d, False)
+        parts["self_attention.k_layernorm"] = (d, False)
+    if arch.num_experts:
+        f = arch.moe_intermediate_size
+        parts["mlp.router"] = (arch.num_experts * h, False)
+        parts["mlp.experts"] = ((arch.num_experts // ep) * 3 * h * f // tp, True)
+    else:
+        parts["mlp.linear_fc1"] = (h * 2 * arch.intermediate_size // tp, False)
+        parts["mlp.linear_fc2"] = (arch.intermediate_size * h // tp, False)
+    return parts
+
+
+def rank_parameters(
+    arch: Architecture,
+    layout: ModelLayout,
+    *,
+    value_model: bool = False,
+    freeze_attention: bool = False,
+    lora_rank: int | None = None,
+    stage: int = 0,
+) -> RankParameters:
+    """The parameters pipeline stage `stage` of a model holds on each of its ranks."""
+    tp, pp, ep = layout.tp, layout.pp, layout.ep
+    first, last = stage == 0, stage == pp - 1
+    layers = arch.num_layers // pp + (1 if stage < arch.num_layers % pp else 0)
+    dense = expert = dense_frozen = expert_frozen = 0
+    for name, (count, is_expert) in layer_parameters(arch, tp, ep).items():
+        frozen = freeze_attention and name.startswith("self_attention.")
+        if is_expert:
+            expert += count * layers
+            expert_frozen += count * layers if frozen else 0
+        else:
+            dense += count * layers
+            dense_frozen += count * layers if frozen else 0
+    embedding = arch.vocab_size // tp * arch.hidden_size
+    if first:
+        dense += embedding
+    if last:
+        dense += arch.hidden_size  # final_layernorm
+        if value_model:
+            dense += arch.hidden_size + 1  # value_head (weight and bias)
+        elif not (arch.tie_word_embeddings and first):
+            dense += embedding  # output_layer
+    if lora_rank is not None:  # adapters train, the backbone does not (the value head does)
+        head = arch.hidden_size + 1 if value_model and last else 0
+        adapters = _lora_parameters(arch, tp, ep, lora_rank) * layers
+        return RankParameters(dense + adapters, expert, adapters + head, 0)
+    return RankParameters(dense, expert, dense - dense_frozen, expert - expert_frozen)
+
+
+def _lora_parameters(arch: Architecture, tp: int, ep: int, rank: int) -> int:
+    """Adapter parameters per layer for the default targets (A: rank x in, B: out x rank on each
+    wrapped linear, the TP-split side divided by TP): an upper bound within a few percent."""
+    h, d = arch.hidden_size, arch.kv_channels
+    qkv_out = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * d
+    total = rank * (h + qkv_out // tp) + rank * (arch.num_attention_heads * d // tp + h)
+    if arch.num_experts:
+        f = arch.moe_intermediate_size
+        total += (arch.num_experts // ep) * (rank * (h + 2 * f // tp) + rank * (f // tp + h))
+    else:
+        f = arch.intermediate_size
+        total += rank * (h + 2 * f // tp) + rank * (f // tp + h)
+    return total
+
+
+def adam_tensor_elements(params: RankParameters, layout: ModelLayout, distributed: bool = True) -> float:
+    """Elements of one Adam tensor (a moment, or the fp32 master copy) on one rank: every
+    trainable parameter's, sharded by the distributed optimizer over DP x CP (dense) and
+    expert-DP (experts)."""
+    if not distributed:
+        return float(params.trainable)
+    return params.dense_trainable / (layout.dp * layout.cp) + params.expert_trainable / layout.expert_dp
+
+
+def adam_tensors(dtype: str) -> int:
+    """Two moments, plus an fp32 master copy of a 16-bit model's weights."""
+    return 2 + (1 if BYTES[dtype] < 4 else 0)
+
+
+def optimizer_bytes(elements: float, dtype: str, offload_fraction: float) -> tuple[float, float]:
+    """(GPU bytes, host bytes) of the optimizer for `elements` (one Adam tensor's elements on the
+    rank, `adam_tensor_elements`) with `offload_fraction` of them offloaded (0 without offload):
+    the Adam tensors of the share kept on the GPU, `HOST_OFFLOAD_BYTES` per offloaded element."""
+    gpu = elements * (1.0 - offload_fraction) * adam_tensors(dtype) * 4
+    return gpu, elements * offload_fraction * HOST_OFFLOAD_BYTES
+
+
+def activation_bytes(
+    arch: Architecture,
+    layout: ModelLayout,
+    seq_len: int,
+    dtype: str,
+    recompute: RecomputeConfig,
+    value_model: bool,
+    stage: int = 0,
+) -> float:
+    """Activations kept for the backward pass of one micro-batch on one rank of stage `stage`
+    (an estimate: see the module docstring), times the micro-batches in flight at that stage
+    under 1F1B pipelining, plus the logits on the last stage."""
+    tp, cp, pp = layout.tp, layout.cp, layout.pp
+    moe = bool(arch.num_experts)
+    sp = tp > 1 and moe  # our builders use sequence parallelism with MoE
+    tokens = seq_len / cp
+    h, d, b = arch.hidden_size, arch.kv_channels, BYTES[dtype]
+    nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
+    replicated = 2 * h  # the two norms' inputs
+    attention = h + (nq + 2 * nkv) * d + 2 * nq * d  # QKV input, q/k/v, attention output and proj input
+    if moe:
+        k, f = arch.num_experts_per_tok, arch.moe_intermediate_size
+        mlp = h + k * (h + 3 * f) + 2 * arch.num_experts  # router in, routed copies, gate/up/product, logits
+    else:
+        mlp = h + 3 * arch.intermediate_size
+    core_attention = 2 * nq * d  # what selective recomputation drops
+    per_token = (replicated / (tp if sp else 1) + (attention + mlp) / tp) * b
+    full_layer = tokens * per_token
+    layers = arch.num_layers // pp + (1 if stage < arch.num_layers % pp else 0)
+    if recompute.granularity == "full":
+        n = recompute.num_layers
+        checkpoint = tokens * h * b / (tp if sp else 1)  # a recomputed unit keeps only its input
+        if recompute.method == "uniform":
+            units = -(-layers // n)
+            kept = units * checkpoint + min(n, layers) * full_layer  # one unit rebuilt at a time
+        else:  # block: the first n layers of the stage are recomputed
+            recomputed = min(n, layers)
+            kept = recomputed * checkpoint + (layers - recomputed) * full_layer + full_layer
+    elif recompute.granularity == "selective":
+        kept = layers * (full_layer - tokens * core_attention * b / tp)
+    else:
+        kept = layers * full_layer
+    in_flight = pp - stage if pp > 1 else 1
+    total = kept * in_flight
+    if stage == pp - 1 and not value_model:
+        total += tokens * arch.vocab_size / tp * LOGITS_PER_LOGIT * b + LOGPROB_CHUNK_BYTES
+    return total
+
+
+def layer_tensors(arch: Architecture, tp: int, ep: int) -> list[tuple[str, int, bool]]:
+    """One transformer layer's parameter tensors on one rank, (name, elements, is_expert), the
+    experts' one tensor per expert and linear (megatron's SequentialMLP and TEGroupedMLP)."""
+    parts = layer_parameters(arch, tp, ep)
+    tensors = [(name, count, False) for name, (count, is_expert) in parts.items() if not is_expert]
+    if arch.num_experts:
+        h, f = arch.hidden_size, arch.moe_intermediate_size
+        tensors += [("mlp.experts.linear_fc1", 2 * f * h // tp, True), ("mlp.experts.linear_fc2", f * h // tp, True)] * (arch.num_experts // ep)  # fmt: skip
+    return tensors
+
+
+def rank_tensors(arch: Architecture, layout: ModelLayout, value_model: bool, freeze_attention: bool,
+                 lora_rank: int | None, stage: int, distributed: bool) -> list[ShardTensor]:  # fmt: skip
+    """The trainable tensors of pipeline stage `stage` on one rank, each with the ranks the
+    distributed optimizer shards it over (DP x CP dense, expert-DP experts; 1 without it)."""
+    dense_shards = layout.dp * layout.cp if distributed else 1
+    expert_shards = layout.expert_dp if distributed else 1
+    layers = arch.num_layers // layout.pp + (1 if stage < arch.num_layers % layout.pp else 0)
+    h, tp = arch.hidden_size, layout.tp
+    last = stage == layout.pp - 1
+    if lora_rank is not None:  # adapters A (rank x in) and B (out x rank) of the wrapped linears
+        qkv_out = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.kv_channels
+        per_layer = [lora_rank * h, qkv_out // tp * lora_rank, lora_rank * arch.num_attention_heads * arch.kv_channels // tp, h * lora_rank]  # fmt: skip
+        f = arch.moe_intermediate_size if arch.num_experts else arch.intermediate_size
+        mlp = [lora_rank * h, 2 * f // tp * lora_rank, lora_rank * f // tp, h * lora_rank]
+        per_layer += mlp * ((arch.num_experts // layout.ep) if arch.num_experts else 1)
+        head = [h, 1] if value_model and last else []
+        return [ShardTensor(n, dense_shards) for n in per_layer * layers + head]
+    out = [
+        ShardTensor(elements, expert_shards if is_expert else dense_shards)
+        for name, elements, is_expert in layer_tensors(arch, tp, layout.ep) * layers
+        if not (freeze_attention and name.startswith("self_attention."))  # as rank_parameters freezes
+    ]
+    embedding = arch.vocab_size // tp * h
+    extra = [embedding] if stage == 0 else []
+    if last:
+        extra.append(h)
+        extra += [h, 1] if value_model else ([] if arch.tie_word_embeddings and stage == 0 else [embedding])
+    return out + [ShardTensor(n, dense_shards) for n in extra]
