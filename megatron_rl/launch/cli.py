@@ -8,6 +8,7 @@ import logging
 import sys
 
 from megatron_rl.config import ConfigError, ResolvedConfig, load_config, load_resolved
+from megatron_rl.launch.preflight import REGISTRY as PREFLIGHT_CHECKS
 
 
 def configure_logging(resolved: ResolvedConfig) -> None:
@@ -213,6 +214,41 @@ def _slurm(args: argparse.Namespace) -> int:
         return 2
 
 
+def _preflight(args: argparse.Namespace) -> int:
+    from megatron_rl.launch.preflight import context_for, run_checks
+
+    if args.list:
+        for check in PREFLIGHT_CHECKS:
+            print(f"{check.name:<13} {check.limit_s:>3} s  {check.shows}")
+        return 0
+    if args.config is None:
+        print("preflight: give a config file (or --list)", file=sys.stderr)
+        return 2
+    try:
+        resolved = load_config(args.config, args.set)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    if args.slurm:
+        from pathlib import Path
+
+        from megatron_rl.launch.preflight import sbatch
+        from megatron_rl.launch.slurm import SlurmError
+
+        try:
+            script = sbatch.render(resolved, Path(args.config), args.set, args.partition, args.time)
+        except SlurmError as exc:
+            print(str(exc), file=sys.stderr)
+            return 2
+        return sbatch.write_and_submit(resolved, script, args.out, args.submit)
+    context = context_for(resolved, cpu=args.cpu, inference_url=args.inference_url)
+    print(f"preflight of {args.config} on {context.backend} ({'CUDA' if context.cuda else 'CPU: the gloo twins'})")
+    results = run_checks(context, args.only, echo=lambda line: print(line, flush=True))
+    failed = [r.name for r in results if r.status == "FAIL"]
+    print(f"{len(results) - len(failed)} of {len(results)} checks did not fail" + (f"; FAIL: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
 def _job_step(args: argparse.Namespace) -> int:
     from megatron_rl.launch import job_steps
 
@@ -327,6 +363,29 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("--partition", default=None)
     slurm.add_argument("--time", default=None, help="SLURM time limit, e.g. 24:00:00")
     slurm.set_defaults(func=_slurm)
+    preflight = commands.add_parser(
+        "preflight",
+        help="check this allocation before a long job: versions, TE, ports, memory, collectives over the layout's "
+        "groups, a forward/backward of the layer spec, a weight update into vLLM; one PASS/FAIL/NOT RUN line each, "
+        "exit 1 on any FAIL",
+    )
+    preflight.add_argument("config", nargs="?", help="a YAML config file")
+    _add_set(preflight)
+    preflight.add_argument("--cpu", action="store_true", help="the gloo twins on the CPU even where CUDA is present")
+    preflight.add_argument("--only", nargs="+", metavar="CHECK", choices=[check.name for check in PREFLIGHT_CHECKS],
+                           help="run these checks only (--list names them)")  # fmt: skip
+    preflight.add_argument("--list", action="store_true", help="the checks, their limits and what each shows")
+    preflight.add_argument(
+        "--inference-url", default=None, metavar="URL",
+        help="a running vLLM server of the config's model (http://HOST:PORT) for the weight-update check",
+    )  # fmt: skip
+    preflight.add_argument("--slurm", action="store_true", help="render an sbatch script that runs preflight on "
+                           "every node of the config's allocation (LOGGING_DIR/preflight.sbatch)")  # fmt: skip
+    preflight.add_argument("--out", help="with --slurm: write the script here")
+    preflight.add_argument("--submit", action="store_true", help="with --slurm: sbatch the script")
+    preflight.add_argument("--partition", default=None, help="with --slurm")
+    preflight.add_argument("--time", default=None, help="with --slurm: SLURM time limit")
+    preflight.set_defaults(func=_preflight)
     for name, text in [("inference-server", "one vLLM server of the config (a SLURM job step; execs vLLM)"),
                        ("router", "vllm-router over the config's servers (a SLURM job step; execs the router)"),
                        ("wait-inference", "wait until every inference server serves the model")]:  # fmt: skip

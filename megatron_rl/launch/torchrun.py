@@ -19,19 +19,56 @@ launcher's re-probe (`megatron_rl.launch.ports.lost_port`) still applies.
 
 from __future__ import annotations
 
+import datetime
+import inspect
 import sys
 
+import torch
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
-from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
-    StaticTCPRendezvous,
-    create_rdzv_handler,
-)
 from torch.distributed.run import parse_args, run
 
 from megatron_rl.transport.weight_buckets import listening_socket
 
+TESTED_TORCH = "2.13"  # the torch whose private rendezvous class this module was tested with
+try:  # torch's private module: where it moved or changed, say so instead of a bare ImportError
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
+        StaticTCPRendezvous,
+        create_rdzv_handler,
+    )
+except ImportError as exc:
+    raise ImportError(
+        f"megatron_rl.launch.torchrun subclasses torch's private StaticTCPRendezvous "
+        f"(torch.distributed.elastic.rendezvous.static_tcp_rendezvous), which torch {torch.__version__} does not "
+        f"provide as expected ({exc}); it is written against torch {TESTED_TORCH}"
+    ) from exc
+
 BACKEND = "megatron-rl-static"
+# What BoundStaticRendezvous relies on in torch's private class (tested with this torch).
+RENDEZVOUS_PARAMETERS = ["master_addr", "master_port", "rank", "world_size", "run_id", "timeout"]
+
+
+def check_rendezvous_api() -> str | None:
+    """None when torch's StaticTCPRendezvous still has what BoundStaticRendezvous uses (its
+    constructor's parameters, the attributes they set, `_store` unset until the first rendezvous,
+    `next_rendezvous`), else what differs, naming the torch version."""
+    problems = []
+    parameters = list(inspect.signature(StaticTCPRendezvous.__init__).parameters)[1:]
+    if parameters != RENDEZVOUS_PARAMETERS:
+        problems.append(f"its constructor takes {parameters}, expected {RENDEZVOUS_PARAMETERS}")
+    else:
+        probe = StaticTCPRendezvous("127.0.0.1", 1, 0, 1, "probe", 1)  # sets attributes, connects nothing
+        absent = [name for name in [*RENDEZVOUS_PARAMETERS, "_store"] if not hasattr(probe, name)]
+        if absent:
+            problems.append(f"it lacks the attributes {absent}")
+        elif probe._store is not None or not isinstance(probe.timeout, datetime.timedelta):
+            problems.append("its _store is set before the first rendezvous or its timeout is not a timedelta")
+    if not callable(getattr(StaticTCPRendezvous, "next_rendezvous", None)):
+        problems.append("it has no next_rendezvous")
+    if not problems:
+        return None
+    return (f"torch {torch.__version__}: the private StaticTCPRendezvous that megatron_rl.launch.torchrun "
+            f"subclasses changed ({'; '.join(problems)}); it is written against torch {TESTED_TORCH}")  # fmt: skip
 
 
 class BoundStaticRendezvous(StaticTCPRendezvous):
@@ -76,6 +113,9 @@ def bound_args(argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> None:
+    problem = check_rendezvous_api()
+    if problem is not None:
+        raise SystemExit(problem)
     rendezvous_handler_registry.register(BACKEND, create_bound_handler)
     run(bound_args(sys.argv[1:] if argv is None else argv))
 

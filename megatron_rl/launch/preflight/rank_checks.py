@@ -1,0 +1,348 @@
+"""The checks that need ranks of a process group, run in processes of their own on this host
+(forked from a forkserver that imported megatron-core once; NCCL with CUDA, gloo on the CPU):
+
+- collectives: for the policy's and the critic's layout, world-size ranks and megatron's groups of
+  that layout (tp, cp, pp, ep, dp, expert dp, and the whole world); on each group all-reduce,
+  all-to-all and broadcast with the data checked, and the all-reduce bus bandwidth in GB/s
+  (the bytes each rank moves, 2(n-1)/n of the payload, over the time) beside the GPU's nominal
+  NVLink figure (`NOMINAL_LINK_GBPS`); below `MIN_LINK_FRACTION` of it is a FAIL. On the
+  gloo twin the figure is printed, not judged.
+- layer_step: one forward/backward of the configured architecture trimmed to one layer, on the
+  layer spec the builder picks here (TE where its torch extension imports), for each role.
+- weight_update: policy rank 0's broadcast (`BroadcastPublisher`, the path of
+  `inference.weight_update: nccl`) of the config's initial weights into one running vLLM server,
+  keeping the version the server reports; the server must report it again afterwards.
+
+Results come back as JSON files (no pickle across processes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from megatron_rl.config import ModelLayout
+from megatron_rl.launch.preflight.base import CheckFailed, Context, NotRun
+
+# One direction of NVLink per GPU, GB/s (NVLink 3: A100; 4: H100/H200; 5: B200), by device name.
+NOMINAL_LINK_GBPS = {"A100": 300.0, "H100": 450.0, "H200": 450.0, "H20": 450.0, "B200": 900.0, "GB200": 900.0}
+MIN_LINK_FRACTION = 0.2  # below this the group is not on the link it should be (PCIe, sockets)
+PAYLOAD_BYTES = {"nccl": 256 << 20, "gloo": 4 << 20}
+PRELOAD = [
+    "megatron_rl.compat",
+    "megatron.core.parallel_state",
+    "megatron.core.models.gpt",
+    "megatron_rl.parallel",
+]
+
+
+def spawn_ranks(target, world_size: int, args: tuple, limit_s: float) -> list[dict]:
+    """`target(rank, world_size, *args) -> dict` on `world_size` fresh ranks of a group; the
+    results in rank order. Raises CheckFailed naming the rank that failed or ran past `limit_s`."""
+    import torch.multiprocessing as mp
+
+    from megatron_rl.parallel import free_port
+
+    mp.set_forkserver_preload(PRELOAD)
+    context = mp.get_context("forkserver")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out:
+        processes = [context.Process(target=_rank_main, args=(target, rank, world_size, port, out, args))
+                     for rank in range(world_size)]  # fmt: skip
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + limit_s
+        for process in processes:
+            process.join(max(deadline - time.monotonic(), 0))
+        late = [rank for rank, p in enumerate(processes) if p.exitcode is None]
+        for process in processes:
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+        results = []
+        for rank in range(world_size):
+            path = Path(out) / f"rank{rank}.json"
+            record = json.loads(path.read_text()) if path.exists() else None
+            if record is not None and "error" in record:
+                raise CheckFailed(f"rank {rank}: {record['error']}")
+            if record is None:
+                why = (
+                    f"ran past {limit_s:g} s"
+                    if rank in late
+                    else f"exited {processes[rank].exitcode} without a result"
+                )
+                raise CheckFailed(f"rank {rank} of {world_size} {why}")
+            results.append(record["result"])
+    return results
+
+
+def _rank_main(target, rank: int, world_size: int, port: int, out: str, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))  # fmt: skip
+    import megatron_rl.compat  # noqa: F401  (before megatron-core)
+
+    from megatron_rl import parallel
+
+    path = Path(out) / f"rank{rank}.json"
+    try:
+        parallel.initialize_distributed(timeout_s=120)
+        record = {"result": target(rank, world_size, *args)}
+        parallel.finished()
+    except Exception as exc:  # noqa: BLE001  (the parent reports it as the check's FAIL)
+        record = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+    finally:
+        parallel.destroy()
+    path.write_text(json.dumps(record))
+
+
+def _roles(context: Context) -> list[tuple[str, ModelLayout]]:
+    layout = context.resolved.layout
+    return [("policy", layout.policy)] + ([("critic", layout.critic)] if layout.critic is not None else [])
+
+
+def _fits_here(context: Context, world_size: int, role: str) -> None:
+    if context.cuda:
+        import torch
+
+        if world_size > torch.cuda.device_count():
+            raise NotRun(f"the {role} needs {world_size} GPUs, this host has {torch.cuda.device_count()} "
+                         f"(run it on the allocation: --slurm)")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# collectives
+
+
+def _groups() -> dict[str, object]:
+    from megatron.core import parallel_state as ps
+
+    return {"world": None, "tp": ps.get_tensor_model_parallel_group(), "cp": ps.get_context_parallel_group(),
+            "pp": ps.get_pipeline_model_parallel_group(), "dp": ps.get_data_parallel_group(),
+            "ep": ps.get_expert_model_parallel_group(), "expert_dp": ps.get_expert_data_parallel_group()}  # fmt: skip
+
+
+def collectives_rank(rank: int, world_size: int, layout: dict, payload_bytes: int) -> dict:
+    """On every group of `layout`: all-reduce, all-to-all and broadcast checked against what the
+    ranks sent, and the all-reduce's bus bandwidth; {group: figures} (every rank the same)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rl import parallel
+
+    parallel.initialize_model_parallel(tp=layout["tp"], cp=layout["cp"], pp=layout["pp"], ep=layout["ep"])
+    device = parallel.collective_device()
+    out = {}
+    for name, group in _groups().items():
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
+        n = len(ranks)
+        me = ranks.index(rank)
+        summed = torch.full((4,), float(rank + 1), device=device)
+        dist.all_reduce(summed, group=group)
+        if summed.tolist() != [float(sum(r + 1 for r in ranks))] * 4:
+            raise CheckFailed(f"all-reduce on {name} {ranks} gave {summed.tolist()}")
+        sent = torch.arange(n, dtype=torch.float32, device=device) + 1000 * rank
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=group)
+        if received.tolist() != [float(me + 1000 * r) for r in ranks]:
+            raise CheckFailed(f"all-to-all on {name} {ranks} gave {received.tolist()}")
+        value = torch.full((4,), float(rank + 7), device=device)
+        dist.broadcast(value, src=ranks[0], group=group)
+        if value.tolist() != [float(ranks[0] + 7)] * 4:
+            raise CheckFailed(f"broadcast on {name} {ranks} gave {value.tolist()}")
+        out[name] = {"ranks": n, "bus_gbps": _bus_gbps(group, n, payload_bytes, device)}
+    return out
+
+
+def _bus_gbps(group, n: int, payload_bytes: int, device) -> float | None:
+    """All-reduce bus bandwidth in GB/s (None for one rank: nothing crosses a link)."""
+    import torch
+    import torch.distributed as dist
+
+    if n == 1:
+        return None
+    tensor = torch.ones(payload_bytes // 4, dtype=torch.float32, device=device)
+    dist.all_reduce(tensor, group=group)  # warm-up (NCCL builds its rings on the first call)
+    iterations = 5
+    _synchronize(device)
+    began = time.perf_counter()
+    for _ in range(iterations):
+        dist.all_reduce(tensor, group=group)
+    _synchronize(device)
+    seconds = (time.perf_counter() - began) / iterations
+    return payload_bytes * 2 * (n - 1) / n / seconds / 1e9
+
+
+def _synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def nominal_link_gbps() -> tuple[str, float | None]:
+    """(device name, its NVLink figure or None when the table does not know it)."""
+    import torch
+
+    name = torch.cuda.get_device_name(0)
+    known = [key for key in NOMINAL_LINK_GBPS if key in name.split()]
+    return name, NOMINAL_LINK_GBPS[known[0]] if known else None
+
+
+def check_collectives(context: Context) -> str:
+    _config_device_here(context)
+    lines, problems = [], []
+    device, nominal = nominal_link_gbps() if context.cuda else ("cpu", None)
+    for role, layout in _roles(context):
+        _fits_here(context, layout.world_size, role)
+        [figures, *_] = spawn_ranks(collectives_rank, layout.world_size,
+                                    (layout.model_dump(), PAYLOAD_BYTES[context.backend]), limit_s=120)  # fmt: skip
+        cells = []
+        for name, f in figures.items():
+            if f["bus_gbps"] is None:
+                cells.append(f"{name} x{f['ranks']}")
+                continue
+            cell = f"{name} x{f['ranks']} {f['bus_gbps']:.2f} GB/s"
+            if nominal is not None:
+                ratio = f["bus_gbps"] / nominal
+                cell += f" ({ratio:.0%} of {nominal:g})"
+                if ratio < MIN_LINK_FRACTION:
+                    problems.append(f"{role} {name} group: {f['bus_gbps']:.1f} GB/s is below {MIN_LINK_FRACTION:.0%} "
+                                    f"of {device}'s NVLink {nominal:g} GB/s")  # fmt: skip
+            cells.append(cell)
+        lines.append(
+            f"{role} ({layout.world_size} rank{'s' if layout.world_size > 1 else ''}): " + ", ".join(cells)
+        )
+    if problems:
+        raise CheckFailed("; ".join(problems))
+    note = "" if context.cuda else " (gloo: bandwidth not judged)"
+    if context.cuda and nominal is None:
+        note = f" ({device}: no nominal link figure in the table, not judged)"
+    return f"all-reduce, all-to-all, broadcast on {context.backend}: " + "; ".join(lines) + note
+
+
+def _config_device_here(context: Context) -> None:
+    if context.resolved.deployment.device == "cuda" and not context.cuda:
+        raise CheckFailed("deployment.device is cuda but this host has no CUDA device for torch "
+                          "(--cpu runs the gloo twins)")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# one forward/backward of the layer spec
+
+
+def layer_step_rank(rank: int, world_size: int, architecture: dict, dtype: str, critic: bool) -> dict:
+    """Forward and backward of the architecture trimmed to one layer on a packed row of random
+    tokens: the spec used, the loss, finite gradients on every parameter."""
+    import numpy as np
+    import torch
+
+    from megatron_rl import compat, parallel
+    from megatron_rl.config import Architecture
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.data.types import TrainingSample
+    from megatron_rl.models.attention import packed_seq_params
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
+    from megatron_rl.models.value_model import build_value_model
+    from megatron_rl.policy.loss import policy_batch
+
+    parallel.initialize_model_parallel()
+    arch = Architecture.model_validate({**architecture, "num_layers": 1})
+    torch.manual_seed(0)
+    model = (
+        build_value_model(arch, dtype=dtype, head_init_std=0.02)
+        if critic
+        else build_gpt_model(arch, dtype=dtype)
+    )
+    tokens = 64
+    rng = np.random.default_rng(0)
+    sample = TrainingSample(token_ids=rng.integers(0, arch.vocab_size, tokens), loss_mask=np.ones(tokens, dtype=bool),
+                            inference_logprobs=np.zeros(tokens), reward=0.0)  # fmt: skip
+    batch = policy_batch(pack_into_grid([sample], tokens, 1)[0][0])
+    began = time.perf_counter()
+    output = model(batch.input_ids, batch.position_ids, attention_mask=None,
+                   packed_seq_params=packed_seq_params(batch.cu_seqlens, batch.total_tokens))  # fmt: skip
+    loss = (
+        output.float().square().mean()
+        if critic
+        else megatron_vocab_parallel_logprobs(output[0], batch.targets)[0].sum()
+    )
+    loss.backward()
+    seconds = time.perf_counter() - began
+    bad = [
+        n
+        for n, p in model.named_parameters()
+        if p.requires_grad and (p.grad is None or not p.grad.isfinite().all())
+    ]
+    if not math.isfinite(loss.item()) or bad:
+        raise CheckFailed(f"loss {loss.item()}, gradients missing or not finite for {bad[:3]}")
+    return {"spec": "te" if compat.MACHINE.transformer_engine else "local", "loss": loss.item(), "seconds": seconds,
+            "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
+
+
+def check_layer_step(context: Context) -> str:
+    _config_device_here(context)
+    resolved, cells = context.resolved, []
+    roles = [("policy", resolved.layout.policy_architecture, resolved.model.dtype)]
+    if resolved.value is not None and resolved.layout.critic_architecture is not None:
+        roles.append(("critic", resolved.layout.critic_architecture, resolved.value.model.dtype))
+    for role, arch, dtype in roles:
+        [f] = spawn_ranks(layer_step_rank, 1, (arch.model_dump(), dtype, role == "critic"), limit_s=120)
+        cells.append(f"{role} 1 of {arch.num_layers} layers ({f['spec']} spec, {dtype}, {f['parameters']:,} "
+                     f"parameters): loss {f['loss']:.4g}, {f['seconds']:.2f} s")  # fmt: skip
+    return "; ".join(cells)
+
+
+# ---------------------------------------------------------------------------------------------
+# a weight update into one vLLM server
+
+
+def weight_update_rank(rank: int, world_size: int, url: str, architecture: dict, dtype: str,
+                       checkpoint: str | None, host: str, port: int, backend: str) -> dict:  # fmt: skip
+    """Policy rank 0 alone broadcasts the config's initial weights (in the policy's `dtype`) into
+    the server at `url` under the version it reports; the tensors, bytes, seconds and the version."""
+    from megatron_rl import parallel
+    from megatron_rl.config import Architecture
+    from megatron_rl.inference.vllm_control import VllmControl
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.policy.publish.broadcast import BroadcastPublisher
+    from megatron_rl.trainer.weights import load_initial_weights
+
+    parallel.initialize_model_parallel()
+    arch = Architecture.model_validate(architecture)
+    model = build_gpt_model(arch, dtype=dtype)
+    loaded = load_initial_weights(model, checkpoint, arch)
+    control = VllmControl(url, timeout_s=120)
+    version = control.weights_version()
+    publisher = BroadcastPublisher(arch, [control], host, port, backend=backend, timeout_s=120)
+    publisher.connect()
+    began = time.perf_counter()
+    sent = publisher.publish(model, version=version)
+    seconds = time.perf_counter() - began
+    publisher.close()
+    after = control.weights_version()
+    if after != version:
+        raise CheckFailed(f"{url} reports version {after} after the update, expected {version}")
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"tensors": sent, "bytes": size, "seconds": seconds, "version": version, "loaded": loaded}
+
+
+def check_weight_update(context: Context) -> str:
+    resolved = context.resolved
+    if context.inference_url is None:
+        raise NotRun("needs a running vLLM server of this config's model (--inference-url http://HOST:PORT)")
+    if not resolved.model.checkpoint:
+        raise NotRun("model.checkpoint is not set: there are no initial weights to push")
+    [f] = spawn_ranks(weight_update_rank, 1, (
+        context.inference_url, resolved.layout.policy_architecture.model_dump(), resolved.model.dtype,
+        resolved.model.checkpoint, resolved.layout.weight_broadcast_host, resolved.inference.weight_broadcast_port,
+        context.backend,
+    ), limit_s=240)  # fmt: skip
+    return (f"{f['tensors']} tensors, {f['bytes'] / 2**20:.1f} MiB from policy rank 0 into {context.inference_url} "
+            f"on {context.backend} in {f['seconds']:.2f} s ({f['bytes'] / f['seconds'] / 1e9:.2f} GB/s), version "
+            f"{f['version']} kept")  # fmt: skip
