@@ -18,7 +18,17 @@ import pytest
 from megatron_rl.config import Architecture
 from tests.gpu.check import NO_CUDA, NO_TORCH
 from tests.gpu.check import main as check_main
-from tests.gpu.checks import CPU_LIMIT_S, DEFAULT_BUDGET_S, LIMIT_S, REGISTRY, model_flops
+from tests.gpu.checks import (
+    CPU_LIMIT_S,
+    DEFAULT_BUDGET_S,
+    LIMIT_S,
+    MULTI_GPU,
+    MULTI_GPU_BUDGET_S,
+    MULTI_GPU_REGISTRY,
+    REGISTRY,
+    SHARED,
+    model_flops,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,12 +98,17 @@ def test_checks_run_at_toy_sizes_on_cpu(tmp_path):
     report = json.loads(out.read_text())
     status = {r["check"]: r["status"] for r in report["checks"]}
     assert status == {
-        "nccl": "PASS", "te_spec": "NOT RUN", "bf16_policy": "PASS", "bf16_critic": "PASS",
+        "versions": "PASS", "te_extension": "NOT RUN", "memory": "PASS", "collectives": "PASS", "layer_step": "PASS",
+        "nccl": "PASS", "compile": "PASS", "te_spec": "NOT RUN", "bf16_policy": "PASS", "bf16_critic": "PASS",
         "offload": "PASS", "policy_process": "PASS", "critic_process": "PASS", "vllm": "NOT RUN",
-        "te_checkpoints": "NOT RUN", "throughput": "PASS",
+        "te_checkpoints": "NOT RUN", "throughput": "PASS", "multi_train_step": "NOT RUN",
+        "multi_weight_broadcast": "NOT RUN", "multi_expert_all_to_all": "NOT RUN",
     }  # fmt: skip
     checks = {r["check"]: r for r in report["checks"]}
     assert "CUDA" in checks["te_spec"]["detail"] and "CUDA" in checks["te_checkpoints"]["detail"]
+    # preflight's checks (megatron_rl/launch/preflight), run by the driver on the tiny config
+    assert "on gloo: policy (1 rank)" in checks["collectives"]["figures"]["preflight"]
+    assert "policy 1 of 2 layers (local spec" in checks["layer_step"]["figures"]["preflight"]
     offload = checks["offload"]["figures"]
     assert offload["gpu_fp32_masters_offload_1.0"] == 0 and offload["max_bf16_ulps_snapshot_offload_vs_not"] <= 2
     assert checks["critic_process"]["figures"]["head_only"] == [True, False]
@@ -101,6 +116,11 @@ def test_checks_run_at_toy_sizes_on_cpu(tmp_path):
     assert policy["loss_bf16"][1] < policy["loss_bf16"][0] and policy["mean_abs_output_diff"] < 0.02
     assert [row["tokens"] for row in checks["throughput"]["figures"]["rows"]] == [64, 128]
     assert checks["policy_process"]["figures"]["steps"] == [0, 1]
+    # the fusion as the builder configures it on CPU (off): no graph; forced on in test_multi_gpu_twins.py
+    compile_figures = checks["compile"]["figures"]
+    assert compile_figures["bias_activation_fusion"] is False and compile_figures["graphs_per_step"][-1] == 0
+    assert compile_figures["new_lengths_in_steady_steps"] > 0
+    assert all(checks[name]["detail"].startswith("needs 2 GPUs, found 0 (--cpu)") for name in MULTI_GPU)
     assert report["mode"] == "cpu-smoke" and "toy sizes on CPU" in proc.stdout
 
 
@@ -113,12 +133,34 @@ def test_a_spent_budget_starts_no_check(tmp_path):
     assert record["status"] == "NOT RUN" and "time budget" in record["detail"]
 
 
+def test_the_gpu_registry_takes_preflight_checks_from_preflight_registry():
+    from megatron_rl.launch.preflight import REGISTRY as PREFLIGHT
+
+    shared = [(c.name, c.limit_s, c.shows) for c in PREFLIGHT if c.name in SHARED]
+    assert [(c.name, c.limit_s, c.shows) for c in REGISTRY[: len(SHARED)]] == shared and len(shared) == len(SHARED)
+
+
 def test_the_default_run_starts_every_check_within_8_minutes():
     # Each check gets its whole limit: the limits add up to the default budget at most (before:
     # 1,230 s of limits in a 420 s budget), and the budget leaves the driver 30 s of 8 minutes.
-    assert sum(LIMIT_S.values()) <= DEFAULT_BUDGET_S <= 8 * 60 - 30
-    assert len({check.name for check in REGISTRY}) == len(REGISTRY)
-    assert all(check.limit_s > 0 and check.shows for check in REGISTRY)
+    assert sum(check.limit_s for check in REGISTRY) <= DEFAULT_BUDGET_S <= 8 * 60 - 30
+    # The multi-GPU checks have a budget of their own, spent only with >= 2 GPUs.
+    assert sum(check.limit_s for check in MULTI_GPU_REGISTRY) <= MULTI_GPU_BUDGET_S
+    every = REGISTRY + MULTI_GPU_REGISTRY
+    assert len({check.name for check in every}) == len(every) == len(LIMIT_S)
+    assert all(check.limit_s > 0 and check.shows for check in every)
+
+
+def test_multi_gpu_checks_are_not_run_without_two_gpus_and_spend_no_budget(tmp_path):
+    out = tmp_path / "gpu.json"
+    args = ["--cpu", "--budget-s", "0", "--only", *MULTI_GPU, "--out", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.check", *args], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads(out.read_text())["checks"]
+    assert [r["check"] for r in records] == MULTI_GPU
+    for record in records:  # the reason, not the spent budget of the one-GPU checks
+        assert record["status"] == "NOT RUN" and record["detail"].startswith("needs 2 GPUs, found 0"), record
+        assert "test_multi_gpu_twins.py" in record["detail"]
 
 
 def test_a_check_whose_limit_no_longer_fits_is_not_run_and_says_why(tmp_path):

@@ -10,7 +10,9 @@ unless the caller asks to skip (--allow-no-gpu, or MEGATRON_RL_GPU_CHECKS=skip):
 "SKIPPED ... no CUDA device ... nothing checked" and exits 0. Without torch it exits 4 (NO_TORCH),
 skip or not. Otherwise 1 when a check FAILs, else 0.
 
-Each check runs in its own process (a crash, a hang or CUDA's out-of-memory in one leaves the
+preflight's own checks (`megatron-rl preflight`, tests/gpu/checks.py `SHARED`) come first, run in
+this process on the tiny config (each spawns the ranks it needs and bounds them itself). Each other
+check runs in its own process (a crash, a hang or CUDA's out-of-memory in one leaves the
 others their say; with CUDA a fresh interpreter, on CPU a fork of a forkserver that imported
 torch, megatron-core and the checks once) on one rank (NCCL on CUDA, gloo on CPU) and reports PASS, FAIL, NOT RUN (with
 why: no TransformerEngine, no vLLM, no CUDA, or not started because its time limit no longer fit
@@ -18,9 +20,13 @@ in the budget) or BELOW GOAL (the throughput goal); FAIL makes the exit status 1
 started only when its whole limit (tests/gpu/checks.py `REGISTRY`) fits in what is left of the
 budget, and is killed (FAIL "timed out") only when it overruns its own limit. The default budget,
 450 s, is at least the sum of the limits, so the default run starts every check and ends within
-8 minutes. The record goes to benchmarks/results/gpu.json (CUDA) or --out. The checks, with their
-criteria, are in tests/gpu/checks.py (in this process) and tests/gpu/process_checks.py (the
-policy, critic and vLLM processes). On CPU (--cpu) the offload check runs megatron's hybrid
+8 minutes. The multi-GPU checks (tests/gpu/multi_gpu.py: MULTI_GPU_REGISTRY) run last, only
+where torch sees >= 2 GPUs (else NOT RUN, "needs 2 GPUs, found N", nothing started), each
+spawning its NCCL ranks, within a budget of their own (MULTI_GPU_BUDGET_S) spent only where they
+run. The record goes to benchmarks/results/gpu.json (CUDA) or --out. The checks, with their
+criteria, are in tests/gpu/checks.py (in this process), tests/gpu/process_checks.py (the
+policy, critic and vLLM processes), tests/gpu/compile_check.py (cold-start compile, review defect
+5) and tests/gpu/multi_gpu.py. On CPU (--cpu) the offload check runs megatron's hybrid
 optimizer with its host copies emulated (tests/support/host_offload.py).
 """
 
@@ -38,17 +44,24 @@ import time
 import traceback
 from pathlib import Path
 
-from tests.gpu import checks, process_checks
+from tests.gpu import checks, compile_check, multi_gpu, process_checks
 from tests.gpu.checks import (
     CHECKS,
     CPU_LIMIT_S,
     DEFAULT_BUDGET_S,
     LIMIT_S,
     MFU_GOAL,
+    MULTI_GPU,
+    MULTI_GPU_BUDGET_S,
+    MULTI_GPU_REGISTRY,
     REGISTRY,
+    SHARED,
     NotRun,
     preflight,
+    run_shared,
 )
+
+CHECK_MODULES = [checks, process_checks, compile_check, multi_gpu]  # where check_NAME is defined
 
 ROOT = Path(__file__).resolve().parents[2]
 # Exit codes besides 0 (every check run passed) and 1 (a check failed); argparse's own is 2.
@@ -58,14 +71,18 @@ SKIP_ENV = "MEGATRON_RL_GPU_CHECKS"  # =skip: no CUDA device is a SKIPPED run, e
 
 
 def run_one(name: str, cpu: bool, result: Path) -> None:
+    if name in SHARED:
+        result.write_text(json.dumps(run_shared(name, cpu), indent=2))
+        return
     began = time.perf_counter()
     record: dict = {"check": name}
     try:
         preflight(name, cpu)
         import megatron_rl.compat  # noqa: F401
 
-        checks.init()
-        check = getattr(checks, f"check_{name}", None) or getattr(process_checks, f"check_{name}")
+        if name not in MULTI_GPU:  # those spawn ranks of their own
+            checks.init()
+        [check] = [getattr(m, f"check_{name}") for m in CHECK_MODULES if hasattr(m, f"check_{name}")]
         record.update(status="PASS", figures=check(cpu))
         if name == "throughput" and not cpu:
             best = max(r["mfu"] for r in record["figures"]["rows"])
@@ -119,6 +136,11 @@ def run_check(name: str, cpu: bool, limit: float, tmp: Path) -> dict:
     result = tmp / f"{name}.json"
     print(f"[gpu check] {name} ...", flush=True)
     began = time.perf_counter()
+    if name in SHARED:  # preflight's checks: each bounds the ranks it spawns itself
+        record = run_shared(name, cpu)
+        if record["status"] == "FAIL":
+            print(record["detail"], file=sys.stderr)
+        return record
     if cpu:
         code, output = _run_cpu_check(name, result, limit)
     else:
@@ -203,9 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         run_one(args.run_one, args.cpu, args.result)
         return 0
     if args.list:
-        for check in REGISTRY:
-            print(f"{check.name:<15} {check.limit_s:>4} s  {check.shows}")
-        print(f"default budget {DEFAULT_BUDGET_S} s; the limits add up to {sum(LIMIT_S.values())} s")
+        for check in REGISTRY + MULTI_GPU_REGISTRY:
+            print(f"{check.name:<24} {check.limit_s:>4} s  {check.shows}")
+        print(f"default budget {DEFAULT_BUDGET_S} s; the one-GPU limits add up to "
+              f"{sum(c.limit_s for c in REGISTRY)} s. The multi-GPU checks ({', '.join(MULTI_GPU)}) run only "
+              f"with >= {multi_gpu.MIN_GPUS} GPUs, within a budget of their own, {MULTI_GPU_BUDGET_S} s; their "
+              f"limits add up to {sum(c.limit_s for c in MULTI_GPU_REGISTRY)} s")  # fmt: skip
         return 0
 
     try:
@@ -226,10 +251,25 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.budget_s if args.budget_s is not None else (float("inf") if args.cpu else DEFAULT_BUDGET_S)
     began = time.monotonic()
     records = []
+    multi_reason = multi_gpu.not_run_reason(args.cpu)
+    multi_spent = 0.0  # the multi-GPU checks' own budget, spent only where they run
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.only or CHECKS:
+        for name in [n for n in CHECKS if n in (args.only or CHECKS)]:
             limit = CPU_LIMIT_S if args.cpu else LIMIT_S[name]
-            left = budget - (time.monotonic() - began)
+            if name in MULTI_GPU:
+                if multi_reason is not None:
+                    records.append({"check": name, "status": "NOT RUN", "detail": multi_reason})
+                    continue
+                left = MULTI_GPU_BUDGET_S - multi_spent
+                if left < limit:
+                    records.append({"check": name, "status": "NOT RUN",
+                                    "detail": not_started(name, left, MULTI_GPU_BUDGET_S, limit)})  # fmt: skip
+                    continue
+                started = time.monotonic()
+                records.append(run_check(name, args.cpu, limit, Path(tmp)))
+                multi_spent += time.monotonic() - started
+                continue
+            left = budget - (time.monotonic() - began - multi_spent)
             if left < limit:
                 records.append(
                     {"check": name, "status": "NOT RUN", "detail": not_started(name, left, budget, limit)}

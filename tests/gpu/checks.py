@@ -1,6 +1,10 @@
 """The GPU checks themselves (tests/gpu/check.py runs them, one process each, and says what
 each shows). A check is `check_NAME(cpu) -> figures`: it raises AssertionError (FAIL) naming its
-figures, or NotRun (via `preflight`, decided before megatron is imported)."""
+figures, or NotRun (via `preflight`, decided before megatron is imported).
+
+The first entries of the registry are `megatron-rl preflight`'s own checks (`SHARED`, from
+megatron_rl/launch/preflight): the driver runs them in its own process (`run_shared`) on the tiny
+config (`SHARED_CONFIG`; deployment.device cuda unless --cpu), each spawning what ranks it needs."""
 
 from __future__ import annotations
 
@@ -8,6 +12,10 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_rl.launch.preflight import REGISTRY as PREFLIGHT_REGISTRY
+from megatron_rl.launch.preflight import NotRun
 
 
 @dataclass(frozen=True)
@@ -19,16 +27,32 @@ class Check:
     shows: str  # what it checks, one sentence (check.py --list prints these)
 
 
+# preflight's checks that the GPU script runs too; weight_update needs a running vLLM server (the
+# vllm check below covers vLLM here) and ports judges a run's own ports, not this machine.
+SHARED = ["versions", "te_extension", "memory", "collectives", "layer_step"]
+SHARED_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny_cpu_sao.yaml"
+
 # The registry, in run order. The default run gives each check its whole limit, so the limits of
 # all checks add up to at most DEFAULT_BUDGET_S (tests/distributed/test_gpu_check.py asserts it):
 # a new check takes its seconds from the others' or the default run no longer fits 8 minutes.
 REGISTRY = [
+    *(Check(check.name, check.limit_s, check.shows) for check in PREFLIGHT_REGISTRY if check.name in SHARED),
     Check(
-        "nccl", 20, "the default and megatron groups on the collective device: all-reduce, broadcast_bytes"
+        "nccl", 10, "the default and megatron groups on the collective device: all-reduce, broadcast_bytes"
+    ),
+    Check(
+        "compile",
+        25,
+        "defect 5: the policy model as the trainer builds it (bias_activation_fusion on: megatron's swiglu "
+        "is torch.compile'd) trains over packed micro-batches of many lengths with a cold compile cache: "
+        "first and steady step times, dynamo's graphs; FAIL when new lengths still compile in the steady "
+        "steps, a fused function holds more than 2 graphs, or the first step exceeds 12.5 s (half the 25 s "
+        "limits of bf16_policy/bf16_critic, which compile twice); CPU twin with the fusion forced on: "
+        "tests/distributed/test_multi_gpu_twins.py",
     ),
     Check(
         "te_spec",
-        35,
+        30,
         "TransformerEngine layer spec vs the local spec, same weights, packed THD input: TE's "
         "bf16 log-probs are no further from the local float32 ones than 2x the local bf16 ones (+0.02)",
     ),
@@ -41,7 +65,7 @@ REGISTRY = [
     Check("bf16_critic", 25, "the same for the value model and the value loss"),
     Check(
         "offload",
-        70,
+        50,
         "megatron's hybrid device optimizer (optimizer.cpu_offload, precision-aware) at "
         "offload fractions 0.5 and 1 vs no offload: no fp32 master on the GPU, the same bf16 weights after "
         "two steps (within 2 units in the last place); a checkpoint saved after step 1 resumes to the "
@@ -63,7 +87,7 @@ REGISTRY = [
     ),
     Check(
         "vllm",
-        80,
+        70,
         "the vLLM GPU build (eager mode, for its start-up time) serves a tiny Qwen3-MoE with "
         "--enable-return-routed-experts, takes published weights (path (a), safetensors + reload), then "
         "generates what transformers predicts, and returns the routes of a two-turn rollout (uint8, every "
@@ -71,22 +95,52 @@ REGISTRY = [
     ),
     Check(
         "te_checkpoints",
-        30,
+        25,
         "a local-spec MoE checkpoint (what converting on a CPU node writes) loads into the TE spec "
         "and back bit for bit (grouped GEMM where TE has it), both give the same log-probs, and LoRA on "
         "TE's fused norm+linear layers gives the local spec's log-probs",
     ),
     Check(
         "throughput",
-        55,
+        40,
         "tokens/s and MFU of forward+backward (bf16; the local spec, and TE's where it is "
         "installed) of a dense 1.7B shape at 4K/8K/16K tokens, against an 8192^3 bf16 matmul measured in the "
         "same run (goal 40%), and the activation memory measured (CUDA's peak above weights and gradients) "
         "beside the memory plan's estimate",
     ),
 ]
-CHECKS = [check.name for check in REGISTRY]
-LIMIT_S = {check.name: check.limit_s for check in REGISTRY}
+# The multi-GPU checks (tests/gpu/multi_gpu.py): run last, only where torch sees >= 2 GPUs (else
+# NOT RUN, "needs 2 GPUs, found N", at no cost), within a budget of their own that counts only
+# where they run: a multi-GPU node's default run takes up to DEFAULT_BUDGET_S + MULTI_GPU_BUDGET_S.
+MULTI_GPU_REGISTRY = [
+    Check(
+        "multi_train_step",
+        100,
+        "NCCL, TF32 off: one SAO train_step at DP=2 and TP=2 (test_train_step.py's one_training_step) and "
+        "at EP=2 on a 4-expert MoE gives one process's metrics (1e-4 relative) and weights (1e-4, a tenth of "
+        "the step); gloo twin: tests/distributed/test_multi_gpu_twins.py",
+    ),
+    Check(
+        "multi_weight_broadcast",
+        100,
+        "path (b) on NCCL without vLLM: policy ranks (EP=2 MoE with >= 3 GPUs, else one rank) broadcast "
+        "their weights layer by layer into a receiver process on the next GPU holding the real "
+        "WeightReceiverExtension around a transformers model: every tensor bit for bit, version kept; "
+        "gloo twin: tests/distributed/test_multi_gpu_twins.py (and test_weight_publish_broadcast.py)",
+    ),
+    Check(
+        "multi_expert_all_to_all",
+        100,
+        "NCCL, TF32 off: a 4-expert MoE at EP=2 (megatron's alltoall dispatcher: tokens to their experts' "
+        "GPU and back, all-to-alls counted) gives one process's logits (1e-4); swapping two experts' "
+        "weights changes them; gloo twin: tests/distributed/test_multi_gpu_twins.py and "
+        "test_megatron_cpu.py's test_ep2_moe_equals_ep1",
+    ),
+]
+MULTI_GPU = [check.name for check in MULTI_GPU_REGISTRY]
+MULTI_GPU_BUDGET_S = 300  # each check: two spawns of 50 s at most (multi_gpu.py)
+CHECKS = [check.name for check in REGISTRY + MULTI_GPU_REGISTRY]
+LIMIT_S = {check.name: check.limit_s for check in REGISTRY + MULTI_GPU_REGISTRY}
 # The default run: checks are started while their whole limit fits in what is left; the driver's
 # own start-up and the table take the rest of the 8 minutes.
 DEFAULT_BUDGET_S = 450
@@ -94,8 +148,21 @@ CPU_LIMIT_S = 300  # per check at toy sizes on CPU (--cpu), where the run has no
 MFU_GOAL = 0.40
 
 
-class NotRun(Exception):
-    """The check cannot run here (the message says why); not a failure."""
+def run_shared(name: str, cpu: bool) -> dict:
+    """Preflight's check `name` in this process on the tiny config: the driver's record."""
+    from megatron_rl.config import load_config
+    from megatron_rl.launch.preflight import context_for
+    from megatron_rl.launch.preflight.registry import BY_NAME, run_check
+
+    resolved = load_config(SHARED_CONFIG, [] if cpu else ["deployment.device=cuda"])
+    # A GPU check machine cannot install the gpu extra: its missing packages are listed, not a FAIL.
+    result = run_check(BY_NAME[name], context_for(resolved, cpu=cpu, extras_required=False))
+    record = {"check": name, "status": result.status, "seconds": result.seconds}
+    if result.status == "PASS":
+        record["figures"] = {"preflight": result.detail}
+    else:
+        record["detail"] = result.detail
+    return record
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,6 +286,12 @@ def preflight(name: str, cpu: bool) -> None:
     import torch
 
     cuda = torch.cuda.is_available() and not cpu
+    if name in MULTI_GPU:
+        from tests.gpu.multi_gpu import not_run_reason
+
+        reason = not_run_reason(cpu)
+        if reason is not None:
+            raise NotRun(reason)
     if name in ("te_spec", "te_checkpoints") and not cuda:
         raise NotRun("TransformerEngine runs on CUDA only")
     if name in ("te_spec", "te_checkpoints") and not _installed("transformer_engine"):

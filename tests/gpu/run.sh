@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks (python -m tests.gpu.check --list says what each one shows): one table, within
 # 8 minutes on one H200 (a 450 s budget that every check's limit fits in), the record in
-# benchmarks/results/gpu.json (and in $OUT when that is set).
+# benchmarks/results/gpu.json (and in $OUT when that is set). With 2 or more GPUs the multi-GPU
+# checks (NCCL: DP/TP/EP train step, weight broadcast, expert all-to-all) run last, within a 300 s
+# budget of their own; with one GPU they are NOT RUN, "needs 2 GPUs, found 1".
 #   bash tests/gpu/run.sh                       every check
 #   bash tests/gpu/run.sh --only offload vllm   some
 #   bash tests/gpu/run.sh --budget-s 300        start a check only while its limit fits in what is

@@ -69,15 +69,21 @@ def forkserver_context():
     return mp.get_context("forkserver")
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
-    forkserver_context()
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, start_method: str = "forkserver") -> list:
+    """`start_method` "spawn": fresh interpreters instead of forks (NCCL ranks on GPUs, which must
+    not fork a process that asked CUDA anything: tests/gpu/multi_gpu.py); the backend and device
+    follow megatron_rl.compat (NCCL and one GPU a rank, LOCAL_RANK, where CUDA is available)."""
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"run_ranks: start_method {start_method!r} is not 'forkserver' or 'spawn'")
+    if start_method == "forkserver":
+        forkserver_context()
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _rank_main,
             args=(world_size, free_port(), out_dir, fn, args),
             nprocs=world_size,
             join=False,
-            start_method="forkserver",
+            start_method=start_method,
         )
         for process in context.processes:
             process.join(timeout_s)
