@@ -24,7 +24,8 @@ What is exact and what is estimated:
   `optimizer.cpu_offload` (megatron's hybrid device optimizer on the precision-aware path) the
   GPU keeps that for the share not offloaded, and the host holds, per offloaded element, the
   fp32 master (the host copy of an fp32 weight), the two moments and the pinned fp32 copy of
-  its gradient: 16 bytes (`HOST_OFFLOAD_BYTES`); tests/distributed/test_memory_plan.py checks
+  its gradient: 16 bytes of tensors (`HOST_OFFLOAD_BYTES`; config/host_memory.py plans them as the
+  pinned allocator takes them); tests/distributed/test_memory_plan.py checks
   both shares against the tensors the hybrid optimizer allocates;
 - the frozen KL reference policy (`algorithm.kl_coef` > 0): a second copy of the policy's
   weights on every policy GPU (its forward pass runs before the training pass, so its

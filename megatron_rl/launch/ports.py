@@ -27,7 +27,9 @@ class PortProbeError(RuntimeError):
     pass
 
 
-def _free_on(host: str, port: int) -> bool:
+def free_on(host: str, port: int) -> bool:
+    """Whether (host, port) can be bound now; PortProbeError when `host` is not an address of
+    this machine."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         try:
@@ -64,7 +66,7 @@ def probe_ports(
         port = rng.randrange(*PORT_RANGE)
         if port in excluded or port in chosen:
             continue
-        if all(_free_on(host, port) for host in hosts):
+        if all(free_on(host, port) for host in hosts):
             chosen.append(port)
     if len(chosen) == count:
         return chosen

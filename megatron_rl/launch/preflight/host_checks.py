@@ -5,10 +5,8 @@ memory plan. Each is the same on NCCL and on gloo, except that memory judges GPU
 from __future__ import annotations
 
 import ast
-import errno
 import importlib.metadata
 import math
-import socket
 import sys
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from megatron_rl.config.memory_plan import GpuMemory, memory_plan
+from megatron_rl.launch.ports import PortProbeError, free_on
 from megatron_rl.launch.preflight.base import CheckFailed, Context, NotRun
 
 DISTRIBUTION = "megatron-rl"  # whose declared requirements (setup.py, as installed) are the ranges
@@ -171,17 +170,10 @@ def listening_ports(context: Context) -> dict[str, tuple[str, int]]:
 def port_in_use(host: str, port: int) -> bool | None:
     """Whether binding (host, port) fails because something holds it; None when `host` is not an
     address of this machine (the port is another node's)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                return True
-            if exc.errno == errno.EADDRNOTAVAIL:
-                return None
-            raise
-    return False
+    try:
+        return not free_on(host, port)
+    except PortProbeError:
+        return None
 
 
 def check_ports(context: Context) -> str:
