@@ -233,14 +233,15 @@ def _preflight(args: argparse.Namespace) -> int:
         from pathlib import Path
 
         from megatron_rl.launch.preflight import sbatch
-        from megatron_rl.launch.slurm import SlurmError
+        from megatron_rl.launch.slurm import SlurmError, write_and_submit
 
         try:
             script = sbatch.render(resolved, Path(args.config), args.set, args.partition, args.time)
         except SlurmError as exc:
             print(str(exc), file=sys.stderr)
             return 2
-        return sbatch.write_and_submit(resolved, script, args.out, args.submit)
+        what = f"preflight on {resolved.deployment.nodes} node(s)"
+        return write_and_submit(resolved, script, args.out, "preflight.sbatch", what, args.submit)
     context = context_for(resolved, cpu=args.cpu, inference_url=args.inference_url)
     print(f"preflight of {args.config} on {context.backend} ({'CUDA' if context.cuda else 'CPU: the gloo twins'})")
     results = run_checks(context, args.only, echo=lambda line: print(line, flush=True))

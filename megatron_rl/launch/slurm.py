@@ -156,11 +156,19 @@ def render(resolved: ResolvedConfig, config_path: Path, partition: str | None = 
 def render_and_submit(config: str, out: str | None, submit: bool, partition=None, time_limit=None) -> int:
     resolved = load_config(config)
     script = render(resolved, Path(config), partition, time_limit)
-    path = Path(out) if out else Path(resolved.logging.dir) / "job.sbatch"
+    what = f"{resolved.layout.deployment_style} layout, {resolved.deployment.nodes} node(s)"
+    return write_and_submit(resolved, script, out, "job.sbatch", what, submit)
+
+
+def write_and_submit(resolved: ResolvedConfig, script: str, out: str | None, name: str, what: str,
+                     submit: bool) -> int:  # fmt: skip
+    """Writes `script` to `out` (default: logging.dir/`name`) and, with `submit`, sbatches it;
+    the exit status of sbatch, 0 without it."""
+    path = Path(out) if out else Path(resolved.logging.dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
     (Path(resolved.logging.dir) / "logs").mkdir(parents=True, exist_ok=True)  # sbatch --output opens it first
-    print(f"wrote {path} ({resolved.layout.deployment_style} layout, {resolved.deployment.nodes} node(s))")
+    print(f"wrote {path} ({what})")
     if submit:
         result = subprocess.run(["sbatch", str(path)], capture_output=True, text=True)
         print(result.stdout.strip() or result.stderr.strip())

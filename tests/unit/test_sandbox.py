@@ -385,6 +385,8 @@ print(json.dumps({"uid": os.geteuid(), "rootless": box.rootless, "results": resu
 """
 
 
+# Only root can start a process as another user: run by a non-root user, this test's caller is
+# already not root, and every other test of this file then exercises the rootless mode itself.
 @pytest.mark.skipif(os.geteuid() != 0, reason="becomes another user (nobody) to be a non-root caller")
 def test_rootless_a_non_root_caller_gets_the_same_isolation(outside):
     """The rootless mode for real: a caller that is not root (uid nobody) runs each escape through

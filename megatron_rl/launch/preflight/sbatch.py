@@ -5,7 +5,6 @@ node, each node's lines prefixed with its name by srun; the job fails when a nod
 from __future__ import annotations
 
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -44,16 +43,3 @@ def render(resolved: ResolvedConfig, config_path: Path, overrides: list[str], pa
         config=shlex.quote(str(config_path.resolve())),
         sets="".join(f" --set {shlex.quote(s)}" for s in overrides),
     )
-
-
-def write_and_submit(resolved: ResolvedConfig, script: str, out: str | None, submit: bool) -> int:
-    path = Path(out) if out else Path(resolved.logging.dir) / "preflight.sbatch"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(script)
-    (Path(resolved.logging.dir) / "logs").mkdir(parents=True, exist_ok=True)  # sbatch --output opens it first
-    print(f"wrote {path} (preflight on {resolved.deployment.nodes} node(s))")
-    if submit:
-        result = subprocess.run(["sbatch", str(path)], capture_output=True, text=True)
-        print(result.stdout.strip() or result.stderr.strip())
-        return result.returncode
-    return 0
