@@ -236,7 +236,7 @@ def _preflight(args: argparse.Namespace) -> int:
         from megatron_rl.launch.slurm import SlurmError, write_and_submit
 
         try:
-            script = sbatch.render(resolved, Path(args.config), args.set, args.partition, args.time)
+            script = sbatch.render(resolved, Path(args.config), args.set, args.partition, args.time, only=args.only)
         except SlurmError as exc:
             print(str(exc), file=sys.stderr)
             return 2
@@ -381,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="a running vLLM server of the config's model (http://HOST:PORT) for the weight-update check",
     )  # fmt: skip
     preflight.add_argument("--slurm", action="store_true", help="render an sbatch script that runs preflight on "
-                           "every node of the config's allocation (LOGGING_DIR/preflight.sbatch)")  # fmt: skip
+                           "every node of the config's allocation, then each training role's collectives across the "
+                           "nodes it spans (LOGGING_DIR/preflight.sbatch)")  # fmt: skip
     preflight.add_argument("--out", help="with --slurm: write the script here")
     preflight.add_argument("--submit", action="store_true", help="with --slurm: sbatch the script")
     preflight.add_argument("--partition", default=None, help="with --slurm")

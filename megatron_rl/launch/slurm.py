@@ -117,6 +117,21 @@ def gpu_use_per_node(placement) -> list[dict[str, int]]:
     return use
 
 
+def template(name: str):
+    """A script template of templates/ (Jinja2; `{# #}` is bash's, so comments are `<# #>`; the
+    filter `q` shell-quotes)."""
+    templates = Environment(loader=FileSystemLoader(Path(__file__).parent / "templates"), undefined=StrictUndefined,
+                            keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
+                            comment_start_string="<#", comment_end_string="#>")  # fmt: skip
+    templates.filters["q"] = lambda value: shlex.quote(str(value))
+    return templates.get_template(name)
+
+
+def fixed_ports(resolved: ResolvedConfig) -> str:
+    """The config's fixed ports, which a probed rendezvous port must not take."""
+    return " ".join(str(p) for p in sorted(set(resolved.layout.ports.values())))
+
+
 def srun_export(env: dict[str, str]) -> str:
     """srun's --export value: the job's environment plus `env`."""
     return ",".join(["ALL", *(f"{key}={value}" for key, value in sorted(env.items()))])
@@ -125,13 +140,9 @@ def srun_export(env: dict[str, str]) -> str:
 def render(resolved: ResolvedConfig, config_path: Path, partition: str | None = None,
            time_limit: str | None = None, python: str | None = None) -> str:  # fmt: skip
     placement = place(resolved)
-    templates = Environment(loader=FileSystemLoader(Path(__file__).parent / "templates"), undefined=StrictUndefined,
-                            keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
-                            comment_start_string="<#", comment_end_string="#>")  # bash uses {#  # fmt: skip
-    templates.filters["q"] = lambda value: shlex.quote(str(value))
     run_dir = Path(resolved.logging.dir).resolve()
     steps_per_node = 2 + len(placement["inference"]) + 3  # every step of a node, plus probes and the router
-    return templates.get_template("job.sbatch.j2").render(
+    return template("job.sbatch.j2").render(
         job_name=f"megatron-rl-{resolved.algorithm.type}",
         nodes=resolved.deployment.nodes,
         gpus_per_node=resolved.deployment.gpus_per_node,
@@ -147,7 +158,7 @@ def render(resolved: ResolvedConfig, config_path: Path, partition: str | None = 
         orchestrator=placement["orchestrator"],
         policy_export=srun_export(training_env(resolved, "policy")),
         critic_export=srun_export(training_env(resolved, "critic")) if "critic" in placement else None,
-        fixed_ports=" ".join(str(p) for p in sorted(set(resolved.layout.ports.values()))),
+        fixed_ports=fixed_ports(resolved),
         grace_s=int(resolved.deployment.stop_grace_s),
         style=resolved.layout.deployment_style,
     )

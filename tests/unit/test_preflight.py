@@ -76,6 +76,17 @@ def test_every_gloo_check_runs_and_passes_on_a_tiny_cpu_config(free_ports, capsy
     assert "critic 1 of 2 layers" in lines["layer_step"][1]
 
 
+def test_a_role_larger_than_a_node_is_left_to_the_slurm_jobs_across_nodes_step(free_ports, capsys):
+    """The policy needs 4 GPUs, a node has 3: on one host its collectives are NOT RUN (the
+    --slurm job runs them across its nodes: tests/slurm); the critic's 2 ranks still run."""
+    args = _sets(free_ports, "deployment.nodes=3", "deployment.policy_gpus=4")
+    assert main(["preflight", TINY, "--cpu", "--only", "collectives", *args]) == 0
+    status, detail = _lines(capsys.readouterr().out)["collectives"]
+    assert status == "PASS" and "critic (2 ranks): world x2" in detail and "policy (" not in detail
+    assert detail.endswith("; NOT RUN here: the policy needs 4 GPUs, a node has 3: `megatron-rl preflight --slurm` "
+                           "runs its collectives across the role's nodes")  # fmt: skip
+
+
 def test_a_port_in_use_fails_naming_it_and_its_key(free_ports, capsys):
     held = free_ports["value.service.port"]
     with socket.socket() as holder:
@@ -210,7 +221,8 @@ def test_slurm_renders_a_script_that_runs_preflight_on_every_node(tmp_path, caps
     script = out.read_text()
     assert "#SBATCH --nodes=2\n" in script and "#SBATCH --gpus-per-node=3\n" in script
     assert "#SBATCH --partition=gpu\n" in script and "#SBATCH --time" not in script
-    assert f"-m megatron_rl.launch.cli preflight {Path(TINY).resolve()} --set logging.dir=" in script
+    assert f"CONFIG={Path(TINY).resolve()}\n" in script and "SETS=(--set logging.dir=" in script
+    assert '-m megatron_rl.launch.cli preflight "$CONFIG" "${SETS[@]}" "${ONLY[@]}"' in script
     assert "srun --nodes=2 --ntasks-per-node=1" in script
     assert f"wrote {out}" in capsys.readouterr().out
 

@@ -106,12 +106,17 @@ def _roles(context: Context) -> list[tuple[str, ModelLayout]]:
 
 
 def _fits_here(context: Context, world_size: int, role: str) -> None:
+    """NotRun when the role's ranks need more GPUs than one node has (CUDA: this host's count;
+    the gloo twin: `deployment.gpus_per_node`, so that it reports what a GPU node would)."""
     if context.cuda:
         import torch
 
-        if world_size > torch.cuda.device_count():
-            raise NotRun(f"the {role} needs {world_size} GPUs, this host has {torch.cuda.device_count()} "
-                         f"(run it on the allocation: --slurm)")  # fmt: skip
+        here = torch.cuda.device_count()
+    else:
+        here = context.resolved.deployment.gpus_per_node
+    if world_size > here:
+        raise NotRun(f"the {role} needs {world_size} GPUs, a node has {here}: `megatron-rl preflight --slurm` "
+                     f"runs its collectives across the role's nodes")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,7 +159,7 @@ def collectives_rank(rank: int, world_size: int, layout: dict, payload_bytes: in
         dist.broadcast(value, src=ranks[0], group=group)
         if value.tolist() != [float(ranks[0] + 7)] * 4:
             raise CheckFailed(f"broadcast on {name} {ranks} gave {value.tolist()}")
-        out[name] = {"ranks": n, "bus_gbps": _bus_gbps(group, n, payload_bytes, device)}
+        out[name] = {"ranks": n, "members": ranks, "bus_gbps": _bus_gbps(group, n, payload_bytes, device)}
     return out
 
 
@@ -195,34 +200,58 @@ def nominal_link_gbps() -> tuple[str, float | None]:
 
 def check_collectives(context: Context) -> str:
     _config_device_here(context)
-    lines, problems = [], []
+    lines, problems, elsewhere = [], [], []
     device, nominal = nominal_link_gbps() if context.cuda else ("cpu", None)
     for role, layout in _roles(context):
-        _fits_here(context, layout.world_size, role)
+        try:
+            _fits_here(context, layout.world_size, role)
+        except NotRun as exc:
+            elsewhere.append(str(exc))
+            continue
         [figures, *_] = spawn_ranks(collectives_rank, layout.world_size,
                                     (layout.model_dump(), PAYLOAD_BYTES[context.backend]), limit_s=120)  # fmt: skip
-        cells = []
-        for name, f in figures.items():
-            if f["bus_gbps"] is None:
-                cells.append(f"{name} x{f['ranks']}")
-                continue
-            cell = f"{name} x{f['ranks']} {f['bus_gbps']:.2f} GB/s"
-            if nominal is not None:
-                ratio = f["bus_gbps"] / nominal
-                cell += f" ({ratio:.0%} of {nominal:g})"
-                if ratio < MIN_LINK_FRACTION:
-                    problems.append(f"{role} {name} group: {f['bus_gbps']:.1f} GB/s is below {MIN_LINK_FRACTION:.0%} "
-                                    f"of {device}'s NVLink {nominal:g} GB/s")  # fmt: skip
-            cells.append(cell)
-        lines.append(
-            f"{role} ({layout.world_size} rank{'s' if layout.world_size > 1 else ''}): " + ", ".join(cells)
-        )
+        line, found = describe_collectives(role, layout.world_size, figures, device, nominal)
+        lines.append(line)
+        problems += found
     if problems:
         raise CheckFailed("; ".join(problems))
-    note = "" if context.cuda else " (gloo: bandwidth not judged)"
-    if context.cuda and nominal is None:
-        note = f" ({device}: no nominal link figure in the table, not judged)"
-    return f"all-reduce, all-to-all, broadcast on {context.backend}: " + "; ".join(lines) + note
+    if not lines:
+        raise NotRun("; ".join(elsewhere))
+    return (f"all-reduce, all-to-all, broadcast on {context.backend}: " + "; ".join(lines)
+            + _judged(context, device, nominal) + "".join(f"; NOT RUN here: {why}" for why in elsewhere))  # fmt: skip
+
+
+def describe_collectives(role: str, world_size: int, figures: dict, device: str, nominal: float | None,
+                         hosts: list[str] | None = None) -> tuple[str, list[str]]:  # fmt: skip
+    """One role's `collectives_rank` figures as a line, and the groups below `MIN_LINK_FRACTION`
+    of `nominal` (NVLink: judged only on groups within one host; `hosts`, the host of each rank,
+    marks the groups that cross hosts, whose figure is printed, not judged)."""
+    cells, problems = [], []
+    for name, f in figures.items():
+        cell = f"{name} x{f['ranks']}"
+        spans = len({hosts[r] for r in f["members"]}) if hosts else 1
+        if spans > 1:
+            cell += f" over {spans} nodes"
+        if f["bus_gbps"] is None:
+            cells.append(cell)
+            continue
+        cell += f" {f['bus_gbps']:.2f} GB/s"
+        if nominal is not None and spans == 1:
+            ratio = f["bus_gbps"] / nominal
+            cell += f" ({ratio:.0%} of {nominal:g})"
+            if ratio < MIN_LINK_FRACTION:
+                problems.append(f"{role} {name} group: {f['bus_gbps']:.1f} GB/s is below {MIN_LINK_FRACTION:.0%} "
+                                f"of {device}'s NVLink {nominal:g} GB/s")  # fmt: skip
+        cells.append(cell)
+    return f"{role} ({world_size} rank{'s' if world_size > 1 else ''}): " + ", ".join(cells), problems
+
+
+def _judged(context: Context, device: str, nominal: float | None) -> str:
+    if not context.cuda:
+        return " (gloo: bandwidth not judged)"
+    if nominal is None:
+        return f" ({device}: no nominal link figure in the table, not judged)"
+    return ""
 
 
 def _config_device_here(context: Context) -> None:
@@ -303,14 +332,20 @@ def check_layer_step(context: Context) -> str:
 
 
 def weight_update_rank(rank: int, world_size: int, url: str, architecture: dict, dtype: str,
-                       checkpoint: str | None, host: str, port: int, backend: str) -> dict:  # fmt: skip
-    """Policy rank 0 alone broadcasts the config's initial weights (in the policy's `dtype`) into
-    the server at `url` under the version it reports; the tensors, bytes, seconds and the version."""
+                       checkpoint: str | None, path: str, host: str, port: int, backend: str,
+                       publish_dir: str, side_files: str | None) -> dict:  # fmt: skip
+    """Policy rank 0 alone pushes the config's initial weights (in the policy's `dtype`) into the
+    server at `url` under the version it reports, on the run's path: `nccl`, a broadcast
+    (`BroadcastPublisher`); `safetensors`, a version directory under `publish_dir`
+    (`publish_hf_weights`) that the server loads (`load_published_version`). The tensors, bytes,
+    seconds and the version."""
+    import shutil
+
     from megatron_rl import parallel
     from megatron_rl.config import Architecture
     from megatron_rl.inference.vllm_control import VllmControl
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.policy.publish.broadcast import BroadcastPublisher
+    from megatron_rl.policy.publish import BroadcastPublisher, publish_hf_weights, verify_published
     from megatron_rl.trainer.weights import load_initial_weights
 
     parallel.initialize_model_parallel()
@@ -319,17 +354,34 @@ def weight_update_rank(rank: int, world_size: int, url: str, architecture: dict,
     loaded = load_initial_weights(model, checkpoint, arch)
     control = VllmControl(url, timeout_s=120)
     version = control.weights_version()
-    publisher = BroadcastPublisher(arch, [control], host, port, backend=backend, timeout_s=120)
-    publisher.connect()
     began = time.perf_counter()
-    sent = publisher.publish(model, version=version)
+    if path == "nccl":
+        publisher = BroadcastPublisher(arch, [control], host, port, backend=backend, timeout_s=120)
+        publisher.connect()
+        began = time.perf_counter()
+        sent = publisher.publish(model, version=version)
+        publisher.close()
+    else:
+        try:
+            written = publish_hf_weights(model, arch, publish_dir, version,
+                                         hf_side_files=Path(side_files) if side_files else None, keep_last=1)  # fmt: skip
+            sent = verify_published(written)["num_tensors"]
+            control.load_version(str(written), version)
+        finally:
+            shutil.rmtree(publish_dir, ignore_errors=True)
     seconds = time.perf_counter() - began
-    publisher.close()
     after = control.weights_version()
     if after != version:
         raise CheckFailed(f"{url} reports version {after} after the update, expected {version}")
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"tensors": sent, "bytes": size, "seconds": seconds, "version": version, "loaded": loaded}
+
+
+def preflight_publish_dir(publish_dir: str) -> str:
+    """Where the safetensors weight update writes: beside the run's `inference.publish_dir` (on
+    the storage the servers read), never in it (a resumed run takes its newest version)."""
+    directory = Path(publish_dir).resolve()
+    return str(directory.parent / f"{directory.name}.preflight")
 
 
 def check_weight_update(context: Context) -> str:
@@ -338,11 +390,15 @@ def check_weight_update(context: Context) -> str:
         raise NotRun("needs a running vLLM server of this config's model (--inference-url http://HOST:PORT)")
     if not resolved.model.checkpoint:
         raise NotRun("model.checkpoint is not set: there are no initial weights to push")
+    inference = resolved.inference
     [f] = spawn_ranks(weight_update_rank, 1, (
         context.inference_url, resolved.layout.policy_architecture.model_dump(), resolved.model.dtype,
-        resolved.model.checkpoint, resolved.layout.weight_broadcast_host, resolved.inference.weight_broadcast_port,
-        context.backend,
+        resolved.model.checkpoint, inference.weight_update, resolved.layout.weight_broadcast_host,
+        inference.weight_broadcast_port, context.backend, preflight_publish_dir(inference.publish_dir),
+        resolved.model.hf_config,
     ), limit_s=240)  # fmt: skip
+    how = (f"broadcast on {context.backend}" if inference.weight_update == "nccl"
+           else "safetensors files, loaded by the server")  # fmt: skip
     return (f"{f['tensors']} tensors, {f['bytes'] / 2**20:.1f} MiB from policy rank 0 into {context.inference_url} "
-            f"on {context.backend} in {f['seconds']:.2f} s ({f['bytes'] / f['seconds'] / 1e9:.2f} GB/s), version "
+            f"({how}) in {f['seconds']:.2f} s ({f['bytes'] / f['seconds'] / 1e9:.2f} GB/s), version "
             f"{f['version']} kept")  # fmt: skip
