@@ -236,7 +236,8 @@ def _preflight(args: argparse.Namespace) -> int:
         from megatron_rl.launch.slurm import SlurmError, write_and_submit
 
         try:
-            script = sbatch.render(resolved, Path(args.config), args.set, args.partition, args.time, only=args.only)
+            script = sbatch.render(resolved, Path(args.config), args.set, args.partition, args.time, only=args.only,
+                                   network_gbps=args.network_gbps)
         except SlurmError as exc:
             print(str(exc), file=sys.stderr)
             return 2
@@ -383,6 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
     preflight.add_argument("--slurm", action="store_true", help="render an sbatch script that runs preflight on "
                            "every node of the config's allocation, then each training role's collectives across the "
                            "nodes it spans (LOGGING_DIR/preflight.sbatch)")  # fmt: skip
+    preflight.add_argument("--network-gbps", type=float, default=None, metavar="GBPS",
+                           help="with --slurm: the inter-node network's nominal bandwidth per GPU in GB/s (e.g. 50 for "
+                           "one 400 Gb/s NIC per GPU); groups across nodes below 20%% of it FAIL (default: printed, "
+                           "not judged)")  # fmt: skip
     preflight.add_argument("--out", help="with --slurm: write the script here")
     preflight.add_argument("--submit", action="store_true", help="with --slurm: sbatch the script")
     preflight.add_argument("--partition", default=None, help="with --slurm")

@@ -108,6 +108,15 @@ def test_preflight_script_passes_shellcheck_and_checks_spanning_roles_across_the
         assert "policy" in spanning  # the 4-node layouts all spread the policy
 
 
+
+def test_preflight_script_passes_the_network_figure_to_each_across_nodes_step(tmp_path):
+    resolved = config_for(4, "shared", tmp_path)  # policy and critic both on nodes 1-3
+    text = preflight_sbatch.render(resolved, tmp_path / "run.yaml", [], network_gbps=50)
+    for role in ("policy", "critic"):
+        assert re.search(rf'"\$PY" 3 \d "\$\{{ADDRS\[1\]\}}" "\$PORT" {role} "\$CONFIG" "\$\{{SETS\[@\]\}}" '
+                         r"--network-gbps 50 \\$", text, re.M), text  # fmt: skip
+
+
 def test_a_layout_that_cannot_be_placed_says_why(tmp_path):
     data = {
         "model": {"architecture": ARCH, "seq_len": 256},

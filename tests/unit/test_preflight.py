@@ -234,3 +234,22 @@ def test_list_names_every_check_and_an_unknown_check_is_refused(capsys):
     with pytest.raises(SystemExit):
         main(["preflight", TINY, "--only", "no_such_check"])
     assert "invalid choice: 'no_such_check'" in capsys.readouterr().err
+
+
+def test_groups_across_nodes_are_judged_against_the_network_figure_within_a_node_against_nvlink():
+    """describe_collectives on figures of 4 ranks on 2 hosts: the dp group crosses hosts (judged
+    against --network-gbps 50), the tp pairs stay inside one (judged against NVLink 450)."""
+    from megatron_rl.launch.preflight.rank_checks import describe_collectives
+
+    hosts = ["n1", "n1", "n2", "n2"]
+    figures = {"tp": {"ranks": 2, "members": [0, 1], "bus_gbps": 300.0},
+               "dp": {"ranks": 2, "members": [0, 2], "bus_gbps": 20.0}}  # fmt: skip
+    line, problems = describe_collectives("policy", 4, figures, "NVIDIA H200", 450.0, hosts, network=50.0)
+    assert line == "policy (4 ranks): tp x2 300.00 GB/s (67% of 450), dp x2 over 2 nodes 20.00 GB/s (40% of 50)"
+    assert problems == []
+    figures["dp"]["bus_gbps"] = 5.0
+    _, problems = describe_collectives("policy", 4, figures, "NVIDIA H200", 450.0, hosts, network=50.0)
+    assert problems == ["policy dp group: 5.0 GB/s is below 20% of the network's 50 GB/s"]
+    line, problems = describe_collectives("policy", 4, figures, "NVIDIA H200", 450.0, hosts)
+    assert problems == [] and line.endswith("dp x2 over 2 nodes 5.00 GB/s")  # no figure: printed only
+

@@ -4,12 +4,13 @@ starts it on each of the role's nodes, as the job starts the role), builds megat
 the role's layout and runs `rank_checks.collectives_rank` on each group. Rank 0 prints one line,
 `PASS|FAIL  collectives  ROLE across N nodes ...`, with each group's all-reduce bus bandwidth and
 how many nodes it crosses (groups within one node judged against NVLink as on one host; groups
-across nodes printed, not judged: their link is the cluster's network). A rank whose check
+across nodes against `--network-gbps`, the network's figure per GPU, when given, else printed
+and not judged). A rank whose check
 fails prints its own FAIL line naming its rank and node; the exit status is 1 then.
 
     python -m megatron_rl.launch.torchrun --nnodes N --node_rank I --nproc_per_node G \\
         --master_addr ADDR --master_port PORT -m megatron_rl.launch.preflight.across_nodes \\
-        {policy,critic} CONFIG [--set KEY=VALUE ...]
+        {policy,critic} CONFIG [--set KEY=VALUE ...] [--network-gbps GBPS]
 """
 
 from __future__ import annotations
@@ -34,11 +35,20 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+def judged(cuda: bool, network_gbps: float | None) -> str:
+    if not cuda:
+        return " (gloo: bandwidth not judged)"
+    if network_gbps is None:
+        return " (across nodes: not judged, no --network-gbps)"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("role", choices=["policy", "critic"])
     parser.add_argument("config")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--network-gbps", type=float, default=None)
     args = parser.parse_args(argv)
     try:
         resolved = load_config(args.config, args.set)
@@ -66,11 +76,12 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"started with {world} ranks, the {args.role}'s layout has {layout.world_size}")
         figures = collectives_rank(rank, world, layout.model_dump(), PAYLOAD_BYTES[context.backend])
         device, nominal = nominal_link_gbps() if context.cuda else ("cpu", None)
-        line, problems = describe_collectives(args.role, world, figures, device, nominal, hosts)
+        network = args.network_gbps if context.cuda else None
+        line, problems = describe_collectives(args.role, world, figures, device, nominal, hosts, network)
         if problems:
             status, detail = "FAIL", "; ".join(problems)
         else:
-            detail = f"{line} on {context.backend}" + ("" if context.cuda else " (gloo: bandwidth not judged)")
+            detail = f"{line} on {context.backend}" + judged(context.cuda, args.network_gbps)
     except Exception as exc:  # noqa: BLE001  (this rank's FAIL line names it)
         status, detail = "FAIL", f"{args.role} rank {rank} on {hosts[rank]}: {type(exc).__name__}: {exc}"
     if rank == 0 or status == "FAIL":

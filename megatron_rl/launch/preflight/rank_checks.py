@@ -222,10 +222,11 @@ def check_collectives(context: Context) -> str:
 
 
 def describe_collectives(role: str, world_size: int, figures: dict, device: str, nominal: float | None,
-                         hosts: list[str] | None = None) -> tuple[str, list[str]]:  # fmt: skip
+                         hosts: list[str] | None = None, network: float | None = None) -> tuple[str, list[str]]:  # fmt: skip
     """One role's `collectives_rank` figures as a line, and the groups below `MIN_LINK_FRACTION`
-    of `nominal` (NVLink: judged only on groups within one host; `hosts`, the host of each rank,
-    marks the groups that cross hosts, whose figure is printed, not judged)."""
+    of their link's figure: `nominal` (NVLink) for a group within one host, `network` (the
+    inter-node network per GPU, GB/s; None: printed, not judged) for a group that crosses hosts
+    (`hosts`: the host of each rank)."""
     cells, problems = [], []
     for name, f in figures.items():
         cell = f"{name} x{f['ranks']}"
@@ -236,12 +237,13 @@ def describe_collectives(role: str, world_size: int, figures: dict, device: str,
             cells.append(cell)
             continue
         cell += f" {f['bus_gbps']:.2f} GB/s"
-        if nominal is not None and spans == 1:
-            ratio = f["bus_gbps"] / nominal
-            cell += f" ({ratio:.0%} of {nominal:g})"
+        link, what = (nominal, f"{device}'s NVLink") if spans == 1 else (network, "the network's")
+        if link is not None:
+            ratio = f["bus_gbps"] / link
+            cell += f" ({ratio:.0%} of {link:g})"
             if ratio < MIN_LINK_FRACTION:
                 problems.append(f"{role} {name} group: {f['bus_gbps']:.1f} GB/s is below {MIN_LINK_FRACTION:.0%} "
-                                f"of {device}'s NVLink {nominal:g} GB/s")  # fmt: skip
+                                f"of {what} {link:g} GB/s")  # fmt: skip
         cells.append(cell)
     return f"{role} ({world_size} rank{'s' if world_size > 1 else ''}): " + ", ".join(cells), problems
 

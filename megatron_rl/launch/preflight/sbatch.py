@@ -28,8 +28,10 @@ def spanning_roles(resolved: ResolvedConfig) -> list[StepPlacement]:
 
 
 def render(resolved: ResolvedConfig, config_path: Path, overrides: list[str], partition: str | None = None,
-           time_limit: str | None = None, python: str | None = None, only: list[str] | None = None) -> str:  # fmt: skip
-    """`only`: the checks to run (default all); part 2 runs when collectives is among them."""
+           time_limit: str | None = None, python: str | None = None, only: list[str] | None = None,
+           network_gbps: float | None = None) -> str:  # fmt: skip
+    """`only`: the checks to run (default all); part 2 runs when collectives is among them, and
+    judges groups across nodes against `network_gbps` when given."""
     spanning = spanning_roles(resolved) if only is None or "collectives" in only else []
     return template("preflight.sbatch.j2").render(
         nodes=resolved.deployment.nodes,
@@ -45,4 +47,5 @@ def render(resolved: ResolvedConfig, config_path: Path, overrides: list[str], pa
         spanning=[{"name": role.name, "nodes": role.nodes, "gpus_per_node": role.gpus_per_node,
                    "export": srun_export(training_env(resolved, role.name))} for role in spanning],  # fmt: skip
         fixed_ports=fixed_ports(resolved),
+        network=["--network-gbps", f"{network_gbps:g}"] if network_gbps else [],
     )
