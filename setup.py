@@ -66,9 +66,11 @@ setup(
         # silently split (tests/conftest.py refuses to run then).
         # tiktoken: transformers' TikTokenConverter reads Qwen's BPE ranks into the real tokenizer the
         # chat tests use (tests/support/qwen_tokenizer.py).
+        # peft: the reference forward of an exported LoRA adapter (tests/distributed/test_peft_export.py:
+        # transformers + PEFT on our adapter directory give the trainer's logits).
         # uv: scripts/check_gpu_env.py resolves the gpu extra with it (wheel metadata by HTTP range
         # requests: seconds; pip's dry run takes minutes, and before pip 25.3 downloads every wheel).
-        "dev": ["pytest>=8.3,<9.2", "pytest-timeout", "pytest-xdist>=3.6", "hypothesis", "ruff", "mkdocs", "mkdocs-material", "coverage>=7.10", "uv>=0.13", "tiktoken"],
+        "dev": ["pytest>=8.3,<9.2", "pytest-timeout", "pytest-xdist>=3.6", "hypothesis", "ruff", "mkdocs", "mkdocs-material", "coverage>=7.10", "uv>=0.13", "tiktoken", "peft>=0.21,<0.22"],
         # Experiment tracking from the orchestrator: logging.wandb and logging.tensorboard
         # (torch.utils.tensorboard's SummaryWriter needs the tensorboard package).
         # wandb < 0.32: the tests read offline runs with `wandb leet inspect` (0.31).

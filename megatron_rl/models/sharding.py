@@ -171,14 +171,16 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
     return {canonical_name(name): p.detach().clone() for name, p in model.named_parameters()}
 
 
-def gather_full_parameters(model, copy: bool = True) -> dict[str, torch.Tensor]:
+def gather_full_parameters(model, copy: bool = True, select=None) -> dict[str, torch.Tensor]:
     """Full (unsharded) parameters on every rank, named as in the full model: TP shards are
     all-gathered (gated linear_fc1 re-joined as [gate; up]), experts and pipeline layers keep
     their global names. Each rank returns the tensors it can see: its own pipeline stage and
     experts (experts are not gathered over EP). With `copy=False` a tensor that needs no gather
     is the detached parameter itself (no copy: read it before the next optimizer step); gathered
-    tensors are always new."""
-    return _gather_full(model, lambda param: param.detach(), copy)
+    tensors are always new. `select(name)`: only the parameters it accepts (by local name; the
+    same on every rank of a TP group), e.g. a LoRA model's adapters alone."""
+    named = None if select is None else [(n, p) for n, p in model.named_parameters() if select(n)]
+    return _gather_full(model, lambda param: param.detach(), copy, named)
 
 
 def gather_full_gradients(model) -> dict[str, torch.Tensor]:
