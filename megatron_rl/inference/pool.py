@@ -57,11 +57,23 @@ class WeightSyncError(RuntimeError):
     pass
 
 
+ADAPTER_CONFIG = "adapter_config.json"  # a published version that is a LoRA adapter (PEFT's format)
+
+
+def is_adapter_version(weights_dir: str | Path) -> bool:
+    return (Path(weights_dir) / ADAPTER_CONFIG).is_file()
+
+
 class WeightSync:
-    def __init__(self, controls: list[VllmControl], router: VllmRouter | None, version: int = 0):
+    def __init__(self, controls: list[VllmControl], router: VllmRouter | None, version: int = 0,
+                 adapter_name: str | None = None):  # fmt: skip
         self.controls = controls
         self.router = router
         self.version = version  # the newest version installed on every in-service server
+        # A LoRA policy served as an adapter: the name its adapter is loaded under, and whether
+        # versions after 0 are adapters (then requests name the adapter: `model_for`).
+        self.adapter_name = adapter_name
+        self.adapter_versions = False
         self.server_versions = {c.base_url: version for c in controls}
         self.out_of_service: set[str] = set()
         self.last_update_s: float | None = None
@@ -75,10 +87,20 @@ class WeightSync:
             raise WeightSyncError("; ".join(f"{url}: {exc}" for url, exc in errors.items()))
         return {url: f.result() for url, f in futures.items()}
 
+    def model_for(self, base: str) -> str:
+        """The model name rollout requests give now: the adapter's once a LoRA policy's first
+        version is installed, else the base model's (version 0 is the base: B = 0)."""
+        return self.adapter_name if self.adapter_versions and self.version > 0 else base
+
     def _load_one(self, control: VllmControl, version: int, weights_dir: str) -> int:
         control.pause(mode="keep")
         try:
-            control.load_version(weights_dir, version)
+            if is_adapter_version(weights_dir):
+                if self.adapter_name is None:
+                    raise WeightSyncError(f"{weights_dir} is a LoRA adapter and the pool has no adapter name")
+                control.load_adapter_version(self.adapter_name, weights_dir, version)
+            else:
+                control.load_version(weights_dir, version)
             control.reset_prefix_cache()
         finally:
             control.resume()
@@ -91,6 +113,7 @@ class WeightSync:
         self._on_each(lambda c: self._load_one(c, version, str(weights_dir)))
         self.server_versions = dict.fromkeys(self.server_versions, version)
         self.version = version
+        self.adapter_versions = self.adapter_versions or is_adapter_version(weights_dir)
         self._reconcile()
         self.last_update_s = time.perf_counter() - began
         return self.last_update_s
@@ -144,7 +167,7 @@ class InferencePool:
         self.router = router
         self.controls = controls if controls is not None else [s.control for s in servers]
         self.model_name = model_name or servers[0].served_model_name
-        self.sync = WeightSync(self.controls, router, version)
+        self.sync = WeightSync(self.controls, router, version, adapter_name=adapter_name(self.model_name))
 
     @classmethod
     def attach(cls, controls: list[VllmControl], router: VllmRouter, model_name: str) -> InferencePool:
@@ -295,6 +318,11 @@ class InferencePool:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def adapter_name(model_name: str) -> str:
+    """The name a LoRA policy's adapter is served under, beside the base model's."""
+    return f"{model_name}-lora"
 
 
 def served_model_dir(resolved: ResolvedConfig) -> str:

@@ -117,9 +117,13 @@ class RolloutClient:
         api_key: str | None = None,
         version_source: Callable[[], int] | None = None,
         on_worker_failure: Callable[[str], None] | None = None,
+        model_source: Callable[[], str] | None = None,
     ):
         self.router_url = router_url.rstrip("/")
         self.model = model
+        # The model name of each request, when it changes during the run (a LoRA policy's
+        # adapter, served under its own name once the first version is installed).
+        self.model_source = model_source or (lambda: self.model)
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         self.version_source = version_source or (lambda: 0)
         self.on_worker_failure = on_worker_failure
@@ -146,7 +150,7 @@ class RolloutClient:
         routes_start: int = 0,
     ) -> dict:
         body = {
-            "model": self.model,
+            "model": self.model_source(),
             "prompt": [int(t) for t in prompt_ids],
             "max_tokens": int(max_tokens if max_tokens is not None else sampling.max_tokens),
             "temperature": sampling.temperature,

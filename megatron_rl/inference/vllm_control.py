@@ -3,7 +3,9 @@
 `VllmControl(base_url)`: `pause()` (mode `keep`: requests in flight are held, not aborted, and
 continue after `resume()`), `resume()`, `is_paused()`, `reset_prefix_cache()`,
 `reload_weights(dir)`, `collective_rpc(method, kwargs)` (calls a method of every worker of that
-server, e.g. of `megatron_rl.inference.vllm_extension.WeightReceiverExtension`), `models()`.
+server, e.g. of `megatron_rl.inference.vllm_extension.WeightReceiverExtension`), `models()`,
+`load_adapter_version(name, dir, version)` (a LoRA adapter in PEFT's format, by vLLM's
+`/v1/load_lora_adapter`: the server runs with LoRA enabled and runtime LoRA updating).
 The server must run with `VLLM_SERVER_DEV_MODE=1`. Synchronous (httpx), so trainer threads can
 call it. Idempotent calls are retried with exponential backoff on connection errors and 5xx
 replies; a collective_rpc is not (it may be one half of a collective). Every error names the
@@ -96,6 +98,14 @@ class VllmControl:
         return self.collective_rpc(
             "load_published_version", {"weights_path": str(weights_dir), "version": version}, retry=True
         )
+
+    def load_adapter_version(self, name: str, adapter_dir: str, version: int):
+        """A LoRA policy's adapter-only update: the server loads the PEFT adapter in `adapter_dir`
+        under `name` (in place when it has one of that name: the same LoRA slot, requests naming
+        it get the new weights) and its workers record `version`."""
+        self._request("POST", "/v1/load_lora_adapter",
+                      {"lora_name": name, "lora_path": str(adapter_dir), "load_inplace": True})  # fmt: skip
+        return self.collective_rpc("set_weights_version", {"version": int(version)}, retry=True)
 
     def weights_version(self) -> int:
         """The policy version the server's workers run (the lowest over its workers)."""

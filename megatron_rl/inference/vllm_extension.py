@@ -38,6 +38,7 @@ CPU, the MoE experts' own post-load step.
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -52,6 +53,11 @@ def _worker_rank(worker) -> int:
         return get_world_group().rank
     except (ImportError, AssertionError, AttributeError):  # outside a vLLM worker
         return int(getattr(worker, "rank", 0))
+
+
+def _local_worker_rank(worker) -> int:
+    """This worker's rank within its vLLM instance (0: the one that writes files for it)."""
+    return int(getattr(worker, "local_rank", getattr(worker, "rank", 0)) or 0)
 
 
 def repack_cpu_moe_experts(model) -> int:
@@ -98,6 +104,33 @@ class WeightReceiverExtension:
         self._repack_after_reload()
         self.weights_version = int(version)
         return self.weights_version
+
+    def set_weights_version(self, version: int) -> int:
+        """Records `version` after an update installed outside this extension (a LoRA adapter
+        loaded by the API server's `/v1/load_lora_adapter`)."""
+        self.weights_version = int(version)
+        return self.weights_version
+
+    def receive_adapter(self, version: int, directory: str, adapter_config: dict) -> int:
+        """Path (b) with a LoRA policy served as an adapter: receives the adapter's PEFT-named
+        tensors (one update, as `receive_weights`) and, on the server's first worker, writes
+        them with `adapter_config` as a PEFT adapter directory `directory` on this node, which
+        the API server then loads (`VllmControl.load_adapter_version`). Returns the tensor count."""
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        if self._weight_group is None:
+            raise RuntimeError("receive_adapter before init_weight_update_group")
+        group = self._weight_group
+        device = group.device if group.backend == "nccl" else torch.device("cpu")
+        tensors = {name: tensor.to("cpu").contiguous() for name, tensor in receive_weight_stream(group, 0, device)}
+        if _local_worker_rank(self) == 0:
+            out = Path(directory)
+            out.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+            (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+        return len(tensors)
 
     def init_weight_update_group(
         self,

@@ -61,6 +61,22 @@ class ServerCommand(NamedTuple):
     env: dict[str, str]
 
 
+# vLLM 0.32 accepts these --max-lora-rank values only (vllm/config/lora.py).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_server_args(rank: int) -> tuple[list[str], dict[str, str]]:
+    """vLLM's arguments and environment to serve one LoRA adapter of `rank` at a time, loaded and
+    replaced at run time: `--enable-lora`, `--max-lora-rank` (the smallest value vLLM accepts
+    that holds `rank`), `--max-loras 1` (the policy's one adapter; an update replaces it in
+    place) and VLLM_ALLOW_RUNTIME_LORA_UPDATING for `/v1/load_lora_adapter`."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"lora.rank {rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}")
+    return (["--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", "1"],
+            {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})  # fmt: skip
+
+
 def vllm_command(
     model_dir: str | Path,
     port: int,
@@ -80,11 +96,14 @@ def vllm_command(
     extra_args: list[str] | None = None,
     env: dict | None = None,
     return_routed_experts: bool = False,
+    lora_rank: int | None = None,
 ) -> ServerCommand:
     """The vLLM server for `model_dir` on `host:port`: its command line (`extra_args` last) and
     environment (this process's, with the server's settings and `env` on top).
     `return_routed_experts`: capture every token's MoE routes and return them per request
-    (routing replay; vLLM's AuxOutput connector, which needs Model Runner V2: GPUs only)."""
+    (routing replay; vLLM's AuxOutput connector, which needs Model Runner V2: GPUs only).
+    `lora_rank`: serve LoRA adapters of that rank, loaded at run time (a LoRA policy's
+    adapter-only updates: `lora_server_args`)."""
     model_dir = str(model_dir)
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -126,6 +145,10 @@ def vllm_command(
         argv += ["--api-key", api_key]
     if return_routed_experts:
         argv.append("--enable-return-routed-experts")
+    if lora_rank is not None:
+        lora_argv, lora_env = lora_server_args(lora_rank)
+        argv += lora_argv
+        server_env.update(lora_env)
     # The worker imports the extension: make this checkout importable there.
     root = str(Path(__file__).resolve().parents[2])
     server_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, server_env.get("PYTHONPATH")) if p)

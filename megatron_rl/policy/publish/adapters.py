@@ -1,0 +1,82 @@
+"""A LoRA policy's adapter-only updates (`lora.serve` resolving to `adapter`): each version is
+the adapters alone, in PEFT's format (models/peft.py), which the servers load with
+`/v1/load_lora_adapter` in place of the previous version's (inference/pool.WeightSync), so an
+update moves the adapter's bytes, not the model's.
+
+Path (a) (`AdapterPublisher`): collective over the policy's ranks like the full-weight path:
+only the adapter parameters are gathered over TP (`gather_full_parameters(select=is_adapter)`),
+each owner (ownership.writer_roles: one rank per pipeline stage, one per (stage, expert rank))
+writes its layers' PEFT tensors into `adapter-<tag>.safetensors` of `version_N.partial`, and rank
+0 joins them into one `adapter_model.safetensors` (PEFT's single file), writes
+`adapter_config.json` (rank, alpha, HF target modules, the base model) and `manifest.json`, then
+commits the version as the full-weight path does (atomic_dir). A version directory is then a
+PEFT adapter that transformers + PEFT load too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from megatron_rl.config import Architecture
+from megatron_rl.models.peft import WEIGHTS_FILE, is_adapter, megatron_adapters_to_peft, write_peft_adapter
+from megatron_rl.models.sharding import gather_full_parameters
+from megatron_rl.policy.publish.files import _sha256
+from megatron_rl.policy.publish.ownership import writer_roles
+from megatron_rl.trainer import atomic_dir
+
+
+def owned_adapter_tensors(model, arch: Architecture) -> dict:
+    """Collective over the model's TP groups: the PEFT-named adapter tensors this rank owns
+    (`writer_roles`), empty on the other ranks. Only the adapters are gathered."""
+    full = gather_full_parameters(model, select=is_adapter)
+    writes_dense, writes_experts, _ = writer_roles()
+    mine = {k: v for k, v in full.items()
+            if (".experts." in k and writes_experts) or (".experts." not in k and writes_dense)}  # fmt: skip
+    return megatron_adapters_to_peft(mine, arch, partial=True)
+
+
+def publish_adapter(model, arch: Architecture, directory: str | Path, step: int, rank: int, alpha: float,
+                    base_model: str | None = None, keep_last: int = 2) -> Path:  # fmt: skip
+    """Writes version `step` of the adapters under `directory` as a PEFT adapter directory with a
+    manifest; returns its path (on every rank)."""
+    root = Path(directory)
+    version = atomic_dir.name("version", step)
+
+    def finish(partial: Path) -> None:  # rank 0: one adapter file, its config, the manifest
+        parts = sorted(partial.glob("adapter-*.safetensors"))
+        tensors = {}
+        for part in parts:
+            tensors.update(load_file(str(part)))
+        write_peft_adapter(partial, tensors, rank, alpha, base_model)
+        for part in parts:
+            part.unlink()
+        manifest = {"step": step, "files": {WEIGHTS_FILE: _sha256(partial / WEIGHTS_FILE)}, "num_tensors": len(tensors),
+                    "bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "adapter": True}  # fmt: skip
+        (partial / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+    with atomic_dir.collective_write(root, version, keep_last, "publish.written", finish) as partial:
+        tensors = owned_adapter_tensors(model, arch)
+        _, _, tag = writer_roles()
+        if tensors:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial / f"adapter-{tag}.safetensors"),
+                      metadata={"format": "pt"})  # fmt: skip
+    return root / version
+
+
+class AdapterPublisher:
+    """Path (a) for a LoRA policy served as an adapter: `publish_adapter` into `directory`."""
+
+    def __init__(self, arch: Architecture, directory: str | Path, rank: int, alpha: float,
+                 base_model: str | None = None, keep_last: int = 2):  # fmt: skip
+        self.arch, self.directory, self.rank, self.alpha = arch, Path(directory), rank, alpha
+        self.base_model, self.keep_last = base_model, keep_last
+
+    def publish(self, model, version: int) -> Path:
+        return publish_adapter(model, self.arch, self.directory, version, self.rank, self.alpha, self.base_model,
+                               self.keep_last)  # fmt: skip
+
+    def close(self) -> None:
+        pass
