@@ -8,7 +8,7 @@ the built-in algorithm parts are the registry's, which resolving a config reache
 path (parts.py), as it reaches a plug-in.
 
     base.py          Strict models, ConfigError (every problem at once), secrets from the environment
-    model.py         architecture, model, optimizer, LoRA
+    model.py         architecture, model, optimizer, LoRA (the policy's and the critic's)
     value.py         the critic's section
     algorithm.py     GRPO / PPO / SAO
     parts.py         the registry's built-in algorithm parts, reached by import path
@@ -36,11 +36,14 @@ from megatron_rl.config.load import apply_overrides, load_config, load_resolved,
 from megatron_rl.config.logging import LoggingConfig, WandbConfig
 from megatron_rl.config.model import (
     HF_MODEL_TYPES,
+    LORA_TARGETS,
     Architecture,
     Family,
+    LoraBase,
     LoraConfig,
     ModelConfig,
     OptimizerConfig,
+    PolicyLoraConfig,
     RecomputeConfig,
 )
 from megatron_rl.config.orchestrator import (
@@ -55,10 +58,10 @@ from megatron_rl.config.transport import TransportConfig
 from megatron_rl.config.value import ServiceConfig, SnapshotConfig, ValueConfig
 
 __all__ = [
-    "ALGORITHM_DEFAULTS", "HF_MODEL_TYPES", "AdmissionConfig", "AlgorithmConfig", "Architecture",
+    "ALGORITHM_DEFAULTS", "HF_MODEL_TYPES", "LORA_TARGETS", "AdmissionConfig", "AlgorithmConfig", "Architecture",
     "CheckpointConfig", "Config", "ConfigError", "DeploymentConfig", "DynamicSamplingConfig", "EvalConfig", "Family",
-    "InferenceConfig", "Layout", "LoggingConfig", "LoraConfig", "ModelConfig", "ModelLayout",
-    "OptimizerConfig", "OrchestratorConfig", "OverlongConfig", "RecomputeConfig", "ResolvedConfig", "RunPaths",
+    "InferenceConfig", "Layout", "LoggingConfig", "LoraBase", "LoraConfig", "ModelConfig", "ModelLayout",
+    "OptimizerConfig", "PolicyLoraConfig", "OrchestratorConfig", "OverlongConfig", "RecomputeConfig", "ResolvedConfig", "RunPaths",
     "ServiceConfig", "SnapshotConfig", "Strict", "TransportConfig", "ValueConfig", "WandbConfig", "apply_overrides",
     "load_config", "load_resolved", "parse_config", "resolve", "secret_from_env",
 ]  # fmt: skip

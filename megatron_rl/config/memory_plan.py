@@ -29,7 +29,9 @@ What is exact and what is estimated:
   both shares against the tensors the hybrid optimizer allocates;
 - the frozen KL reference policy (`algorithm.kl_coef` > 0): a second copy of the policy's
   weights on every policy GPU (its forward pass runs before the training pass, so its
-  activations are not held at the same time);
+  activations are not held at the same time); none with a LoRA policy (`lora`), whose reference
+  is its own model with the adapters off, and whose gradients and optimizer state are the
+  adapters' only;
 - activations are an estimate (per token and layer: the inputs of the norms, QKV, the attention
   output, SwiGLU's gate/up and product, for MoE the routed copies of the top-k experts), not a
   measurement; the GPU script (tests/gpu/run.sh) is where it gets compared with CUDA's peak;
@@ -169,7 +171,7 @@ def _training_gpu(resolved: ResolvedConfig, role: str) -> GpuMemory:
         model, optimizer, arch, layout = (
             resolved.model, resolved.optimizer, resolved.layout.policy_architecture, resolved.layout.policy
         )  # fmt: skip
-        value_model, freeze, lora, where = False, False, None, "model"
+        value_model, freeze, lora, where = False, False, resolved.lora, "model"
     else:
         value = resolved.value
         model, optimizer, arch, layout = (
@@ -203,7 +205,8 @@ def _training_gpu(resolved: ResolvedConfig, role: str) -> GpuMemory:
         }
         if chunk:
             parts["logprob_chunk"] = chunk / GIB
-        reference = role == "policy" and resolved.algorithm.kl_coef > 0
+        # A LoRA policy's reference is its own model with the adapters off: no second copy.
+        reference = role == "policy" and resolved.algorithm.kl_coef > 0 and resolved.lora is None
         if reference:
             parts["reference"] = weights  # the frozen initial policy, same layout and dtype
         if role == "policy" and resolved.algorithm.routing_replay != "off":

@@ -1,11 +1,11 @@
 """A Megatron model's config: its architecture (from an HF config.json or inline), parallel
-degrees, dtype, recomputation; the optimizer; LoRA."""
+degrees, dtype, recomputation; the optimizer; LoRA (the critic's `value.lora`, the policy's `lora`)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from megatron_rl.config.base import Strict
 
@@ -174,13 +174,58 @@ class OptimizerConfig(Strict):
     overlap_grad_reduce: bool = Field(default=False, description="Overlap the DP gradient reduce-scatter with the backward pass (megatron DDP buckets).")
 
 
-class LoraConfig(Strict):
-    """Low-rank adapters on the critic's backbone (the backbone stays frozen)."""
+# The linears LoRA can adapt (models/lora.py): attention's fused QKV and output projections, and
+# the MLP's linear_fc1 ([gate; up]) and linear_fc2 (down): the dense MLP, or every expert's in an
+# MoE layer.
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+EXPERT_LORA_TARGETS = ("linear_fc1", "linear_fc2")
+
+
+class LoraBase(Strict):
+    """What every LoRA section shares (the policy's `lora`, the critic's `value.lora`): low-rank
+    adapters y = W x + (alpha / rank) B A x on the named linears, the wrapped weights frozen."""
 
     rank: int = Field(gt=0, description="Rank of the low-rank adapters.")
     alpha: float = Field(default=16.0, gt=0, description="LoRA's scale numerator: the adapter's output is scaled by alpha / rank.")
     target_modules: list[str] = Field(
-        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
-        description="The Megatron linear layers that get adapters.",
+        default_factory=lambda: list(LORA_TARGETS),
+        description="The Megatron linear layers that get adapters: linear_qkv and linear_proj (attention), linear_fc1 and linear_fc2 (the dense MLP, or in an MoE model every expert's).",
     )
 
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, targets: list[str]) -> list[str]:
+        """Each target is one of LORA_TARGETS, named once; at least one."""
+        unknown = sorted(set(targets) - set(LORA_TARGETS))
+        if unknown:
+            raise ValueError(f"unknown target module(s) {unknown}; choose from {list(LORA_TARGETS)}")
+        if not targets:
+            raise ValueError(f"name at least one target module (from {list(LORA_TARGETS)})")
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"{targets} names a module more than once")
+        return targets
+
+
+class LoraConfig(LoraBase):
+    """Low-rank adapters on the critic's backbone (the backbone stays frozen)."""
+
+
+class PolicyLoraConfig(LoraBase):
+    """Low-rank adapters on the policy (the base model stays frozen). The KL reference is then the
+    same model with its adapters off (no second model); every published version and critic
+    snapshot holds the merged weights W + (alpha / rank) B A under the plain model's names."""
+
+    dropout: float = Field(default=0.0, description="Dropout on the adapters' input; must be 0: with dropout the first update's log-probs would not be the sampler's policy (the adapters start at B = 0, so the trained model starts as the sampled one only without dropout).")
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, dropout: float) -> float:
+        """LoRA dropout is refused: the first step must stay on the sampler's policy."""
+        if dropout != 0.0:
+            raise ValueError(
+                f"{dropout} is not supported: LoRA dropout must be 0.0. Dropout on the adapters' input makes "
+                "the training forward a different network than the one vLLM sampled from (which serves the "
+                "merged weights without dropout), so even the first update's ratio would be off the sampler's "
+                "policy; set lora.dropout: 0.0"
+            )
+        return dropout

@@ -13,13 +13,21 @@ every rank's A stays identical. Row-parallel layers (linear_proj, linear_fc2: W 
 B [out, rank]. B starts at zero, so a fresh adapter leaves the model unchanged. `merge_lora`
 folds the adapters into W (per shard) for export; `merge_adapter_tensors` does it on a full
 (gathered) state dict, where a wrapped layer's own tensors keep the layer's names
-(`models/sharding.canonical_name`) and its adapters sit beside them. `adapters_disabled` runs the
-base model (the adapters skipped): the frozen reference of a LoRA-adapted model, with no copy.
+(`models/sharding.canonical_name`) and its adapters sit beside them; `merged_sharded_state_dict`
+is the model's reshardable (dist_checkpointing) state with each adapted weight merged, per shard,
+and no adapters: what a plain model loads. `adapters_disabled` runs the base model (the adapters
+skipped): the frozen reference of a LoRA-adapted model, with no copy.
+
+Checkpoints: a wrapped layer's tensors keep the checkpoint keys of the plain layer, its adapters
+sit beside them; a gated linear_fc1's weight and B are stored as megatron's MLP stores a plain
+fc1's weight (the swiglu factory: gate and up halves sharded separately), so the global tensor is
+[gate; up] at any TP and loads at another TP, or into a plain model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import zlib
 from collections.abc import Iterator, Mapping
@@ -28,6 +36,7 @@ import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import nn
 
@@ -35,6 +44,8 @@ from megatron_rl.models.sharding import global_parameter_names
 
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
+# `sharded_state_dict(metadata={MERGED: True})`: each wrapped layer's weight merged, no adapters.
+MERGED = "megatron_rl_lora_merged"
 
 
 def fused_norm(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -62,11 +73,14 @@ class LoRALinear(nn.Module):
     """Wraps a megatron Column/RowParallelLinear (or TE's, with or without a fused input norm);
     returns (output, bias) like the wrapped layer."""
 
-    def __init__(self, base: nn.Module, parallel_kind: str, rank: int, alpha: float, seed: int = 0):
+    def __init__(
+        self, base: nn.Module, parallel_kind: str, rank: int, alpha: float, seed: int = 0, gated: bool = False
+    ):
         super().__init__()
 
         self.base = base
         self.parallel_kind = parallel_kind
+        self.gated = gated  # a gated MLP's linear_fc1: W and B rows are [gate; up] (per TP shard)
         self.scale = alpha / rank
         out_local, in_local = base.weight.shape
         tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -120,26 +134,48 @@ class LoRALinear(nn.Module):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """The wrapped layer's tensors under the checkpoint keys it has without LoRA (so a
         checkpoint of the plain model loads into the wrapped one and back), plus the adapters,
-        TP-sharded like the weight they adapt."""
+        TP-sharded like the weight they adapt. A gated fc1's weight and B get megatron's swiglu
+        factory, as the plain MLP gives its fc1 (the MLP does not see them under `base.`). With
+        `metadata[MERGED]`: the weight is W + scale * B A (this rank's shard) and the adapters
+        are left out."""
 
+        metadata = metadata or {}
+        merged = bool(metadata.get(MERGED))
+        singleton = metadata.get("singleton_local_shards", False)
         base = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
-        state = {f"{prefix}base.{key[len(prefix) :]}": value for key, value in base.items()}
+        state, found = {}, False
+        for key, value in base.items():
+            is_weight = getattr(value, "data", None) is self.base.weight
+            found |= is_weight
+            if is_weight and merged:
+                value = dataclasses.replace(value, data=self.merged_weight().detach())
+            if is_weight and self.gated:
+                value = apply_swiglu_sharded_factory(value, sharded_offsets, singleton)
+            state[f"{prefix}base.{key[len(prefix) :]}"] = value
+        if not found and (merged or self.gated):  # never write an unmerged weight or a mis-sharded fc1
+            raise RuntimeError(f"{prefix}: LoRA found no sharded tensor of the wrapped layer's weight")
+        if merged:
+            return state
         adapters = {"lora_a": self.lora_a, "lora_b": self.lora_b}
         axis = {"lora_b": 0} if self.parallel_kind == "column" else {"lora_a": 1}
-        dp_cp_group = (metadata or {}).get("dp_cp_group") or parallel_state.get_data_parallel_group(
+        dp_cp_group = metadata.get("dp_cp_group") or parallel_state.get_data_parallel_group(
             with_context_parallel=True
         )
         tp_group = getattr(self.base, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
-        state.update(
-            make_sharded_tensors_for_checkpoint(
-                adapters, prefix, axis, sharded_offsets, tp_group=tp_group, dp_cp_group=dp_cp_group
-            )
+        sharded = make_sharded_tensors_for_checkpoint(
+            adapters, prefix, axis, sharded_offsets, tp_group=tp_group, dp_cp_group=dp_cp_group
         )
+        if self.gated:
+            key = f"{prefix}lora_b"
+            sharded[key] = apply_swiglu_sharded_factory(sharded[key], sharded_offsets, singleton)
+        state.update(sharded)
         return state
 
     def merged_weight(self) -> torch.Tensor:
-        """W + scale * B A for this rank's shard."""
-        return self.base.weight + self.scale * (self.lora_b @ self.lora_a)
+        """W + scale * B A for this rank's shard, computed in float32 (as `merge_adapter_tensors`),
+        in W's dtype."""
+        weight = self.base.weight
+        return (weight.float() + self.scale * (self.lora_b.float() @ self.lora_a.float())).to(weight.dtype)
 
 
 def apply_lora(
@@ -149,7 +185,10 @@ def apply_lora(
     Each adapter's A is drawn from `seed` and the layer's name in the full model, so it is the
     same at every TP/EP/PP layout. Returns the wrapped module names."""
     if model.config.sequence_parallel:
-        raise ValueError("LoRA with sequence parallel (MoE at TP > 1) is not supported yet")
+        raise ValueError(
+            "lora / value.lora: LoRA with sequence parallel (an MoE model at tp > 1) is not supported yet "
+            "(config/validators.lora_fits_the_model refuses it when the config is checked)"
+        )
     unknown = set(target_modules) - set(COLUMN_PARALLEL + ROW_PARALLEL)
     if unknown:
         raise ValueError(
@@ -174,7 +213,8 @@ def apply_lora(
         parent = model.get_submodule(parent_name)
         kind = "column" if child in COLUMN_PARALLEL else "row"
         layer_seed = seed + zlib.crc32(global_names[f"{name}.weight"].encode())
-        setattr(parent, child, LoRALinear(module, kind, rank, alpha, seed=layer_seed))
+        gated = child == "linear_fc1" and bool(model.config.gated_linear_unit)
+        setattr(parent, child, LoRALinear(module, kind, rank, alpha, seed=layer_seed, gated=gated))
         wrapped.append(name)
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name or name.startswith("value_head."))
@@ -189,6 +229,13 @@ def merge_lora(model: nn.Module) -> None:
             module.base.weight.copy_(module.merged_weight())
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, module.base)
+
+
+def merged_sharded_state_dict(model: nn.Module) -> dict:
+    """The model's sharded state dict (dist_checkpointing) with every adapted weight merged,
+    W + (alpha / rank) B A per shard, under the plain model's checkpoint keys and without the
+    adapters: a plain model of any layout loads it. A model without LoRA gives its own."""
+    return model.sharded_state_dict(metadata={MERGED: True})
 
 
 @contextlib.contextmanager

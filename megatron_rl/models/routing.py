@@ -266,6 +266,22 @@ def routing_of(model: torch.nn.Module) -> ModelRouting | None:
 
 
 @contextmanager
+def own_routes(model: torch.nn.Module):
+    """Within the block `model` (or the module it wraps) routes by its own router: its routing is
+    detached, so no pass replays or measures (a LoRA policy's KL reference, which is the policy's
+    own model with the adapters off, routes as the initial policy does); attached again after."""
+    holder = model
+    while holder is not None and holder not in _ROUTING:
+        holder = getattr(holder, "module", None)
+    routing = _ROUTING.pop(holder) if holder is not None else None
+    try:
+        yield
+    finally:
+        if routing is not None:
+            _ROUTING[holder] = routing
+
+
+@contextmanager
 def routing_pass(model: torch.nn.Module, training: bool):
     """`ModelRouting.forward_pass` of `model`'s routing, or nothing when it has none."""
     routing = routing_of(model)

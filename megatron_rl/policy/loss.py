@@ -6,10 +6,17 @@ loss aggregation and the rollout correction.
 
 `train_step` (trainer/step.py) builds each micro-batch's `PolicyBatch` with the loss's `batch`
 builder; policy/update.py sets pi_old, the correction and aggregation weights on them first.
+
+The KL reference is either a frozen model of its own (full fine-tuning: the initial weights,
+policy/trainer.build_reference) or, for a LoRA policy, `AdaptersOff`: the policy's own model run
+with every adapter skipped, which is the frozen base the adapters started from (B = 0), with no
+second model in memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
@@ -23,6 +30,8 @@ from megatron_rl.algorithms.registry import policy_loss_for
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data.types import MicroBatch
 from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
+from megatron_rl.models.lora import adapters_disabled
+from megatron_rl.models.routing import own_routes
 from megatron_rl.trainer.batches import RankBatch, RowSlice
 from megatron_rl.trainer.forward import forward_only
 from megatron_rl.trainer.step import RoleLoss
@@ -86,11 +95,45 @@ def forward_logprobs(model, batches: list[PolicyBatch], temperature: float = 1.0
     return None if outputs is None else [logprobs.detach() for logprobs in outputs]
 
 
+@dataclass(frozen=True)
+class AdaptersOff:
+    """The KL reference of a LoRA policy: `model` (the policy's own, unwrapped) within
+    `adapters_disabled`, i.e. its frozen base, the initial policy. During its pass the model is
+    in eval mode and routes by its own router (no routing replay or measurement), as a separate
+    reference model would; both are restored after."""
+
+    model: torch.nn.Module
+
+    @contextmanager
+    def active(self) -> Iterator[torch.nn.Module]:
+        training = self.model.training
+        with adapters_disabled(self.model) as count, own_routes(self.model):
+            if not count:
+                raise ValueError("the KL reference 'adapters off' needs a LoRA-adapted policy; this one has no adapters")
+            self.model.eval()
+            try:
+                yield self.model
+            finally:
+                self.model.train(training)
+
+
+@contextmanager
+def reference_model(reference) -> Iterator[torch.nn.Module]:
+    """The model the reference's log-probabilities come from: a frozen reference model itself, or
+    an `AdaptersOff` reference's model with its adapters off for the block."""
+    if isinstance(reference, AdaptersOff):
+        with reference.active() as model:
+            yield model
+    else:
+        yield reference
+
+
 def set_reference_logprobs(reference, batches: list[PolicyBatch], temperature: float = 1.0) -> None:
-    """The frozen `reference` model's log-probabilities (`forward_logprobs`) into every batch's
-    `ref_logprobs`."""
-    for batch, logprobs in zip(batches, forward_logprobs(reference, batches, temperature) or []):
-        batch.ref_logprobs = logprobs
+    """The frozen `reference`'s log-probabilities (`forward_logprobs`) into every batch's
+    `ref_logprobs`: a reference model's, or a LoRA policy's with its adapters off (`AdaptersOff`)."""
+    with reference_model(reference) as model:
+        for batch, logprobs in zip(batches, forward_logprobs(model, batches, temperature) or []):
+            batch.ref_logprobs = logprobs
 
 
 def cp_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

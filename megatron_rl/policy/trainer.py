@@ -11,6 +11,12 @@ step + 1 (policy/publish/: safetensors or NCCL broadcast), export a policy snaps
 critic when that version is one of `value.snapshot.steps` (trainer/snapshot.py), checkpoint every
 `checkpoint.save_interval` steps, and append one metrics line per step to
 `logging.dir/policy_metrics.jsonl`.
+
+LoRA (`lora`): `prepare_model` wraps the target linears after the initial weights are loaded and
+before DDP and the optimizer exist, so the frozen base gets neither gradient buffers nor optimizer
+state; the KL reference is then the same model with its adapters off (policy/loss.AdaptersOff),
+and every published version and snapshot holds merged weights (policy/publish/ownership.py,
+trainer/snapshot.py). Checkpoints hold the base and the adapters.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ import torch
 from megatron_rl import faults, parallel
 from megatron_rl.config import ModelLayout, ResolvedConfig
 from megatron_rl.models.builder import build_gpt_model
+from megatron_rl.models.lora import apply_lora
 from megatron_rl.models.routing import attach_routing
+from megatron_rl.policy.loss import AdaptersOff
 from megatron_rl.policy.publish import make_publisher
 from megatron_rl.policy.update import UpdateSettings, policy_update
 from megatron_rl.trainer.role import RoleTrainer
@@ -79,14 +87,41 @@ class PolicyTrainer(RoleTrainer):
         attach_routing(model, self.resolved.algorithm.routing_replay, arch.num_layers, arch.num_experts_per_tok)
         return model
 
+    def prepare_model(self) -> None:
+        """LoRA (`lora`): adapters on the target linears, every other parameter frozen, before
+        DDP and the optimizer (which then hold the adapters only). Each adapter's A is drawn from
+        `layout.policy_seed` (the seed this role's process groups and initialisation take) and the
+        layer's name in the full model, so it is the same at every TP/CP/EP/PP layout and in every
+        run with that seed; B starts at 0, so the first step's policy is the loaded one."""
+        lora = self.resolved.lora
+        if lora is None:
+            return
+        wrapped = apply_lora(
+            self.model, lora.rank, lora.alpha, tuple(lora.target_modules), seed=self.resolved.layout.policy_seed
+        )
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in self.model.parameters())
+        if self.is_rank0:
+            self.log.info(
+                "policy: LoRA on: rank %d, alpha %g, targets %s (%d linears wrapped on rank 0); trainable "
+                "parameters on rank 0: %d of %d (%.3f%%); the KL reference is the model with its adapters off",
+                lora.rank, lora.alpha, ", ".join(lora.target_modules), len(wrapped), trainable, total,
+                100.0 * trainable / max(total, 1),
+            )  # fmt: skip
+
     def after_optimizer(self) -> None:
         """The KL reference, built once DDP and the optimizer exist: DDP allocates a new
         parameter and fp32 gradient buffer before it frees the old weights, and a reference
         already resident then would add its weights to that peak (on the 30B REINFORCE++
         example: 146.5 GiB of tensors, 152.5 with the memory plan's allowances, on a 140.4 GiB
-        GPU; config/memory_plan.py plans this order)."""
-        kl = self.resolved.algorithm.kl_coef > 0
-        self.reference = build_reference(self.model, self.layout, self.resolved) if kl else None
+        GPU; config/memory_plan.py plans this order). A LoRA policy's reference is its own model
+        with the adapters off (`AdaptersOff`): nothing is built."""
+        if self.resolved.algorithm.kl_coef <= 0:
+            self.reference = None
+        elif self.resolved.lora is not None:
+            self.reference = AdaptersOff(self.model)
+        else:
+            self.reference = build_reference(self.model, self.layout, self.resolved)
 
     def checkpoint_extra(self, step: int) -> dict:
         return {"policy_version": step + 1}
@@ -111,9 +146,11 @@ class PolicyTrainer(RoleTrainer):
         meta = self.resume()
         start = 0 if meta is None else meta["step"] + 1
         if self.is_rank0:
+            lora = resolved.lora
             self.log.info(
-                "policy: %s, layout %s, steps %d..%d", self.loaded, self.layout.model_dump(), start, self.num_steps - 1
-            )
+                "policy: %s, layout %s, steps %d..%d, %s", self.loaded, self.layout.model_dump(), start,
+                self.num_steps - 1, f"LoRA rank {lora.rank} on {lora.target_modules}" if lora else "full fine-tuning",
+            )  # fmt: skip
         receiver = self.receiver(resolved.transport.policy_port)
         publisher = make_publisher(resolved)
         snapshots = snapshot_versions(resolved)

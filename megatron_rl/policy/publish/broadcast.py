@@ -50,6 +50,7 @@ class BroadcastPublisher:
     layer: every expert) once it has all its tensors, completes each layer before the next one
     arrives and buffers at most about one layer. Rank 0 then ends the stream, resets the prefix
     cache and resumes the servers. Metadata travels as msgpack bytes in tensors, never pickle.
+    A LoRA policy's weights are sent merged with `lora_alpha` (`owned_hf_tensors`).
     """
 
     def __init__(
@@ -62,8 +63,10 @@ class BroadcastPublisher:
         backend: str | None = None,
         bucket_bytes: int = 256 << 20,
         timeout_s: float = 600.0,
+        lora_alpha: float | None = None,
     ):
         self.arch = arch
+        self.lora_alpha = lora_alpha
         self.controls = controls
         self.host, self.port = host, port
         self.workers_per_server = workers_per_server
@@ -124,10 +127,22 @@ class BroadcastPublisher:
         )
         self._join(threads, errors, self.timeout_s)
 
+    def owned_tensors(self, model) -> dict[str, torch.Tensor]:
+        """Collective: the HF-named tensors this rank sends (the whole model's, merged for LoRA)."""
+        return owned_hf_tensors(model, self.arch, self.lora_alpha)
+
+    def receive(self, index: int, control, version: int):
+        """What server `index` runs to take one update (its workers' side of the stream)."""
+        return control.collective_rpc("receive_weights", {"version": version})
+
+    def installed(self, version: int) -> None:
+        """After every server received the stream (rank 0, servers still paused): nothing more
+        for full weights (the workers loaded them and recorded the version)."""
+
     def publish(self, model, version: int) -> int:
         """Collective over the policy's ranks; returns the number of tensors sent (rank 0)."""
 
-        parts = stream_parts(owned_hf_tensors(model, self.arch), self.arch.num_layers)
+        parts = stream_parts(self.owned_tensors(model), self.arch.num_layers)
         counts = torch.tensor([len(part) for part in parts], dtype=torch.int64, device=self.device)
         everyone = [torch.zeros_like(counts) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, counts)
@@ -140,9 +155,7 @@ class BroadcastPublisher:
             for control in self.controls:
                 control.pause()
             try:
-                threads, _, errors = self._on_every_server(
-                    lambda i, c: c.collective_rpc("receive_weights", {"version": version})
-                )
+                threads, _, errors = self._on_every_server(lambda i, c: self.receive(i, c, version))
                 for position, part in enumerate(parts):
                     for owner, counts_of_owner in enumerate(owned_counts):
                         if not counts_of_owner[position]:
@@ -154,6 +167,7 @@ class BroadcastPublisher:
                             sent += wb.relay_weights_p2p(owner, self.group, 0, self.device)
                 wb.broadcast_end(self.group, 0, self.device)
                 self._join(threads, errors, self.timeout_s)
+                self.installed(version)
                 for control in self.controls:
                     control.reset_prefix_cache()
             finally:  # never leave the servers paused, whatever failed above

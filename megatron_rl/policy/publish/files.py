@@ -41,8 +41,10 @@ def publish_hf_weights(
     step: int,
     hf_side_files: Path | None = None,
     keep_last: int = 2,
+    lora_alpha: float | None = None,
 ) -> Path:
-    """Writes version `step` under `directory`; returns its path (on every rank)."""
+    """Writes version `step` under `directory`; returns its path (on every rank). A LoRA
+    policy's weights are merged with `lora_alpha` (`owned_hf_tensors`)."""
     root = Path(directory)
     version = atomic_dir.name("version", step)
 
@@ -65,7 +67,7 @@ def publish_hf_weights(
         (partial / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
     with atomic_dir.collective_write(root, version, keep_last, "publish.written", finish) as partial:
-        hf = owned_hf_tensors(model, arch)
+        hf = owned_hf_tensors(model, arch, lora_alpha)
         _, _, tag = writer_roles()
         if hf:
             save_file(
@@ -93,18 +95,25 @@ def verify_published(path: str | Path) -> dict:
 
 class SafetensorsPublisher:
     """Path (a): `publish_hf_weights` into `directory`, with the HF side files (config.json,
-    tokenizer) from `side_files` so that each version loads on its own."""
+    tokenizer) from `side_files` so that each version loads on its own; a LoRA policy's weights
+    merged with `lora_alpha`."""
 
     def __init__(
-        self, arch: Architecture, directory: str | Path, side_files: Path | None = None, keep_last: int = 2
+        self,
+        arch: Architecture,
+        directory: str | Path,
+        side_files: Path | None = None,
+        keep_last: int = 2,
+        lora_alpha: float | None = None,
     ):
         self.arch, self.directory = arch, Path(directory)
-        self.side_files, self.keep_last = side_files, keep_last
+        self.side_files, self.keep_last, self.lora_alpha = side_files, keep_last, lora_alpha
 
     def publish(self, model, version: int) -> Path:
         return publish_hf_weights(
-            model, self.arch, self.directory, version, hf_side_files=self.side_files, keep_last=self.keep_last
-        )
+            model, self.arch, self.directory, version, hf_side_files=self.side_files, keep_last=self.keep_last,
+            lora_alpha=self.lora_alpha,
+        )  # fmt: skip
 
     def close(self) -> None:
         pass

@@ -1,6 +1,11 @@
 """Which rank publishes which of the policy's HF tensors, the same for both publishing paths:
 TP shards are gathered; then one rank per pipeline stage owns that stage's non-expert tensors and
-one rank per (stage, expert-parallel rank) its experts, so nothing else crosses processes."""
+one rank per (stage, expert-parallel rank) its experts, so nothing else crosses processes.
+
+A LoRA policy (`lora`) publishes merged weights: the inference servers serve a plain model, so
+each owner folds the adapters of its gathered layers into their weights, W + (alpha / rank) B A
+(models/lora.merge_adapter_tensors), and publishes them under the plain HF names; no adapter
+tensor is ever published."""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ from megatron.core import parallel_state as ps
 
 from megatron_rl.config import Architecture
 from megatron_rl.models.hf_mapping import megatron_to_hf
+from megatron_rl.models.lora import merge_adapter_tensors
+from megatron_rl.models.peft import is_adapter
 from megatron_rl.models.sharding import gather_full_parameters
 
 
@@ -25,10 +32,11 @@ def writer_roles() -> tuple[bool, bool, str]:
     return dense, experts, f"pp{stage:03d}-ep{ps.get_expert_model_parallel_rank():03d}"
 
 
-def owned_hf_tensors(model, arch: Architecture) -> dict:
+def owned_hf_tensors(model, arch: Architecture, lora_alpha: float | None = None) -> dict:
     """Collective: the HF-named tensors this rank is responsible for publishing (TP shards
     gathered; one rank per pipeline stage owns its non-expert tensors, one rank per (stage,
-    expert-parallel rank) its experts); empty on other ranks."""
+    expert-parallel rank) its experts); empty on other ranks. A LoRA-adapted model's weights
+    are merged with `lora_alpha` (the config's `lora.alpha`; a ValueError without it)."""
     # The live parameters where nothing is gathered: publishing reads them before the next
     # optimizer step changes them, so a clone of every parameter would only cost memory.
     full = gather_full_parameters(model, copy=False)
@@ -38,4 +46,11 @@ def owned_hf_tensors(model, arch: Architecture) -> dict:
         for k, v in full.items()
         if (".experts." in k and writes_experts) or (".experts." not in k and writes_dense)
     }
+    if any(is_adapter(k) for k in mine):
+        if lora_alpha is None:
+            raise ValueError(
+                "publishing a LoRA-adapted policy needs lora.alpha to merge its adapters into the weights "
+                "(make_publisher passes the config's); none was given"
+            )
+        mine = merge_adapter_tensors(mine, lora_alpha)
     return megatron_to_hf(mine, arch, partial=True)

@@ -26,12 +26,13 @@ class WeightPublisher(Protocol):
 def make_publisher(resolved: ResolvedConfig) -> WeightPublisher:
     """Collective: the publisher `inference.weight_update` names. Path (b) forms its group with
     every inference server's workers here (policy rank 0), so a wrong address or port fails at
-    startup."""
+    startup. With `lora` both paths publish merged weights (`lora.alpha` reaches the merge)."""
 
     inference, arch = resolved.inference, resolved.layout.policy_architecture
+    lora_alpha = resolved.lora.alpha if resolved.lora is not None else None
     if inference.weight_update == "safetensors":
         side_files = Path(resolved.model.hf_config) if resolved.model.hf_config else None
-        return SafetensorsPublisher(arch, inference.publish_dir, side_files)
+        return SafetensorsPublisher(arch, inference.publish_dir, side_files, lora_alpha=lora_alpha)
     if not resolved.layout.inference_urls:
         raise ValueError("inference.weight_update 'nccl': there are no inference servers to broadcast to")
     api_key = inference.api_key()
@@ -42,6 +43,7 @@ def make_publisher(resolved: ResolvedConfig) -> WeightPublisher:
         inference.weight_broadcast_port,
         workers_per_server=inference.tp,
         bucket_bytes=inference.weight_bucket_mb << 20,
+        lora_alpha=lora_alpha,
     )
     if dist.get_rank() == 0:
         publisher.connect()
