@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 
@@ -130,6 +131,9 @@ class WeightReceiverExtension:
             out.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
             (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+            # The loaded adapter lives in the server's memory: keep this version and the one before.
+            for old in sorted(p for p in out.parent.glob("version_*") if p.is_dir() and p.name < out.name)[:-1]:
+                shutil.rmtree(old, ignore_errors=True)
         return len(tensors)
 
     def init_weight_update_group(

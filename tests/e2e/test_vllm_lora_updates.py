@@ -4,7 +4,9 @@ adapter directory (`publish_adapter`); the pool's WeightSync loads it in place
 (`/v1/load_lora_adapter`, pause keep / load / reset prefix cache / resume) and requests name
 the adapter from then on. vLLM's greedy log-probabilities equal the trainer's own forward
 (megatron, base + adapters) for version 1 and again for version 2, the server reports each
-version, and version 0 (before any adapter) is the base model."""
+version, and version 0 (before any adapter) is the base model. Path (b): the same adapters
+broadcast from the policy's ranks (TP=2, gloo) into the server's worker extension, written on
+the server's node and loaded in place, with the same equality."""
 
 from __future__ import annotations
 
@@ -82,6 +84,19 @@ def publish_version(rank, world_size, hf_dir, out_dir, version, seed):
     return str(publish_adapter(model, arch, out_dir, version, RANK, ALPHA, base_model=str(hf_dir)))
 
 
+def broadcast_version(rank, world_size, hf_dir, url, group_port, server_dir, version, seed):
+    from megatron_rl.inference.vllm_control import VllmControl
+    from megatron_rl.policy.publish.adapters import AdapterBroadcastPublisher
+
+    model, arch = _adapted_policy(hf_dir, world_size, seed)
+    publisher = AdapterBroadcastPublisher(arch, [VllmControl(url, timeout_s=120)], "127.0.0.1", group_port, RANK,
+                                          ALPHA, "policy-lora", server_dir, base_model=str(hf_dir), backend="gloo",
+                                          timeout_s=120)  # fmt: skip
+    if rank == 0:
+        publisher.connect()
+    return publisher.publish(model, version=version)
+
+
 def trainer_logprobs(rank, world_size, hf_dir, seed, tokens, start):
     """The trainer's log-probabilities of tokens[i] given tokens[:i], i >= start (megatron's own
     forward of base + adapters)."""
@@ -117,3 +132,19 @@ def test_adapter_updates_give_the_trainers_logprobs_version_after_version(lora_p
         assert out.policy_version == version  # the rollout names the version it ran on
         seen.append(out.token_ids)
     assert seen[0] != seen[1] != seen[2]  # each version changed what the server samples
+
+
+def test_path_b_broadcasts_the_adapter_alone(lora_pool):
+    pool, model, tmp = lora_pool
+    version, seed = pool.sync.version + 1, 13
+    sent, _ = run_ranks(broadcast_version, 2, str(model), pool.worker_urls[0], free_port(), str(tmp / "server"),
+                        version, seed)  # fmt: skip
+    assert sent == 2 * 7 * 2  # the adapters' PEFT tensors, nothing of the base model
+    written = tmp / "server" / "server0" / f"version_{version:08d}"
+    assert sorted(p.name for p in written.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    pool.sync.refresh()  # path (b): the pool learns the version from the server
+    pool.sync.adapter_versions = True  # the orchestrator sets this from the config on path (b)
+    assert pool.sync.version == version and pool.sync.model_for(pool.model_name) == "policy-lora"
+    out = greedy(pool)
+    expected = run_ranks(trainer_logprobs, 1, str(model), seed, PROMPT + out.token_ids, len(PROMPT))[0]
+    assert out.logprobs == pytest.approx(expected, abs=1e-4)

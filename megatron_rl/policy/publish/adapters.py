@@ -11,6 +11,12 @@ writes its layers' PEFT tensors into `adapter-<tag>.safetensors` of `version_N.p
 `adapter_config.json` (rank, alpha, HF target modules, the base model) and `manifest.json`, then
 commits the version as the full-weight path does (atomic_dir). A version directory is then a
 PEFT adapter that transformers + PEFT load too.
+
+Path (b) (`AdapterBroadcastPublisher`): the full-weight broadcast (BroadcastPublisher: group,
+pause, stream from the owners through rank 0, resume) with the owners' PEFT adapter tensors
+instead of the model's; each server's workers take them with `receive_adapter`, the server's
+first worker writes them as a PEFT directory on its node (`server_dir/server<i>/version_N`),
+and rank 0 has each server load it in place (`/v1/load_lora_adapter`) under `adapter_name`.
 """
 
 from __future__ import annotations
@@ -21,8 +27,16 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.config import Architecture
-from megatron_rl.models.peft import WEIGHTS_FILE, is_adapter, megatron_adapters_to_peft, write_peft_adapter
+from megatron_rl.models.peft import (
+    WEIGHTS_FILE,
+    adapter_config,
+    hf_target_modules,
+    is_adapter,
+    megatron_adapters_to_peft,
+    write_peft_adapter,
+)
 from megatron_rl.models.sharding import gather_full_parameters
+from megatron_rl.policy.publish.broadcast import BroadcastPublisher
 from megatron_rl.policy.publish.files import _sha256
 from megatron_rl.policy.publish.ownership import writer_roles
 from megatron_rl.trainer import atomic_dir
@@ -80,3 +94,35 @@ class AdapterPublisher:
 
     def close(self) -> None:
         pass
+
+
+class AdapterBroadcastPublisher(BroadcastPublisher):
+    """Path (b) for a LoRA policy served as an adapter (see the module docstring). `server_dir`:
+    an absolute directory each server's node can write and its API server read (default: the
+    nodes' temporary directory)."""
+
+    def __init__(self, arch: Architecture, controls: list, host: str, port: int, rank: int, alpha: float,
+                 adapter_name: str, server_dir: str, base_model: str | None = None, **options):  # fmt: skip
+        super().__init__(arch, controls, host, port, **options)
+        self.rank, self.alpha, self.adapter_name = rank, alpha, adapter_name
+        self.server_dir, self.base_model = Path(server_dir), base_model
+        self.targets: list[str] = []
+
+    def owned_tensors(self, model) -> dict:
+        tensors = owned_adapter_tensors(model, self.arch)
+        self.targets = hf_target_modules(tensors) if tensors else self.targets
+        return tensors
+
+    def _version_dir(self, index: int, version: int) -> Path:
+        return self.server_dir / f"server{index}" / atomic_dir.name("version", version)
+
+    def receive(self, index: int, control, version: int):
+        config = adapter_config(self.rank, self.alpha, self.targets, self.base_model)
+        return control.collective_rpc("receive_adapter", {
+            "version": version, "directory": str(self._version_dir(index, version)), "adapter_config": config})  # fmt: skip
+
+    def installed(self, version: int) -> None:
+        threads, _, errors = self._on_every_server(
+            lambda i, c: c.load_adapter_version(self.adapter_name, str(self._version_dir(i, version)), version)
+        )
+        self._join(threads, errors, self.timeout_s)
