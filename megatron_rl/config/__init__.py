@@ -45,6 +45,7 @@ from megatron_rl.config.model import (
     OptimizerConfig,
     PolicyLoraConfig,
     RecomputeConfig,
+    adapts_experts,
 )
 from megatron_rl.config.orchestrator import (
     AdmissionConfig,
@@ -63,5 +64,5 @@ __all__ = [
     "InferenceConfig", "Layout", "LoggingConfig", "LoraBase", "LoraConfig", "ModelConfig", "ModelLayout",
     "OptimizerConfig", "PolicyLoraConfig", "OrchestratorConfig", "OverlongConfig", "RecomputeConfig", "ResolvedConfig", "RunPaths",
     "ServiceConfig", "SnapshotConfig", "Strict", "TransportConfig", "ValueConfig", "WandbConfig", "apply_overrides",
-    "load_config", "load_resolved", "parse_config", "resolve", "secret_from_env",
+    "adapts_experts", "load_config", "load_resolved", "parse_config", "resolve", "secret_from_env",
 ]  # fmt: skip

@@ -206,6 +206,14 @@ class LoraBase(Strict):
         return targets
 
 
+def adapts_experts(lora: LoraBase | None, arch: Architecture | None) -> bool:
+    """Whether `lora` wraps an MoE model's expert linears. Such a model is built with one linear
+    per expert (megatron's SequentialMLP, `moe_grouped_gemm` off, also under the TE spec): TE's
+    grouped GEMM holds one weight for all of a layer's experts, which no adapter can wrap."""
+    return bool(lora is not None and arch is not None and arch.num_experts
+                and any(t in EXPERT_LORA_TARGETS for t in lora.target_modules))  # fmt: skip
+
+
 class LoraConfig(LoraBase):
     """Low-rank adapters on the critic's backbone (the backbone stays frozen)."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_rl.config.model import EXPERT_LORA_TARGETS, Architecture
+from megatron_rl.config.model import Architecture
 from megatron_rl.config.orchestrator import BUILTIN_ENVIRONMENTS
 from megatron_rl.config.parts import BuiltinParts
 from megatron_rl.config.plugins import PluginError, check_call, is_plugin, load_object, load_plugin
@@ -283,11 +283,10 @@ def routing_replay_has_experts(ctx: Context) -> list[str]:
 
 
 def lora_fits_the_model(ctx: Context) -> list[str]:
-    """LoRA (the policy's `lora`, the critic's `value.lora`) adapts one linear at a time and does
-    not run under sequence parallel yet: it is refused on an MoE model at tp > 1 (the layout turns
-    sequence parallel on there), and on the experts' linears (linear_fc1 / linear_fc2 of an MoE
-    model) where they are TransformerEngine's grouped GEMM (moe_grouped_gemm: the TE spec, which
-    the builder takes on CUDA at cp 1)."""
+    """LoRA (the policy's `lora`, the critic's `value.lora`) does not run under sequence parallel
+    yet: it is refused on an MoE model at tp > 1 (the layout turns sequence parallel on there).
+    Adapters on the experts' linears are not refused: the model is then built with one linear
+    per expert instead of TE's grouped GEMM (`adapts_experts`)."""
     config, errors = ctx.config, []
     roles = [("lora", "model", config.lora, config.model, ctx.policy_arch)]
     if config.value is not None:
@@ -300,14 +299,6 @@ def lora_fits_the_model(ctx: Context) -> list[str]:
                 f"{key}: LoRA does not support sequence parallel yet, and the layout runs an MoE model at "
                 f"{where}.tp > 1 ({where}.tp = {model.tp}) sequence parallel; use {where}.tp: 1 (spread the "
                 f"experts with {where}.ep) or full fine-tuning"
-            )
-        experts = [t for t in lora.target_modules if t in EXPERT_LORA_TARGETS]
-        if experts and config.deployment.device == "cuda" and model.cp == 1:
-            errors.append(
-                f"{key}.target_modules: {experts} of this MoE model are its experts' linears, which on GPUs "
-                f"(deployment.device 'cuda', {where}.cp 1: the TransformerEngine spec) run as one grouped GEMM "
-                "per layer (moe_grouped_gemm), with no single weight per expert for LoRA to wrap; target "
-                "attention only (linear_qkv, linear_proj)"
             )
     return errors
 

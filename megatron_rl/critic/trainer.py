@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_rl.config import ResolvedConfig
+from megatron_rl.config import ResolvedConfig, adapts_experts
 from megatron_rl.critic.loss import value_loss_func
 from megatron_rl.critic.pretrain import pretrain_batches, read_pretrain_jsonl
 from megatron_rl.critic.scoring import score_sequences
@@ -85,6 +85,8 @@ class CriticTrainer(RoleTrainer):
             ep=layout.ep,
             dtype=model_config.dtype,
             **model_config.recompute.transformer_fields(),
+            # expert adapters need one linear per expert (config/model.adapts_experts)
+            **({"moe_grouped_gemm": False} if adapts_experts(self.value.lora, self.arch) else {}),
         )
 
     def prepare_model(self) -> None:

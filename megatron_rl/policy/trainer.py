@@ -27,7 +27,7 @@ import time
 import torch
 
 from megatron_rl import faults, parallel
-from megatron_rl.config import ModelLayout, ResolvedConfig
+from megatron_rl.config import ModelLayout, ResolvedConfig, adapts_experts
 from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.lora import apply_lora
 from megatron_rl.models.routing import attach_routing
@@ -39,6 +39,10 @@ from megatron_rl.trainer.snapshot import export_snapshot, snapshot_versions
 
 
 def build_policy_model(resolved: ResolvedConfig, layout: ModelLayout) -> torch.nn.Module:
+    """The policy at `layout`; with expert adapters (`lora` on an MoE model's linear_fc1/fc2) its
+    experts are one linear each (SequentialMLP), not TE's grouped GEMM, so that each can be wrapped."""
+    arch = resolved.layout.policy_architecture
+    grouped = {"moe_grouped_gemm": False} if adapts_experts(resolved.lora, arch) else {}
     return build_gpt_model(
         resolved.layout.policy_architecture,
         tp=layout.tp,
@@ -48,6 +52,7 @@ def build_policy_model(resolved: ResolvedConfig, layout: ModelLayout) -> torch.n
         dtype=resolved.model.dtype,
         seq_len=resolved.model.seq_len,
         **resolved.model.recompute.transformer_fields(),
+        **grouped,
     )
 
 

@@ -1,6 +1,6 @@
 """The policy's `lora` section: its fields and defaults, the refusals that name their key (dropout,
-an unknown target, an MoE layout LoRA cannot run: sequence parallel at tp > 1, TE grouped-GEMM
-experts on GPUs), the critic's `value.lora` sharing the same base, the memory plan without a
+an unknown target, an MoE layout LoRA cannot run: sequence parallel at tp > 1), expert adapters
+building the model with one linear per expert instead of TE's grouped GEMM, the critic's `value.lora` sharing the same base, the memory plan without a
 second model for the KL reference, and the round trip through the resolved JSON."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from megatron_rl.config import (
     LoraBase,
     LoraConfig,
     PolicyLoraConfig,
+    adapts_experts,
     load_resolved,
     parse_config,
 )
@@ -86,15 +87,16 @@ def test_moe_layouts_lora_cannot_run_are_refused_at_config_time():
     # sequence parallel: the layout turns it on for MoE at tp > 1
     assert "lora: LoRA does not support sequence parallel yet" in message
     assert "model.tp > 1 (model.tp = 2)" in message
-    # the experts' linears are TE grouped GEMM on GPUs (deployment.device cuda, cp 1)
-    assert "lora.target_modules: ['linear_fc1', 'linear_fc2'] of this MoE model are its experts' linears" in message
-    assert "moe_grouped_gemm" in message
-    # attention-only adapters at tp 1 (experts spread by ep) are fine on GPUs
+    assert "target_modules" not in message  # expert adapters are not refused on GPUs
+    # at tp 1 (experts spread by ep) expert adapters are accepted on GPUs: the policy is built
+    # with one linear per expert (moe_grouped_gemm off), which each adapter wraps
     config["model"]["tp"] = 1
     config["model"]["ep"] = 2
-    config["lora"]["target_modules"] = ["linear_qkv", "linear_proj"]
-    assert parse_config(config).lora.target_modules == ["linear_qkv", "linear_proj"]
-    # on CPU (the local spec: one linear per expert) the experts can be adapted
+    resolved = parse_config(config)
+    assert resolved.deployment.device == "cuda" and adapts_experts(resolved.lora, resolved.layout.policy_architecture)
+    config["lora"]["target_modules"] = ["linear_qkv", "linear_proj"]  # attention only: grouped GEMM stays
+    resolved = parse_config(config)
+    assert not adapts_experts(resolved.lora, resolved.layout.policy_architecture)
     config["lora"]["target_modules"] = list(LORA_TARGETS)
     config["deployment"]["device"] = "cpu"
     assert parse_config(config).layout.policy.ep == 2
@@ -136,3 +138,20 @@ def test_the_section_round_trips_through_the_resolved_json(tmp_path):
     assert again.lora == resolved.lora and again == resolved
     assert again.lora.model_dump() == {"rank": 4, "alpha": 8.0, "target_modules": ["linear_qkv", "linear_fc2"],
                                        "dropout": 0.0}  # fmt: skip
+
+
+def test_expert_adapters_build_the_policy_with_one_linear_per_expert(monkeypatch):
+    """build_policy_model turns TE's grouped GEMM off exactly when the adapters wrap experts (the
+    TE spec with one linear per expert: tests/distributed/test_te_layouts.py checks LoRA there)."""
+    from megatron_rl.policy import trainer
+
+    seen = []
+    monkeypatch.setattr(trainer, "build_gpt_model", lambda arch, **kwargs: seen.append(kwargs))
+    config = grpo(rank=8)
+    config["model"]["architecture"] = dict(MOE)
+    config["model"]["ep"] = 2
+    for targets, grouped_off in ((list(LORA_TARGETS), True), (["linear_qkv", "linear_proj"], False)):
+        config["lora"]["target_modules"] = targets
+        resolved = parse_config(config)
+        trainer.build_policy_model(resolved, resolved.layout.policy)
+        assert (seen[-1].get("moe_grouped_gemm") is False) == grouped_off
