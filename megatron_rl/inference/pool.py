@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_rl.config import ResolvedConfig
+from megatron_rl.config import ResolvedConfig, lora_serving
 from megatron_rl.inference.router import RouterSettings, VllmRouter
 from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
 from megatron_rl.inference.vllm_server import ServerStartError, VllmServer
@@ -297,6 +297,7 @@ class InferencePool:
                     http_log_level=resolved.logging.inference_level,
                     extra_args=inference.extra_args,
                     return_routed_experts=resolved.algorithm.routing_replay != "off",
+                    lora_rank=adapter_rank(resolved),
                     api_key=api_key,
                     launch=launch,
                 )  # fmt: skip
@@ -318,6 +319,13 @@ class InferencePool:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def adapter_rank(resolved: ResolvedConfig) -> int | None:
+    """The LoRA rank the servers must serve adapters of (a LoRA policy published as adapters:
+    `lora_serving`), None when they serve plain weights."""
+    serving, _ = lora_serving(resolved.lora, resolved.layout.policy_architecture, resolved.inference.backend)
+    return resolved.lora.rank if serving == "adapter" else None
 
 
 def adapter_name(model_name: str) -> str:

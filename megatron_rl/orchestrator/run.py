@@ -23,7 +23,7 @@ from pathlib import Path
 from megatron_rl.config import ResolvedConfig
 from megatron_rl.critic.client import HttpValueScorer
 from megatron_rl.envs import make_environment
-from megatron_rl.inference.pool import InferencePool, WeightSync, served_model_dir
+from megatron_rl.inference.pool import InferencePool, WeightSync, adapter_rank, served_model_dir
 from megatron_rl.inference.rollout import RolloutClient
 from megatron_rl.inference.router import VllmRouter
 from megatron_rl.inference.vllm_control import VllmControl
@@ -143,6 +143,8 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
     publish_dir = (
         resolved.inference.publish_dir if resolved.inference.weight_update == "safetensors" else None
     )
+    # A LoRA policy served as adapters: after version 0 (the base), requests name the adapter.
+    pool.sync.adapter_versions = adapter_rank(resolved) is not None
     follower = VersionFollower(pool.sync, publish_dir)
     if publish_dir is None:
         pool.sync.refresh()
@@ -157,6 +159,7 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
     metrics = MetricsWriter(resolved.logging.dir, resolved.logging.console, o.num_steps, tracker=tracker)
     client = RolloutClient(pool.router_url, pool.model_name, pool.worker_urls,
                            timeout_s=resolved.inference.request_timeout_s, version_source=follower.version,
+                           model_source=lambda: pool.sync.model_for(pool.model_name),
                            api_key=resolved.inference.api_key(),
                            on_worker_failure=lambda url: log.warning("inference server %s failed a request", url))  # fmt: skip
     environment = make_environment(o.environment, o.dataset, o.seed, args=o.environment_args)

@@ -166,7 +166,7 @@ def peak_rows(stderr: str) -> dict[str, tuple[float | None, ...]]:
     start = next(i for i, line in enumerate(lines) if line.startswith("peaks (GiB per GPU"))
     rows = {}
     for line in lines[start + 2 :]:
-        if line.startswith((" ", "host memory")):
+        if line.startswith((" ", "host memory", "weight update")):
             continue
         cells = line.split()
         rows[cells[0]] = tuple(None if c == "-" else float(c) for c in cells[1:4])

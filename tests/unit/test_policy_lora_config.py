@@ -137,7 +137,7 @@ def test_the_section_round_trips_through_the_resolved_json(tmp_path):
     again = load_resolved(path)
     assert again.lora == resolved.lora and again == resolved
     assert again.lora.model_dump() == {"rank": 4, "alpha": 8.0, "target_modules": ["linear_qkv", "linear_fc2"],
-                                       "dropout": 0.0}  # fmt: skip
+                                       "serve": "auto", "dropout": 0.0}  # fmt: skip
 
 
 def test_expert_adapters_build_the_policy_with_one_linear_per_expert(monkeypatch):
@@ -155,3 +155,25 @@ def test_expert_adapters_build_the_policy_with_one_linear_per_expert(monkeypatch
         resolved = parse_config(config)
         trainer.build_policy_model(resolved, resolved.layout.policy)
         assert (seen[-1].get("moe_grouped_gemm") is False) == grouped_off
+
+
+def test_the_30b_lora_example_fits_without_optimizer_offload_and_updates_a_fiftieth_of_the_model():
+    from pathlib import Path
+
+    from megatron_rl.config import load_config
+    from megatron_rl.config.memory_plan import check_fits, format_plan, weight_update_gib
+
+    examples = Path(__file__).resolve().parents[2] / "examples" / "configs"
+    lora = load_config(examples / "qwen3_30b_a3b_sao_lora.yaml")
+    full = load_config(examples / "qwen3_30b_a3b_sao.yaml")
+    assert lora.optimizer.cpu_offload is False and full.optimizer.cpu_offload is True
+    assert adapts_experts(lora.lora, lora.layout.policy_architecture)  # attention + every expert
+    assert lora.layout.policy == full.layout.policy and lora.value == full.value  # the same layout, the same critic
+    plan = {gpu.role: gpu for gpu in memory_plan(lora)}
+    assert check_fits(lora, list(plan.values())) == []
+    policy = plan["policy"]
+    assert policy.host_gib == 0 and "reference" not in policy.parts
+    assert policy.largest().total < 0.5 * {g.role: g for g in memory_plan(full)}["policy"].largest().total
+    whole, adapters = weight_update_gib(lora)
+    assert weight_update_gib(full) == (whole, None) and 0.01 < adapters / whole < 0.03
+    assert f"weight update per policy version: {adapters:.2f} GiB of LoRA adapters" in format_plan(lora, list(plan.values()))

@@ -1,17 +1,23 @@
 """The one interface both publishing paths share, `WeightPublisher`, and `make_publisher`, which
-builds the one `inference.weight_update` names from the resolved config."""
+builds the one `inference.weight_update` names from the resolved config (for a LoRA policy
+served as an adapter, the adapter publishers of adapters.py)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Protocol
 
 import torch.distributed as dist
 
-from megatron_rl.config import ResolvedConfig
+from megatron_rl.config import ResolvedConfig, lora_serving
+from megatron_rl.inference.pool import adapter_name
 from megatron_rl.inference.vllm_control import VllmControl
+from megatron_rl.policy.publish.adapters import AdapterBroadcastPublisher, AdapterPublisher
 from megatron_rl.policy.publish.broadcast import BroadcastPublisher
 from megatron_rl.policy.publish.files import SafetensorsPublisher
+
+log = logging.getLogger("megatron_rl.policy")
 
 
 class WeightPublisher(Protocol):
@@ -26,25 +32,42 @@ class WeightPublisher(Protocol):
 def make_publisher(resolved: ResolvedConfig) -> WeightPublisher:
     """Collective: the publisher `inference.weight_update` names. Path (b) forms its group with
     every inference server's workers here (policy rank 0), so a wrong address or port fails at
-    startup. With `lora` both paths publish merged weights (`lora.alpha` reaches the merge)."""
+    startup. With `lora`, each version is the adapters alone or merged weights (`lora_serving`:
+    `lora.serve`, and what the inference backend can serve), which rank 0 says at start-up."""
 
     inference, arch = resolved.inference, resolved.layout.policy_architecture
-    lora_alpha = resolved.lora.alpha if resolved.lora is not None else None
+    lora = resolved.lora
+    serving, why = lora_serving(lora, arch, inference.backend)
+    if serving is not None and dist.get_rank() == 0:
+        log.info("policy LoRA (rank %d, alpha %g): versions reach inference as %s (%s)",
+                 lora.rank, lora.alpha, "adapters" if serving == "adapter" else "merged weights", why)  # fmt: skip
+    base_model = inference.model_dir or resolved.model.hf_config  # the HF model the servers serve
+    if serving == "adapter" and inference.weight_update == "safetensors":
+        return AdapterPublisher(arch, inference.publish_dir, lora.rank, lora.alpha, base_model=base_model)
+    lora_alpha = lora.alpha if lora is not None else None
     if inference.weight_update == "safetensors":
         side_files = Path(resolved.model.hf_config) if resolved.model.hf_config else None
         return SafetensorsPublisher(arch, inference.publish_dir, side_files, lora_alpha=lora_alpha)
     if not resolved.layout.inference_urls:
         raise ValueError("inference.weight_update 'nccl': there are no inference servers to broadcast to")
     api_key = inference.api_key()
-    publisher = BroadcastPublisher(
-        arch,
-        [VllmControl(url, api_key=api_key) for url in resolved.layout.inference_urls],
-        resolved.layout.weight_broadcast_host,
-        inference.weight_broadcast_port,
-        workers_per_server=inference.tp,
-        bucket_bytes=inference.weight_bucket_mb << 20,
-        lora_alpha=lora_alpha,
-    )
+    controls = [VllmControl(url, api_key=api_key) for url in resolved.layout.inference_urls]
+    options = {"workers_per_server": inference.tp, "bucket_bytes": inference.weight_bucket_mb << 20}
+    if serving == "adapter":
+        publisher = AdapterBroadcastPublisher(
+            arch, controls, resolved.layout.weight_broadcast_host, inference.weight_broadcast_port, lora.rank,
+            lora.alpha, adapter_name(inference.served_model_name), adapter_server_dir(resolved),
+            base_model=base_model, **options,
+        )  # fmt: skip
+    else:
+        publisher = BroadcastPublisher(arch, controls, resolved.layout.weight_broadcast_host,
+                                       inference.weight_broadcast_port, lora_alpha=lora_alpha, **options)  # fmt: skip
     if dist.get_rank() == 0:
         publisher.connect()
     return publisher
+
+
+def adapter_server_dir(resolved: ResolvedConfig) -> str:
+    """Where path (b)'s servers write the adapters they receive before loading them: under
+    `logging.dir` (which every node of a run writes its logs to), `adapters/`."""
+    return str(Path(resolved.logging.dir).resolve() / "adapters")
