@@ -8,7 +8,7 @@ overrides): `ppo-n4` is PPO with 4 mini-batch updates per step (`algorithm.polic
 `rloo`, `dr_grpo`, `reinforce_pp`, `gspo`, `cispo` are the algorithm toolbox's parts on the demo's
 GRPO setting; `sao-obs-actions` is SAO with the observation tokens of a multi-turn task trained on
 as actions (`orchestrator.train_on_observations`, the ablation of skip-observation GAE; with
-`--task tool`). `--task tool` runs the tool demo (its warm start and learning rate).
+`--task tool`); `sao-lora` is SAO with a LoRA policy (docs/lora.md). `--task tool` runs the tool demo (its warm start and learning rate).
 `--result NAME` names the results file (default demo_learning).
 
 Runs `launch/demo.sh`'s job (`megatron_rl.demo.run.run_demo`, the full CPU stack) once per
@@ -43,6 +43,9 @@ VARIANTS = {
                        "algorithm.old_logprobs=recompute"]),
     # The tool demo's ablation: observations trained on as actions (mask 1).
     "sao-obs-actions": ("sao", ["orchestrator.train_on_observations=true"]),
+    # A LoRA policy (rank 8 on every linear, served to vLLM as adapters) at about 3x the demo's
+    # full fine-tuning learning rate (LoRA takes a larger one; docs/lora.md).
+    "sao-lora": ("sao", ["lora.rank=8", "lora.alpha=16", "optimizer.lr=1e-2"]),
 }
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
