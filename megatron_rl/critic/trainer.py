@@ -89,6 +89,9 @@ class CriticTrainer(RoleTrainer):
             **({"moe_grouped_gemm": False} if adapts_experts(self.value.lora, self.arch) else {}),
         )
 
+    def lora_section(self):
+        return self.value.lora, "value.lora"
+
     def prepare_model(self) -> None:
         if self.value.lora is not None:
             lora = self.value.lora

@@ -188,6 +188,38 @@ def _eval(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _export_lora(args: argparse.Namespace) -> int:
+    try:
+        resolved = load_config(args.config, args.set)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    from pathlib import Path
+
+    import megatron_rl.compat  # noqa: F401  (before megatron-core)
+
+    from megatron_rl.models.checkpoint_io import CheckpointError
+    from megatron_rl.models.hf_mapping import ConversionError
+    from megatron_rl.models.lora_checkpoint import export_lora
+    from megatron_rl.trainer.atomic_dir import latest
+
+    step_dir = Path(args.checkpoint)
+    if not (step_dir / "meta.json").is_file():  # a role's checkpoint directory: its newest step
+        found = latest(step_dir, "meta.json") if step_dir.is_dir() else None
+        if found is None:
+            print(f"export-lora: {step_dir}: neither a checkpoint step directory (meta.json) nor a directory of "
+                  "complete steps", file=sys.stderr)  # fmt: skip
+            return 2
+        step_dir = found
+    try:
+        for line in export_lora(resolved, step_dir, args.out, merged=args.merged):
+            print(line)
+    except (CheckpointError, ConversionError, ValueError, OSError) as exc:
+        print(f"export-lora: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     from megatron_rl.launch.local import LaunchError, run_local
 
@@ -353,6 +385,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_set(run)
     run.set_defaults(func=_run)
+    export = commands.add_parser(
+        "export-lora",
+        help="a LoRA training checkpoint (adapters + the base's identity) as a PEFT adapter directory "
+        "(adapter_config.json, adapter_model.safetensors), or with --merged as HF weights with the adapters folded in",
+    )
+    export.add_argument("checkpoint", help="a checkpoint step directory (e.g. CHECKPOINT_DIR/policy/step_00000009), or "
+                        "a role's checkpoint directory (its newest complete step)")  # fmt: skip
+    export.add_argument("--config", required=True, help="the run's YAML config (its lora, base model.checkpoint, HF files)")
+    export.add_argument("--out", required=True, help="the directory to write (must not exist or be empty)")
+    export.add_argument("--merged", action="store_true", help="merged HF weights W + (alpha / rank) B A under plain HF "
+                        "names, with config and tokenizer files, instead of the PEFT adapter")  # fmt: skip
+    _add_set(export)
+    export.set_defaults(func=_export_lora)
     plot = commands.add_parser(
         "plot", help="figure and summary of one or several runs (overlaid)", add_help=False
     )

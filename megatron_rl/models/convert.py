@@ -165,6 +165,12 @@ def load_checkpoint_tensors(
     loaded in place into their fused tensor)."""
     dist_dir = model_dist_dir(checkpoint_dir)
     structure, _ = checkpoint_structure(arch, value_model)
+    return load_structure_tensors(dist_dir, structure)
+
+
+def load_structure_tensors(dist_dir: Path, structure: dict) -> dict[str, torch.Tensor]:
+    """The full tensors of the entries of a sharded state dict at TP = PP = EP = 1 (`structure`,
+    its objects skipped) from the dist_checkpointing directory `dist_dir`, in the saved dtypes."""
     tensors = {k: v for k, v in structure.items() if not isinstance(v, ShardedObject)}
     plan = plan_load(tensors, checkpoint_keys(dist_dir))
     dtypes = {
@@ -201,8 +207,14 @@ def load_checkpoint_full(checkpoint_dir: Path, hf_config_dir: Path | None = None
 def checkpoint_to_hf(checkpoint_dir: Path, out_dir: Path, hf_config_dir: Path, value_model: bool | None = None) -> list[str]:
     """Writes the HF safetensors of a converted checkpoint, or of one step of a training
     checkpoint (whose meta.json does not say whether it is a value model: `value_model` does),
-    loaded once in its dtype, written one decoder layer at a time."""
+    loaded once in its dtype, written one decoder layer at a time. A LoRA training checkpoint
+    (adapters only, models/lora_checkpoint.py) is merged into the base its meta.json names."""
     checkpoint_dir = Path(checkpoint_dir)
+    if (checkpoint_dir / "meta.json").is_file():
+        from megatron_rl.models.lora_checkpoint import export_merged, read_lora_meta
+
+        if read_lora_meta(checkpoint_dir) is not None:  # adapters only: merged into the base its meta names
+            return export_merged(checkpoint_dir, out_dir, hf_config_dir, value_model=value_model)
     if value_model is None:
         value_model = io.read_meta(checkpoint_dir)["value_model"]
     arch = io.read_architecture(hf_config_dir)

@@ -16,7 +16,8 @@ LoRA (`lora`): `prepare_model` wraps the target linears after the initial weight
 before DDP and the optimizer exist, so the frozen base gets neither gradient buffers nor optimizer
 state; the KL reference is then the same model with its adapters off (policy/loss.AdaptersOff),
 and every published version and snapshot holds merged weights (policy/publish/ownership.py,
-trainer/snapshot.py). Checkpoints hold the base and the adapters.
+trainer/snapshot.py). Checkpoints hold the adapters and the base's identity (`model.checkpoint`,
+its fingerprint), not the base (models/lora_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -127,6 +128,9 @@ class PolicyTrainer(RoleTrainer):
             self.reference = AdaptersOff(self.model)
         else:
             self.reference = build_reference(self.model, self.layout, self.resolved)
+
+    def lora_section(self):
+        return self.resolved.lora, "lora"
 
     def checkpoint_extra(self, step: int) -> dict:
         return {"policy_version": step + 1}

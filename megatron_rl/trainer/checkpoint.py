@@ -25,6 +25,14 @@ Adam's step count is written to meta.json and set again after a load: megatron's
 loading template was built (its step is a local, non-persistent entry), i.e. the fresh
 optimizer's, so without it a resumed run's bias correction would restart.
 RNG: the CPU generator, megatron's tracker, and with CUDA the default CUDA generator.
+
+LoRA (`lora=`, the role's `lora_meta`): `dist/` holds the trainable tensors only (adapters, and a
+critic's value head) besides the optimizer, and meta.json's `lora` the LoRA settings and the
+base model's identity (path and fingerprint; models/lora_checkpoint.py); the frozen base is not
+written. A load checks that the run's base and settings are the saved ones before reading
+anything, then loads the adapters into the model whose base the config already loaded. Without
+`lora` (full fine-tuning) the checkpoint holds the whole model, as ever; a LoRA run also resumes
+such a checkpoint (LoRA checkpoints written before adapters-only ones) with every tensor.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as ps
 
+from megatron_rl.models.lora_checkpoint import check_base, check_settings, is_trainable_key
 from megatron_rl.models.spec_keys import EXTRA_STATE, checkpoint_keys, plan_load
 from megatron_rl.trainer import atomic_dir
 from megatron_rl.trainer.optimizer import (
@@ -139,10 +148,26 @@ def load_rng_file(path: Path) -> dict:
         raise ValueError(f"{path}: not a plain-tensor RNG state, refusing to load it ({exc})") from exc
 
 
+def _trainable_part(model, model_state: dict) -> dict:
+    """A LoRA model's sharded state dict restricted to what trains (`is_trainable_key`); refuses
+    a model with a trainable parameter outside it (its state would be lost)."""
+    lost = sorted(n for n, p in model.named_parameters() if p.requires_grad and not is_trainable_key(n))
+    if lost:
+        raise RuntimeError(f"LoRA checkpoint: trainable parameters that are not adapters or a value head: {lost[:3]}")
+    return {k: v for k, v in model_state.items() if is_trainable_key(k)}
+
+
 def save_checkpoint(
-    directory: str | Path, step: int, trainable: Trainable, extra: dict | None = None, keep_last: int = 2
+    directory: str | Path,
+    step: int,
+    trainable: Trainable,
+    extra: dict | None = None,
+    keep_last: int = 2,
+    lora: dict | None = None,
 ) -> Path:
-    """Collective: every rank of the model calls it. Returns the complete step directory."""
+    """Collective: every rank of the model calls it. Returns the complete step directory. With
+    `lora` (models/lora_checkpoint.lora_meta) the model's trainable tensors only, and `lora` in
+    meta.json."""
 
     final = _step_dir(Path(directory), step)
     meta = {
@@ -153,6 +178,8 @@ def save_checkpoint(
         "scheduler": trainable.scheduler.state_dict(),
         "extra": extra or {},
     }
+    if lora is not None:
+        meta["lora"] = lora
 
     def finish(partial: Path) -> None:  # rank 0, after every rank wrote its shards
         meta["adam_step"] = adam_step(trainable)
@@ -164,7 +191,8 @@ def save_checkpoint(
         unify_adam_steps(trainable)  # one step count per optimizer, as megatron checkpoints it
         model = trainable.model[0].module
         model_state = model.sharded_state_dict()
-        state = {"model": model_state, "optimizer": _optimizer_state(trainable, model_state, OPTIMIZER_FORMAT)}
+        saved_model = model_state if lora is None else _trainable_part(model, model_state)
+        state = {"model": saved_model, "optimizer": _optimizer_state(trainable, model_state, OPTIMIZER_FORMAT)}
         dist_checkpointing.save(state, str(partial / "dist"))
         torch.save(_rng_state(), partial / "rng" / f"rank{dist.get_rank():05d}.pt")
     return final
@@ -197,9 +225,27 @@ def restore_group_settings(trainable: Trainable, settings: list[list[dict]]) -> 
             group.update(own)
 
 
-def load_checkpoint(directory: str | Path, trainable: Trainable, step: int | None = None) -> dict | None:
+def _check_lora(path: Path, saved: dict | None, lora: dict | None) -> None:
+    """A LoRA checkpoint resumes only a LoRA run on its own base, with its own settings."""
+    if saved is None:
+        return  # every tensor is in the checkpoint
+    if lora is None:
+        raise ValueError(
+            f"{path}: a LoRA checkpoint ({saved.get('key', 'lora')}: adapters of the base "
+            f"{saved['base'].get('checkpoint')}, not the whole model); this run trains without "
+            f"{saved.get('key', 'lora')}: set it as the checkpoint was written, or start a new run (another checkpoint.dir)"
+        )
+    check_base(saved["base"], lora["base"], path)
+    check_settings(saved, lora, path)
+
+
+def load_checkpoint(
+    directory: str | Path, trainable: Trainable, step: int | None = None, lora: dict | None = None
+) -> dict | None:
     """Collective: restores checkpoint `step` (default: the latest) into `trainable`; returns
-    its meta ({"step", "extra", ...}) or None when there is none."""
+    its meta ({"step", "extra", ...}) or None when there is none. `lora` (the run's
+    `lora_meta`): a LoRA checkpoint is checked against it (its base and settings) and loads the
+    trainable tensors only, into the model whose base is already loaded."""
 
     if step is None:
         path = latest_checkpoint(directory)
@@ -211,6 +257,7 @@ def load_checkpoint(directory: str | Path, trainable: Trainable, step: int | Non
         return None
     meta = json.loads((path / "meta.json").read_text())
     _check_layout(path, meta)
+    _check_lora(path, meta.get("lora"), lora)
     sharding = meta.get("optimizer_format", LEGACY_OPTIMIZER_FORMAT)
     settings = group_settings(trainable)  # before megatron's sharded_state_dict / load touch them
     for hybrid in hybrid_optimizers(trainable.optimizer):
@@ -221,10 +268,19 @@ def load_checkpoint(directory: str | Path, trainable: Trainable, step: int | Non
     unify_adam_steps(trainable)  # one step count per optimizer, as megatron checkpoints it
     model = trainable.model[0].module
     model_state = model.sharded_state_dict()
-    _check_layer_spec(path, model_state)
-    template = {"model": model_state, "optimizer": _optimizer_state(trainable, model_state, sharding, is_loading=True)}
-    loaded = dist_checkpointing.load(template, str(path / "dist"))
-    model.load_state_dict(loaded["model"])
+    adapters_only = meta.get("lora") is not None
+    loaded_model = _trainable_part(model, model_state) if adapters_only else model_state
+    _check_layer_spec(path, loaded_model)
+    optimizer_state = _optimizer_state(trainable, model_state, sharding, is_loading=True)
+    loaded = dist_checkpointing.load({"model": loaded_model, "optimizer": optimizer_state}, str(path / "dist"))
+    if adapters_only:  # the base stays as the config loaded it
+        missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
+        absent = [k for k in missing if is_trainable_key(k)]
+        if absent or unexpected:
+            raise RuntimeError(f"{path}: the LoRA checkpoint does not fit the model: missing {absent[:3]}, "
+                               f"unexpected {unexpected[:3]}")  # fmt: skip
+    else:
+        model.load_state_dict(loaded["model"])
     trainable.optimizer.load_state_dict(loaded["optimizer"])
     for hybrid in hybrid_optimizers(trainable.optimizer):
         # megatron ends its other formats' loads with this, not dp_reshardable's: the loaded state

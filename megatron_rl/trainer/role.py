@@ -10,7 +10,10 @@ what the role builds once the optimizer exists (`after_optimizer`: the KL refere
 not be resident while DDP allocates its buffers; see config/memory_plan.py). Then:
 
     resume()          the checkpoint of `resume_step()` (model, optimizer, scheduler, RNG, step)
-                      and the role's own extras (`restore_extra`); sets `loaded`
+                      and the role's own extras (`restore_extra`); sets `loaded`. A LoRA role
+                      (`lora_section`) checkpoints its trainable tensors and its base's identity
+                      (`checkpoint_lora`, taken at construction); a resume on another base is
+                      refused (trainer/checkpoint.py)
     should_save(s)    the `checkpoint.save_interval` cadence (and the last step)
     save(s)           a collective atomic checkpoint with `checkpoint_extra(s)`
     receiver(port)    this rank's end of the role's ZMQ grid stream
@@ -33,7 +36,8 @@ from pathlib import Path
 import torch
 
 from megatron_rl import parallel
-from megatron_rl.config import Architecture, ModelConfig, OptimizerConfig, ResolvedConfig
+from megatron_rl.config import Architecture, LoraBase, ModelConfig, OptimizerConfig, ResolvedConfig
+from megatron_rl.models.lora_checkpoint import base_identity, lora_meta
 from megatron_rl.parallel import Role
 from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.trainer.optimizer import build_trainable, offload_threads
@@ -69,6 +73,11 @@ class RoleTrainer(ABC):
         self.loaded = load_initial_weights(
             self.model, model_config.checkpoint, arch, value_model=self.value_model, where=where
         )
+        lora, key = self.lora_section()
+        # A LoRA checkpoint names this base instead of holding it (models/lora_checkpoint.py).
+        self.checkpoint_lora = None if lora is None else lora_meta(
+            lora, key, base_identity(model_config.checkpoint, where, seed)
+        )
         self.prepare_model()
         threads = offload_threads(resolved, self.role, optimizer_config)
         if threads is not None:
@@ -103,6 +112,11 @@ class RoleTrainer(ABC):
         """After DDP and the optimizer exist, before any resume (nothing by default): what must
         not be on the GPU while DDP builds its parameter and gradient buffers."""
 
+    def lora_section(self) -> tuple[LoraBase | None, str]:
+        """(the role's LoRA config, its key): a LoRA role's checkpoints hold its trainable tensors
+        and its base's identity, not the base (none by default: full fine-tuning)."""
+        return None, "lora"
+
     def checkpoint_extra(self, step: int) -> dict:
         """The role's own state saved with checkpoint `step` (besides model and optimizer)."""
         return {}
@@ -126,7 +140,7 @@ class RoleTrainer(ABC):
         if not self.resolved.checkpoint.resume:
             return None
         step = self.resume_step() if step is None else step
-        meta = None if step is None else load_checkpoint(self.checkpoint_dir, self.trainable, step)
+        meta = None if step is None else load_checkpoint(self.checkpoint_dir, self.trainable, step, lora=self.checkpoint_lora)
         if meta is not None:
             self.restore_extra(meta)
             self.loaded = f"checkpoint step {meta['step']} in {self.checkpoint_dir}"
@@ -144,6 +158,7 @@ class RoleTrainer(ABC):
             self.trainable,
             extra=self.checkpoint_extra(step),
             keep_last=self.resolved.checkpoint.keep_last,
+            lora=self.checkpoint_lora,
         )
 
     def receiver(self, port: int, wait_for_sender: bool = True):

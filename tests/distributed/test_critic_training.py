@@ -58,14 +58,41 @@ def test_lora_at_tp2_trains_adapters_and_head_and_checkpoints(tiny_models, tmp_p
     assert all(".lora_" in n or n in HEAD for n in trained["changed"])
     # B starts at zero, so the first step moves B (and the head) but A's gradient is still zero
     assert any(".lora_b" in n for n in trained["changed"]) and set(HEAD) <= set(trained["changed"])
-    resumed, reloaded = run_ranks(
-        critic_plan, 2, str(path), [("resume",), ("load_backbone", _latest_dist(tmp_path))]
-    )[0]
+    # the checkpoint holds what trains (adapters and head) and names the frozen base instead
+    from megatron_rl.models.spec_keys import checkpoint_keys
+
+    dist = Path(_latest_dist(tmp_path))
+    model_keys = {k for k in checkpoint_keys(dist) if not k.startswith("optimizer.")}
+    assert model_keys and all(k.endswith((".lora_a", ".lora_b")) or k.startswith("value_head.") for k in model_keys)
+    assert set(HEAD) <= model_keys
+    base = json.loads((dist.parent / "meta.json").read_text())["lora"]["base"]
+    assert base["where"] == "value.model.checkpoint" and base["checkpoint"] == str(tiny_models["qwen3"].absolute())
+    assert base["fingerprint"].startswith("sha256:")
+    resumed, params = run_ranks(critic_plan, 2, str(path), [("resume",), ("params",)])[0]
     assert resumed["trained_step"] == 0
-    # The plain checkpoint keys of the wrapped layers: reloading the backbone changes nothing.
-    assert reloaded["changed"] == []
+    # the base from value.model.checkpoint, the adapters and head from the checkpoint: exactly as trained
+    assert set(params["full"]) == set(trained["full"])
     for name, value in trained["full"].items():
-        torch.testing.assert_close(reloaded["full"][name], value, rtol=0, atol=0)
+        torch.testing.assert_close(params["full"][name], value, rtol=0, atol=0)
+    # merged HF weights of the step (export-lora --merged): the base with the adapters folded in, the trained head
+    from safetensors.torch import load_file
+
+    from megatron_rl.models.hf_mapping import megatron_to_hf
+    from megatron_rl.models.lora import merge_adapter_tensors
+
+    run_ranks(merged_export, 1, str(dist.parent), str(tmp_path / "merged"), str(tiny_models["qwen3"]))
+    exported = load_file(tmp_path / "merged" / "model.safetensors")
+    expected = megatron_to_hf(merge_adapter_tensors(trained["full"], lora["alpha"]), resolved.layout.critic_architecture,
+                              value_model=True)  # fmt: skip
+    assert sorted(exported) == sorted(expected) and "value_head.weight" in exported
+    for name, tensor in expected.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def merged_export(rank, world_size, step_dir, out, hf_dir):
+    from megatron_rl.models.lora_checkpoint import export_merged
+
+    return export_merged(Path(step_dir), Path(out), Path(hf_dir))
 
 
 def _latest_dist(tmp_path):

@@ -14,8 +14,8 @@ reference, publishing, snapshots and checkpoints.
   disk) are the merged plain model's HF tensors, with no adapter name; the policy snapshot
   (written at TP = 2) loads into a plain model at TP = 1 with equal log-probs, and one of a LoRA
   model on the TE layer spec (CPU stand-ins) into a plain local-spec model with equal logits;
-- a checkpoint at TP = 2 resumes the adapters and the base exactly after a further step moved
-  them;
+- a checkpoint at TP = 2 (the adapters only, the base named) resumes the adapters exactly after a
+  further step moved them, the base untouched;
 - `PolicyTrainer` with `lora` (from a resolved config) wraps the model before DDP, takes
   `AdaptersOff` as its reference (building none) and publishes merged weights.
 """
@@ -108,8 +108,10 @@ def test_tp2_and_cp2_equal_one_process_and_a_tp2_snapshot_and_checkpoint_load(on
             # the TE layer spec's fused-norm linears export merged weights a local-spec model loads
             plain_logits, te_logits = rank["te_snapshot"]
             torch.testing.assert_close(plain_logits, te_logits, atol=1e-5, rtol=0)
-            # a checkpoint of the TP-sharded adapters (and the frozen base) resumes them exactly
+            # a checkpoint of the TP-sharded adapters (the frozen base not written) resumes them exactly
             assert rank["moved_after_save"] and rank["restored_exactly"] and rank["resumed_step"] == 2
+            assert rank["checkpoint_model_keys"] and all(k.endswith((".lora_a", ".lora_b"))
+                                                          for k in rank["checkpoint_model_keys"])  # fmt: skip
             for resumed, saved in zip(rank["after_resume"], rank["after"], strict=True):
                 assert torch.equal(resumed, saved)
 
@@ -175,7 +177,7 @@ def trainer_config(tmp_path, hf_dir):
     ports = [free_port() for _ in range(4)]
     config = {
         "model": {"hf_config": str(hf_dir), "checkpoint": str(hf_dir), "seq_len": SEQ_LEN, "dtype": "float32"},
-        "lora": {"rank": RANK, "alpha": ALPHA},
+        "lora": {"rank": RANK, "alpha": ALPHA, "serve": "merged"},  # the merged path (adapters: tests/e2e/test_vllm_lora_updates.py)
         "optimizer": {"lr": 1e-2, "grad_clip": 1.0},
         "algorithm": {"type": "grpo", "kl_coef": 0.1, "kl_estimator": "k2"},
         "orchestrator": {"num_steps": 2, "batch_size": 4, "group_size": 2, "max_prompt_tokens": 16,
@@ -309,12 +311,18 @@ def lora_policy(rank, world_size, arch, tp, cp, ep, directory, everything=False)
         with reference_model(reference) as base:
             out["reference_with_replay"] = forward_logprobs(base, probe)
         out["replayed"] = forward_logprobs(model, probe)
-    if tp == 2:  # checkpoint: save, step again (the adapters move), resume the saved step
-        save_checkpoint(Path(directory) / "checkpoints", 2, trainable)
+    if tp == 2:  # checkpoint (adapters only, the base named): save, step again (the adapters move), resume
+        from megatron_rl.config import LoraConfig
+        from megatron_rl.models.lora_checkpoint import base_identity, lora_meta
+        from megatron_rl.models.spec_keys import checkpoint_keys
+
+        identity = lora_meta(LoraConfig(rank=RANK, alpha=ALPHA), "lora", base_identity(None, "model.checkpoint", 5))
+        step_dir = save_checkpoint(Path(directory) / "checkpoints", 2, trainable, lora=identity)
+        out["checkpoint_model_keys"] = sorted(k for k in checkpoint_keys(step_dir / "dist") if not k.startswith("optimizer."))
         saved = {n: p.detach().clone() for n, p in names.items()}
         policy_update(trainable, grid[data_rank], settings, reference=reference)
         out["moved_after_save"] = any(not torch.equal(p, saved[n]) for n, p in names.items() if ".lora_" in n)
-        out["resumed_step"] = load_checkpoint(Path(directory) / "checkpoints", trainable, 2)["step"]
+        out["resumed_step"] = load_checkpoint(Path(directory) / "checkpoints", trainable, 2, lora=identity)["step"]
         out["restored_exactly"] = all(torch.equal(p, saved[n]) for n, p in names.items())
         out["after_resume"] = forward_logprobs(model, probe)
         # last: the policy snapshot, then a plain TP = 1 model (DP = 2) loads it
