@@ -219,20 +219,31 @@ def checkpoint_to_hf(checkpoint_dir: Path, out_dir: Path, hf_config_dir: Path, v
         value_model = io.read_meta(checkpoint_dir)["value_model"]
     arch = io.read_architecture(hf_config_dir)
     _single_process_group()
+    full = load_checkpoint_tensors(checkpoint_dir, arch, value_model)
+
+    def layers():
+        for group in sorted({_group_of(name) for name in full}):
+            # Each layer's tensors are dropped once written (the writer holds at most one shard).
+            yield {name: full.pop(name) for name in [n for n in full if _group_of(n) == group]}
+
+    paths = write_hf_by_layer(layers(), arch, value_model, out_dir, f"{checkpoint_dir}: the checkpoint gives")
+    copied = io.copy_hf_side_files(Path(hf_config_dir), Path(out_dir))
+    return [f"wrote {', '.join(str(p) for p in paths)}", f"copied {', '.join(copied)} from {hf_config_dir}"]
+
+
+def write_hf_by_layer(layers, arch: io.Architecture, value_model: bool, out_dir: Path, what: str) -> list[Path]:
+    """Writes megatron tensors given one layer (a `_group_of` group) at a time as HF safetensors
+    shards in `out_dir`; every HF tensor of the architecture must come (ConversionError naming
+    `what` and the absent ones otherwise). The shard paths."""
     mapping = family_mapping(arch, value_model)
     expected = set(mapping.renames) | {name for _, hf_names, _, _ in mapping.fused for name in hf_names}
-    full = load_checkpoint_tensors(checkpoint_dir, arch, value_model)
     writer = io.HFShardWriter(Path(out_dir))
     written: set[str] = set()
-    for group in sorted({_group_of(name) for name in full}):
-        # Each layer's tensors are dropped once written (the writer holds at most one shard).
-        layer = {name: full.pop(name) for name in [n for n in full if _group_of(n) == group]}
+    for layer in layers:
         hf = megatron_to_hf(layer, arch, value_model, partial=True)
         writer.add(hf)
         written |= set(hf)
     absent = sorted(expected - written)
     if absent:
-        raise ConversionError(f"{checkpoint_dir}: the checkpoint gives no tensor for HF {absent[:5]}")
-    paths = writer.close()
-    copied = io.copy_hf_side_files(Path(hf_config_dir), Path(out_dir))
-    return [f"wrote {', '.join(str(p) for p in paths)}", f"copied {', '.join(copied)} from {hf_config_dir}"]
+        raise ConversionError(f"{what} no tensor for HF {absent[:5]}")
+    return writer.close()

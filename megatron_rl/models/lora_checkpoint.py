@@ -242,8 +242,7 @@ def export_merged(step_dir: str | Path, out: str | Path, hf_config_dir: str | Pa
     one its meta.json names; checked against the saved fingerprint): W + (alpha / rank) B A in
     W's dtype (computed in float32), plain HF names, one decoder layer at a time, with the config
     and tokenizer files of `hf_config_dir`. A critic's (`value.lora`) gets its trained value head."""
-    from megatron_rl.models.convert import _group_of, _single_process_group
-    from megatron_rl.models.hf_mapping import ConversionError, family_mapping, megatron_to_hf
+    from megatron_rl.models.convert import _group_of, _single_process_group, write_hf_by_layer
     from megatron_rl.models.lora import merge_adapter_tensors
 
     lora = read_lora_meta(step_dir)
@@ -266,20 +265,14 @@ def export_merged(step_dir: str | Path, out: str | Path, hf_config_dir: str | Pa
     base_tensors, _ = _base_megatron_tensors(Path(base), arch)
     names = sorted({n for n in base_tensors if value_model or not n.startswith("value_head.")}
                    | {n for n in trained if not n.endswith((".lora_a", ".lora_b"))})  # fmt: skip
-    mapping = family_mapping(arch, value_model)
-    expected = set(mapping.renames) | {name for _, hf_names, _, _ in mapping.fused for name in hf_names}
-    writer = io.HFShardWriter(Path(out))
-    written: set[str] = set()
-    for group in sorted({_group_of(n) for n in names}):
-        layer = {n: trained[n] if n in trained else base_tensors[n] for n in names if _group_of(n) == group}
-        layer.update({n: t for n, t in trained.items() if _group_of(n) == group and n.endswith((".lora_a", ".lora_b"))})
-        hf = megatron_to_hf(merge_adapter_tensors(layer, lora["alpha"]), arch, value_model, partial=True)
-        writer.add(hf)
-        written |= set(hf)
-    absent = sorted(expected - written)
-    if absent:
-        raise ConversionError(f"{step_dir}: the checkpoint and its base give no tensor for HF {absent[:5]}")
-    paths = writer.close()
+
+    def layers():
+        for group in sorted({_group_of(n) for n in names}):
+            layer = {n: trained[n] if n in trained else base_tensors[n] for n in names if _group_of(n) == group}
+            layer.update({n: t for n, t in trained.items() if _group_of(n) == group and n.endswith((".lora_a", ".lora_b"))})
+            yield merge_adapter_tensors(layer, lora["alpha"])
+
+    paths = write_hf_by_layer(layers(), arch, value_model, Path(out), f"{step_dir}: the checkpoint and its base give")
     copied = io.copy_hf_side_files(Path(hf_config_dir), Path(out))
     adapters = sum(n.endswith(".lora_a") for n in trained)
     return [
