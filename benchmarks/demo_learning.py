@@ -46,6 +46,7 @@ VARIANTS = {
     # A LoRA policy (rank 8 on every linear, served to vLLM as adapters) at about 3x the demo's
     # full fine-tuning learning rate (LoRA takes a larger one; docs/lora.md).
     "sao-lora": ("sao", ["lora.rank=8", "lora.alpha=16", "optimizer.lr=1e-2"]),
+    "sao-lora-lr3e-2": ("sao", ["lora.rank=8", "lora.alpha=16", "optimizer.lr=3e-2"]),
 }
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
