@@ -37,7 +37,7 @@ from megatron_rl.models.peft import (
 )
 from megatron_rl.models.sharding import gather_full_parameters
 from megatron_rl.policy.publish.broadcast import BroadcastPublisher
-from megatron_rl.policy.publish.files import _sha256
+from megatron_rl.policy.publish.files import sha256_of
 from megatron_rl.policy.publish.ownership import writer_roles
 from megatron_rl.trainer import atomic_dir
 
@@ -67,7 +67,7 @@ def publish_adapter(model, arch: Architecture, directory: str | Path, step: int,
         write_peft_adapter(partial, tensors, rank, alpha, base_model)
         for part in parts:
             part.unlink()
-        manifest = {"step": step, "files": {WEIGHTS_FILE: _sha256(partial / WEIGHTS_FILE)}, "num_tensors": len(tensors),
+        manifest = {"step": step, "files": {WEIGHTS_FILE: sha256_of(partial / WEIGHTS_FILE)}, "num_tensors": len(tensors),
                     "bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "adapter": True}  # fmt: skip
         (partial / "manifest.json").write_text(json.dumps(manifest, indent=2))
 

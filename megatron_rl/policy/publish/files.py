@@ -26,7 +26,7 @@ from megatron_rl.policy.publish.ownership import owned_hf_tensors, writer_roles
 from megatron_rl.trainer import atomic_dir
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -61,7 +61,7 @@ def publish_hf_weights(
             copy_hf_side_files(Path(hf_side_files), partial)
         manifest = {
             "step": step,
-            "files": {name: _sha256(partial / name) for name in files},
+            "files": {name: sha256_of(partial / name) for name in files},
             "num_tensors": len(weight_map),
         }
         (partial / "manifest.json").write_text(json.dumps(manifest, indent=2))
@@ -88,7 +88,7 @@ def verify_published(path: str | Path) -> dict:
     path = Path(path)
     manifest = json.loads((path / "manifest.json").read_text())
     for name, digest in manifest["files"].items():
-        if _sha256(path / name) != digest:
+        if sha256_of(path / name) != digest:
             raise ValueError(f"{path / name}: sha256 does not match manifest.json")
     return manifest
 
