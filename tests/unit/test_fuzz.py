@@ -24,11 +24,19 @@ from tests.support.configs import base
 from tests.support.samples import make_grid
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=8),
-    lambda children: st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=8), children, max_size=4),
-    max_leaves=30,
-)
+
+
+def nested_values(integers):
+    """JSON-like values (nested lists and dicts) whose integers are drawn from `integers`."""
+    return st.recursive(
+        st.none() | st.booleans() | integers | st.floats(allow_nan=True) | st.text(max_size=8),
+        lambda children: st.lists(children, max_size=6) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+        max_leaves=30,
+    )
+
+
+json_values = nested_values(st.integers(-(2**70), 2**70))
+msgpack_values = nested_values(st.integers(-(2**63), 2**64 - 1))  # what the grid's msgpack header can hold
 request_like = st.dictionaries(
     st.sampled_from(["batched_token_ids", "token_ids", "x"]),
     json_values | st.lists(st.lists(st.integers(-5, 120), max_size=20), max_size=6),
@@ -67,7 +75,7 @@ def test_grid_codec_flipped_bytes_and_edited_headers(index, data):
     if index == 0:  # a header that still decodes, with one value replaced
         header = msgspec.msgpack.decode(frames[0])
         key = data.draw(st.sampled_from(sorted(header)))
-        header[key] = data.draw(json_values)
+        header[key] = data.draw(msgpack_values)
         frames[0] = msgspec.msgpack.encode(header)
     else:
         frame = bytearray(frames[index])
