@@ -47,6 +47,9 @@ VARIANTS = {
     # full fine-tuning learning rate (LoRA takes a larger one; docs/lora.md).
     "sao-lora": ("sao", ["lora.rank=8", "lora.alpha=16", "optimizer.lr=1e-2"]),
     "sao-lora-lr3e-2": ("sao", ["lora.rank=8", "lora.alpha=16", "optimizer.lr=3e-2"]),
+    "sao-lora-lr1e-1": ("sao", ["lora.rank=8", "lora.alpha=16", "optimizer.lr=1e-1"]),
+    # The same LoRA policy frozen (lr 1e-30: no adapter moves): the null a learning test's margin is set against.
+    "sao-lora-frozen": ("sao", ["lora.rank=8", "lora.alpha=16", "optimizer.lr=1e-30"]),
 }
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
