@@ -8,7 +8,9 @@ overrides): `ppo-n4` is PPO with 4 mini-batch updates per step (`algorithm.polic
 `rloo`, `dr_grpo`, `reinforce_pp`, `gspo`, `cispo` are the algorithm toolbox's parts on the demo's
 GRPO setting; `sao-obs-actions` is SAO with the observation tokens of a multi-turn task trained on
 as actions (`orchestrator.train_on_observations`, the ablation of skip-observation GAE; with
-`--task tool`); `sao-lora` is SAO with a LoRA policy (docs/lora.md). `--task tool` runs the tool demo (its warm start and learning rate).
+`--task tool`); `sao-lora` is SAO with a LoRA policy (docs/lora.md), `sao-lora-lr3e-2` and `sao-lora-lr1e-1` the same at
+other learning rates, `sao-lora-frozen` with its adapters frozen (the null the LoRA learning test's margin
+is set against). `--task tool` runs the tool demo (its warm start and learning rate).
 `--result NAME` names the results file (default demo_learning).
 
 Runs `launch/demo.sh`'s job (`megatron_rl.demo.run.run_demo`, the full CPU stack) once per

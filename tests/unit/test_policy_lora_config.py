@@ -1,5 +1,5 @@
 """The policy's `lora` section: its fields and defaults, the refusals that name their key (dropout,
-an unknown target, an MoE layout LoRA cannot run: sequence parallel at tp > 1), expert adapters
+an unknown target), MoE layouts at tp > 1 (sequence parallel) accepted, expert adapters
 building the model with one linear per expert instead of TE's grouped GEMM, the critic's `value.lora` sharing the same base, the memory plan without a
 second model for the KL reference, and the round trip through the resolved JSON."""
 
@@ -79,17 +79,14 @@ def test_unknown_duplicate_or_no_target_is_refused_naming_the_key():
     assert "lora.alpha: Input should be greater than 0" in errors_of(grpo(rank=4, alpha=0))
 
 
-def test_moe_layouts_lora_cannot_run_are_refused_at_config_time():
+def test_moe_layouts_take_lora_at_every_tp_and_ep():
     config = grpo(rank=8)
     config["model"]["architecture"] = dict(MOE)
     config["model"]["tp"] = 2
-    message = errors_of(config)
-    # sequence parallel: the layout turns it on for MoE at tp > 1
-    assert "lora: LoRA does not support sequence parallel yet" in message
-    assert "model.tp > 1 (model.tp = 2)" in message
-    assert "target_modules" not in message  # expert adapters are not refused on GPUs
-    # at tp 1 (experts spread by ep) expert adapters are accepted on GPUs: the policy is built
-    # with one linear per expert (moe_grouped_gemm off), which each adapter wraps
+    # sequence parallel (the layout turns it on for MoE at tp > 1), expert adapters on GPUs: the
+    # policy is built with one linear per expert (moe_grouped_gemm off), which each adapter wraps
+    resolved = parse_config(config)
+    assert resolved.layout.policy.sp == 2 and adapts_experts(resolved.lora, resolved.layout.policy_architecture)
     config["model"]["tp"] = 1
     config["model"]["ep"] = 2
     resolved = parse_config(config)
@@ -100,14 +97,12 @@ def test_moe_layouts_lora_cannot_run_are_refused_at_config_time():
     config["lora"]["target_modules"] = list(LORA_TARGETS)
     config["deployment"]["device"] = "cpu"
     assert parse_config(config).layout.policy.ep == 2
-    # the critic's value.lora gets the same rules under its own keys
+    # the critic's value.lora at tp 2 on an MoE model too
     critic = base("sao")
     critic["value"]["model"]["architecture"] = dict(MOE)
     critic["value"]["model"]["tp"] = 2
     critic["value"]["lora"] = {"rank": 4, "target_modules": ["linear_qkv"]}
-    message = errors_of(critic)
-    assert "value.lora: LoRA does not support sequence parallel yet" in message and "value.model.tp = 2" in message
-    assert "value.lora.target_modules" not in message  # attention only
+    assert parse_config(critic).layout.critic.sp == 2
 
 
 def test_the_memory_plan_drops_the_reference_copy_and_full_optimizer_state():
