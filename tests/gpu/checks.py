@@ -98,7 +98,8 @@ REGISTRY = [
         25,
         "a local-spec MoE checkpoint (what converting on a CPU node writes) loads into the TE spec "
         "and back bit for bit (grouped GEMM where TE has it), both give the same log-probs, and LoRA on "
-        "TE's fused norm+linear layers gives the local spec's log-probs",
+        "TE's fused norm+linear layers, and on the MoE model's experts too (one TE linear per expert), "
+        "gives the local spec's log-probs",
     ),
     Check(
         "throughput",
@@ -370,19 +371,31 @@ def check_te_checkpoints(cpu: bool) -> dict:
     torch.manual_seed(1)
     dense_full = full_parameters(_model(dense, "float32"))
     dense_batches = _micro_batches(dense, seed=3)
-    lora = {}
-    for name, flag in (("local", False), ("te", True)):
-        model = _model(dense, "float32", dense_full, transformer_engine=flag)
+
+    def adapted_outputs(model_arch, weights, batches, flag: bool) -> torch.Tensor:
+        """LoRA on every linear (expert adapters: one linear per expert, SequentialMLP under
+        either spec, as the policy trainer builds it), with nonzero B."""
+        from megatron_rl.models.builder import build_gpt_model
+        from megatron_rl.models.sharding import load_full_state_dict
+
+        model = build_gpt_model(model_arch, dtype="float32", transformer_engine=flag, moe_grouped_gemm=False)
+        load_full_state_dict(model, weights)
         apply_lora(model, 4, 8.0)
         with torch.no_grad():
             for param_name, param in model.named_parameters():
                 if param_name.endswith("lora_b"):
                     param.fill_(0.01)  # B = 0 would make every adapter a no-op
-        lora[name] = torch.cat(_token_outputs(model, dense_batches, critic=False))
+        return torch.cat(_token_outputs(model, batches, critic=False))
+
+    lora = {name: adapted_outputs(dense, dense_full, dense_batches, flag) for name, flag in (("local", False), ("te", True))}
     lora_err = (lora["te"] - lora["local"]).abs().max().item()
+    # the MoE model with adapters on its experts too: TE's expert linears against the local spec's
+    experts = {name: adapted_outputs(arch, full, micro_batches, flag) for name, flag in (("local", False), ("te", True))}
+    expert_lora_err = (experts["te"] - experts["local"]).abs().max().item()
     figures = {"grouped_gemm": bool(te.config.moe_grouped_gemm), "max_abs_logprob_err_te_vs_local": err,
-               "max_abs_logprob_err_lora_te_vs_local": lora_err}  # fmt: skip
-    if not (err < 1e-2 and lora_err < 1e-2):
+               "max_abs_logprob_err_lora_te_vs_local": lora_err,
+               "max_abs_logprob_err_expert_lora_te_vs_local": expert_lora_err}  # fmt: skip
+    if not (err < 1e-2 and lora_err < 1e-2 and expert_lora_err < 1e-2):
         raise AssertionError(f"TE vs local log-probs differ: {figures}")
     return figures
 
