@@ -20,7 +20,7 @@ def alive(pid: int) -> bool:
     """Running (a zombie waiting for its reaper counts as gone)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between it and the read
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
