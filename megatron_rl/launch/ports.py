@@ -5,7 +5,10 @@ on **every** address in `hosts` (the target host address and loopback), none of 
 `exclude` (the configured broadcast, service, ZMQ and inference ports). A port is tested by
 binding each address itself, never `0.0.0.0`, and candidates are drawn at random from a range
 above the usual fixed ports, so two launches at the same moment do not pick the same ports
-(torch's fixed 29500 collides between concurrent jobs). All ports one node needs (policy and
+(torch's fixed 29500 collides between concurrent jobs). The range stops below the kernel's
+ephemeral range (`probe_range`) where that leaves enough ports: the kernel hands ephemeral ports
+out at any moment as the local ports of outgoing connections, and one taken between the probe
+and the bind fails the bind (EADDRINUSE). All ports one node needs (policy and
 critic rendezvous on a shared node) are chosen in one call, so they cannot collide with each
 other. A port lost between probe and bind is the caller's to retry with a new probe
 (`retry_on_address_in_use`).
@@ -20,6 +23,20 @@ import socket
 from collections.abc import Callable, Iterable
 
 PORT_RANGE = (20000, 60000)
+MIN_PROBE_PORTS = 8000  # below the ephemeral range when at least this many ports are left there
+
+
+def probe_range(port_range: tuple[int, int] = PORT_RANGE) -> tuple[int, int]:
+    """[low, high) to draw rendezvous ports from: `port_range` cut below the kernel's ephemeral
+    range (/proc/sys/net/ipv4/ip_local_port_range; 32768 on Linux by default) when at least
+    MIN_PROBE_PORTS remain, else `port_range` as it is."""
+    low, high = port_range
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return low, high
+    return (low, min(high, ephemeral_low)) if ephemeral_low - low >= MIN_PROBE_PORTS else (low, high)
 ADDRESS_IN_USE_MARKERS = ("Address already in use", "EADDRINUSE", "errno: 98", "address already in use")
 
 
@@ -59,11 +76,12 @@ def probe_ports(
         )
     excluded = set(exclude)
     rng = rng or random.SystemRandom()
+    draw_from = probe_range()
     chosen: list[int] = []
     for _ in range(attempts):
         if len(chosen) == count:
             return chosen
-        port = rng.randrange(*PORT_RANGE)
+        port = rng.randrange(*draw_from)
         if port in excluded or port in chosen:
             continue
         if all(free_on(host, port) for host in hosts):

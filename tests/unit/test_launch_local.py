@@ -143,6 +143,19 @@ def test_probe_never_binds_all_interfaces_and_skips_ports_taken_on_either_addres
         probe_ports(1, ["0.0.0.0"])
 
 
+def test_probed_ports_lie_below_the_kernels_ephemeral_range():
+    # An ephemeral port can be taken at any moment as an outgoing connection's local port (it
+    # once took a probed port between the probe and torch's TCPStore bind: EADDRINUSE).
+    from megatron_rl.launch.ports import PORT_RANGE, probe_range
+
+    ephemeral_low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])  # 32768 here
+    assert ephemeral_low - PORT_RANGE[0] >= 8000, "this machine's ephemeral range leaves too few ports below it"
+    assert probe_range() == (PORT_RANGE[0], min(PORT_RANGE[1], ephemeral_low))
+    assert all(PORT_RANGE[0] <= p < ephemeral_low for p in probe_ports(40, ["127.0.0.1"]))
+    near = (ephemeral_low - 100, ephemeral_low + 1000)
+    assert probe_range(near) == near  # too few ports below it: the range as it is
+
+
 def _probe_and_bind(barrier, results):
     from torch.distributed import TCPStore
 
