@@ -209,9 +209,8 @@ class LoRALinear(nn.Module):
         dp_cp_group = metadata.get("dp_cp_group") or parallel_state.get_data_parallel_group(
             with_context_parallel=True
         )
-        tp_group = getattr(self.base, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
         sharded = make_sharded_tensors_for_checkpoint(
-            adapters, prefix, axis, sharded_offsets, tp_group=tp_group, dp_cp_group=dp_cp_group
+            adapters, prefix, axis, sharded_offsets, tp_group=self.tp_group, dp_cp_group=dp_cp_group
         )
         if self.gated:
             key = f"{prefix}lora_b"
