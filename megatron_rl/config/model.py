@@ -146,6 +146,7 @@ class ModelConfig(Strict):
     ep: int = Field(default=1, ge=1, description="Expert-parallel degree (MoE models).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(default="bfloat16", description="Parameter and compute dtype.")
     recompute: RecomputeConfig = Field(default_factory=RecomputeConfig, description="Activation recomputation.")
+    transformer_engine: Literal["required", "auto", "off"] = Field(default="required", description="The TransformerEngine layer spec on deployment.device cuda: required (a trainer refuses to start when transformer_engine.pytorch does not import, naming the import error), auto (TE when it imports, else the local spec and a warning saying why), off (the local spec). Layouts that use the local spec by design (cp > 1) and the cpu device use it whatever this says.")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:

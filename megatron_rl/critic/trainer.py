@@ -29,6 +29,7 @@ from megatron_rl.critic.pretrain import pretrain_batches, read_pretrain_jsonl
 from megatron_rl.critic.scoring import score_sequences
 from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.data.types import MicroBatch, ScoreResult, TrainingSample
+from megatron_rl.models.builder import transformer_engine_choice
 from megatron_rl.models.lora import apply_lora
 from megatron_rl.models.value_model import build_value_model, freeze_attention, set_head_only
 from megatron_rl.trainer.optimizer import Trainable, reload_main_params, restart_untouched_adam_state
@@ -84,6 +85,10 @@ class CriticTrainer(RoleTrainer):
             pp=layout.pp,
             ep=layout.ep,
             dtype=model_config.dtype,
+            transformer_engine=transformer_engine_choice(
+                model_config.transformer_engine, self.resolved.deployment.device, layout.cp,
+                "value.model.transformer_engine",
+            ),
             **model_config.recompute.transformer_fields(),
             # expert adapters need one linear per expert (config/model.adapts_experts)
             **({"moe_grouped_gemm": False} if adapts_experts(self.value.lora, self.arch) else {}),

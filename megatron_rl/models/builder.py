@@ -11,6 +11,9 @@ package, and the stand-in for neither exists on CPU, so the local spec keeps one
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import megatron_rl.compat as compat  # megatron-core on CPU needs its patches first
 
 import torch
@@ -23,6 +26,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_rl.config import Architecture
 from megatron_rl.models.attention import PackedDotProductAttention, UlyssesAttention
 
+log = logging.getLogger("megatron_rl.models")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -52,6 +56,29 @@ def uses_transformer_engine(context_parallel_size: int = 1, transformer_engine: 
             "the TransformerEngine layer spec needs TE importable, CUDA and context_parallel_size 1"
         )
     return transformer_engine
+
+
+def transformer_engine_choice(setting: str, device: str, context_parallel_size: int, where: str) -> bool | None:
+    """`build_gpt_model`'s `transformer_engine` for a trainer's `model.transformer_engine` setting
+    (`where`: its config key) on `deployment.device`: False for the local spec (`off`, the cpu
+    device, or CP > 1, whose Ulysses attention is a local-spec module), None for TE when it imports
+    (`auto`), True for `required`. Raises when TE is required on cuda and its torch extension does
+    not import (or TE is not installed), naming the import error: a broken TE must not silently
+    become the local spec (slower, other numerics, other checkpoint keys)."""
+    if setting == "off" or device != "cuda" or context_parallel_size > 1:
+        return False
+    why = compat.MACHINE.transformer_engine_error or "transformer_engine is not installed"
+    if setting == "auto":
+        if not compat.MACHINE.transformer_engine:
+            log.warning("%s: auto, and TransformerEngine is not usable (%s): the local layer spec", where, why)
+        return None
+    if not compat.MACHINE.transformer_engine:
+        raise RuntimeError(
+            f"{where}: required (the default) on device cuda, but TransformerEngine is not usable here: {why}. "
+            "Install it (bash scripts/ensure_venv.sh --gpu builds its torch extension), or set "
+            f"{where}: auto (TE when it imports, else the local spec) or off (the local spec)"
+        )
+    return True
 
 
 def transformer_config(
@@ -188,4 +215,23 @@ def build_gpt_model(
         position_embedding_type=position_embedding_type(config.context_parallel_size),
         rotary_base=int(arch.rope_theta),
     )
+    if config.recompute_granularity is not None and parallel_state.is_pipeline_first_stage():
+        model.embedding.register_forward_hook(functools.partial(_embedding_output_requires_grad, model.decoder))
     return model.to(device or compat.device())
+
+
+def _embedding_output_requires_grad(decoder, embedding, inputs, output):
+    """A forward hook on the embedding of a model with activation recomputation: in a pass that
+    builds a graph, the embedding's output requires grad whenever a parameter of the `decoder`
+    does. Megatron recomputes a checkpointed unit (whole layers: `full`) in its backward and
+    runs its forward under no_grad, so the unit's output requires grad only if one of its tensor
+    inputs does: with a frozen embedding (a LoRA policy or critic) none does, no gradient would
+    reach any adapter behind it, and the step would train nothing. (HF/PEFT's
+    `enable_input_require_grads` for gradient checkpointing.) A model whose embedding trains, or
+    whose decoder is frozen (a head-only critic phase), is left as it is: no backward through a
+    backbone that does not train."""
+    if not torch.is_grad_enabled() or output.requires_grad:
+        return output
+    if any(p.requires_grad for p in decoder.parameters()):
+        return output.requires_grad_(True)
+    return output

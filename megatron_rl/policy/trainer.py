@@ -29,7 +29,7 @@ import torch
 
 from megatron_rl import faults, parallel
 from megatron_rl.config import ModelLayout, ResolvedConfig, adapts_experts
-from megatron_rl.models.builder import build_gpt_model
+from megatron_rl.models.builder import build_gpt_model, transformer_engine_choice
 from megatron_rl.models.lora import apply_lora
 from megatron_rl.models.routing import attach_routing
 from megatron_rl.policy.loss import AdaptersOff
@@ -44,8 +44,12 @@ def build_policy_model(resolved: ResolvedConfig, layout: ModelLayout) -> torch.n
     experts are one linear each (SequentialMLP), not TE's grouped GEMM, so that each can be wrapped."""
     arch = resolved.layout.policy_architecture
     grouped = {"moe_grouped_gemm": False} if adapts_experts(resolved.lora, arch) else {}
+    te = transformer_engine_choice(
+        resolved.model.transformer_engine, resolved.deployment.device, layout.cp, "model.transformer_engine"
+    )
     return build_gpt_model(
         resolved.layout.policy_architecture,
+        transformer_engine=te,
         tp=layout.tp,
         cp=layout.cp,
         pp=layout.pp,

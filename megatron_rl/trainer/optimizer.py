@@ -40,6 +40,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 
 from megatron_rl.config import OptimizerConfig, ResolvedConfig
+from megatron_rl.trainer.gradient_check import GradientHooks
 
 # Optimizer parameter groups whose parameters match this pattern carry `{HEAD_GROUP_KEY: True}`;
 # with `Trainable.head_only` every other group gets learning rate 0 for the step.
@@ -54,6 +55,7 @@ class Trainable:
     head_only: bool = False  # train only the head groups this step (see set_head_only)
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     optimizer_step_s: float = 0.0  # seconds in optimizer.step() since the role last reported them
+    gradients: GradientHooks | None = None  # which trainable parameters got a gradient this step
 
 
 def training_ranks_per_node(resolved: ResolvedConfig, role: str) -> int:
@@ -127,7 +129,7 @@ def build_trainable(
         wd_incr_steps=decay_steps,
         wd_incr_style="constant",
     )
-    return Trainable([ddp], optimizer, scheduler)
+    return Trainable([ddp], optimizer, scheduler, gradients=GradientHooks([ddp]))
 
 
 def megatron_optimizer_config(

@@ -72,6 +72,8 @@ def train_on_batches(trainable: Trainable, batches: list[RankBatch], loss_func: 
             raise ValueError("train_step needs a model built by build_trainable (calculate_per_token_loss)")
         chunk.zero_grad_buffer()
     trainable.optimizer.zero_grad()
+    if trainable.gradients is not None:
+        trainable.gradients.reset()
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -106,6 +108,8 @@ def train_on_batches(trainable: Trainable, batches: list[RankBatch], loss_func: 
             forward_only=False,
         )
     kill_point("train.backward")
+    if trainable.gradients is not None:  # a parameter that trains and got no gradient: an error, not a no-op
+        trainable.gradients.check()
     if trainable.head_only:
         freeze_non_head_groups(trainable)
     lr = trainable.optimizer.param_groups[0]["lr"]

@@ -64,3 +64,59 @@ def test_freeze_attention_freezes_the_same_weights_under_both_layer_specs():
     assert frozen["local"] == frozen["te"] == sorted(attention)
     trainable = [n for n, p in te.named_parameters() if p.requires_grad]
     assert trainable == ["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.0.mlp.linear_fc1.weight"]
+
+
+def test_a_trainer_refuses_a_broken_te_on_cuda_unless_told_otherwise(monkeypatch, caplog):
+    """`model.transformer_engine`: required (the default) on cuda raises naming the import error
+    and the key; auto takes TE when it imports and says why not; off, the cpu device and CP > 1
+    (Ulysses attention: a local-spec module) take the local spec."""
+    import dataclasses
+
+    from megatron_rl import compat
+    from megatron_rl.config import ModelConfig
+
+    assert ModelConfig.model_fields["transformer_engine"].default == "required"
+    error = "transformer_engine is installed but transformer_engine.pytorch does not import: OSError: libcudnn.so.9"
+    broken = dataclasses.replace(compat.MACHINE, cuda=True, transformer_engine=False, transformer_engine_error=error)
+    monkeypatch.setattr(compat, "MACHINE", broken)
+    key = "value.model.transformer_engine"
+    with pytest.raises(RuntimeError, match=rf"{key}: required .* libcudnn.so.9\. .* auto .* off"):
+        builder.transformer_engine_choice("required", "cuda", 1, key)
+    with caplog.at_level("WARNING", logger="megatron_rl.models"):
+        assert builder.transformer_engine_choice("auto", "cuda", 1, key) is None
+    assert "libcudnn.so.9" in caplog.text and "local layer spec" in caplog.text
+    assert builder.transformer_engine_choice("off", "cuda", 1, key) is False
+    assert builder.transformer_engine_choice("required", "cpu", 1, key) is False
+    assert builder.transformer_engine_choice("required", "cuda", 2, key) is False
+    missing = dataclasses.replace(broken, transformer_engine_error="")
+    monkeypatch.setattr(compat, "MACHINE", missing)
+    with pytest.raises(RuntimeError, match="transformer_engine is not installed"):
+        builder.transformer_engine_choice("required", "cuda", 1, key)
+    monkeypatch.setattr(compat, "MACHINE", dataclasses.replace(broken, transformer_engine=True, transformer_engine_error=""))
+    assert builder.transformer_engine_choice("required", "cuda", 1, key) is True
+
+
+def test_the_policy_and_critic_models_are_built_with_the_configs_te_setting(monkeypatch):
+    """Both trainers' model builders pass their own key's setting (a broken TE on cuda names it)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from megatron_rl import compat
+    from megatron_rl.critic.trainer import CriticTrainer
+    from megatron_rl.policy.trainer import build_policy_model
+
+    monkeypatch.setattr(compat, "MACHINE", dataclasses.replace(compat.MACHINE, cuda=True, transformer_engine=False,
+                                                               transformer_engine_error="ImportError: te"))  # fmt: skip
+    layout = SimpleNamespace(tp=1, cp=1, pp=1, ep=1)
+    model = SimpleNamespace(transformer_engine="required", dtype="float32", seq_len=64,
+                            recompute=SimpleNamespace(transformer_fields=dict))  # fmt: skip
+    resolved = SimpleNamespace(
+        layout=SimpleNamespace(policy_architecture=DENSE), lora=None, model=model,
+        deployment=SimpleNamespace(device="cuda"), orchestrator=SimpleNamespace(seed=0),
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"^model\.transformer_engine: required .*ImportError: te"):
+        build_policy_model(resolved, layout)
+    critic = SimpleNamespace(layout=layout, arch=DENSE, resolved=resolved,
+                             value=SimpleNamespace(model=model, head_init_std=0.0, lora=None))  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"^value\.model\.transformer_engine: required .*ImportError: te"):
+        CriticTrainer.build_model(critic)
