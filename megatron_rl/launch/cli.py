@@ -9,6 +9,7 @@ import sys
 
 from megatron_rl.config import ConfigError, ResolvedConfig, load_config, load_resolved
 from megatron_rl.launch.preflight import REGISTRY as PREFLIGHT_CHECKS
+from megatron_rl.launch.preflight.flags import add_network_flag
 
 
 def configure_logging(resolved: ResolvedConfig) -> None:
@@ -269,7 +270,7 @@ def _preflight(args: argparse.Namespace) -> int:
 
         try:
             script = sbatch.render(resolved, Path(args.config), args.set, args.partition, args.time, only=args.only,
-                                   network_gbps=args.network_gbps)
+                                   network_gbytes_per_s=args.network_gbytes_per_s)
         except SlurmError as exc:
             print(str(exc), file=sys.stderr)
             return 2
@@ -429,10 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
     preflight.add_argument("--slurm", action="store_true", help="render an sbatch script that runs preflight on "
                            "every node of the config's allocation, then each training role's collectives across the "
                            "nodes it spans (LOGGING_DIR/preflight.sbatch)")  # fmt: skip
-    preflight.add_argument("--network-gbps", type=float, default=None, metavar="GBPS",
-                           help="with --slurm: the inter-node network's nominal bandwidth per GPU in GB/s (e.g. 50 for "
-                           "one 400 Gb/s NIC per GPU); groups across nodes below 20%% of it FAIL (default: printed, "
-                           "not judged)")  # fmt: skip
+    add_network_flag(preflight, help="with --slurm: the inter-node network's nominal bandwidth per GPU in gigabytes "
+                     "per second (GB/s: 50 for one 400 Gb/s NIC per GPU); groups across nodes below 20%% of it FAIL "
+                     "(default: printed, not judged)")  # fmt: skip
     preflight.add_argument("--out", help="with --slurm: write the script here")
     preflight.add_argument("--submit", action="store_true", help="with --slurm: sbatch the script")
     preflight.add_argument("--partition", default=None, help="with --slurm")

@@ -111,10 +111,10 @@ def test_preflight_script_passes_shellcheck_and_checks_spanning_roles_across_the
 
 def test_preflight_script_passes_the_network_figure_to_each_across_nodes_step(tmp_path):
     resolved = config_for(4, "shared", tmp_path)  # policy and critic both on nodes 1-3
-    text = preflight_sbatch.render(resolved, tmp_path / "run.yaml", [], network_gbps=50)
+    text = preflight_sbatch.render(resolved, tmp_path / "run.yaml", [], network_gbytes_per_s=50)
     for role in ("policy", "critic"):
         assert re.search(rf'"\$PY" 3 \d "\$\{{ADDRS\[1\]\}}" "\$PORT" {role} "\$CONFIG" "\$\{{SETS\[@\]\}}" '
-                         r"--network-gbps 50 \\$", text, re.M), text  # fmt: skip
+                         r"--network-gbytes-per-s 50 \\$", text, re.M), text  # fmt: skip
 
 
 def test_a_layout_that_cannot_be_placed_says_why(tmp_path):

@@ -17,7 +17,7 @@ from packaging.requirements import Requirement
 
 from megatron_rl import compat
 from megatron_rl.config import load_config
-from megatron_rl.config.memory_plan import memory_plan
+from megatron_rl.config.memory_plan import format_plan, memory_plan
 from megatron_rl.launch import torchrun
 from megatron_rl.launch.cli import main
 from megatron_rl.launch.preflight import REGISTRY, Context, host_checks
@@ -25,6 +25,8 @@ from megatron_rl.parallel import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "configs" / "tiny_cpu_sao.yaml")
+LORA_30B = ROOT / "examples" / "configs" / "qwen3_30b_a3b_sao_lora.yaml"
+SAO_3NODES = ROOT / "examples" / "configs" / "qwen3_30b_a3b_sao_3nodes.yaml"
 PORT_KEYS = ["transport.policy_port", "transport.critic_port", "inference.weight_broadcast_port",
              "inference.router_port", "value.service.port", "inference.base_port"]  # fmt: skip
 
@@ -189,27 +191,84 @@ def test_an_installed_transformer_engine_whose_extension_fails_is_a_fail(monkeyp
 def test_gpus_short_of_the_memory_plan_fail_naming_the_role(monkeypatch):
     resolved = load_config(TINY, ["deployment.device=cuda", "deployment.gpus_per_node=8"])
     need = {gpu.role: host_checks.planned_peak_gib(gpu) for gpu in memory_plan(resolved)}
-    free = [139 * 2**30, (need["policy"] - 0.05) * 2**30]  # GPU 1: just short of the policy's total
+    free = [139 * 2**30, (need["policy"] - 0.05) * 2**30]  # GPU 1: just short of the policy's largest peak
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (free[i], 140 * 2**30))
     with pytest.raises(host_checks.CheckFailed) as failed:
         host_checks.check_memory(Context(resolved, "nccl"))
     message = str(failed.value)
-    assert (
-        f"policy (model) plans {need['policy']:.1f} GiB per GPU; GPU 1 has {need['policy'] - 0.05:.1f} GiB free"
-        in message
-    )
+    assert f"policy (model) plans {need['policy']:.1f} GiB per GPU at its " in message
+    assert f"GPU 1 has {need['policy'] - 0.05:.1f} GiB free" in message
     assert "GPU 0" not in message
+
+
+def printed_peaks(resolved) -> dict[str, tuple[str, float]]:
+    """check-config's peaks table (format_plan, what it prints): role -> (largest peak, GiB)."""
+    lines = format_plan(resolved, memory_plan(resolved)).splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("peaks (GiB per GPU")))
+    rows = [line.split() for line in lines[start + 2 :] if line[:1] not in (" ", "") and not line.startswith(("host", "weight"))]
+    return {cells[0]: (" ".join(cells[4:-1]), float(cells[-1])) for cells in rows}
+
+
+def test_gpus_are_judged_at_the_largest_peak_check_config_prints_not_the_steady_state(monkeypatch):
+    """The 30B LoRA example's critic: 94.2 GiB in a step, 116.5 while DDP builds its expert
+    buffers. GPUs with 100 GiB free hold its steady state; preflight fails them, naming the peak
+    check-config prints, and passes the policy (55.8 GiB at its largest)."""
+    resolved = load_config(LORA_30B)
+    printed = printed_peaks(resolved)
+    assert printed["critic"] == ("start-up", 116.5) and printed["policy"][1] < 100
+    critic = {gpu.role: gpu for gpu in memory_plan(resolved)}["critic"]
+    assert critic.total < 100  # the steady state the check judged before
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (100 * 2**30, 140 * 2**30))
+    monkeypatch.setattr(host_checks, "available_host_gib", lambda: 2000.0)
+    with pytest.raises(host_checks.CheckFailed) as failed:
+        host_checks.check_memory(Context(resolved, "nccl"))
+    message = str(failed.value)
+    assert (
+        "critic (value.model) plans 116.5 GiB per GPU at its start-up peak (when DDP builds the expert buffers); "
+        "GPU 0 has 100.0 GiB free (8 GPU(s) short)" in message
+    )
+    assert "inference (inference) plans 120.9 GiB per GPU at its weight update peak" in message
+    assert "policy (model)" not in message
+    # with room for the largest peaks every GPU passes, and the figures name the largest plan
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (121 * 2**30, 140 * 2**30))
+    assert "largest plan inference 120.9 GiB (weight update)" in host_checks.check_memory(Context(resolved, "nccl"))
+
+
+def test_host_memory_is_judged_per_node_as_the_ranks_are_placed(monkeypatch):
+    """The 3-node example: 8 policy ranks on one node and 8 critic ranks on another, each with its
+    optimizer on the host. check-config prints each node's need at its largest moment; preflight
+    takes the larger (it does not know which node it runs on), where it used to spread the ranks
+    evenly over the three nodes and count the steady state only (369 GiB)."""
+    resolved = load_config(SAO_3NODES)
+    plan = memory_plan(resolved)
+    printed = format_plan(resolved, plan)
+    nodes = dict(re.findall(r"host memory of a (\w+ node) \([^)]*\): (\d+) GiB at its largest", printed))
+    assert set(nodes) == {"policy node", "critic node"}
+    need, node = host_checks.host_need_gib(Context(resolved, "gloo"), plan)
+    assert node == "a policy node (8 policy ranks)" and round(need) == int(nodes["policy node"]) == 512
+    assert need > int(nodes["critic node"])
+    evenly = sum(gpu.host_gib * 3 for gpu in plan if gpu.role in ("policy", "critic"))  # ceil(8 / 3) ranks of each
+    assert evenly < 400 < need
+    monkeypatch.setattr(host_checks, "available_host_gib", lambda: 400.0)
+    with pytest.raises(host_checks.CheckFailed, match=r"host: a policy node \(8 policy ranks\) needs 511\.5 GiB for "
+                                                      r"the offloaded optimizer state at its largest moment, 400\.0 "
+                                                      r"GiB available"):  # fmt: skip
+        host_checks.check_memory(Context(resolved, "gloo"))
+    monkeypatch.setattr(host_checks, "available_host_gib", lambda: 600.0)
+    figures = host_checks.check_memory(Context(resolved, "gloo"))
+    assert "host 600.0 GiB available, 511.5 GiB planned for a policy node (8 policy ranks)" in figures
 
 
 def test_a_host_short_of_the_offloaded_optimizer_state_fails(monkeypatch):
     resolved = load_config(
         TINY, ["deployment.device=cuda", "deployment.gpus_per_node=8", "optimizer.cpu_offload=true"]
     )
-    need = host_checks.host_need_gib(Context(resolved, "gloo"), memory_plan(resolved))
-    assert need > 0
+    need, node = host_checks.host_need_gib(Context(resolved, "gloo"), memory_plan(resolved))
+    assert need > 0 and node.startswith("a policy node")
     monkeypatch.setattr(host_checks, "available_host_gib", lambda: need / 2)
-    with pytest.raises(host_checks.CheckFailed, match=r"host: the offloaded optimizer state needs"):
+    with pytest.raises(host_checks.CheckFailed, match=r"host: a policy node .* needs .* for the offloaded optimizer state"):
         host_checks.check_memory(Context(resolved, "gloo"))
 
 
@@ -225,6 +284,26 @@ def test_slurm_renders_a_script_that_runs_preflight_on_every_node(tmp_path, caps
     assert '-m megatron_rl.launch.cli preflight "$CONFIG" "${SETS[@]}" "${ONLY[@]}"' in script
     assert "srun --nodes=2 --ntasks-per-node=1" in script
     assert f"wrote {out}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--network-gbytes-per-s", "--network-gbps"])
+def test_the_network_figure_is_gigabytes_per_second_and_the_old_name_is_a_deprecated_alias(tmp_path, capsys, flag):
+    """`--network-gbytes-per-s 50` reaches each across-nodes step under its own name; the old
+    `--network-gbps`, which reads as gigabits, gives the same figure and warns that it is GB/s."""
+    out = tmp_path / "preflight.sbatch"
+    spanning = ["deployment.nodes=3", "deployment.inference_gpus=3", "inference.num_servers=3",
+                "deployment.policy_gpus=4", "logging.dir=" + str(tmp_path / "run")]  # policy and critic on nodes 1-2
+    sets = [arg for key in spanning for arg in ("--set", key)]
+    assert main(["preflight", TINY, "--slurm", "--out", str(out), *sets, flag, "50"]) == 0
+    script = out.read_text()
+    assert re.search(r'policy "\$CONFIG" "\$\{SETS\[@\]\}" --network-gbytes-per-s 50 \\$', script, re.M), script
+    assert "--network-gbps" not in script
+    err = capsys.readouterr().err
+    if flag == "--network-gbps":
+        assert ("--network-gbps is deprecated: it is read in gigabytes per second (GB/s), not gigabits; give "
+                "--network-gbytes-per-s 50 for the same figure") in err  # fmt: skip
+    else:
+        assert "deprecated" not in err
 
 
 def test_list_names_every_check_and_an_unknown_check_is_refused(capsys):

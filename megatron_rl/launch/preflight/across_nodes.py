@@ -4,13 +4,13 @@ starts it on each of the role's nodes, as the job starts the role), builds megat
 the role's layout and runs `rank_checks.collectives_rank` on each group. Rank 0 prints one line,
 `PASS|FAIL  collectives  ROLE across N nodes ...`, with each group's all-reduce bus bandwidth and
 how many nodes it crosses (groups within one node judged against NVLink as on one host; groups
-across nodes against `--network-gbps`, the network's figure per GPU, when given, else printed
-and not judged). A rank whose check
+across nodes against `--network-gbytes-per-s`, the network's figure per GPU in GB/s, when
+given, else printed and not judged). A rank whose check
 fails prints its own FAIL line naming its rank and node; the exit status is 1 then.
 
     python -m megatron_rl.launch.torchrun --nnodes N --node_rank I --nproc_per_node G \\
         --master_addr ADDR --master_port PORT -m megatron_rl.launch.preflight.across_nodes \\
-        {policy,critic} CONFIG [--set KEY=VALUE ...] [--network-gbps GBPS]
+        {policy,critic} CONFIG [--set KEY=VALUE ...] [--network-gbytes-per-s GB_PER_S]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import megatron_rl.compat  # noqa: F401  (before megatron-core)
 
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.launch.preflight.base import Result
+from megatron_rl.launch.preflight.flags import NETWORK_FLAG, add_network_flag
 from megatron_rl.launch.preflight.rank_checks import PAYLOAD_BYTES, collectives_rank, describe_collectives
 from megatron_rl.launch.preflight.registry import context_for, format_result
 
@@ -35,11 +36,11 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def judged(cuda: bool, network_gbps: float | None) -> str:
+def judged(cuda: bool, network_gbytes_per_s: float | None) -> str:
     if not cuda:
         return " (gloo: bandwidth not judged)"
-    if network_gbps is None:
-        return " (across nodes: not judged, no --network-gbps)"
+    if network_gbytes_per_s is None:
+        return f" (across nodes: not judged, no {NETWORK_FLAG})"
     return ""
 
 
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("role", choices=["policy", "critic"])
     parser.add_argument("config")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--network-gbps", type=float, default=None)
+    add_network_flag(parser, help="the inter-node network's nominal bandwidth per GPU, GB/s")
     args = parser.parse_args(argv)
     try:
         resolved = load_config(args.config, args.set)
@@ -76,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"started with {world} ranks, the {args.role}'s layout has {layout.world_size}")
         figures = collectives_rank(rank, world, layout.model_dump(), PAYLOAD_BYTES[context.backend])
         device, nominal = nominal_link_gbps() if context.cuda else ("cpu", None)
-        network = args.network_gbps if context.cuda else None
+        network = args.network_gbytes_per_s if context.cuda else None
         line, problems = describe_collectives(args.role, world, figures, device, nominal, hosts, network)
         if problems:
             status, detail = "FAIL", "; ".join(problems)
         else:
-            detail = f"{line} on {context.backend}" + judged(context.cuda, args.network_gbps)
+            detail = f"{line} on {context.backend}" + judged(context.cuda, args.network_gbytes_per_s)
     except Exception as exc:  # noqa: BLE001  (this rank's FAIL line names it)
         status, detail = "FAIL", f"{args.role} rank {rank} on {hosts[rank]}: {type(exc).__name__}: {exc}"
     if rank == 0 or status == "FAIL":

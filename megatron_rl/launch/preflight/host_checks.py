@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
-import math
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from megatron_rl.config.memory_plan import GpuMemory, memory_plan
+from megatron_rl.config.memory_plan import GpuMemory, memory_plan, node_host_memory
 from megatron_rl.launch.ports import PortProbeError, free_on
 from megatron_rl.launch.preflight.base import CheckFailed, Context, NotRun
 
@@ -194,16 +193,21 @@ def check_ports(context: Context) -> str:
 
 
 def planned_peak_gib(gpu: GpuMemory) -> float:
-    """What one GPU of this role needs at most, in GiB (the memory plan's total)."""
-    return gpu.total
+    """What one GPU of this role needs at most, in GiB: the largest of the memory plan's peaks
+    (steady, start-up, resume; a weight update on inference), as check-config judges it."""
+    return gpu.largest().total
 
 
-def host_need_gib(context: Context, plan: list[GpuMemory]) -> float:
-    """Host memory the training roles of one node pin for their offloaded optimizer state, GiB."""
-    resolved, nodes = context.resolved, context.resolved.deployment.nodes
-    ranks = {"policy": resolved.layout.policy.world_size,
-             "critic": resolved.layout.critic.world_size if resolved.layout.critic else 0}  # fmt: skip
-    return sum(gpu.host_gib * math.ceil(ranks[gpu.role] / nodes) for gpu in plan if gpu.role in ranks)
+def host_need_gib(context: Context, plan: list[GpuMemory]) -> tuple[float, str]:
+    """(GiB, which node) of host memory a node of this deployment needs for the offloaded
+    optimizer state of the training ranks placed on it, at its largest moment (steady, start-up,
+    resume), as check-config plans it (`node_host_memory`); the most any kind of node needs,
+    since this check does not know which node it runs on (0 and "" without offload)."""
+    nodes = node_host_memory(context.resolved, plan)
+    if not nodes:
+        return 0.0, ""
+    name, need, ranks = max(nodes, key=lambda node: node[1])
+    return need, f"a {name} ({', '.join(f'{count} {role}' for role, count in ranks.items())} ranks)"
 
 
 def available_host_gib() -> float:
@@ -217,13 +221,16 @@ def available_host_gib() -> float:
 def check_memory(context: Context) -> str:
     plan = memory_plan(context.resolved)
     available = available_host_gib()
-    need = host_need_gib(context, plan)
+    need, node = host_need_gib(context, plan)
     problems = []
     if need > available:
         problems.append(
-            f"host: the offloaded optimizer state needs {need:.1f} GiB, {available:.1f} GiB available"
+            f"host: {node} needs {need:.1f} GiB for the offloaded optimizer state at its largest moment, "
+            f"{available:.1f} GiB available"
         )
-    figures = [f"host {available:.1f} GiB available, {need:.1f} GiB planned"]
+    figures = [
+        f"host {available:.1f} GiB available, {need:.1f} GiB planned" + (f" for {node}" if node else "")
+    ]
     if context.cuda:
         import torch
 
@@ -231,12 +238,14 @@ def check_memory(context: Context) -> str:
         frees = [torch.cuda.mem_get_info(i)[0] / GIB for i in range(torch.cuda.device_count())]
         least = min(frees)
         figures.append(f"GPU free {least:.1f}-{max(frees):.1f} GiB on {len(frees)} GPUs, "
-                       f"largest plan {worst.role} {planned_peak_gib(worst):.1f} GiB")  # fmt: skip
+                       f"largest plan {worst.role} {planned_peak_gib(worst):.1f} GiB ({worst.largest().name})")  # fmt: skip
         for gpu in plan:
-            short = [i for i, free in enumerate(frees) if free < planned_peak_gib(gpu)]
+            peak = gpu.largest()
+            short = [i for i, free in enumerate(frees) if free < peak.total]
             if short:
-                problems.append(f"{gpu.role} ({gpu.where}) plans {planned_peak_gib(gpu):.1f} GiB per GPU; GPU "
-                                f"{short[0]} has {frees[short[0]]:.1f} GiB free ({len(short)} GPU(s) short)")  # fmt: skip
+                problems.append(f"{gpu.role} ({gpu.where}) plans {peak.total:.1f} GiB per GPU at its {peak.name} peak "
+                                f"(when {peak.moment}); GPU {short[0]} has {frees[short[0]]:.1f} GiB free "
+                                f"({len(short)} GPU(s) short)")  # fmt: skip
     else:
         figures.append("GPU memory not judged on the gloo twin")
     if problems:

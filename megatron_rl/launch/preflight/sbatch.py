@@ -18,6 +18,7 @@ from pathlib import Path
 
 from megatron_rl.config import ResolvedConfig
 from megatron_rl.launch.local import training_env
+from megatron_rl.launch.preflight.flags import network_args
 from megatron_rl.launch.slurm import StepPlacement, fixed_ports, place, srun_export, template
 
 
@@ -29,9 +30,9 @@ def spanning_roles(resolved: ResolvedConfig) -> list[StepPlacement]:
 
 def render(resolved: ResolvedConfig, config_path: Path, overrides: list[str], partition: str | None = None,
            time_limit: str | None = None, python: str | None = None, only: list[str] | None = None,
-           network_gbps: float | None = None) -> str:  # fmt: skip
+           network_gbytes_per_s: float | None = None) -> str:  # fmt: skip
     """`only`: the checks to run (default all); part 2 runs when collectives is among them, and
-    judges groups across nodes against `network_gbps` when given."""
+    judges groups across nodes against `network_gbytes_per_s` (GB/s per GPU) when given."""
     spanning = spanning_roles(resolved) if only is None or "collectives" in only else []
     return template("preflight.sbatch.j2").render(
         nodes=resolved.deployment.nodes,
@@ -47,5 +48,5 @@ def render(resolved: ResolvedConfig, config_path: Path, overrides: list[str], pa
         spanning=[{"name": role.name, "nodes": role.nodes, "gpus_per_node": role.gpus_per_node,
                    "export": srun_export(training_env(resolved, role.name))} for role in spanning],  # fmt: skip
         fixed_ports=fixed_ports(resolved),
-        network=["--network-gbps", f"{network_gbps:g}"] if network_gbps else [],
+        network=network_args(network_gbytes_per_s),
     )
