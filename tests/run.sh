@@ -20,9 +20,10 @@ if [ "$#" -eq 0 ]; then
   # Fast groups first, then the slow group on its own, so a failure shows early.
   "$root/.venv/bin/python" -m pytest -q "${workers[@]}" --durations=15 -m "not slow" tests; rc_fast=$?
   "$root/.venv/bin/python" -m pytest -q "${workers[@]}" --durations=15 -m "slow" tests; rc_slow=$?
-  # 5 = pytest collected nothing: only an error for the fast group (the slow group may be empty).
-  [ "$rc_fast" -eq 5 ] && { echo "tests/run.sh: pytest collected no tests" >&2; exit 1; }
-  [ "$rc_slow" -eq 5 ] && rc_slow=0
+  # 5 = pytest collected nothing: a failure for either group (each holds tests; none collected
+  # means a marker or collection went wrong, not a green run).
+  [ "$rc_fast" -eq 5 ] && { echo "tests/run.sh: pytest collected no tests (fast group)" >&2; exit 1; }
+  [ "$rc_slow" -eq 5 ] && { echo "tests/run.sh: pytest collected no tests (slow group)" >&2; exit 1; }
   [ "$rc_fast" -ne 0 ] && exit "$rc_fast"
   exit "$rc_slow"
 fi

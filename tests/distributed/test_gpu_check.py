@@ -102,7 +102,7 @@ def test_checks_run_at_toy_sizes_on_cpu(tmp_path):
         "versions": "PASS", "te_extension": "NOT RUN", "memory": "PASS", "collectives": "PASS", "layer_step": "PASS",
         "nccl": "PASS", "compile": "PASS", "te_spec": "NOT RUN", "bf16_policy": "PASS", "bf16_critic": "PASS",
         "offload": "PASS", "policy_process": "PASS", "critic_process": "PASS", "vllm": "NOT RUN",
-        "te_checkpoints": "NOT RUN", "throughput": "PASS", "vllm_lora": "NOT RUN", "multi_train_step": "NOT RUN",
+        "te_checkpoints": "NOT RUN", "throughput": "PASS", "vllm_lora": "NOT RUN", "expert_adapters": "PASS", "multi_train_step": "NOT RUN",
         "multi_weight_broadcast": "NOT RUN", "multi_expert_all_to_all": "NOT RUN",
     }  # fmt: skip
     checks = {r["check"]: r for r in report["checks"]}
@@ -117,6 +117,8 @@ def test_checks_run_at_toy_sizes_on_cpu(tmp_path):
     assert policy["loss_bf16"][1] < policy["loss_bf16"][0] and policy["mean_abs_output_diff"] < 0.02
     assert [row["tokens"] for row in checks["throughput"]["figures"]["rows"]] == [64, 128]
     assert checks["policy_process"]["figures"]["steps"] == [0, 1]
+    experts = checks["expert_adapters"]["figures"]  # no TE on CPU: the grouped GEMM is not measured
+    assert sorted(experts["seconds"]) == ["per_expert", "per_expert_adapters"] and experts["experts"] == 8
     # the fusion as the builder configures it on CPU (off): no graph; forced on in test_multi_gpu_twins.py
     compile_figures = checks["compile"]["figures"]
     assert compile_figures["bias_activation_fusion"] is False and compile_figures["graphs_per_step"][-1] == 0

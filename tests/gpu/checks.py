@@ -118,6 +118,15 @@ REGISTRY = [
         "transformers' on the merged weights. Started after the others only when its limit fits in what "
         "they left of the budget (AFTER_BUDGET)",
     ),
+    Check(
+        "expert_adapters",
+        30,
+        "what adapters on every expert cost a bf16 forward+backward of an MoE model (64 experts, top-8, "
+        "4K tokens): one linear per expert with rank-16 adapters on each against the same without expert "
+        "adapters, and against TE's grouped GEMM (where TE has it), which no adapter wraps; the CPU "
+        "figures are benchmarks/expert_adapters.py's. Started after the others only when its limit fits "
+        "(AFTER_BUDGET)",
+    ),
 ]
 # The multi-GPU checks (tests/gpu/multi_gpu.py): run last, only where torch sees >= 2 GPUs (else
 # NOT RUN, "needs 2 GPUs, found N", at no cost), within a budget of their own that counts only
@@ -152,7 +161,7 @@ MULTI_GPU = [check.name for check in MULTI_GPU_REGISTRY]
 # left of DEFAULT_BUDGET_S (the others finish under their limits; else NOT RUN, "--only NAME"):
 # their limits are not counted in the budget's sum. Added without GPU measurements to take their
 # seconds from the others'.
-AFTER_BUDGET = ["vllm_lora"]
+AFTER_BUDGET = ["vllm_lora", "expert_adapters"]
 MULTI_GPU_BUDGET_S = 300  # each check: two spawns of 50 s at most (multi_gpu.py)
 CHECKS = [check.name for check in REGISTRY + MULTI_GPU_REGISTRY]
 LIMIT_S = {check.name: check.limit_s for check in REGISTRY + MULTI_GPU_REGISTRY}
@@ -654,6 +663,32 @@ def check_throughput(cpu: bool) -> dict:
             torch.cuda.empty_cache()
     return {"matmul_tflops": peak, "parameters": parameters, "rows": rows,
             "goal_mfu": MFU_GOAL, "shape": arch.model_dump()}  # fmt: skip
+
+
+def check_expert_adapters(cpu: bool) -> dict:
+    """tests/support/expert_cost.py on an MoE shape (CPU: a toy one): seconds of one forward +
+    backward per variant; the grouped GEMM only on CUDA with TE's grouped linear."""
+    from megatron_rl.config import Architecture
+    from megatron_rl.models.builder import te_grouped_linear_available
+    from tests.support.expert_cost import pass_seconds, per_expert_overhead_us
+
+    experts, tokens = (8, 256) if cpu else (64, 4096)
+    hidden, ffn = (64, 32) if cpu else (2048, 768)
+    arch = Architecture(family="qwen3_moe", hidden_size=hidden, num_layers=2, num_attention_heads=4 if cpu else 32,
+                        num_key_value_heads=2 if cpu else 4, head_dim=16 if cpu else 128, intermediate_size=96,
+                        vocab_size=128 if cpu else 8192, num_experts=experts, num_experts_per_tok=8,
+                        moe_intermediate_size=ffn, qk_norm=True, max_position_embeddings=tokens)  # fmt: skip
+    variants = ["per_expert", "per_expert_adapters"] + (["grouped"] if te_grouped_linear_available() else [])
+    seconds = pass_seconds(arch, tokens, variants, dtype="float32" if cpu else "bfloat16", repeats=3)
+    figures = {"experts": experts, "tokens": tokens, "seconds": seconds,
+               "adapters_vs_per_expert": seconds["per_expert_adapters"] / seconds["per_expert"],
+               "overhead_us_per_expert_layer": per_expert_overhead_us(arch, seconds, experts)}  # fmt: skip
+    if "grouped" in seconds:
+        figures["adapters_vs_grouped"] = seconds["per_expert_adapters"] / seconds["grouped"]
+        figures["per_expert_vs_grouped"] = seconds["per_expert"] / seconds["grouped"]
+    if not all(0 < t < float("inf") for t in seconds.values()):
+        raise AssertionError(f"a pass did not complete in finite time: {figures}")
+    return figures
 
 
 def _fwd_bwd(model, arch, tokens: int, peak_tflops: float) -> dict:

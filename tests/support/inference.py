@@ -22,13 +22,15 @@ def perturbed_weights(model_dir: Path, out: Path, seed: int, scale: float = 0.05
 
 
 def hf_token_logprobs(
-    model_dir, tokens: list[int], start: int, state: dict | None = None, temperature: float = 1.0
+    model_dir, tokens: list[int], start: int, state: dict | None = None, temperature: float = 1.0,
+    dtype: torch.dtype = torch.float32,
 ) -> list[float]:
     """transformers' log-probability of tokens[i] given tokens[:i] under softmax(logits /
-    temperature), for i >= start."""
+    temperature), for i >= start; the model (and `state`) in `dtype`."""
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     if state is not None:
+        state = {name: tensor.to(dtype) for name, tensor in state.items()}
         missing, unexpected = model.load_state_dict(state, strict=False)
         assert not unexpected and not [k for k in missing if "rotary" not in k]
     with torch.no_grad():
