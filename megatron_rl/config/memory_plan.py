@@ -2,11 +2,12 @@
 
 `memory_plan(resolved)` estimates, per GPU of the policy and of the critic: weights,
 gradients, optimizer state (sharded by the distributed optimizer over DP x CP for dense and over
-expert-DP for expert parameters, as megatron shards it, minus what `optimizer.cpu_offload`
-keeps on the host), activations of one micro-batch (one packed row of `seq_len` tokens, split
-by CP, and by TP under sequence parallelism) with the configured recomputation, the logits,
-and a fixed allowance for the CUDA context, NCCL buffers and allocator fragmentation; and per
-inference GPU the weights and the KV cache vLLM gets at `inference.gpu_memory_utilization`.
+expert-DP for expert parameters and an expert's LoRA adapters, as megatron shards them, minus
+what `optimizer.cpu_offload` keeps on the host), activations of one micro-batch (one packed row
+of `seq_len` tokens, split by CP, and by TP under sequence parallelism) with the configured
+recomputation, the logits, and a fixed allowance for the CUDA context, NCCL buffers and
+allocator fragmentation; and per inference GPU the weights and the KV cache vLLM gets at
+`inference.gpu_memory_utilization`.
 `check_fits` turns a plan over `deployment.gpu_memory_gib` into errors that say by how much and
 which option would fix it; `check-config` prints the plan.
 
@@ -16,7 +17,8 @@ What is exact and what is estimated:
   the first/last pipeline stage, norms and the router replicated); tests/distributed/
   test_memory_plan.py checks them against tiny models built at several layouts, exactly, and the
   optimizer state against the Adam tensors megatron allocates (exact over the DP group; on one
-  rank up to the distributed optimizer's bucket padding);
+  rank up to the distributed optimizer's bucket padding), LoRA models with expert adapters at
+  EP = 2 included;
 - gradients: megatron's DDP grad buffer (fp32 here: `grad_reduce_in_fp32`) holds every trainable
   parameter of the rank, unsharded;
 - optimizer state: Adam moments (2 x 4 bytes) plus an fp32 master copy (4 bytes) when the
@@ -34,7 +36,10 @@ What is exact and what is estimated:
   adapters' only;
 - activations are an estimate (per token and layer: the inputs of the norms, QKV, the attention
   output, SwiGLU's gate/up and product, for MoE the routed copies of the top-k experts), not a
-  measurement; the GPU script (tests/gpu/run.sh) is where it gets compared with CUDA's peak;
+  measurement; the GPU script (tests/gpu/run.sh) is where it gets compared with CUDA's peak.
+  LoRA adapters add what they save (`adapter_bytes_per_token`: their rank-r products, and on the
+  TE spec the fp32 copy of x that each fused-norm adapter keeps); tests/distributed/
+  test_memory_plan.py checks that term per layer against what autograd saves;
 - routing replay (`algorithm.routing_replay` on): the policy builds every micro-batch of a step
   before its first forward, so each policy GPU holds the routes of its share of the step's
   tokens at once: at most batch_size x group_size samples of model.seq_len tokens over DP x CP,
@@ -76,7 +81,7 @@ from dataclasses import dataclass, field
 
 from megatron_rl.config.host_memory import GIB, HostMemory, ShardTensor, offloaded_host_memory
 from megatron_rl.config.layout import ModelLayout, ResolvedConfig
-from megatron_rl.config.model import Architecture, lora_serving
+from megatron_rl.config.model import LORA_TARGETS, Architecture, lora_serving
 from megatron_rl.config.model_memory import (  # the per-rank counts, imported from here by tests and tools
     BYTES,
     HOST_OFFLOAD_BYTES,
@@ -88,10 +93,13 @@ from megatron_rl.config.model_memory import (  # the per-rank counts, imported f
     activation_bytes,
     adam_tensor_elements,
     adam_tensors,
+    adapter_bytes_per_token,
     layer_parameters,
     layer_tensors,
     lora_parameters,
+    lora_tensors,
     optimizer_bytes,
+    published_lora_elements,
     rank_parameters,
     rank_tensors,
 )
@@ -100,8 +108,9 @@ __all__ = [
     "BYTES", "CUDA_CONTEXT_GIB", "FRAGMENTATION_GIB", "GIB", "HOST_OFFLOAD_BYTES", "LOGITS_PER_LOGIT",
     "LOGPROB_CHUNK_BYTES", "LOGPROB_CHUNK_BYTES_PER_ELEMENT", "LOGPROB_CHUNK_ELEMENTS", "NCCL_GIB_PER_COMMUNICATOR",
     "GpuMemory", "Peak", "RankParameters", "activation_bytes", "adam_tensor_elements", "adam_tensors",
-    "check_fits", "format_plan", "layer_parameters", "layer_tensors", "memory_plan", "node_host_memory",
-    "optimizer_bytes", "rank_parameters", "rank_tensors", "route_bytes_per_token", "routes_bytes",
+    "adapter_bytes_per_token", "check_fits", "format_plan", "layer_parameters", "layer_tensors", "lora_parameters",
+    "lora_tensors", "memory_plan", "node_host_memory", "optimizer_bytes", "published_lora_elements",
+    "rank_parameters", "rank_tensors", "route_bytes_per_token", "routes_bytes", "weight_update_gib",
 ]  # fmt: skip
 
 # The CUDA context with cuBLAS handles and workspaces: about 0.5-0.6 GiB on Hopper under CUDA 12's
@@ -187,16 +196,21 @@ def _training_gpu(resolved: ResolvedConfig, role: str) -> GpuMemory:
     nccl = NCCL_GIB_PER_COMMUNICATOR * len(communicators(resolved, role, layout))
     fixed = {"cuda_context": CUDA_CONTEXT_GIB, "fragmentation": FRAGMENTATION_GIB, "nccl": nccl}
     worst: GpuMemory | None = None  # the fuller of the first and last pipeline stage
+    rank, targets = (lora.rank, tuple(lora.target_modules)) if lora else (None, LORA_TARGETS)
+    # The TE layer spec (CUDA, CP = 1, model.transformer_engine not off: models/builder.py) fuses
+    # linear_qkv's and a dense fc1's input norm.
+    fused_norms = resolved.deployment.device == "cuda" and layout.cp == 1 and model.transformer_engine != "off"  # fmt: skip
     for stage in sorted({0, layout.pp - 1}):
         params = rank_parameters(
-            arch, layout, value_model=value_model, freeze_attention=freeze,
-            lora_rank=lora.rank if lora else None, stage=stage,
+            arch, layout, value_model=value_model, freeze_attention=freeze, lora_rank=rank, lora_targets=targets,
+            stage=stage,
         )  # fmt: skip
         elements = adam_tensor_elements(params, layout, distributed)
         on_gpu, on_host = optimizer_bytes(elements, model.dtype, fraction)
         size = BYTES[model.dtype]
         weights = params.total * size / GIB
-        activations = activation_bytes(arch, layout, model.seq_len, model.dtype, model.recompute, value_model, stage)
+        activations = activation_bytes(arch, layout, model.seq_len, model.dtype, model.recompute, value_model, stage,
+                                       lora_rank=rank, lora_targets=targets, fused_norms=fused_norms)  # fmt: skip
         chunk = LOGPROB_CHUNK_BYTES if stage == layout.pp - 1 and not value_model else 0.0
         parts = {
             "weights": weights,
@@ -213,7 +227,7 @@ def _training_gpu(resolved: ResolvedConfig, role: str) -> GpuMemory:
         if role == "policy" and resolved.algorithm.routing_replay != "off":
             parts["routes"] = routes_bytes(resolved) / GIB
         parts.update(fixed)
-        tensors = rank_tensors(arch, layout, value_model, freeze, lora.rank if lora else None, stage, distributed)
+        tensors = rank_tensors(arch, layout, value_model, freeze, rank, stage, distributed, targets)
         peaks = [
             _start_up_peak(params, size, distributed, fraction, parts, fixed, reference),
             _resume_peak(parts, tensors, fraction, elements, optimizer.cpu_offload),
@@ -405,18 +419,20 @@ COLUMNS = ["weights", "reference", "routes", "gradients", "optimizer", "activati
 
 
 def weight_update_gib(resolved: ResolvedConfig) -> tuple[float, float | None]:
-    """GiB one policy version sends to inference: (the whole model in 16 bits, as merged or full
-    weights travel; the adapters alone in the model's dtype when a LoRA policy is served as
-    adapters (`lora_serving`), else None). The adapters are counted for every default target:
-    an upper bound when `lora.target_modules` names fewer."""
+    """GiB one policy version sends to inference, in the model's dtype (`model.dtype`: both paths
+    send the trainer's tensors as they are): (the whole model, as merged or full weights travel;
+    the adapters alone when a LoRA policy is served as adapters (`lora_serving`), else None). The
+    adapters are counted as they are sent (`published_lora_elements`: PEFT's tensors for
+    `lora.target_modules`, one A per Hugging Face module), not as the trainer holds them."""
     arch = resolved.layout.policy_architecture
     single = rank_parameters(arch, ModelLayout(world_size=1, tp=1, cp=1, pp=1, ep=1, dp=1, expert_dp=1))
-    full = single.total * 2 / GIB
+    element = BYTES[resolved.model.dtype]
+    full = single.total * element / GIB
     serving, _ = lora_serving(resolved.lora, arch, resolved.inference.backend)
     if serving != "adapter":
         return full, None
-    element = 4 if resolved.model.dtype == "float32" else 2
-    return full, lora_parameters(arch, 1, 1, resolved.lora.rank) * arch.num_layers * element / GIB
+    lora = resolved.lora
+    return full, published_lora_elements(arch, lora.rank, lora.target_modules) * element / GIB
 
 
 def format_plan(resolved: ResolvedConfig, plan: list[GpuMemory]) -> str:
@@ -455,9 +471,10 @@ def format_plan(resolved: ResolvedConfig, plan: list[GpuMemory]) -> str:
         lines.append(f"host memory of a {name} ({each} ranks): {need:.0f} GiB at its largest "
                      f"(budget deployment.host_memory_gib = {resolved.deployment.host_memory_gib:g})")  # fmt: skip
     full, adapters = weight_update_gib(resolved)
+    dtype = resolved.model.dtype
     if adapters is None:
-        lines.append(f"weight update per policy version: {full:.2f} GiB (the whole model, 16-bit)")
+        lines.append(f"weight update per policy version: {full:.2f} GiB (the whole model, {dtype})")
     else:
-        lines.append(f"weight update per policy version: {adapters:.2f} GiB of LoRA adapters ({adapters / full:.1%} "
-                     f"of the {full:.2f} GiB whole model)")  # fmt: skip
+        lines.append(f"weight update per policy version: {adapters:.2f} GiB of LoRA adapters in PEFT's format "
+                     f"({adapters / full:.2%} of the {full:.2f} GiB whole model, both {dtype})")  # fmt: skip
     return "\n".join(lines)

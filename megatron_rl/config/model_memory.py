@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from megatron_rl.config.host_memory import ShardTensor
 from megatron_rl.config.layout import ModelLayout
-from megatron_rl.config.model import Architecture, RecomputeConfig
+from megatron_rl.config.model import LORA_TARGETS, Architecture, RecomputeConfig
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Per offloaded optimizer element on the host: fp32 master 4, exp_avg 4, exp_avg_sq 4, and the
@@ -71,12 +71,16 @@ def rank_parameters(
     value_model: bool = False,
     freeze_attention: bool = False,
     lora_rank: int | None = None,
+    lora_targets: tuple[str, ...] | list[str] = LORA_TARGETS,
     stage: int = 0,
 ) -> RankParameters:
-    """The parameters pipeline stage `stage` of a model holds on each of its ranks."""
+    """The parameters pipeline stage `stage` of a model holds on each of its ranks; with
+    `lora_rank`, the adapters on `lora_targets` (`lora_tensors`) are its trainable parameters,
+    an expert's adapters counted with the experts (megatron's expert buffers, sharded over
+    expert-DP)."""
     tp, pp, ep = layout.tp, layout.pp, layout.ep
     first, last = stage == 0, stage == pp - 1
-    layers = arch.num_layers // pp + (1 if stage < arch.num_layers % pp else 0)
+    layers = stage_layers(arch, pp, stage)
     dense = expert = dense_frozen = expert_frozen = 0
     for name, (count, is_expert) in layer_parameters(arch, tp, ep).items():
         frozen = freeze_attention and name.startswith("self_attention.")
@@ -97,24 +101,79 @@ def rank_parameters(
             dense += embedding  # output_layer
     if lora_rank is not None:  # adapters train, the backbone does not (the value head does)
         head = arch.hidden_size + 1 if value_model and last else 0
-        adapters = lora_parameters(arch, tp, ep, lora_rank) * layers
-        return RankParameters(dense + adapters, expert, adapters + head, 0)
+        adapters = lora_tensors(arch, tp, ep, lora_rank, lora_targets)
+        dense_adapters = sum(n for _, n, is_expert in adapters if not is_expert) * layers
+        expert_adapters = sum(n for _, n, is_expert in adapters if is_expert) * layers
+        return RankParameters(
+            dense + dense_adapters, expert + expert_adapters, dense_adapters + head, expert_adapters
+        )
     return RankParameters(dense, expert, dense - dense_frozen, expert - expert_frozen)
 
 
-def lora_parameters(arch: Architecture, tp: int, ep: int, rank: int) -> int:
-    """Adapter parameters per layer for the default targets (A: rank x in, B: out x rank on each
-    wrapped linear, the TP-split side divided by TP): an upper bound within a few percent."""
+def stage_layers(arch: Architecture, pp: int, stage: int) -> int:
+    """Transformer layers of pipeline stage `stage` (the first num_layers % pp stages hold one more)."""
+    return arch.num_layers // pp + (1 if stage < arch.num_layers % pp else 0)
+
+
+def _adapted_linears(arch: Architecture) -> list[tuple[str, int, int, bool]]:
+    """One layer's linears that LoRA can wrap, as megatron builds them: (target, in, out,
+    is_expert); an MoE model's linear_fc1/linear_fc2 stand for each of its experts'."""
     h, d = arch.hidden_size, arch.kv_channels
-    qkv_out = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * d
-    total = rank * (h + qkv_out // tp) + rank * (arch.num_attention_heads * d // tp + h)
-    if arch.num_experts:
-        f = arch.moe_intermediate_size
-        total += (arch.num_experts // ep) * (rank * (h + 2 * f // tp) + rank * (f // tp + h))
-    else:
-        f = arch.intermediate_size
-        total += rank * (h + 2 * f // tp) + rank * (f // tp + h)
-    return total
+    nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
+    f, moe = (arch.moe_intermediate_size, True) if arch.num_experts else (arch.intermediate_size, False)
+    return [("linear_qkv", h, (nq + 2 * nkv) * d, False), ("linear_proj", nq * d, h, False),
+            ("linear_fc1", h, 2 * f, moe), ("linear_fc2", f, h, moe)]  # fmt: skip
+
+
+def lora_tensors(arch: Architecture, tp: int, ep: int, rank: int,
+                 targets: tuple[str, ...] | list[str] = LORA_TARGETS) -> list[tuple[str, int, bool]]:  # fmt: skip
+    """One layer's adapter tensors on one rank as the trainer holds them (models/lora.py):
+    (name, elements, is_expert) of A [rank, in] and B [out, rank] for each wrapped linear in
+    `targets`. A column-parallel linear (linear_qkv, linear_fc1) keeps A whole and splits B's
+    rows by TP, a row-parallel one (linear_proj, linear_fc2) splits A's columns; megatron's
+    fused linear_qkv (q, k, v) and gated linear_fc1 ([gate; up]) carry one A each. An MoE
+    model's linear_fc1/linear_fc2 are its experts', one pair per local expert (num_experts / ep),
+    split by expert-TP (= TP)."""
+    out = []
+    for target, fan_in, fan_out, is_expert in _adapted_linears(arch):
+        if target not in targets:
+            continue
+        column = target in ("linear_qkv", "linear_fc1")
+        a = rank * (fan_in if column else fan_in // tp)
+        b = (fan_out // tp if column else fan_out) * rank
+        out += [(f"{target}.lora_a", a, is_expert), (f"{target}.lora_b", b, is_expert)] * (
+            arch.num_experts // ep if is_expert else 1
+        )
+    return out
+
+
+def lora_parameters(arch: Architecture, tp: int, ep: int, rank: int,
+                    targets: tuple[str, ...] | list[str] = LORA_TARGETS) -> int:  # fmt: skip
+    """Adapter parameters of one layer on one rank as the trainer holds them (`lora_tensors`)."""
+    return sum(n for _, n, _ in lora_tensors(arch, tp, ep, rank, targets))
+
+
+def published_lora_elements(
+    arch: Architecture, rank: int, targets: tuple[str, ...] | list[str] = LORA_TARGETS
+) -> int:
+    """Elements of one LoRA policy version as both publishing paths send it (PEFT's format,
+    models/peft.py `megatron_adapters_to_peft`), over the whole model: A [rank, in] and
+    B [out, rank] of every Hugging Face module the targets map to (models/hf_mapping.py), in every
+    layer and expert. Megatron's fused linear_qkv is q_proj, k_proj and v_proj, its gated
+    linear_fc1 gate_proj and up_proj, and each part gets its own copy of the layer's A
+    (safetensors stores no shared memory): three A where the trainer holds one, and two."""
+    d, nq, nkv = arch.kv_channels, arch.num_attention_heads, arch.num_key_value_heads
+    per_layer = 0
+    for target, fan_in, fan_out, is_expert in _adapted_linears(arch):
+        if target not in targets:
+            continue
+        parts = {"linear_qkv": [nq * d, nkv * d, nkv * d], "linear_fc1": [fan_out // 2] * 2}.get(
+            target, [fan_out]
+        )
+        per_layer += sum(rank * fan_in + rows * rank for rows in parts) * (
+            arch.num_experts if is_expert else 1
+        )
+    return per_layer * arch.num_layers
 
 
 def adam_tensor_elements(params: RankParameters, layout: ModelLayout, distributed: bool = True) -> float:
@@ -147,10 +206,15 @@ def activation_bytes(
     recompute: RecomputeConfig,
     value_model: bool,
     stage: int = 0,
+    lora_rank: int | None = None,
+    lora_targets: tuple[str, ...] | list[str] = LORA_TARGETS,
+    fused_norms: bool = False,
 ) -> float:
     """Activations kept for the backward pass of one micro-batch on one rank of stage `stage`
     (an estimate: see the module docstring), times the micro-batches in flight at that stage
-    under 1F1B pipelining, plus the logits on the last stage."""
+    under 1F1B pipelining, plus the logits on the last stage; with `lora_rank`, what the adapters
+    on `lora_targets` keep besides (`adapter_bytes_per_token`; `fused_norms`: the TE layer spec,
+    whose linear_qkv and dense linear_fc1 fuse their input norm)."""
     tp, cp, pp = layout.tp, layout.cp, layout.pp
     moe = bool(arch.num_experts)
     sp = tp > 1 and moe  # our builders use sequence parallelism with MoE
@@ -166,8 +230,10 @@ def activation_bytes(
         mlp = h + 3 * arch.intermediate_size
     core_attention = 2 * nq * d  # what selective recomputation drops
     per_token = (replicated / (tp if sp else 1) + (attention + mlp) / tp) * b
+    if lora_rank is not None:
+        per_token += adapter_bytes_per_token(arch, layout, dtype, lora_rank, lora_targets, fused_norms)
     full_layer = tokens * per_token
-    layers = arch.num_layers // pp + (1 if stage < arch.num_layers % pp else 0)
+    layers = stage_layers(arch, pp, stage)
     if recompute.granularity == "full":
         n = recompute.num_layers
         checkpoint = tokens * h * b / (tp if sp else 1)  # a recomputed unit keeps only its input
@@ -188,6 +254,32 @@ def activation_bytes(
     return total
 
 
+def adapter_bytes_per_token(arch: Architecture, layout: ModelLayout, dtype: str, rank: int,
+                            targets: tuple[str, ...] | list[str], fused_norms: bool) -> float:  # fmt: skip
+    """Bytes the adapters of one layer keep for the backward pass per token of a micro-batch on one
+    rank (models/lora.py), besides what the layer keeps (the wrapped linear's input, which A's
+    gradient reads, is the layer's): each adapter's rank-r product z = A x, which B's gradient
+    reads (per token through the linear: the whole sequence for linear_qkv under sequence
+    parallelism, where z is gathered; this rank's share for linear_proj, reduce-scattered; the k
+    routed copies of a token for an expert's), in the model's dtype; and where the wrapped linear
+    fuses its input norm (`fused_norms`, TE's LayerNormLinear: linear_qkv, and a dense model's
+    linear_fc1), the adapter's own norm of x (`fused_norm`, computed in float32): the fp32 copy of
+    x (none for a float32 model, whose x is that copy) and its inverse RMS (one fp32 per token),
+    which the norm's backward reads, and the normalised x in the model's dtype, which A's
+    gradient reads; this rank's slice of the sequence under sequence parallelism."""
+    b = BYTES[dtype]
+    moe = bool(arch.num_experts)
+    share = 1 / layout.tp if layout.tp > 1 and moe else 1.0  # sequence parallel: this rank's slice
+    copies = {"linear_qkv": 1.0, "linear_proj": share}
+    for target in ("linear_fc1", "linear_fc2"):
+        copies[target] = float(arch.num_experts_per_tok) if moe else 1.0
+    total = sum(copies[t] * rank * b for t in targets)
+    if fused_norms:
+        norms = sum(t in targets for t in (("linear_qkv",) if moe else ("linear_qkv", "linear_fc1")))
+        total += norms * share * ((4 * arch.hidden_size if b < 4 else 0) + 4 + b * arch.hidden_size)
+    return total
+
+
 def layer_tensors(arch: Architecture, tp: int, ep: int) -> list[tuple[str, int, bool]]:
     """One transformer layer's parameter tensors on one rank, (name, elements, is_expert), the
     experts' one tensor per expert and linear (megatron's SequentialMLP and TEGroupedMLP)."""
@@ -200,22 +292,22 @@ def layer_tensors(arch: Architecture, tp: int, ep: int) -> list[tuple[str, int, 
 
 
 def rank_tensors(arch: Architecture, layout: ModelLayout, value_model: bool, freeze_attention: bool,
-                 lora_rank: int | None, stage: int, distributed: bool) -> list[ShardTensor]:  # fmt: skip
+                 lora_rank: int | None, stage: int, distributed: bool,
+                 lora_targets: tuple[str, ...] | list[str] = LORA_TARGETS) -> list[ShardTensor]:  # fmt: skip
     """The trainable tensors of pipeline stage `stage` on one rank, each with the ranks the
-    distributed optimizer shards it over (DP x CP dense, expert-DP experts; 1 without it)."""
+    distributed optimizer shards it over (DP x CP dense, expert-DP experts and their adapters;
+    1 without it)."""
     dense_shards = layout.dp * layout.cp if distributed else 1
     expert_shards = layout.expert_dp if distributed else 1
-    layers = arch.num_layers // layout.pp + (1 if stage < arch.num_layers % layout.pp else 0)
+    layers = stage_layers(arch, layout.pp, stage)
     h, tp = arch.hidden_size, layout.tp
     last = stage == layout.pp - 1
     if lora_rank is not None:  # adapters A (rank x in) and B (out x rank) of the wrapped linears
-        qkv_out = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * arch.kv_channels
-        per_layer = [lora_rank * h, qkv_out // tp * lora_rank, lora_rank * arch.num_attention_heads * arch.kv_channels // tp, h * lora_rank]  # fmt: skip
-        f = arch.moe_intermediate_size if arch.num_experts else arch.intermediate_size
-        mlp = [lora_rank * h, 2 * f // tp * lora_rank, lora_rank * f // tp, h * lora_rank]
-        per_layer += mlp * ((arch.num_experts // layout.ep) if arch.num_experts else 1)
-        head = [h, 1] if value_model and last else []
-        return [ShardTensor(n, dense_shards) for n in per_layer * layers + head]
+        adapters = lora_tensors(arch, tp, layout.ep, lora_rank, lora_targets) * layers
+        head = [ShardTensor(n, dense_shards) for n in ([h, 1] if value_model and last else [])]
+        return [
+            ShardTensor(n, expert_shards if is_expert else dense_shards) for _, n, is_expert in adapters
+        ] + head
     out = [
         ShardTensor(elements, expert_shards if is_expert else dense_shards)
         for name, elements, is_expert in layer_tensors(arch, tp, layout.ep) * layers

@@ -1,17 +1,33 @@
 """The memory plan's parameter and optimizer-state counts against what megatron allocates: tiny
 models built at several layouts on two gloo ranks (TP=2; DP=2 value model with frozen
-attention; MoE at EP=2; PP=2), one training step each so Adam's state exists; and the GPU and
-host shares of an offloaded optimizer against the tensors megatron's hybrid optimizer holds."""
+attention; MoE at EP=2; PP=2), one training step each so Adam's state exists; the GPU and
+host shares of an offloaded optimizer against the tensors megatron's hybrid optimizer holds;
+and LoRA models on the TE layer spec (CPU stand-ins, whose linear_qkv and dense linear_fc1 fuse
+their input norm): an MoE model with expert adapters at EP=2 (expert-DP 1) and a dense float32
+one on part of the targets, each trained one step, against the plan's optimizer state (the
+distributed optimizer's Adam tensors), the adapters' activations (what autograd saved during the
+adapters' forward) and check-config's update bytes (the tensors of a version published by the
+project's own publishers, both paths)."""
 
 from __future__ import annotations
 
+import collections
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_rl.config import Architecture, ModelLayout
-from megatron_rl.config.memory_plan import adam_tensor_elements, optimizer_bytes, rank_parameters
+from megatron_rl.config import Architecture, ModelLayout, RecomputeConfig, parse_config
+from megatron_rl.config.memory_plan import (
+    GIB,
+    activation_bytes,
+    adam_tensor_elements,
+    optimizer_bytes,
+    rank_parameters,
+    weight_update_gib,
+)
+from tests.support.configs import base
 from tests.support.spawn import run_ranks
 
 # (family, tp, pp, ep, value model, freeze attention)
@@ -188,3 +204,241 @@ def _hybrid_bytes(hybrid) -> dict:
         "host_bytes": nbytes(host_copies) + nbytes(host_moments) + nbytes(hybrid.cpu_copy_map_grad.values()),
         "gpu_bytes": nbytes(device_copies) + nbytes(device_moments),
     }
+
+
+# (family, ep, dtype, LoRA targets): LoRA models on the TE layer spec (CPU stand-ins), two ranks
+LORA_CASES = [
+    (
+        "qwen3_moe",
+        2,
+        "bfloat16",
+        ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+    ),  # expert adapters
+    ("qwen3", 1, "float32", ["linear_qkv", "linear_fc1", "linear_fc2"]),  # dense, DP 2, no linear_proj
+]
+LORA_RANK, LORA_ALPHA, TOKENS = 4, 8.0, 48
+
+
+class AdapterActivations:
+    """Bytes that the adapters' forward passes save for the backward pass beyond the layers' own,
+    per transformer layer (`bytes[layer]`), via autograd's saved-tensor hooks: storages saved
+    while a LoRALinear runs its adapter path (outside the wrapped layer's forward) that nothing
+    saved before, that are no parameter (megatron DDP's buffers included) and not the adapter's
+    input (the layer's input, which the plan counts with the layer)."""
+
+    def __init__(self, model):
+        from megatron_rl.models.lora import LoRALinear
+
+        self.adapters = [(int(n.split("layers.")[1].split(".")[0]), m) for n, m in model.named_modules()
+                         if isinstance(m, LoRALinear)]  # fmt: skip
+        self.parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seen, self.kept, self.where, self.input, self.layer = set(), [], None, None, None
+        self.bytes = collections.Counter()
+
+    def _pack(self, tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.seen:
+            self.seen.add(storage.data_ptr())
+            self.kept.append(tensor)  # alive until the step ends anyway; no address is reused
+            if self.where == "adapter" and storage.data_ptr() not in self.parameters | {self.input}:
+                self.bytes[self.layer] += storage.nbytes()
+        return tensor
+
+    def _set(self, where, layer=None):
+        def hook(module, args, *output):
+            self.where = where
+            if layer is not None:  # entering the adapter
+                self.input, self.layer = args[0].untyped_storage().data_ptr(), layer
+
+        return hook
+
+    def __enter__(self):
+        self.handles = []
+        for layer, adapter in self.adapters:
+            self.handles += [adapter.register_forward_pre_hook(self._set("adapter", layer)),
+                             adapter.base.register_forward_pre_hook(self._set("base")),
+                             adapter.base.register_forward_hook(self._set("adapter")),
+                             adapter.register_forward_hook(self._set(None))]  # fmt: skip
+        self.saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self.saved.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.saved.__exit__(*exc)
+        for handle in self.handles:
+            handle.remove()
+        self.kept.clear()
+
+
+def measure_lora(rank, world_size, architectures, directory):
+    """Per LORA_CASES entry: this rank's Adam moment elements after one step on a micro-batch of
+    TOKENS tokens, the adapters' saved bytes in that step (`AdapterActivations`), the adapter
+    tensors this rank streams on path (b) (`owned_adapter_tensors`), and on rank 0 the tensor
+    bytes and dtypes in the files of a version published on path (a) (`publish_adapter`) and of
+    the merged full weights (`publish_hf_weights`)."""
+    import numpy as np
+    from safetensors import safe_open
+
+    from megatron_rl import parallel
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.data.types import TrainingSample
+    from megatron_rl.models.lora import apply_lora
+    from megatron_rl.policy.loss import policy_loss_func
+    from megatron_rl.policy.publish import publish_hf_weights
+    from megatron_rl.policy.publish.adapters import owned_adapter_tensors, publish_adapter
+    from megatron_rl.trainer.optimizer import build_trainable, torch_optimizers
+    from megatron_rl.trainer.step import train_step
+    from tests.support.te_standins import build_te_style_model
+
+    def file_bytes(paths):
+        total, dtypes = 0, set()
+        for path in paths:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    tensor = f.get_tensor(key)
+                    total, dtypes = (
+                        total + tensor.numel() * tensor.element_size(),
+                        dtypes | {str(tensor.dtype)},
+                    )
+        return total, sorted(dtypes)
+
+    rng = np.random.default_rng(rank)
+    results = []
+    for index, (family, ep, dtype, targets) in enumerate(LORA_CASES):
+        arch = Architecture(**architectures[family])
+        parallel.initialize_model_parallel(ep=ep, seed=index)
+        model = build_te_style_model(arch, ep=ep, dtype=dtype)
+        apply_lora(model, LORA_RANK, LORA_ALPHA, targets, seed=1)
+        trainable = build_trainable(model, OptimizerConfig(lr=1e-2), total_steps=1)
+        sample = TrainingSample(token_ids=rng.integers(0, arch.vocab_size, TOKENS), loss_mask=np.ones(TOKENS, bool),
+                                inference_logprobs=-rng.random(TOKENS), reward=1.0,
+                                advantages=rng.normal(size=TOKENS).astype(np.float32))  # fmt: skip
+        with AdapterActivations(model) as saved:
+            train_step(
+                trainable,
+                [pack_into_grid([sample], TOKENS, 1)[0][0]],
+                policy_loss_func(AlgorithmConfig(type="grpo")),
+            )
+        adam = sum(state["exp_avg"].numel() for opt in torch_optimizers(trainable.optimizer)
+                   for state in opt.state.values() if "exp_avg" in state)  # fmt: skip
+        streamed = owned_adapter_tensors(model, arch)
+        adapters = publish_adapter(
+            model, arch, Path(directory) / f"adapters{index}", 1, LORA_RANK, LORA_ALPHA
+        )
+        merged = publish_hf_weights(model, arch, Path(directory) / f"merged{index}", 1, lora_alpha=LORA_ALPHA)
+        torch.distributed.barrier()
+        result = {
+            "adam": adam,
+            "parameters": len(list(model.parameters())),
+            "adapter_saved_bytes": dict(saved.bytes),
+            "streamed_bytes": sum(t.numel() * t.element_size() for t in streamed.values()),
+            "streamed_dtypes": sorted({str(t.dtype) for t in streamed.values()}),
+            "trainer_adapter_elements": sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n),
+        }
+        if rank == 0:
+            result["published"] = file_bytes([adapters / "adapter_model.safetensors"])
+            result["merged"] = file_bytes(sorted(merged.glob("model-*.safetensors")))
+        results.append(result)
+        del trainable, model
+        torch.distributed.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def lora_measured(tiny_models, tmp_path_factory):
+    architectures = {
+        family: Architecture.from_hf_config(
+            json.loads((tiny_models[family] / "config.json").read_text()), family
+        )
+        for family in ("qwen3", "qwen3_moe")
+    }
+    ranks = run_ranks(measure_lora, 2, {k: a.model_dump() for k, a in architectures.items()},
+                      str(tmp_path_factory.mktemp("published")))  # fmt: skip
+    return architectures, ranks
+
+
+def lora_config(arch: Architecture, dtype: str, targets: list[str]):
+    """A resolved config of `arch` with a LoRA policy served as adapters (vLLM on CUDA)."""
+    config = base("grpo")
+    config["model"].update(architecture=arch.model_dump(exclude_none=True), dtype=dtype)
+    config["lora"] = {"rank": LORA_RANK, "alpha": LORA_ALPHA, "target_modules": targets, "serve": "adapter"}
+    return parse_config(config)
+
+
+@pytest.mark.parametrize("index", range(len(LORA_CASES)), ids=[f"{f}-ep{e}-{d}" for f, e, d, _ in LORA_CASES])
+def test_lora_optimizer_state_is_sharded_as_megatron_shards_it(lora_measured, index):
+    """Expert adapters sit in megatron's expert buffers (allreduce False under EP), whose Adam state
+    the distributed optimizer shards over expert-DP (1 here), not over DP x CP (2)."""
+    architectures, ranks = lora_measured
+    family, ep, dtype, targets = LORA_CASES[index]
+    arch, layout = architectures[family], layout_of(1, 1, ep)
+    plan = rank_parameters(arch, layout, lora_rank=LORA_RANK, lora_targets=targets)
+    assert [r[index]["trainer_adapter_elements"] for r in ranks] == [plan.trainable] * 2
+    planned = adam_tensor_elements(plan, layout)
+    for rank in ranks:  # up to the distributed optimizer's alignment padding on one rank
+        assert abs(rank[index]["adam"] - planned) <= 64 * rank[index]["parameters"] + 128 * layout.dp
+    assert sum(rank[index]["adam"] for rank in ranks) == pytest.approx(
+        2 * planned, abs=1e-6
+    )  # exact over the group
+    if ep > 1:
+        assert plan.expert_trainable > 0 and layout.expert_dp == 1 and layout.dp == 2
+        as_if_dense = plan.trainable / (layout.dp * layout.cp)  # the old plan: every adapter over DP x CP
+        # the old plan missed one rank's expert adapters (each rank keeps all of its own)
+        assert sum(rank[index]["adam"] for rank in ranks) - 2 * as_if_dense == plan.expert_trainable > 0
+
+
+@pytest.mark.parametrize("index", range(len(LORA_CASES)), ids=[f"{f}-ep{e}-{d}" for f, e, d, _ in LORA_CASES])
+def test_lora_adapter_activations_match_what_autograd_saved(lora_measured, index):
+    """The plan's adapter term per layer (activation_bytes with the adapters less without, fused
+    norms as on the TE spec) against the bytes the adapters' forward saved in each layer, summed
+    over the two ranks (each token's k routed copies land on either rank's experts). Exact in
+    every layer but the first, whose input (the frozen embedding's output) needs no gradient, so
+    its fused norm saves no float32 statistics: there the plan is an upper bound. A bfloat16
+    model's fused norm also saves its fp32 norm weight, h floats per layer and fused linear, not
+    per token: the plan leaves that out."""
+    architectures, ranks = lora_measured
+    family, ep, dtype, targets = LORA_CASES[index]
+    arch, layout = architectures[family], layout_of(1, 1, ep)
+
+    def planned(**lora):
+        return activation_bytes(arch, layout, TOKENS, dtype, RecomputeConfig(), value_model=False, **lora)
+
+    per_layer = (
+        planned(lora_rank=LORA_RANK, lora_targets=targets, fused_norms=True) - planned()
+    ) / arch.num_layers
+    fused = 1 if arch.num_experts else 2  # linear_qkv, and a dense model's linear_fc1
+    weight_copies = fused * 4 * arch.hidden_size if dtype != "float32" else 0
+    measured = [
+        sum(rank[index]["adapter_saved_bytes"][layer] for rank in ranks) for layer in range(arch.num_layers)
+    ]
+    assert arch.num_layers > 1 and measured[1:] == [2 * (per_layer + weight_copies)] * (arch.num_layers - 1)
+    # the first layer: the fp32 copy of x (none in float32), its inverse RMS and the fp32 weight
+    unsaved = TOKENS * ((4 * arch.hidden_size if dtype != "float32" else 0) + 4) + 4 * arch.hidden_size * (
+        dtype != "float32"
+    )
+    assert measured[0] == 2 * (per_layer + weight_copies - unsaved) < 2 * per_layer
+    # the fused norms' copies are most of it: without them the plan says far less
+    unfused = (planned(lora_rank=LORA_RANK, lora_targets=targets) - planned()) / arch.num_layers
+    assert unfused < per_layer / 3
+
+
+@pytest.mark.parametrize("index", range(len(LORA_CASES)), ids=[f"{f}-ep{e}-{d}" for f, e, d, _ in LORA_CASES])
+def test_check_config_update_bytes_are_a_published_versions(lora_measured, index):
+    """check-config's weight update (`weight_update_gib`, the figure it prints) against the tensor
+    bytes of a version the project's publishers wrote: the PEFT adapter file of path (a), what
+    the ranks stream on path (b), and for the whole model the merged full weights; all in the
+    model's dtype, one A per Hugging Face module (q, k, v; gate, up), only the targets'."""
+    architectures, ranks = lora_measured
+    family, ep, dtype, targets = LORA_CASES[index]
+    arch = architectures[family]
+    whole, adapters = weight_update_gib(lora_config(arch, dtype, targets))
+    torch_dtype = f"torch.{dtype}"
+    assert ranks[0][index]["published"] == (round(adapters * GIB), [torch_dtype])
+    assert sum(rank[index]["streamed_bytes"] for rank in ranks) == round(adapters * GIB)
+    assert {d for rank in ranks for d in rank[index]["streamed_dtypes"]} == {torch_dtype}
+    assert ranks[0][index]["merged"] == (round(whole * GIB), [torch_dtype])
+    # more than the trainer holds (one rank's count at EP = 1, checked above): a fused layer's A is
+    # sent once per part
+    trainer = rank_parameters(arch, layout_of(1, 1, 1, world=1), lora_rank=LORA_RANK, lora_targets=targets)
+    assert adapters * GIB > trainer.trainable * (2 if dtype == "bfloat16" else 4)

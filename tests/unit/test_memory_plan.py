@@ -2,7 +2,8 @@
 cannot fit is refused with the numbers and the fixes, every example config prints a plan with its
 steady, start-up and resume peaks; the offloaded optimizer's host share includes the pinned
 gradient copy, rounded as torch's pinned allocator rounds it, summed per node; the KL reference
-model and the REINFORCE++ example's start-up peak."""
+model and the REINFORCE++ example's start-up peak; a LoRA policy's expert adapters' optimizer
+state over expert-DP and its adapters' activations."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from megatron_rl.config.memory_plan import (
     CUDA_CONTEXT_GIB,
     FRAGMENTATION_GIB,
     GIB,
+    LOGPROB_CHUNK_BYTES,
     NCCL_GIB_PER_COMMUNICATOR,
+    activation_bytes,
     adam_tensor_elements,
     format_plan,
     memory_plan,
@@ -279,3 +282,43 @@ def test_inference_plans_its_weight_update_beside_vllms_share():
     with pytest.raises(ConfigError, match=r"inference: the weight update peak \(when a new policy version is "
                                           r"received\) needs about 140\.\d GiB .* lower inference.gpu_memory_utilization"):  # fmt: skip
         load_config(SAO_30B, ["inference.gpu_memory_utilization=0.99"])
+
+
+LORA_30B = next(p for p in EXAMPLES if p.name == "qwen3_30b_a3b_sao_lora.yaml")
+
+
+def test_lora_expert_adapters_optimizer_state_is_sharded_over_expert_dp():
+    """The 30B LoRA example's policy at EP = 2 on 2 GPUs (DP 2, expert-DP 1): rank 16 on attention
+    and this rank's 64 experts of 48 layers. Adam's 12 B per element (fp32 master and two moments
+    of a bfloat16 model): the attention adapters over DP, the expert adapters unsharded, 3.57 GiB
+    (the plan said 1.81 with every adapter over DP). tests/distributed/test_memory_plan.py checks
+    the sharding against megatron's distributed optimizer."""
+    policy = memory_plan(load_config(LORA_30B))[0]
+    r, h = 16, 2048
+    attention = 48 * (r * h + 5120 * r + r * 4096 + h * r)  # the trainer's fused qkv: one A
+    experts = 48 * 64 * (r * h + 2 * 768 * r + r * 768 + h * r)
+    assert policy.parts["optimizer"] * GIB == pytest.approx(12 * (attention / 2 + experts))
+    assert round(policy.parts["optimizer"], 2) == 3.57
+    assert policy.parts["gradients"] * GIB == pytest.approx(4 * (attention + experts))  # unsharded, fp32
+
+
+@pytest.mark.parametrize("tp, ep", [(1, 2), (2, 1)])
+def test_lora_adapters_activations_are_counted_under_full_recomputation_once(tp, ep):
+    """One layer is rebuilt at a time (recompute full, uniform, 1 layer), so the adapters add one
+    layer's worth: per token of the 16,384, the fused linear_qkv norm's fp32 copy of x, inverse
+    RMS and bf16 normalised x (4h + 4 + 2h bytes), and the rank-16 products of qkv, proj and the
+    8 routed copies through fc1 and fc2, in bf16. At TP = 2 (sequence parallel) the norm and
+    proj's product are this rank's half of the sequence."""
+    resolved = load_config(LORA_30B, [f"model.tp={tp}", f"model.ep={ep}"])
+    arch, layout, model = resolved.layout.policy_architecture, resolved.layout.policy, resolved.model
+    policy = memory_plan(resolved)[0]
+    without = activation_bytes(arch, layout, model.seq_len, model.dtype, model.recompute, value_model=False)
+    adapters = policy.parts["activations"] * GIB + LOGPROB_CHUNK_BYTES - without
+    h, share = 2048, 1 / tp
+    per_token = (4 * h + 4 + 2 * h) * share + 16 * 2 * (1 + share + 8 + 8)
+    assert adapters == pytest.approx(16384 * per_token)
+    assert round(adapters / GIB, 3) == (0.196 if tp == 1 else 0.102)
+    # the local spec (model.transformer_engine off) has separate norms: the products alone
+    local = load_config(LORA_30B, [f"model.tp={tp}", f"model.ep={ep}", "model.transformer_engine='off'"])
+    products = memory_plan(local)[0].parts["activations"] * GIB + LOGPROB_CHUNK_BYTES - without
+    assert products == pytest.approx(16384 * 16 * 2 * (1 + share + 8 + 8))
