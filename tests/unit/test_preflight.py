@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "configs" / "tiny_cpu_sao.yaml")
 LORA_30B = ROOT / "examples" / "configs" / "qwen3_30b_a3b_sao_lora.yaml"
 SAO_3NODES = ROOT / "examples" / "configs" / "qwen3_30b_a3b_sao_3nodes.yaml"
+ROLES = ("policy", "critic", "inference")
 PORT_KEYS = ["transport.policy_port", "transport.critic_port", "inference.weight_broadcast_port",
              "inference.router_port", "value.service.port", "inference.base_port"]  # fmt: skip
 
@@ -206,7 +207,7 @@ def printed_peaks(resolved) -> dict[str, tuple[str, float]]:
     """check-config's peaks table (format_plan, what it prints): role -> (largest peak, GiB)."""
     lines = format_plan(resolved, memory_plan(resolved)).splitlines()
     start = lines.index(next(line for line in lines if line.startswith("peaks (GiB per GPU")))
-    rows = [line.split() for line in lines[start + 2 :] if line[:1] not in (" ", "") and not line.startswith(("host", "weight"))]
+    rows = [line.split() for line in lines[start + 2 :] if line[:1].strip() and line.split()[0] in ROLES]
     return {cells[0]: (" ".join(cells[4:-1]), float(cells[-1])) for cells in rows}
 
 
@@ -233,7 +234,8 @@ def test_gpus_are_judged_at_the_largest_peak_check_config_prints_not_the_steady_
     assert "policy (model)" not in message
     # with room for the largest peaks every GPU passes, and the figures name the largest plan
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (121 * 2**30, 140 * 2**30))
-    assert "largest plan inference 120.9 GiB (weight update)" in host_checks.check_memory(Context(resolved, "nccl"))
+    figures = host_checks.check_memory(Context(resolved, "nccl"))
+    assert "largest plan inference 120.9 GiB (weight update)" in figures
 
 
 def test_host_memory_is_judged_per_node_as_the_ranks_are_placed(monkeypatch):
@@ -249,7 +251,8 @@ def test_host_memory_is_judged_per_node_as_the_ranks_are_placed(monkeypatch):
     need, node = host_checks.host_need_gib(Context(resolved, "gloo"), plan)
     assert node == "a policy node (8 policy ranks)" and round(need) == int(nodes["policy node"]) == 512
     assert need > int(nodes["critic node"])
-    evenly = sum(gpu.host_gib * 3 for gpu in plan if gpu.role in ("policy", "critic"))  # ceil(8 / 3) ranks of each
+    # ceil(8 / 3) ranks of each role on every node, steady
+    evenly = sum(gpu.host_gib * 3 for gpu in plan if gpu.role in ("policy", "critic"))
     assert evenly < 400 < need
     monkeypatch.setattr(host_checks, "available_host_gib", lambda: 400.0)
     with pytest.raises(host_checks.CheckFailed, match=r"host: a policy node \(8 policy ranks\) needs 511\.5 GiB for "
@@ -268,7 +271,8 @@ def test_a_host_short_of_the_offloaded_optimizer_state_fails(monkeypatch):
     need, node = host_checks.host_need_gib(Context(resolved, "gloo"), memory_plan(resolved))
     assert need > 0 and node.startswith("a policy node")
     monkeypatch.setattr(host_checks, "available_host_gib", lambda: need / 2)
-    with pytest.raises(host_checks.CheckFailed, match=r"host: a policy node .* needs .* for the offloaded optimizer state"):
+    short = r"host: a policy node .* needs .* for the offloaded optimizer state"
+    with pytest.raises(host_checks.CheckFailed, match=short):
         host_checks.check_memory(Context(resolved, "gloo"))
 
 
@@ -287,16 +291,18 @@ def test_slurm_renders_a_script_that_runs_preflight_on_every_node(tmp_path, caps
 
 
 @pytest.mark.parametrize("flag", ["--network-gbytes-per-s", "--network-gbps"])
-def test_the_network_figure_is_gigabytes_per_second_and_the_old_name_is_a_deprecated_alias(tmp_path, capsys, flag):
+def test_the_network_flag_is_in_gigabytes_per_second_and_its_old_name_warns(tmp_path, capsys, flag):
     """`--network-gbytes-per-s 50` reaches each across-nodes step under its own name; the old
     `--network-gbps`, which reads as gigabits, gives the same figure and warns that it is GB/s."""
     out = tmp_path / "preflight.sbatch"
+    # the policy and the critic on nodes 1-2
     spanning = ["deployment.nodes=3", "deployment.inference_gpus=3", "inference.num_servers=3",
-                "deployment.policy_gpus=4", "logging.dir=" + str(tmp_path / "run")]  # policy and critic on nodes 1-2
+                "deployment.policy_gpus=4", "logging.dir=" + str(tmp_path / "run")]  # fmt: skip
     sets = [arg for key in spanning for arg in ("--set", key)]
     assert main(["preflight", TINY, "--slurm", "--out", str(out), *sets, flag, "50"]) == 0
     script = out.read_text()
-    assert re.search(r'policy "\$CONFIG" "\$\{SETS\[@\]\}" --network-gbytes-per-s 50 \\$', script, re.M), script
+    step = r'policy "\$CONFIG" "\$\{SETS\[@\]\}" --network-gbytes-per-s 50 \\$'
+    assert re.search(step, script, re.M), script
     assert "--network-gbps" not in script
     err = capsys.readouterr().err
     if flag == "--network-gbps":
