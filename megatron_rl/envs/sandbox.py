@@ -163,7 +163,7 @@ class PythonSandbox:
         self._uids: set[int] = set()
         # The trial runs under these limits, with room for its output and a slow start.
         trial = self.run(
-            f"PACKAGES = {list(self.package_paths)!r}\nROOTLESS = {self.rootless!r}\n{_TRIAL}",
+            _trial_code(self.package_paths, self.rootless, _visible_tree(self._binds)),
             replace(self.limits, timeout_s=max(self.limits.timeout_s, 10.0), output_bytes=4096),
         )
         if trial.stdout.strip() != "ok" or not trial.ok:
@@ -454,6 +454,25 @@ def _interpreter(python: str, packages: bool) -> tuple[str, list[list[str]], tup
     return real, binds, tuple(package_paths)
 
 
+def _visible_tree(binds: list[list[str]]) -> dict[str, list[str]]:
+    """What the new root shows outside the bound directories: each directory made on the way to
+    a bind (and /sandbox) -> its entries, which are exactly the next steps towards them."""
+    tree: dict[str, set[str]] = {"/": set()}
+    for path in [*(path for _, path in binds), _WORK + "/main.py"]:
+        parts = path.strip("/").split("/")
+        for depth, name in enumerate(parts):
+            tree.setdefault("/" + "/".join(parts[:depth]), set()).add(name)
+    for kind, path in binds:
+        if kind == "dir":  # the host's directory itself, read-only, as intended
+            tree.pop(path, None)
+    return {directory: sorted(names) for directory, names in sorted(tree.items())}
+
+
+def _trial_code(package_paths: tuple[str, ...], rootless: bool, visible: dict[str, list[str]]) -> str:
+    """The trial's program: prints "ok", or one line per isolation that is missing."""
+    return f"PACKAGES = {list(package_paths)!r}\nROOTLESS = {rootless!r}\nVISIBLE = {visible!r}\n{_TRIAL}"
+
+
 # The isolation checks of the constructor's trial run (as the child, inside the sandbox).
 _TRIAL = """
 import errno, os, socket
@@ -476,8 +495,16 @@ try:
 except OSError as exc:
     if exc.errno != errno.ENETUNREACH:
         problems.append("network namespace: loopback answered (%s)" % exc)
-if os.path.exists("/tmp") or os.path.exists("/proc/1"):
-    problems.append("file isolation: the host's /tmp or /proc is visible")
+# No host file: each directory of the new root outside the bound ones holds only the next steps
+# towards them (so no /tmp, /proc or checkout beyond the path to the packages).
+visible = []
+for directory, names in VISIBLE.items():
+    try:
+        visible += [os.path.join(directory, name) for name in sorted(set(os.listdir(directory)) - set(names))]
+    except OSError as exc:
+        problems.append("file isolation: %s of the new root unreadable: %s" % (directory, exc))
+if visible:
+    problems.append("file isolation: host files visible in the new root: %s" % ", ".join(visible))
 for path in PACKAGES:
     try:
         os.listdir(path)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import venv
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -68,9 +69,11 @@ def nothing_left_running():
     assert sandbox_processes() == [], "sandbox processes left running"
 
 
-def make(limits: SandboxLimits = LIMITS, packages: bool = True) -> PythonSandbox:
+def make(
+    limits: SandboxLimits = LIMITS, packages: bool = True, python: str = sys.executable
+) -> PythonSandbox:
     try:
-        return PythonSandbox(limits, packages=packages)
+        return PythonSandbox(limits, python=python, packages=packages)
     except SandboxUnavailable as exc:
         # As root (this machine, CI) the isolation must be there: a refusal fails the test. Not as
         # root it needs unprivileged user namespaces (the rootless mode), which a machine may
@@ -312,6 +315,49 @@ def test_concurrent_runs_do_not_interfere(sandbox):
     assert [results[1].stdout, results[3].stdout] == ["45\n", "4950\n"]
 
 
+@pytest.fixture(scope="module")
+def checkout_under_tmp():
+    """A checkout's venv under /tmp (as a clone there has): made with `venv`, its site-packages
+    holding a module of its own and a .pth naming this venv's (so numpy and sympy import), with
+    a secret file beside it in the checkout."""
+    with tempfile.TemporaryDirectory(prefix="sandbox-checkout-", dir="/tmp") as directory:
+        checkout = Path(directory)
+        venv.EnvBuilder(symlinks=True, with_pip=False).create(checkout / ".venv")
+        site = next((checkout / ".venv" / "lib").glob("python*/site-packages"))
+        (site / "megatron_rl_tmp_probe.py").write_text("ANSWER = 42\n")
+        (site / "this_venv.pth").write_text("\n".join(SITE_PACKAGES) + "\n")
+        (checkout / "secret.txt").write_text("checkout secret")
+        yield checkout
+
+
+def test_a_checkout_under_tmp_runs_isolated(checkout_under_tmp, sandbox):
+    """From a venv under /tmp the trial passes (its check is that no host file is visible, not
+    that /tmp is absent: /tmp is on the way to the packages), the venv's packages import, and
+    nothing else of /tmp or of the checkout exists in the run."""
+    checkout = checkout_under_tmp
+    tmp_sandbox = make(python=str(checkout / ".venv" / "bin" / "python"))
+    site = os.path.realpath(next((checkout / ".venv" / "lib").glob("python*/site-packages")))
+    assert tmp_sandbox.package_paths == (site, *SITE_PACKAGES)
+    code = textwrap.dedent(
+        f"""\
+        import os, megatron_rl_tmp_probe, sympy
+        print(megatron_rl_tmp_probe.ANSWER, sympy.Integer(6) * 7, os.listdir("/tmp"), os.listdir({str(checkout)!r}))
+        try:
+            open({str(checkout / "secret.txt")!r})
+        except FileNotFoundError:
+            print("secret not found")
+        """
+    )
+    result = tmp_sandbox.run(code)
+    assert result.ok, (result.error, result.stderr[-2000:])
+    assert result.stdout == f"42 42 [{checkout.name!r}] ['.venv']\nsecret not found\n"
+    # The check itself: a directory that shows more than the way to the packages is named.
+    visible = sandbox_module._visible_tree(sandbox._binds)
+    visible["/"] = [name for name in visible["/"] if name != "usr"]
+    trial = sandbox.run(sandbox_module._trial_code(sandbox.package_paths, sandbox.rootless, visible))
+    assert trial.stdout == "file isolation: host files visible in the new root: /usr\n", trial.stdout
+
+
 def test_limits_are_validated_by_name():
     for field, bad in [
         ("timeout_s", 0), ("timeout_s", -1.0), ("timeout_s", float("inf")), ("timeout_s", float("nan")),
@@ -423,7 +469,10 @@ def test_rootless_a_non_root_caller_gets_the_same_isolation(outside):
     assert results["endless"]["limit"] == "time"
     assert results["memory"]["limit"] == "memory"
     assert results["print"]["limit"] == "output"
-    assert "FileNotFoundError" in results["read_outside"]["error"] and "host secret" not in results["read_outside"]["stdout"]
+    assert (
+        "FileNotFoundError" in results["read_outside"]["error"]
+        and "host secret" not in results["read_outside"]["stdout"]
+    )
     assert not results["write_outside"]["ok"] and not (outside / "written").exists()
     assert "Network is unreachable" in results["socket"]["error"]
     assert results["remount"]["stdout"].split() == ["-1", "1"]  # EPERM: no CAP_SYS_ADMIN left
