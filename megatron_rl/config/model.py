@@ -148,6 +148,12 @@ class ModelConfig(Strict):
     recompute: RecomputeConfig = Field(default_factory=RecomputeConfig, description="Activation recomputation.")
     transformer_engine: Literal["required", "auto", "off"] = Field(default="required", description="The TransformerEngine layer spec on deployment.device cuda: required (a trainer refuses to start when transformer_engine.pytorch does not import, naming the import error), auto (TE when it imports, else the local spec and a warning saying why), off (the local spec). Layouts that use the local spec by design (cp > 1) and the cpu device use it whatever this says.")
 
+    @field_validator("transformer_engine", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        """YAML reads a bare `off` (as in `--set model.transformer_engine=off`) as false."""
+        return "off" if value is False else value
+
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
         """Exactly one of hf_config and architecture gives the architecture."""

@@ -120,3 +120,13 @@ def test_the_policy_and_critic_models_are_built_with_the_configs_te_setting(monk
                              value=SimpleNamespace(model=model, head_init_std=0.0, lora=None))  # fmt: skip
     with pytest.raises(RuntimeError, match=r"^value\.model\.transformer_engine: required .*ImportError: te"):
         CriticTrainer.build_model(critic)
+
+
+def test_a_bare_yaml_off_is_the_local_spec():
+    """`--set model.transformer_engine=off` (YAML reads a bare off as false) means "off"."""
+    from megatron_rl.config import ModelConfig
+
+    arch = DENSE.model_dump(exclude_none=True)
+    assert ModelConfig(architecture=arch, seq_len=64, transformer_engine=False).transformer_engine == "off"
+    with pytest.raises(ValueError, match="transformer_engine"):
+        ModelConfig(architecture=arch, seq_len=64, transformer_engine=True)

@@ -145,6 +145,7 @@ def test_expert_adapters_build_the_policy_with_one_linear_per_expert(monkeypatch
     config = grpo(rank=8)
     config["model"]["architecture"] = dict(MOE)
     config["model"]["ep"] = 2
+    config["model"]["transformer_engine"] = "auto"  # device cuda without TE here: required would refuse
     for targets, grouped_off in ((list(LORA_TARGETS), True), (["linear_qkv", "linear_proj"], False)):
         config["lora"]["target_modules"] = targets
         resolved = parse_config(config)
