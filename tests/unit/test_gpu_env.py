@@ -125,6 +125,14 @@ def test_ensure_venv_gpu_dry_run_prints_the_plan_runs_the_check_and_installs_not
     assert te == "2.11.0"
     assert f"pip install --no-build-isolation transformer-engine-torch=={te}" in proc.stdout, proc.stdout
     assert "[gpu,dev,tracking]" in proc.stdout and "dry run: nothing installed" in proc.stdout
+    # The plan of the TransformerEngine build (scripts/gpu_build_env.py; tests/unit/test_gpu_build_env.py).
+    for step in ("R580 or newer", "release 13.x", "CPATH=<site-packages>/nvidia/cudnn/include:<site-packages>/nvidia/nccl/include",
+                 "NVTE_NO_LOCAL_VERSION=1", "NVTE_PYTORCH_FORCE_BUILD=TRUE", "megatron_rl_cuda_libs.pth",
+                 "CUDNN_HOME, NVRTC_HOME,", "NVTE_CUDA_INCLUDE_DIR"):  # fmt: skip
+        assert step in proc.stdout, step
+    assert proc.stdout.index("R580") < proc.stdout.index("pip install")  # the driver is checked first
+    if shutil.which("nvidia-smi") is None:
+        assert "driver here: not checked (no nvidia-smi)" in proc.stdout
     # The check ran (against the silent index here) and its exit status is the script's.
     assert proc.returncode == 2 and "package index unreachable" in proc.stderr, proc.stdout + proc.stderr
     assert sorted((ROOT / ".venv").glob(".megatron_rl-*")) == stamps
