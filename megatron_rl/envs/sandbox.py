@@ -14,12 +14,15 @@ directories of the venv that runs this, at their own paths (so numpy and sympy i
 fresh tmpfs at /sandbox (its cwd and HOME, the only writable place, gone with the run);
 `pivot_root` drops the old root. It sets the rlimits, drops to a uid/gid of its own (from
 UID_RANGE, no supplementary groups, no new privileges, so RLIMIT_NPROC applies to it and to
-nothing else) and execs the interpreter in isolated mode (`-I -S`: no user site, no PYTHON*
-variables, no .pth files; the wrapper appends the site-packages directories to sys.path) on the
-code, with one thread for OpenBLAS, OpenMP and MKL. When PID 1 exits or is killed, the kernel
-kills everything else in its namespace, setsid() or not; the supervisor reaps it and reports its
-status. The host kills the supervisor, which kills PID 1 (a parent-death signal and a lifeline
-pipe cover the supervisor's own death).
+nothing else), joins a new, empty session keyring, installs the seccomp filter of
+envs/sandbox_kernel.py (no keyrings, SysV IPC, POSIX queues, memfds, new namespaces, sockets
+beyond AF_UNIX/INET/INET6, larger pipe or socket buffers, io_uring, bpf, perf, userfaultfd,
+inotify, fanotify, kernel log) and execs the interpreter in isolated mode (`-I -S`: no user
+site, no PYTHON* variables, no .pth files; the wrapper appends the site-packages directories to
+sys.path) on the code, with one thread for OpenBLAS, OpenMP and MKL. When PID 1 exits or is
+killed, the kernel kills everything else in its namespace, setsid() or not; the supervisor reaps
+it and reports its status. The host kills the supervisor, which kills PID 1 (a parent-death
+signal and a lifeline pipe cover the supervisor's own death).
 
 Run by any other user (rootless: a SLURM user, a container without CAP_SYS_ADMIN), the supervisor
 first enters a user namespace of its own, where the run's uid and gid are the only ones mapped
@@ -35,8 +38,13 @@ This needs unprivileged user namespaces (`/proc/sys/user/max_user_namespaces` > 
 distribution policy refusing them): where they are refused, the sandbox says so and refuses.
 
 The limits are wall time (the host kills), output (the host reads stdout and stderr with a cap
-and kills past it), memory (RLIMIT_AS), processes (RLIMIT_NPROC of the run's own uid), file size
-(RLIMIT_FSIZE; the directory holds 4 x file_bytes and 1024 files). A limit hit is a result with
+and kills past it), memory (RLIMIT_AS of each process; where a memory cgroup can be made, cgroup
+v1 or v2, all the run's memory together, its directory included, is held to memory_mb plus the
+directory's size: the run's PID 1 joins a cgroup of its own first thing), processes (RLIMIT_NPROC
+of the run's own uid), file size (RLIMIT_FSIZE; the directory holds 4 x file_bytes and 1024
+files); descriptors (64: what bounds a process's pipe and socket buffers), POSIX queues (0) and
+pending signals (256: also POSIX timers). Run as root, the IPC namespace's own limits allow no
+SysV segment, queue or semaphore set either. A limit hit is a result with
 `limit` and a one-line `error`, not an exception. When isolation is unavailable (a namespace type
 disabled or refused, unprivileged user namespaces refused to a non-root caller, the interpreter
 unable to run in the new root, or by the caller's uid),
@@ -61,6 +69,8 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+from megatron_rl.envs import sandbox_kernel
+
 UID_RANGE = range(1_900_000_000, 1_901_000_000)  # a run's uid (= gid); no real user has one
 _SYSCTL_USER = "/proc/sys/user"
 _NAMESPACES = (
@@ -79,6 +89,12 @@ _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"
 _PACKAGE_DIRS = ("site-packages", "dist-packages")  # sys.path entries mounted with `packages`
 _WORK = "/sandbox"
 _MAX_FILES = 1024
+_MAX_DESCRIPTORS = 64  # RLIMIT_NOFILE: also what bounds the pipe and socket buffers a process holds
+_MAX_PENDING_SIGNALS = 256  # RLIMIT_SIGPENDING: queued signals and POSIX timers of the run's uid
+# SysV IPC refused by the run's IPC namespace's own limits too (written as root; rootless, the
+# kernel lets only the namespace owner's uid 0, which is not mapped, write them).
+_IPC_SYSCTLS = (("kernel/shmmni", "0"), ("kernel/shmall", "0"), ("kernel/shmmax", "0"), ("kernel/msgmni", "0"),
+                ("kernel/sem", "0 0 0 0"))  # fmt: skip
 _KILL_GRACE_S = 5.0
 # Exit codes of the wrapper for a limit hit inside the child (an uncaught exception of that kind).
 _EXIT_LIMITS = {201: "memory", 202: "processes", 203: "file_size", 204: "file_size"}
@@ -159,8 +175,11 @@ class PythonSandbox:
         if missing:
             raise SandboxUnavailable("; ".join(missing))
         self.python, self._binds, self.package_paths = _interpreter(python, packages)
+        self._seccomp = sandbox_kernel.seccomp_filter(platform.machine())
         self._lock = threading.Lock()
         self._uids: set[int] = set()
+        self.memory_cgroup, self.memory_cgroup_missing = None, None
+        self._cgroup_version = _memory_cgroup(self)
         # The trial runs under these limits, with room for its output and a slow start.
         trial = self.run(
             _trial_code(self.package_paths, self.rootless, _visible_tree(self._binds)),
@@ -196,14 +215,41 @@ class PythonSandbox:
                     return uid
 
     def _run(self, code: bytes, uid: int, rundir: str, limits: SandboxLimits) -> SandboxResult:
+        work_bytes = 4 * limits.file_bytes + len(code) + (1 << 20)
+        cgroup = None
+        if self.memory_cgroup is not None:
+            name = f"{_MARKER}-{os.getpid()}-{uid}"
+            try:
+                cgroup = sandbox_kernel.make_cgroup(
+                    self._cgroup_version, self.memory_cgroup, name, (limits.memory_mb << 20) + work_bytes
+                )
+            except OSError as exc:
+                raise SandboxUnavailable(
+                    f"memory cgroup: making {self.memory_cgroup}/{name}: {exc}"
+                ) from None
+        try:
+            result = self._supervise(code, uid, rundir, limits, work_bytes, cgroup)
+            oom_kills = sandbox_kernel.oom_kills(self._cgroup_version, cgroup) if cgroup else 0
+        finally:
+            if cgroup:
+                sandbox_kernel.remove_cgroup(cgroup)
+        return _result(*result, limits, oom_kills)
+
+    def _supervise(self, code: bytes, uid: int, rundir: str, limits: SandboxLimits, work_bytes: int,
+                   cgroup: str | None) -> tuple:  # fmt: skip
+        """Start the supervisor on `code` and wait for it: (status, returncode, stdout, stderr, limit)."""
         status_r, status_w = os.pipe()
         config = {
             "status_fd": status_w, "root": rundir, "uid": uid, "python": self.python, "binds": self._binds,
             "namespaces": [entry[:3] for entry in _NAMESPACES], "pivot_root": _PIVOT_ROOT[platform.machine()],
             "memory": limits.memory_mb << 20, "processes": limits.processes, "file_bytes": limits.file_bytes,
-            "work_bytes": 4 * limits.file_bytes + len(code) + (1 << 20), "max_files": _MAX_FILES,
-            "work": _WORK, "wrapper": _WRAPPER, "paths": list(self.package_paths),
-            "rootless": self.rootless, "outer_uid": os.geteuid(), "outer_gid": os.getegid(),
+            "work_bytes": work_bytes, "max_files": _MAX_FILES, "descriptors": _MAX_DESCRIPTORS,
+            "pending_signals": _MAX_PENDING_SIGNALS, "work": _WORK, "wrapper": _WRAPPER,
+            "paths": list(self.package_paths), "rootless": self.rootless, "outer_uid": os.geteuid(),
+            "outer_gid": os.getegid(), "seccomp": self._seccomp,
+            "keyctl": sandbox_kernel.syscall_number(platform.machine(), "keyctl"),
+            "ipc_sysctls": [] if self.rootless else _IPC_SYSCTLS,
+            "cgroup_procs": os.path.join(cgroup, "cgroup.procs") if cgroup else None,
         }  # fmt: skip
         try:
             proc = subprocess.Popen(
@@ -220,7 +266,7 @@ class PythonSandbox:
             os.close(status_r)
             if proc.poll() is None:  # only on an error of ours: leave nothing behind
                 _kill_group(proc)
-        return _result(status, proc.returncode, out, err, limit, limits)
+        return status, proc.returncode, out, err, limit
 
 
 def _communicate(
@@ -320,8 +366,10 @@ def _read_all(fd: int) -> str:
     return b"".join(chunks).decode("utf-8", "replace")
 
 
-def _result(status: str, returncode: int, out: bytes, err: bytes, limit: str | None, limits: SandboxLimits):
-    """The run's result from the supervisor's status lines (SETUP <why>, EXIT <n>, SIGNAL <n>)."""
+def _result(status: str, returncode: int, out: bytes, err: bytes, limit: str | None, limits: SandboxLimits,
+            oom_kills: int = 0) -> SandboxResult:  # fmt: skip
+    """The run's result from the supervisor's status lines (SETUP <why>, EXIT <n>, SIGNAL <n>);
+    `oom_kills`: processes of the run the kernel killed at its memory cgroup's limit."""
     setup = [line[6:] for line in status.splitlines() if line.startswith("SETUP ")]
     if setup:
         raise SandboxUnavailable("; ".join(setup))
@@ -339,6 +387,8 @@ def _result(status: str, returncode: int, out: bytes, err: bytes, limit: str | N
             limit = _EXIT_LIMITS.get(number)
         elif number == signal.SIGXFSZ:
             limit = "file_size"
+    if oom_kills and limit is None:
+        limit = "memory"
     last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
     errors = {
         "time": f"time limit: killed after {limits.timeout_s:g} s",
@@ -454,6 +504,25 @@ def _interpreter(python: str, packages: bool) -> tuple[str, list[list[str]], tup
     return real, binds, tuple(package_paths)
 
 
+def _memory_cgroup(sandbox: PythonSandbox) -> int | None:
+    """Find where the runs' memory cgroups can be made and try making one: sets the sandbox's
+    `memory_cgroup` (the directory) or `memory_cgroup_missing` (why none); returns the version."""
+    version, where = sandbox_kernel.memory_cgroup_parent()
+    if version is None:
+        sandbox.memory_cgroup_missing = where
+        return None
+    sandbox_kernel.remove_stale_cgroups(where, _MARKER)
+    try:
+        name = f"{_MARKER}-{os.getpid()}-probe-{random.SystemRandom().randrange(1 << 32):08x}"
+        probe = sandbox_kernel.make_cgroup(version, where, name, 64 << 20)
+    except OSError as exc:
+        sandbox.memory_cgroup_missing = f"cgroup v{version}: making a cgroup in {where}: {exc}"
+        return None
+    sandbox_kernel.remove_cgroup(probe)
+    sandbox.memory_cgroup = where
+    return version
+
+
 def _visible_tree(binds: list[list[str]]) -> dict[str, list[str]]:
     """What the new root shows outside the bound directories: each directory made on the way to
     a bind (and /sandbox) -> its entries, which are exactly the next steps towards them."""
@@ -470,12 +539,14 @@ def _visible_tree(binds: list[list[str]]) -> dict[str, list[str]]:
 
 def _trial_code(package_paths: tuple[str, ...], rootless: bool, visible: dict[str, list[str]]) -> str:
     """The trial's program: prints "ok", or one line per isolation that is missing."""
-    return f"PACKAGES = {list(package_paths)!r}\nROOTLESS = {rootless!r}\nVISIBLE = {visible!r}\n{_TRIAL}"
+    keyctl = sandbox_kernel.syscall_number(platform.machine(), "keyctl")
+    return (f"PACKAGES = {list(package_paths)!r}\nROOTLESS = {rootless!r}\nVISIBLE = {visible!r}\n"
+            f"KEYCTL = {keyctl}\n{_TRIAL}")  # fmt: skip
 
 
 # The isolation checks of the constructor's trial run (as the child, inside the sandbox).
 _TRIAL = """
-import errno, os, socket
+import ctypes, errno, os, socket
 problems = []
 # Rootless, the caller's supplementary groups stay: its own gid (mapped to the run's), the others
 # unmapped (the overflow gid).
@@ -505,6 +576,18 @@ for directory, names in VISIBLE.items():
         problems.append("file isolation: %s of the new root unreadable: %s" % (directory, exc))
 if visible:
     problems.append("file isolation: host files visible in the new root: %s" % ", ".join(visible))
+libc = ctypes.CDLL(None, use_errno=True)
+# The seccomp filter: the keyrings, SysV shared memory, memfds and new namespaces refused.
+for what, call in (("keyrings: keyctl", lambda: libc.syscall(KEYCTL, 0, -3, 0)),  # KEYCTL_GET_KEYRING_ID @s
+                   ("SysV IPC: shmget", lambda: libc.shmget(0, 4096, 0o1600)),
+                   ("namespaces: unshare(CLONE_NEWUSER)", lambda: libc.unshare(0x10000000))):
+    if call() != -1 or ctypes.get_errno() != errno.EPERM:
+        problems.append("seccomp: %s is not refused (errno %d)" % (what, ctypes.get_errno()))
+try:
+    os.close(os.memfd_create("trial"))
+    problems.append("seccomp: memfd_create is not refused")
+except PermissionError:
+    pass
 for path in PACKAGES:
     try:
         os.listdir(path)
@@ -562,9 +645,18 @@ libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 libc.unshare.argtypes = [ctypes.c_int]
 libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 libc.syscall.argtypes = [ctypes.c_long, ctypes.c_char_p, ctypes.c_char_p]
+keyctl = libc["syscall"]  # another handle on syscall(2), with keyctl's argument types
+keyctl.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 1, 38, 22, 2
+KEYCTL_JOIN_SESSION_KEYRING = 1
+
+class SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
 
 def report(line):
     os.write(status, (" ".join(line.split()) + "\n").encode())
@@ -589,9 +681,27 @@ def kept_flags(target):
     return sum(ms for st, ms in ((1, MS_RDONLY), (2, MS_NOSUID), (4, MS_NODEV), (8, MS_NOEXEC), (1024, 1024),
                                  (2048, 2048), (4096, 1 << 21)) if have & st)
 
+def write(path, value, what):
+    try:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, value.encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        fail("%s: writing %s to %s: %s" % (what, value, path, exc))
+
+def seccomp():
+    program = (SockFilter * len(cfg["seccomp"]))(*[SockFilter(*insn) for insn in cfg["seccomp"]])
+    prog = SockFprog(len(cfg["seccomp"]), program)
+    check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0),
+          "seccomp: installing the filter (prctl PR_SET_SECCOMP)")
+
 def child(lifeline):
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     uid, root, work = cfg["uid"], cfg["root"], cfg["work"]
+    if cfg["cgroup_procs"]:  # first: everything the run allocates from here on is charged to it
+        write(cfg["cgroup_procs"], "0", "memory cgroup: joining the run's cgroup")
     check(libc.unshare(0x00020000), "mount namespace: unshare(CLONE_NEWNS) of the child")
     code = b"".join(iter(lambda: os.read(0, 1 << 16), b""))
     mount(None, "/", None, MS_REC | MS_PRIVATE, None, "file isolation: making the mounts private")
@@ -635,7 +745,8 @@ def child(lifeline):
         processes = cfg["processes"] + (1 if cfg["rootless"] else 0)
         for limit, value in ((resource.RLIMIT_AS, cfg["memory"]), (resource.RLIMIT_NPROC, processes),
                              (resource.RLIMIT_FSIZE, cfg["file_bytes"]), (resource.RLIMIT_CORE, 0),
-                             (resource.RLIMIT_NOFILE, 256)):
+                             (resource.RLIMIT_NOFILE, cfg["descriptors"]), (resource.RLIMIT_MSGQUEUE, 0),
+                             (resource.RLIMIT_SIGPENDING, cfg["pending_signals"])):
             hard = resource.getrlimit(limit)[1]  # never above the current hard limit
             value = value if hard == resource.RLIM_INFINITY else min(value, hard)
             resource.setrlimit(limit, (value, value))
@@ -648,6 +759,12 @@ def child(lifeline):
         os.setresuid(uid, uid, uid)
     except OSError as exc:
         fail("privilege drop: to uid/gid %d: %s" % (uid, exc))
+    # A new, empty session keyring instead of the caller's; the filter then refuses the keyring
+    # calls altogether, so a kernel without keyrings (ENOSYS) or a caller's key quota spent by
+    # many runs at once (EDQUOT, rootless: the keyrings are the caller's user's) leave it there.
+    if keyctl(cfg["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None) < 0 and ctypes.get_errno() not in (
+        errno.ENOSYS, errno.EDQUOT):
+        check(-1, "keyrings: joining a new session keyring")
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "privilege drop: PR_SET_NO_NEW_PRIVS")
     check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "kill on exit: PR_SET_PDEATHSIG")
     os.set_blocking(lifeline, False)
@@ -657,6 +774,7 @@ def child(lifeline):
     except BlockingIOError:
         pass
     os.set_inheritable(status, False)
+    seccomp()  # last: the filter holds from the exec on
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
            "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     python = cfg["python"]
@@ -684,6 +802,8 @@ def main():
         enter_user_namespace()
     for name, flag_name, flag in cfg["namespaces"]:
         check(libc.unshare(flag), "%s: unshare(%s)" % (name, flag_name))
+    for name, value in cfg["ipc_sysctls"]:  # this IPC namespace's own limits: no SysV IPC
+        write("/proc/sys/" + name, value, "ipc namespace: SysV IPC limits")
     pid, terminated = 0, []
     def on_term(signum, frame):
         terminated.append(signum)

@@ -7,22 +7,29 @@ absent with packages=False; the limits are validated; missing isolation is refus
 from __future__ import annotations
 
 import ast
+import ctypes
 import dataclasses
 import json
 import os
+import platform
+import re
+import shutil
 import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import venv
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from megatron_rl.envs import sandbox as sandbox_module
+from megatron_rl.envs import sandbox_kernel
 from megatron_rl.envs.sandbox import (
     UID_RANGE,
     PythonSandbox,
@@ -264,7 +271,11 @@ def test_a_large_file_hits_the_file_size_limit(sandbox):
 
 
 def test_no_network_not_even_the_hosts_loopback(sandbox, outside):
-    with socket.socket() as server, socket.socket(socket.AF_UNIX) as unix_server:
+    with (
+        socket.socket() as server,
+        socket.socket(socket.AF_UNIX) as unix_server,
+        socket.socket(socket.AF_UNIX) as abstract_server,
+    ):
         server.bind(("127.0.0.1", 0))
         server.listen()
         server.setblocking(False)
@@ -283,7 +294,15 @@ def test_no_network_not_even_the_hosts_loopback(sandbox, outside):
             )
         result = sandbox.run(f"import socket\nsocket.socket(socket.AF_UNIX).connect({unix_path!r})")
         assert result.error.startswith("exit code 1: FileNotFoundError")
-        for listening in (server, unix_server):
+        # An abstract Unix socket (no file): each network namespace has its own.
+        abstract_server.bind(b"\0megatron-rl-sandbox-test-%d" % os.getpid())
+        abstract_server.listen()
+        abstract_server.setblocking(False)
+        result = sandbox.run(
+            f"import socket\nsocket.socket(socket.AF_UNIX).connect({abstract_server.getsockname()!r})"
+        )
+        assert result.error.startswith("exit code 1: ConnectionRefusedError"), result.error
+        for listening in (server, unix_server, abstract_server):
             with pytest.raises(BlockingIOError):
                 listening.accept()
 
@@ -313,6 +332,359 @@ def test_concurrent_runs_do_not_interfere(sandbox):
         results = list(pool.map(sandbox.run, [bomb, work.format(n=10), bomb, work.format(n=100)]))
     assert [r.limit for r in results] == ["processes", None, "processes", None]
     assert [results[1].stdout, results[3].stdout] == ["45\n", "4950\n"]
+
+
+KEY_DESCRIPTION, KEY_PAYLOAD = "megatron-rl-sandbox-test-key", "megatron-rl-secret-payload"
+
+
+def syscall(name: str) -> int:
+    return sandbox_kernel.syscall_number(platform.machine(), name)
+
+
+def keyring_probe(serial: str) -> str:
+    """A program that tries each way to the caller's key `serial` (KEY_DESCRIPTION) and prints
+    {attempt: [result, errno name, data read]}."""
+    return textwrap.dedent(
+        f"""\
+        import ctypes, errno, json
+        libc = ctypes.CDLL(None, use_errno=True)
+        found, buffer = {{}}, ctypes.create_string_buffer(256)
+        def attempt(name, result, data=b""):
+            code = errno.errorcode.get(ctypes.get_errno(), "") if result == -1 else ""
+            found[name] = [result, code, data.decode(errors="replace")]
+        attempt("request_key", libc.syscall({syscall("request_key")}, b"user", {KEY_DESCRIPTION.encode()!r}, None, 0))
+        length = libc.syscall({syscall("keyctl")}, 11, {serial}, buffer, 256)  # KEYCTL_READ
+        attempt("read", length, buffer.raw[: max(length, 0)])
+        attempt("session_keyring", libc.syscall({syscall("keyctl")}, 0, -3, 0))  # KEYCTL_GET_KEYRING_ID @s
+        attempt("add_key", libc.syscall({syscall("add_key")}, b"user", b"planted", b"x", 1, -4))  # to @u
+        print(json.dumps(found))
+        """
+    )
+
+
+def assert_keys_unreachable(stdout: str) -> None:
+    found = json.loads(stdout)
+    assert KEY_PAYLOAD not in stdout
+    assert {name: (result, code) for name, (result, code, _) in found.items()} == dict.fromkeys(
+        ("request_key", "read", "session_keyring", "add_key"), (-1, "EPERM")
+    ), found
+
+
+@contextmanager
+def caller_key():
+    """A key in a new session keyring of the calling thread (so only what it starts inherits it):
+    yields its serial, then invalidates it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(syscall("keyctl"), 1, b"megatron-rl-sandbox-test") > 0, ctypes.get_errno()
+    payload = KEY_PAYLOAD.encode()
+    serial = libc.syscall(syscall("add_key"), b"user", KEY_DESCRIPTION.encode(), payload, len(payload), -3)
+    assert serial > 0, ctypes.get_errno()
+    try:
+        yield serial
+    finally:
+        libc.syscall(syscall("keyctl"), 21, serial)  # KEYCTL_INVALIDATE
+
+
+def in_own_thread(function):
+    """function() on a thread of its own (its keyring goes with it); its result or exception."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(function).result()
+
+
+def test_a_key_the_caller_holds_cannot_be_read(sandbox, monkeypatch):
+    """The caller's session keyring (Kerberos tickets, cluster tokens) is not the run's: the
+    keyring calls are refused, and the run's session keyring is a new, empty one besides."""
+
+    def attempts():
+        with caller_key() as serial:
+            libc, buffer = ctypes.CDLL(None, use_errno=True), ctypes.create_string_buffer(256)
+            assert libc.syscall(syscall("keyctl"), 11, serial, buffer, 256) == len(
+                KEY_PAYLOAD
+            )  # the caller reads it
+            return sandbox.run(keyring_probe(str(serial)))
+
+    refused = in_own_thread(attempts)
+    assert refused.ok, refused.error
+    assert_keys_unreachable(refused.stdout)
+    # The new session keyring alone (under a filter that allows every call): the key is not found,
+    # not readable, and @s is another keyring.
+    monkeypatch.setattr(sandbox, "_seccomp", [(0x06, 0, 0, 0x7FFF0000)])
+    unfiltered = in_own_thread(attempts)
+    monkeypatch.undo()
+    found = json.loads(unfiltered.stdout)
+    assert KEY_PAYLOAD not in unfiltered.stdout, found
+    assert found["request_key"][:2] == [-1, "ENOKEY"] and found["read"][:2] == [-1, "EACCES"], found
+    assert found["session_keyring"][0] > 0, found
+
+
+KERNEL_MEMORY_PROBE = textwrap.dedent(
+    """\
+    import ctypes, errno, fcntl, json, os, socket
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmat.restype = ctypes.c_void_p
+    found = {}
+    def refused(name, result):
+        found[name] = "refused" if result == -1 and ctypes.get_errno() == errno.EPERM else "allowed: %r" % result
+    # SysV shared memory (attached, and held detached), message queues, semaphores; POSIX queues
+    segment = libc.shmget(0, 8 << 20, 0o1600)
+    refused("shmget", segment)
+    if segment != -1:
+        address = libc.shmat(segment, None, 0)
+        ctypes.memset(address, 1, 8 << 20)
+        libc.shmdt(ctypes.c_void_p(address))
+    refused("msgget", libc.msgget(0, 0o1600))
+    refused("semget", libc.semget(0, 8, 0o1600))
+    refused("mq_open", libc.mq_open(b"/megatron-rl", 0o102, 0o600, None))
+    try:
+        os.write(os.memfd_create("hold"), b"x" * (1 << 20))
+        found["memfd_create"] = "allowed"
+    except PermissionError:
+        found["memfd_create"] = "refused"
+    # Pipes, filled, until the descriptor limit; a pipe's size cannot be raised
+    held, fds = 0, []
+    try:
+        while True:
+            read, write = os.pipe()
+            fds += [read, write]
+            try:
+                fcntl.fcntl(write, 1031, 1 << 20)  # F_SETPIPE_SZ
+                found["F_SETPIPE_SZ"] = "allowed"
+            except PermissionError:
+                found["F_SETPIPE_SZ"] = "refused"
+            os.set_blocking(write, False)
+            try:
+                while True:
+                    held += os.write(write, b"x" * 65536)
+            except BlockingIOError:
+                pass
+    except OSError as exc:
+        found["pipes_end"] = errno.errorcode[exc.errno]
+    found["pipe_bytes"] = held
+    for fd in fds:
+        os.close(fd)
+    # Socket buffers (stream and datagram pairs), likewise; a socket's buffers cannot be raised
+    held, sockets = 0, []
+    try:
+        while True:
+            pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM if len(sockets) % 4 else socket.SOCK_STREAM)
+            sockets += pair
+            for end in pair:
+                try:
+                    end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 24)
+                    found["SO_SNDBUF"] = "allowed"
+                except PermissionError:
+                    found["SO_SNDBUF"] = "refused"
+                end.setblocking(False)
+                try:
+                    while True:
+                        held += end.send(b"x" * 32768)
+                except BlockingIOError:
+                    pass
+    except OSError as exc:
+        found["sockets_end"] = errno.errorcode[exc.errno]
+    found["socket_bytes"] = held
+    for end in sockets:
+        end.close()
+    # Files in the writable directory, unlinked while open
+    held, files = 0, []
+    try:
+        for index in range(64):
+            files.append(os.open("hold%d" % index, os.O_WRONLY | os.O_CREAT))
+            os.unlink("hold%d" % index)
+            held += os.write(files[-1], b"x" * (1 << 20))
+    except OSError as exc:
+        found["files_end"] = errno.errorcode[exc.errno]
+    found["file_bytes"] = held
+    print(json.dumps(found))
+    """
+)
+
+
+def assert_kernel_memory_bounded(stdout: str, limits: SandboxLimits = LIMITS) -> None:
+    """What KERNEL_MEMORY_PROBE found: each way around the address space refused or bounded by
+    the descriptor limit (pipes, sockets) and the directory's size (files)."""
+    found = json.loads(stdout)
+    for name in ("shmget", "msgget", "semget", "mq_open", "memfd_create", "F_SETPIPE_SZ", "SO_SNDBUF"):
+        assert found[name] == "refused", (name, found)
+    assert found["pipes_end"] == found["sockets_end"] == "EMFILE" and found["files_end"] == "ENOSPC", found
+    descriptors = sandbox_module._MAX_DESCRIPTORS
+    wmem_default = int(Path("/proc/sys/net/core/wmem_default").read_text())
+    assert 0 < found["pipe_bytes"] <= descriptors * 65536, found
+    assert 0 < found["socket_bytes"] <= descriptors * 2 * wmem_default, found
+    assert 0 < found["file_bytes"] <= 4 * limits.file_bytes + (1 << 20), found
+
+
+def kernel_probe(host_pid: int) -> str:
+    """A program that tries the kernel's other ways out and prints {attempt: errno name, or "" when
+    it worked}; `host_pid`: a process outside."""
+    return textwrap.dedent(
+        f"""\
+        import ctypes, errno, json, os, socket, threading
+        libc = ctypes.CDLL(None, use_errno=True)
+        found = {{"descriptors": []}}
+        for fd in range(64):  # what the run starts with: stdin (/dev/null), stdout, stderr
+            try:
+                os.fstat(fd)
+                found["descriptors"].append(fd)
+            except OSError:
+                pass
+        def attempt(name, result):
+            found[name] = errno.errorcode.get(ctypes.get_errno(), "?") if result == -1 else ""
+        attempt("unshare user", libc.unshare(0x10000000))
+        attempt("unshare user+mount+net", libc.unshare(0x10000000 | 0x00020000 | 0x40000000))
+        child = libc.syscall({syscall("clone")}, 0x10000000 | 17, 0, 0, 0, 0)  # CLONE_NEWUSER | SIGCHLD
+        if child == 0:
+            os._exit(0)
+        attempt("clone user", child)
+        attempt("clone3", libc.syscall({syscall("clone3")}, None, 0))
+        attempt("setns", libc.setns(0, 0))
+        for family, kind in (("AF_VSOCK", socket.SOCK_STREAM), ("AF_NETLINK", socket.SOCK_RAW),
+                             ("AF_ALG", socket.SOCK_SEQPACKET), ("AF_PACKET", socket.SOCK_RAW)):
+            try:
+                socket.socket(getattr(socket, family), kind).close()
+                found[family] = ""
+            except OSError as exc:
+                found[family] = errno.errorcode[exc.errno]
+        attempt("io_uring_setup", libc.syscall({syscall("io_uring_setup")}, 1, None))
+        attempt("bpf", libc.syscall({syscall("bpf")}, 0, None, 0))
+        attempt("perf_event_open", libc.syscall({syscall("perf_event_open")}, None, 0, -1, -1, 0))
+        attempt("userfaultfd", libc.syscall({syscall("userfaultfd")}, 0))
+        attempt("inotify_init1", libc.inotify_init1(0))
+        attempt("fanotify_init", libc.syscall({syscall("fanotify_init")}, 0, 0))
+        buffer = ctypes.create_string_buffer(4096)
+        attempt("syslog", libc.klogctl(3, buffer, 4096))
+        attempt("kill outside", libc.kill({host_pid}, 0))
+        attempt("ptrace outside", libc.ptrace(16, {host_pid}, None, None))  # PTRACE_ATTACH
+        # What still works: threads (clone3 refused, the C library falls back to clone), fork, asyncio
+        thread = threading.Thread(target=lambda: found.setdefault("thread", "ran"))
+        thread.start()
+        thread.join()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(7)
+        found["fork"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        import asyncio
+        async def answer():
+            return 42
+        found["asyncio"] = asyncio.run(answer())
+        print(json.dumps(found))
+        """
+    )
+
+
+def assert_kernel_refused(stdout: str) -> None:
+    found = json.loads(stdout)
+    refused = ["unshare user", "unshare user+mount+net", "clone user", "setns", "AF_VSOCK", "AF_NETLINK", "AF_ALG",
+               "AF_PACKET", "io_uring_setup", "bpf", "perf_event_open", "userfaultfd", "inotify_init1",
+               "fanotify_init", "syslog"]  # fmt: skip
+    expected = {**dict.fromkeys(refused, "EPERM"), "clone3": "ENOSYS", "kill outside": "ESRCH",
+                "ptrace outside": "ESRCH", "thread": "ran", "fork": 7, "asyncio": 42, "descriptors": [0, 1, 2]}  # fmt: skip
+    assert found == expected, {
+        name: (found.get(name), want) for name, want in expected.items() if found.get(name) != want
+    }
+
+
+def test_memory_outside_the_address_space_is_refused_or_bounded(sandbox):
+    """SysV segments (attached or held detached), message queues, semaphores, POSIX queues and
+    memfds are refused; pipes, socket buffers and the directory's files stop at the descriptor
+    limit and the directory's size."""
+    result = sandbox.run(KERNEL_MEMORY_PROBE)
+    assert result.ok, (result.error, result.stderr[-2000:])
+    assert_kernel_memory_bounded(result.stdout)
+
+
+def test_no_namespaces_no_other_socket_families_no_risky_kernel_interfaces(sandbox):
+    """A user namespace (whose capabilities would mount a tmpfs or own a network namespace), the
+    sockets a network namespace does not confine (AF_VSOCK) and the kernel's riskier interfaces
+    are refused; a process outside cannot be named; threads, fork and asyncio still work."""
+    result = sandbox.run(kernel_probe(os.getpid()))
+    assert result.ok, (result.error, result.stderr[-2000:])
+    assert_kernel_refused(result.stdout)
+
+
+def run_cgroups(sandbox: PythonSandbox) -> list[str]:
+    return sorted(path.name for path in Path(sandbox.memory_cgroup).glob(sandbox_module._MARKER + "-*"))
+
+
+def test_the_runs_processes_together_stay_within_its_memory_cgroup(sandbox):
+    """Where a memory cgroup can be made (root here: cgroup v1), the run's processes together
+    hold at most memory_mb (and the directory): three processes of 100 MB each, every one
+    within its own address space limit of 256 MB, are stopped there. Without one (rootless
+    here), each process is bounded by its own address space only."""
+    code = textwrap.dedent(
+        """\
+        import os, time
+        children = []
+        for _ in range(3):
+            pid = os.fork()
+            if pid == 0:
+                block = bytearray(100 << 20)
+                block[::4096] = b"x" * len(block[::4096])  # touched: resident
+                time.sleep(0.5)
+                os._exit(0)
+            children.append(pid)
+        print([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children])
+        """
+    )
+    result = sandbox.run(code)
+    if sandbox.memory_cgroup is None:
+        assert os.geteuid() != 0 and result.ok and result.stdout == "[0, 0, 0]\n", (
+            result.error,
+            sandbox.memory_cgroup_missing,
+        )
+        return
+    assert result.limit == "memory" and result.error == "memory limit: 256 MB", (result.error, result.stdout)
+    assert "-9" in result.stdout  # the kernel killed one of them
+    assert run_cgroups(sandbox) == []  # the run's cgroup is gone with it
+    assert sandbox.run("print(sum(range(10)))").stdout == "45\n"
+
+
+SLEEPER = "import time\ntime.sleep(1.5)"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads another user's /proc entries and enters its namespaces")
+def test_a_live_run_seen_from_the_host(sandbox):
+    """From outside, while a run sleeps: its PID 1 is under the seccomp filter, with the
+    descriptor, message-queue and pending-signal limits; it is in its own memory cgroup with the
+    run's limit; its IPC namespace allows no SysV segment, queue or semaphore set."""
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(sandbox.run, SLEEPER)
+        deadline = time.monotonic() + 10
+        pid = None
+        while pid is None and time.monotonic() < deadline:
+            for entry in sandbox_processes():
+                if "-X utf8" in entry and int(entry.split()[2].rstrip(":")) in UID_RANGE:
+                    pid = int(entry.split()[0])
+            time.sleep(0.05)
+        assert pid is not None, "the run's PID 1 never showed"
+        status = Path(f"/proc/{pid}/status").read_text()
+        limits = Path(f"/proc/{pid}/limits").read_text()
+        cgroups = Path(f"/proc/{pid}/cgroup").read_text()
+        ipc = subprocess.run(
+            ["nsenter", f"--ipc=/proc/{pid}/ns/ipc", "sh", "-c",
+             "cat /proc/sys/kernel/shmmni /proc/sys/kernel/shmall /proc/sys/kernel/msgmni /proc/sys/kernel/sem"],
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+        cgroup_limit = None
+        if sandbox.memory_cgroup:
+            version = sandbox._cgroup_version
+            prefix = (
+                "0::" if version == 2 else next(line for line in cgroups.splitlines() if ":memory:" in line)
+            )
+            name = Path(
+                next(line for line in cgroups.splitlines() if line.startswith(prefix)).split(":", 2)[2]
+            ).name
+            assert name.startswith(f"{sandbox_module._MARKER}-{os.getpid()}-"), cgroups
+            limit_file = "memory.limit_in_bytes" if version == 1 else "memory.max"
+            cgroup_limit = int((Path(sandbox.memory_cgroup) / name / limit_file).read_text())
+        assert running.result().ok
+    assert re.search(r"^Seccomp:\s+2$", status, re.MULTILINE), status
+    for name, value in (("Max open files", 64), ("Max msgqueue size", 0), ("Max pending signals", 256)):
+        assert re.search(rf"^{name}\s+{value}\s+{value}\s", limits, re.MULTILINE), limits
+    assert ipc.returncode == 0 and ipc.stdout.split() == ["0", "0", "0", "0", "0", "0", "0"], ipc
+    if sandbox.memory_cgroup:  # memory_mb and the directory, in whole pages
+        page = os.sysconf("SC_PAGE_SIZE")
+        assert cgroup_limit == ((256 << 20) + 4 * LIMITS.file_bytes + len(SLEEPER) + (1 << 20)) // page * page
 
 
 @pytest.fixture(scope="module")
@@ -404,13 +776,18 @@ def test_not_root_without_user_namespaces_is_refused_by_name(monkeypatch, tmp_pa
 
 
 # Run as an unprivileged user (nobody) by the system's interpreter (the venv's lives under root's
-# home, closed to other users), with the sandbox module loaded from its file: the standard library.
+# home, closed to other users), with the sandbox's modules imported from a copy of them alone (the
+# standard library only). PROBES: the probe programs above, formatted for this machine.
 ROOTLESS_SCRIPT = """
-import importlib.util, json, os, sys
-spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1])
-module = sys.modules["sandbox"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
+import ctypes, json, os, platform, sys
+sys.path.insert(0, sys.argv[1])
+from megatron_rl.envs import sandbox as module, sandbox_kernel
 outside, port = sys.argv[2], int(sys.argv[3])
+number = lambda name: sandbox_kernel.syscall_number(platform.machine(), name)
+# A key in this caller's own session keyring, which the runs must not read.
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall(number("keyctl"), 1, b"megatron-rl-rootless-test")  # KEYCTL_JOIN_SESSION_KEYRING
+key = libc.syscall(number("add_key"), b"user", KEY_DESCRIPTION, KEY_PAYLOAD, len(KEY_PAYLOAD), -3)
 box = module.PythonSandbox(module.SandboxLimits(timeout_s=3.0, memory_mb=256, processes=16, output_bytes=8192,
                                                 file_bytes=1 << 20), python=sys.executable, packages=False)
 codes = {
@@ -425,13 +802,32 @@ codes = {
     "remount": ("import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
                 "print(libc.mount(None, b'/usr', None, 32 | 4096, None), ctypes.get_errno())"),
     "setsid": ("import os, time\\nif os.fork() == 0:\\n    os.setsid()\\n    time.sleep(60)\\nprint('parent done')"),
+    # SIGKILL to every process it may signal: the caller is the same user outside the namespace.
+    "kill_all": "import os\\nif os.fork() == 0:\\n    os.kill(-1, 9)\\n    os._exit(0)\\nos.wait()\\nprint('alive')",
+    "keyring": PROBES["keyring"].replace("SERIAL", str(key)),
+    "kernel_memory": PROBES["kernel_memory"],
+    "kernel": PROBES["kernel"],
 }
 results = {}
 for name, code in codes.items():
     r = box.run(code)
     results[name] = {"ok": r.ok, "limit": r.limit, "error": r.error, "stdout": r.stdout}
-print(json.dumps({"uid": os.geteuid(), "rootless": box.rootless, "results": results}))
+cgroup = {name: getattr(box, name, "(no such attribute)") for name in ("memory_cgroup", "memory_cgroup_missing")}
+print(json.dumps({"uid": os.geteuid(), "rootless": box.rootless, "key": key, **cgroup, "results": results}))
 """
+
+
+def standalone_modules(directory: Path) -> Path:
+    """A copy of the sandbox's two modules as the package path they import each other by."""
+    package = directory / "megatron_rl" / "envs"
+    package.mkdir(parents=True)
+    for path in (directory / "megatron_rl" / "__init__.py", package / "__init__.py"):
+        path.write_text("")
+    for module in (sandbox_module, sandbox_kernel):
+        (package / Path(module.__file__).name).write_text(Path(module.__file__).read_text())
+    for path in [directory, *directory.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return directory
 
 
 # Only root can start a process as another user: run by a non-root user, this test's caller is
@@ -440,27 +836,32 @@ print(json.dumps({"uid": os.geteuid(), "rootless": box.rootless, "results": resu
 def test_rootless_a_non_root_caller_gets_the_same_isolation(outside):
     """The rootless mode for real: a caller that is not root (uid nobody) runs each escape through
     a sandbox of its own user namespace; each is contained and named as for root, the code holds
-    no capability (a remount is refused), and nothing is left running (the autouse check)."""
+    no capability (a remount is refused), cannot read the caller's keys, hold memory outside its
+    address space or signal the caller, and nothing is left running (the autouse check)."""
     python = "/usr/bin/python3"
     assert os.access(python, os.X_OK), f"this test runs the sandbox as nobody with {python}: not found"
     (outside / "secret").write_text("host secret")
     os.chmod(outside / "secret", 0o644)
-    script = Path(tempfile.mkdtemp(prefix="sandbox-rootless-")) / "rootless.py"
-    script.write_text(ROOTLESS_SCRIPT)
-    os.chmod(script.parent, 0o755)
-    os.chmod(script, 0o644)
+    directory = standalone_modules(Path(tempfile.mkdtemp(prefix="sandbox-rootless-")))
+    script = directory / "rootless.py"
+    probes = {"keyring": keyring_probe("SERIAL"), "kernel_memory": KERNEL_MEMORY_PROBE,
+              "kernel": kernel_probe(os.getpid())}  # fmt: skip
+    script.write_text(
+        f"PROBES = {probes!r}\nKEY_DESCRIPTION = {KEY_DESCRIPTION.encode()!r}\n"
+        f"KEY_PAYLOAD = {KEY_PAYLOAD.encode()!r}\n{ROOTLESS_SCRIPT}"
+    )
+    script.chmod(0o644)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     try:
         done = subprocess.run(
-            [python, "-I", str(script), sandbox_module.__file__, str(outside), str(listener.getsockname()[1])],
+            [python, "-I", str(script), str(directory), str(outside), str(listener.getsockname()[1])],
             capture_output=True, text=True, timeout=120, cwd="/", user=65534, group=65534, extra_groups=[],
         )  # fmt: skip
     finally:
         listener.close()
-        script.unlink()
-        script.parent.rmdir()
+        shutil.rmtree(directory)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     results = report["results"]
@@ -480,6 +881,14 @@ def test_rootless_a_non_root_caller_gets_the_same_isolation(outside):
     assert "Network is unreachable" in results["socket"]["error"]
     assert results["remount"]["stdout"].split() == ["-1", "1"]  # EPERM: no CAP_SYS_ADMIN left
     assert results["setsid"]["ok"] and results["setsid"]["stdout"] == "parent done\n"
+    assert results["kill_all"]["stdout"] == "alive\n"  # and this script, nobody too, lived on
+    # The caller's key exists (its add_key worked) and the run can reach none of it.
+    assert report["key"] > 0
+    assert_keys_unreachable(results["keyring"]["stdout"])
+    # nobody cannot make a memory cgroup here: the rlimits and the refusals bound the run's memory.
+    assert report["memory_cgroup"] is None and report["memory_cgroup_missing"]
+    assert_kernel_memory_bounded(results["kernel_memory"]["stdout"])
+    assert_kernel_refused(results["kernel"]["stdout"])
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="drops a capability of root")
@@ -490,14 +899,13 @@ def test_a_refused_namespace_is_named(tmp_path):
     script.write_text(
         textwrap.dedent(
             f"""\
-            import ctypes, importlib.util, os, sys
+            import ctypes, os, sys
             if len(sys.argv) == 1:
                 if ctypes.CDLL(None, use_errno=True).prctl(24, 21, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, CAP_SYS_ADMIN
                     sys.exit("prctl failed")
                 os.execv(sys.executable, [sys.executable, "-I", __file__, "dropped"])
-            spec = importlib.util.spec_from_file_location("sandbox", {sandbox_module.__file__!r})
-            module = sys.modules["sandbox"] = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            sys.path.insert(0, {str(standalone_modules(tmp_path / "modules"))!r})
+            from megatron_rl.envs import sandbox as module
             try:
                 module.PythonSandbox()
             except module.SandboxUnavailable as exc:
