@@ -25,7 +25,10 @@ from megatron_rl.config.orchestrator import template_kwargs_error
 from megatron_rl.envs import Environment
 
 _CONTENT = "\u27e6megatron-rl content\u27e7"  # a stand-in whose render locates the turn's closing text
-_REFERENCE = [{"role": "user", "content": "\u27e6reference\u27e7"}, {"role": "assistant", "content": _CONTENT}]
+_REFERENCE = [
+    {"role": "user", "content": "\u27e6reference\u27e7"},
+    {"role": "assistant", "content": _CONTENT},
+]
 
 
 class ChatTemplateError(ValueError):
@@ -71,17 +74,33 @@ class PromptEncoder:
                 f"{key}: the environment declares tools, which only a chat template renders; "
                 "orchestrator.chat_template is off or the tokenizer has no template"
             )
-        special = set(getattr(self.tokenizer, "all_special_tokens", ()))
         parser = getattr(env, "parser", None)
         needed = [(tag, f"tool parser {parser.name!r}") for tag in getattr(parser, "tags", ())]
         needed += [(marker, "orchestrator.reasoning_markers") for marker in self.reasoning_markers or ()]
         for tag, who in needed:
-            if tag in special:
+            problem = self.decoding_drops(tag)
+            if problem:
                 raise ChatTemplateError(
-                    f"{key}: {who} needs {tag!r}, a special token of this tokenizer: decoding drops special "
-                    "tokens, so it would never be seen. Make it an added token that is not special (as "
-                    "Qwen3's tokenizer has <tool_call> and <think>)"
+                    f"{key}: {who} needs {tag!r}, but {problem}, so it would never be seen. Make it an added "
+                    "token that is not special (as Qwen3's tokenizer has <tool_call> and <think>)"
                 )
+
+    def decoding_drops(self, text: str) -> str | None:
+        """What happens to `text` on its way through the rollout (encoded, then decoded as the
+        sampled ids are), when it does not come back whole; None when it does. Asked of the
+        tokenizer itself: a token marked special in tokenizer.json is dropped by decoding whether
+        or not `all_special_tokens` lists it (transformers 5 lists only the named ones)."""
+        ids = self.encode(text)
+        decoded = self.decode(ids)
+        if text in decoded:
+            return None
+        name = getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        special = [added[i].content for i in ids if i in added and getattr(added[i], "special", False)]
+        why = (
+            f": {special[0]!r} is a special token there, and decoding drops special tokens" if special else ""
+        )
+        return f"tokenizer {name!r} decodes it as {decoded!r} (ids {ids}){why}"
 
     # --- prompt ------------------------------------------------------------------------------
     @staticmethod
@@ -138,7 +157,9 @@ class PromptEncoder:
         whether the template rewrote earlier text (module docstring). `conversation` gets the
         assistant turn and `messages` appended, ready for the next turn."""
         if not self.use_chat_template:
-            raise ChatTemplateError("the environment answered with messages, which only a chat template renders")
+            raise ChatTemplateError(
+                "the environment answered with messages, which only a chat template renders"
+            )
         before_turn = list(conversation)
         history = [*before_turn, {"role": "assistant", "content": self.decode(completion_ids)}]
         before = self.render(history, tools)
@@ -161,5 +182,7 @@ class PromptEncoder:
         """The text the template puts after an assistant turn's content (ChatML: "<|im_end|>\\n")."""
         text = self.render([*conversation, {"role": "assistant", "content": _CONTENT}], tools)
         if _CONTENT not in text:
-            raise ChatTemplateError("the chat template does not render an assistant message's content as it is")
+            raise ChatTemplateError(
+                "the chat template does not render an assistant message's content as it is"
+            )
         return text.rsplit(_CONTENT, 1)[1]

@@ -28,7 +28,7 @@ from megatron_rl.envs import (
     make_tool_parser,
     make_tools,
 )
-from megatron_rl.envs.tool_parsers import HermesParser, ToolParser
+from megatron_rl.envs.tool_parsers import TOOL_PARSERS, HermesParser, ToolParser
 from megatron_rl.inference.rollout import SamplingParams
 from megatron_rl.orchestrator.chat import ChatTemplateError, PromptEncoder
 from megatron_rl.orchestrator.evaluation import Evaluator
@@ -99,7 +99,7 @@ def completion(tokenizer, text: str, eos: bool = True) -> list[int]:
 
 
 def call(name: str, **arguments) -> str:
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 def roll(env, encoder, script, max_tokens=256, budget=1024):
@@ -160,7 +160,9 @@ def test_a_tool_rollout_is_prompt_completion_tool_message_completion_and_equals_
     # the whole conversation's render (a pure extension: this template never rewrites a turn)
     conversation = messages + [{"role": "assistant", "content": first}, {"role": "tool", "name": "add", "content": "42"},
                                {"role": "assistant", "content": second}]  # fmt: skip
-    render = qwen.apply_chat_template(conversation, tools=env.tool_schemas(), tokenize=True, return_dict=False)
+    render = qwen.apply_chat_template(
+        conversation, tools=env.tool_schemas(), tokenize=True, return_dict=False
+    )
     assert trajectory.token_ids + qwen.encode("\n") == list(render)
     assert member.template_rewrites == 0
 
@@ -180,9 +182,14 @@ def test_malformed_calls_unknown_tools_bad_arguments_and_failing_tools_are_count
     assert "Error: malformed tool call: tool call 1: not JSON" in seen
     assert "Error: unknown tool 'multiply' (tools: ['add', 'explode'])" in seen
     assert "Error: add: argument 'a' must be number, got str" in seen
-    assert "Error: explode failed: RuntimeError: boom" in seen and "<tool_response>\n42\n</tool_response>" in seen
+    assert (
+        "Error: explode failed: RuntimeError: boom" in seen
+        and "<tool_response>\n42\n</tool_response>" in seen
+    )
     # an unterminated call at the end of the budget of turns ends the rollout with reward 0
-    member, _ = roll(Sums(max_turns=1), PromptEncoder(qwen), [completion(qwen, '<tool_call>\n{"name": "add"')])
+    member, _ = roll(
+        Sums(max_turns=1), PromptEncoder(qwen), [completion(qwen, '<tool_call>\n{"name": "add"')]
+    )
     assert member.episode_done and member.reward == 0.0 and member.tool_calls == 1 and member.tool_errors == 1
     assert member.tool_malformed == 1
 
@@ -193,7 +200,9 @@ def test_a_completion_cut_by_a_stop_string_gets_the_whole_closing_of_its_turn(qw
     member, _ = roll(env, encoder, script)
     start, end = member.trajectory.observation_spans[0]
     observation = member.trajectory.token_ids[start:end]
-    assert observation[0] == QWEN3_IDS["<|im_end|>"] and qwen.decode(observation).startswith("<|im_end|>\n<|im_start|>user")
+    assert observation[0] == QWEN3_IDS["<|im_end|>"] and qwen.decode(observation).startswith(
+        "<|im_end|>\n<|im_start|>user"
+    )
 
 
 REWRITING = (  # drops the reasoning of every assistant turn but the last, as Qwen3's own template does
@@ -216,11 +225,14 @@ def test_a_template_that_rewrites_earlier_turns_is_detected_and_the_sampled_toke
     assert ids[: len(prompt) + len(script[0])] == prompt + script[0] and ids[-len(script[1]) :] == script[1]
     # the tool message is the template's, rendered after a reference conversation
     assert qwen.decode(ids[len(prompt) + len(script[0]) : -len(script[1])]) == (
-        "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
+        "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    )
     # a template that rewrites even the reference conversation cannot extend a rollout
     hopeless = "{{- messages | length }}{%- for m in messages %}{{- m['content'] }}{%- endfor %}"
     with pytest.raises(ChatTemplateError, match="rewrites earlier text"):
-        PromptEncoder(qwen, template=hopeless).extend([], completion(qwen, "x"), [{"role": "tool", "content": "1"}])
+        PromptEncoder(qwen, template=hopeless).extend(
+            [], completion(qwen, "x"), [{"role": "tool", "content": "1"}]
+        )
 
 
 def test_reasoning_markers_decide_what_the_grader_sees(qwen):
@@ -241,13 +253,62 @@ def test_the_environment_is_checked_against_the_tokenizer_and_template(qwen):
     PromptEncoder(qwen).check_environment(env)
     with pytest.raises(ChatTemplateError, match="declares tools, which only a chat template renders"):
         PromptEncoder(qwen, use_chat_template=False).check_environment(env)
-    special = PreTrainedTokenizerFast(tokenizer_object=qwen.backend_tokenizer, eos_token="<|im_end|>",
-                                      additional_special_tokens=["<tool_call>"])  # fmt: skip
-    special.chat_template = qwen.chat_template
-    with pytest.raises(ChatTemplateError, match="tool parser 'hermes' needs '<tool_call>', a special token"):
-        PromptEncoder(special).check_environment(env)
+    # Named a special token (transformers 5 lists it in all_special_tokens) but not special in the
+    # backend: decoding keeps it, so the run can read its calls and is not refused.
+    named = PreTrainedTokenizerFast(tokenizer_object=qwen.backend_tokenizer, eos_token="<|im_end|>",
+                                    additional_special_tokens=["<tool_call>"])  # fmt: skip
+    named.chat_template = qwen.chat_template
+    assert "<tool_call>" in named.all_special_tokens
+    PromptEncoder(named).check_environment(env)
     with pytest.raises(ChatTemplateError, match="set by the rollout itself"):
         PromptEncoder(qwen, template_kwargs={"tools": []})
+
+
+@pytest.fixture(scope="module")
+def special_in_tokenizer_json(qwen):
+    """token -> Qwen's tokenizer with `token` marked special in its tokenizer.json (the backend),
+    not named among the special tokens: transformers 5 leaves it out of `all_special_tokens`,
+    and decoding drops it. Each built once (about a second: the whole vocabulary is copied)."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    built = {}
+
+    def tokenizer(token: str):
+        if token not in built:
+            backend = Tokenizer.from_str(qwen.backend_tokenizer.to_str())
+            backend.add_special_tokens([AddedToken(token, special=True, normalized=False)])
+            built[token] = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
+            built[token].chat_template = qwen.chat_template
+        return built[token]
+
+    return tokenizer
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_a_tag_that_decoding_drops_is_refused_for_every_parser(qwen, special_in_tokenizer_json, parser):
+    """The check asks the tokenizer (encode, decode, compare), not its list of special tokens: a
+    tag marked special only in tokenizer.json is refused by name, for each built-in parser, each
+    of its tags, and for the reasoning markers; Qwen's own tokenizer keeps every tag."""
+    env = Sums(tool_parser=parser)
+    PromptEncoder(qwen).check_environment(env)
+    for tag in make_tool_parser(parser).tags:
+        tokenizer = special_in_tokenizer_json(tag)
+        assert tag not in tokenizer.all_special_tokens  # what the old check looked at
+        assert tag not in tokenizer.decode(tokenizer.encode(tag), skip_special_tokens=True)
+        with pytest.raises(ChatTemplateError) as refused:
+            PromptEncoder(tokenizer).check_environment(env, "orchestrator.eval (held-out).environment")
+        message = str(refused.value)
+        assert message.startswith(
+            f"orchestrator.eval (held-out).environment: tool parser {parser!r} needs {tag!r}, but tokenizer "
+        ), message
+        assert f"decodes it as '' (ids [{QWEN3_IDS[tag]}]): {tag!r} is a special token there" in message
+    thinking = special_in_tokenizer_json("</think>")
+    with pytest.raises(
+        ChatTemplateError, match="orchestrator.reasoning_markers needs '</think>', but tokenizer"
+    ):
+        PromptEncoder(thinking).check_environment(env)
+    PromptEncoder(thinking, reasoning_markers=None).check_environment(env)  # no marker needed: accepted
 
 
 def test_hermes_parser():
@@ -305,7 +366,9 @@ class Bracketed(ToolParser):
 def test_parser_and_tool_registries_take_plug_ins_and_name_what_they_refuse():
     assert isinstance(make_tool_parser("tests.unit.test_chat:Bracketed"), Bracketed)
     assert isinstance(make_tool_parser("hermes"), HermesParser)
-    with pytest.raises(ValueError, match=r"unknown tool parser 'mistral' \(known: \['hermes', 'qwen3_coder'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown tool parser 'mistral' \(known: \['hermes', 'qwen3_coder'\]"
+    ):
         make_tool_parser("mistral")
     with pytest.raises(PluginError, match="returned a AddTool, not a megatron_rl.envs.ToolParser"):
         make_tool_parser("tests.unit.test_chat:AddTool")
@@ -342,7 +405,9 @@ def test_math_with_messages_and_a_tool_from_environment_args(tmp_path, qwen):
 
 def test_eval_sets_render_with_their_own_template_keywords_and_report_mean_at_k(tmp_path, qwen):
     dataset = tmp_path / "math.jsonl"
-    dataset.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(3)))
+    dataset.write_text(
+        "".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(3))
+    )
     config = parse_config(base(orchestrator={"eval": [
         {"name": "think", "environment": "math", "dataset": str(dataset), "num_examples": 3, "samples_per_example": 2},
         {"name": "nothink", "environment": "math", "dataset": str(dataset), "num_examples": 3, "samples_per_example": 2,
@@ -380,7 +445,9 @@ def test_chat_config_keys_are_checked(tmp_path, qwen):
         parse_config(base(orchestrator={"chat_template": "missing.jinja"}))
     template = tmp_path / "chat.jinja"
     template.write_text(REWRITING)
-    config = base(orchestrator={"chat_template": "chat.jinja", "chat_template_kwargs": {"enable_thinking": False}})
+    config = base(
+        orchestrator={"chat_template": "chat.jinja", "chat_template_kwargs": {"enable_thinking": False}}
+    )
     (tmp_path / "run.yaml").write_text(json.dumps(config))
     resolved = load_config(tmp_path / "run.yaml")  # relative to the config file
     assert resolved.orchestrator.chat_template == str(template)
@@ -389,7 +456,10 @@ def test_chat_config_keys_are_checked(tmp_path, qwen):
 
 
 def test_parsers_write_the_calls_they_read():
-    calls = [ToolCall("python", {"code": "print(6 * 7)\nx = 'a'"}), ToolCall("f", {"n": 3, "xs": [1, 2], "ok": True})]
+    calls = [
+        ToolCall("python", {"code": "print(6 * 7)\nx = 'a'"}),
+        ToolCall("f", {"n": 3, "xs": [1, 2], "ok": True}),
+    ]
     for name in ("hermes", "qwen3_coder"):
         parser = make_tool_parser(name)
         for c in calls:
