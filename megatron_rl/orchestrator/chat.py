@@ -68,15 +68,25 @@ class PromptEncoder:
     # --- checks before a run ---------------------------------------------------------------
     def check_environment(self, env: Environment, key: str = "orchestrator.environment") -> None:
         """Refuses what would silently go wrong in the rollouts: tools without a template to
-        render them, and parser tags or reasoning markers that decoding would drop."""
+        render them, parser tags the tokenizer cannot write (no tool call could ever be made), and
+        parser tags or reasoning markers that decoding would drop. A reasoning marker the tokenizer
+        cannot write (a character vocabulary without `<`) is no reasoning to hide: not refused."""
         if env.tool_schemas() and not self.use_chat_template:
             raise ChatTemplateError(
                 f"{key}: the environment declares tools, which only a chat template renders; "
                 "orchestrator.chat_template is off or the tokenizer has no template"
             )
         parser = getattr(env, "parser", None)
+        for tag in getattr(parser, "tags", ()):
+            unknown = self.unwritable(tag)
+            if unknown:
+                raise ChatTemplateError(
+                    f"{key}: tool parser {parser.name!r} needs {tag!r}, but {unknown}: the model could "
+                    "never write a tool call"
+                )
         needed = [(tag, f"tool parser {parser.name!r}") for tag in getattr(parser, "tags", ())]
-        needed += [(marker, "orchestrator.reasoning_markers") for marker in self.reasoning_markers or ()]
+        markers = [m for m in self.reasoning_markers or () if not self.unwritable(m)]
+        needed += [(marker, "orchestrator.reasoning_markers") for marker in markers]
         for tag, who in needed:
             problem = self.decoding_drops(tag)
             if problem:
@@ -84,6 +94,20 @@ class PromptEncoder:
                     f"{key}: {who} needs {tag!r}, but {problem}, so it would never be seen. Make it an added "
                     "token that is not special (as Qwen3's tokenizer has <tool_call> and <think>)"
                 )
+
+    def unwritable(self, text: str) -> str | None:
+        """Why this tokenizer cannot write `text` (its encoding holds the unknown token: characters
+        outside the vocabulary), or None when it can."""
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        ids = self.encode(text)
+        if unk is None or unk not in ids:
+            return None
+        name = getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__
+        missing = sorted({c for c in text if unk in self.encode(c)})
+        return (
+            f"tokenizer {name!r} cannot write it: {''.join(missing)!r} "
+            f"{'is' if len(missing) == 1 else 'are'} outside its vocabulary (ids {ids})"
+        )
 
     def decoding_drops(self, text: str) -> str | None:
         """What happens to `text` on its way through the rollout (encoded, then decoded as the

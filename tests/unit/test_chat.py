@@ -508,3 +508,21 @@ def test_the_tiny_tool_tokenizer_keeps_qwens_tags_and_renders_tools():
     assert encoder.decode(tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]) == text
     prompt = tokenizer.decode(encoder.prompt(env.prompt(env.row(0)), env.tool_schemas()))
     assert '"name": "python"' in prompt and prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_a_marker_the_tokenizer_cannot_write_is_no_reasoning_to_hide_but_a_tag_is_refused():
+    """The demo's character vocabulary has no `<` or `>`: the default reasoning markers cannot be
+    written (the model can never open a reasoning), so they are not refused; a tool parser's tag
+    that cannot be written is (no call could ever be made), naming the missing characters. With
+    the tool characters the markers are writable and decoding keeps them."""
+    from megatron_rl.models.tiny import build_char_tokenizer
+
+    chars = build_char_tokenizer(128)
+    PromptEncoder(chars).check_environment(make_environment("procedural", dataset="count", seed=0))  # the demo
+    with pytest.raises(ChatTemplateError) as refused:
+        PromptEncoder(chars).check_environment(Sums(tool_parser="hermes"))
+    message = str(refused.value)
+    assert message.startswith("orchestrator.environment: tool parser 'hermes' needs '<tool_call>', but tokenizer ")
+    assert "cannot write it: '<>_' are outside its vocabulary" in message and "never write a tool call" in message
+    with_tools = PromptEncoder(build_char_tokenizer(128, tool_characters=True))
+    assert with_tools.unwritable("</think>") is None and with_tools.decoding_drops("</think>") is None
