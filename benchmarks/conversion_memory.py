@@ -29,7 +29,7 @@ def measure_child(tool: str, args: list[str]) -> None:
     """In the child: the heavy imports first, then the tool under the sampler; prints JSON."""
     import megatron_rl.compat  # noqa: F401  (before megatron-core)
 
-    import megatron_rl.models.convert  # noqa: F401  (what the tool imports: not part of the figure)
+    import megatron_rl.conversion.convert  # noqa: F401  (what the tool imports: not part of the figure)
     from tests.support.process_memory import peak_anonymous_memory
 
     sys.argv = [tool, *args]

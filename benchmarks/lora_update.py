@@ -35,14 +35,14 @@ def updates_rank(rank, world_size, hf_dir, out_dir, url, mode, lora_rank, alpha,
     import torch
 
     from megatron_rl import parallel
+    from megatron_rl.conversion.checkpoint_io import read_architecture
     from megatron_rl.inference.pool import WeightSync
     from megatron_rl.inference.vllm_control import VllmControl
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.checkpoint_io import read_architecture
-    from megatron_rl.models.lora import apply_lora
     from megatron_rl.policy.publish.adapters import publish_adapter
     from megatron_rl.policy.publish.files import publish_hf_weights
     from megatron_rl.trainer.weights import load_initial_weights
+    from megatron_rl.transforms.lora import apply_lora
 
     parallel.initialize_model_parallel()
     arch = read_architecture(hf_dir)

@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rl.config import AlgorithmConfig, Architecture, OptimizerConfig
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.routing import attach_routing
     from megatron_rl.policy.update import UpdateSettings, policy_update
     from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.transforms.routing import attach_routing
 
     arch = Architecture(family="qwen3_moe", hidden_size=args.hidden_size, num_layers=args.layers,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=args.hidden_size // 4,

@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import megatron_rl.compat  # noqa: F401  (before megatron-core)
 
-    from megatron_rl.models.checkpoint_io import CheckpointError
-    from megatron_rl.models.convert import hf_to_checkpoint
-    from megatron_rl.models.hf_mapping import ConversionError
+    from megatron_rl.conversion.checkpoint_io import CheckpointError
+    from megatron_rl.conversion.convert import hf_to_checkpoint
+    from megatron_rl.conversion.hf_mapping import ConversionError
 
     try:
         for line in hf_to_checkpoint(args.hf, args.out, args.value_model, args.head_init_std):

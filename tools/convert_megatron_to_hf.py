@@ -5,7 +5,8 @@
 --hf-config is the HF directory whose config.json (and tokenizer files) describe the model.
 A value model's head is written as value_head.weight / value_head.bias. The checkpoint may come
 from either layer spec (local or TransformerEngine); it is loaded once, in its own dtype, and
-written a layer at a time into safetensors shards of at most 4 GiB.
+written a layer at a time into safetensors shards of at most 4 GiB. A LoRA training checkpoint
+step (adapters only) is merged into the base its meta.json names (transforms/lora_export.py).
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import megatron_rl.compat  # noqa: F401  (before megatron-core)
 
-    from megatron_rl.models.checkpoint_io import CheckpointError
-    from megatron_rl.models.convert import checkpoint_to_hf
-    from megatron_rl.models.hf_mapping import ConversionError
+    from megatron_rl.conversion.checkpoint_io import CheckpointError
+    from megatron_rl.conversion.hf_mapping import ConversionError
+    from megatron_rl.transforms.lora_export import export_hf
 
     try:
-        for line in checkpoint_to_hf(args.megatron, args.out, args.hf_config):
+        for line in export_hf(args.megatron, args.out, args.hf_config):
             print(line)
     except (CheckpointError, ConversionError, ValueError) as exc:
         print(f"convert_megatron_to_hf: {exc}", file=sys.stderr)

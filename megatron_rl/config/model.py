@@ -181,7 +181,7 @@ class OptimizerConfig(Strict):
     overlap_grad_reduce: bool = Field(default=False, description="Overlap the DP gradient reduce-scatter with the backward pass (megatron DDP buckets).")
 
 
-# The linears LoRA can adapt (models/lora.py): attention's fused QKV and output projections, and
+# The linears LoRA can adapt (transforms/lora.py): attention's fused QKV and output projections, and
 # the MLP's linear_fc1 ([gate; up]) and linear_fc2 (down): the dense MLP, or every expert's in an
 # MoE layer.
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")

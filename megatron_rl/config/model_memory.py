@@ -127,7 +127,7 @@ def _adapted_linears(arch: Architecture) -> list[tuple[str, int, int, bool]]:
 
 def lora_tensors(arch: Architecture, tp: int, ep: int, rank: int,
                  targets: tuple[str, ...] | list[str] = LORA_TARGETS) -> list[tuple[str, int, bool]]:  # fmt: skip
-    """One layer's adapter tensors on one rank as the trainer holds them (models/lora.py):
+    """One layer's adapter tensors on one rank as the trainer holds them (transforms/lora.py):
     (name, elements, is_expert) of A [rank, in] and B [out, rank] for each wrapped linear in
     `targets`. A column-parallel linear (linear_qkv, linear_fc1) keeps A whole and splits B's
     rows by TP, a row-parallel one (linear_proj, linear_fc2) splits A's columns; megatron's
@@ -157,8 +157,8 @@ def published_lora_elements(
     arch: Architecture, rank: int, targets: tuple[str, ...] | list[str] = LORA_TARGETS
 ) -> int:
     """Elements of one LoRA policy version as both publishing paths send it (PEFT's format,
-    models/peft.py `megatron_adapters_to_peft`), over the whole model: A [rank, in] and
-    B [out, rank] of every Hugging Face module the targets map to (models/hf_mapping.py), in every
+    transforms/peft.py `megatron_adapters_to_peft`), over the whole model: A [rank, in] and
+    B [out, rank] of every Hugging Face module the targets map to (conversion/hf_mapping.py), in every
     layer and expert. Megatron's fused linear_qkv is q_proj, k_proj and v_proj, its gated
     linear_fc1 gate_proj and up_proj, and each part gets its own copy of the layer's A
     (safetensors stores no shared memory): three A where the trainer holds one, and two."""
@@ -257,7 +257,7 @@ def activation_bytes(
 def adapter_bytes_per_token(arch: Architecture, layout: ModelLayout, dtype: str, rank: int,
                             targets: tuple[str, ...] | list[str], fused_norms: bool) -> float:  # fmt: skip
     """Bytes the adapters of one layer keep for the backward pass per token of a micro-batch on one
-    rank (models/lora.py), besides what the layer keeps (the wrapped linear's input, which A's
+    rank (transforms/lora.py), besides what the layer keeps (the wrapped linear's input, which A's
     gradient reads, is the layer's): each adapter's rank-r product z = A x, which B's gradient
     reads (per token through the linear: the whole sequence for linear_qkv under sequence
     parallelism, where z is gathered; this rank's share for linear_proj, reduce-scattered; the k

@@ -30,7 +30,6 @@ from megatron_rl.critic.scoring import score_sequences
 from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.data.types import MicroBatch, ScoreResult, TrainingSample
 from megatron_rl.models.builder import transformer_engine_choice
-from megatron_rl.models.lora import apply_lora
 from megatron_rl.models.value_model import build_value_model, freeze_attention, set_head_only
 from megatron_rl.trainer.optimizer import Trainable, reload_main_params, restart_untouched_adam_state
 from megatron_rl.trainer.resume import CheckpointMismatch, complete_steps, run_resume_step
@@ -38,6 +37,7 @@ from megatron_rl.trainer.role import RoleTrainer
 from megatron_rl.trainer.snapshot import wait_for_snapshot
 from megatron_rl.trainer.step import train_step
 from megatron_rl.trainer.weights import load_backbone
+from megatron_rl.transforms.lora import apply_lora
 
 
 class CriticTrainer(RoleTrainer):

@@ -34,7 +34,7 @@ class TrainingSample:
     each token to, [R, moe_layers, top_k] (uint8 up to 256 experts, else uint16) for the first
     R <= T tokens; vLLM routes every token it ran through the model, so R is T - 1 (the last
     sampled token was never fed back). The tokens after R get padding routes when packed
-    (`padding_routes`; models/routing.py replays them).
+    (`padding_routes`; transforms/routing.py replays them).
     """
 
     token_ids: np.ndarray  # [T] int64

@@ -141,9 +141,9 @@ def _eval(args: argparse.Namespace) -> int:
 
     from transformers import AutoTokenizer
 
+    from megatron_rl.conversion.checkpoint_io import CheckpointError
+    from megatron_rl.conversion.hf_mapping import ConversionError
     from megatron_rl.inference.pool import InferencePool, served_model_dir
-    from megatron_rl.models.checkpoint_io import CheckpointError
-    from megatron_rl.models.hf_mapping import ConversionError
     from megatron_rl.orchestrator.chat import ChatTemplateError
     from megatron_rl.orchestrator.eval_only import (
         EvalError,
@@ -199,10 +199,10 @@ def _export_lora(args: argparse.Namespace) -> int:
 
     import megatron_rl.compat  # noqa: F401  (before megatron-core)
 
-    from megatron_rl.models.checkpoint_io import CheckpointError
-    from megatron_rl.models.hf_mapping import ConversionError
-    from megatron_rl.models.lora_checkpoint import export_lora
+    from megatron_rl.conversion.checkpoint_io import CheckpointError
+    from megatron_rl.conversion.hf_mapping import ConversionError
     from megatron_rl.trainer.atomic_dir import latest
+    from megatron_rl.transforms.lora_export import export_lora
 
     step_dir = Path(args.checkpoint)
     if not (step_dir / "meta.json").is_file():  # a role's checkpoint directory: its newest step

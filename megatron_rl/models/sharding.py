@@ -29,7 +29,7 @@ _TE_FUSED_NORMS = {
     ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
 }
 # TE's grouped experts (moe_grouped_gemm) hold expert e's weight as `experts.linear_fc1.weight{e}`.
-# A layer wrapped by LoRA (models/lora.py) holds its own tensors under `base.`, beside its adapters.
+# A layer wrapped by LoRA (transforms/lora.py) holds its own tensors under `base.`, beside its adapters.
 _LORA_BASE = re.compile(r"\.base\.(weight|bias|layer_norm_weight|layer_norm_bias)$")
 _GROUPED_EXPERT = re.compile(r"^(.*\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
 _EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")

@@ -57,12 +57,12 @@ def export_policy(resolved: ResolvedConfig, step_dir: Path, out: Path) -> Path:
     """The HF directory of a policy checkpoint step (converted once; reused when already there)."""
     import megatron_rl.compat  # noqa: F401  (before megatron-core)
 
-    from megatron_rl.models.convert import checkpoint_to_hf
+    from megatron_rl.transforms.lora_export import export_hf
 
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out
     partial = out.with_name(out.name + ".partial")
-    for line in checkpoint_to_hf(step_dir, partial, Path(served_model_dir(resolved)), value_model=False):
+    for line in export_hf(step_dir, partial, Path(served_model_dir(resolved)), value_model=False):
         log.info("eval: %s", line)
     partial.rename(out)
     return out

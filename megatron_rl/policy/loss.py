@@ -30,11 +30,11 @@ from megatron_rl.algorithms.registry import policy_loss_for
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data.types import MicroBatch
 from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
-from megatron_rl.models.lora import adapters_disabled
-from megatron_rl.models.routing import own_routes
 from megatron_rl.trainer.batches import RankBatch, RowSlice
 from megatron_rl.trainer.forward import forward_only
 from megatron_rl.trainer.step import RoleLoss
+from megatron_rl.transforms.lora import adapters_disabled
+from megatron_rl.transforms.routing import own_routes
 
 
 @dataclass(kw_only=True)

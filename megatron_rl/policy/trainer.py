@@ -17,7 +17,7 @@ before DDP and the optimizer exist, so the frozen base gets neither gradient buf
 state; the KL reference is then the same model with its adapters off (policy/loss.AdaptersOff),
 and every published version and snapshot holds merged weights (policy/publish/ownership.py,
 trainer/snapshot.py). Checkpoints hold the adapters and the base's identity (`model.checkpoint`,
-its fingerprint), not the base (models/lora_checkpoint.py).
+its fingerprint), not the base (transforms/lora_base.py).
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ import torch
 from megatron_rl import faults, parallel
 from megatron_rl.config import ModelLayout, ResolvedConfig, adapts_experts
 from megatron_rl.models.builder import build_gpt_model, transformer_engine_choice
-from megatron_rl.models.lora import apply_lora
-from megatron_rl.models.routing import attach_routing
 from megatron_rl.policy.loss import AdaptersOff
 from megatron_rl.policy.publish import make_publisher
 from megatron_rl.policy.update import UpdateSettings, policy_update
 from megatron_rl.trainer.role import RoleTrainer
 from megatron_rl.trainer.snapshot import export_snapshot, snapshot_versions
+from megatron_rl.transforms.lora import apply_lora
+from megatron_rl.transforms.routing import attach_routing
 
 
 def build_policy_model(resolved: ResolvedConfig, layout: ModelLayout) -> torch.nn.Module:

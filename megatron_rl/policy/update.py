@@ -16,7 +16,7 @@ Order, on this rank's grid item (the micro-batches of every mini-batch, `MicroBa
    own global count).
 
 With `algorithm.routing_replay` on, every policy forward of the step (pi_old, each training
-forward and its recomputation in the backward) replays the sampler's routes (models/routing.py),
+forward and its recomputation in the backward) replays the sampler's routes (transforms/routing.py),
 and the step's metrics carry the router's agreement with the sampler's, measured on the weights
 that sampled (`measured`). The KL reference routes by its own router.
 
@@ -41,7 +41,6 @@ from megatron_rl.algorithms import aggregation, rollout_correction
 from megatron_rl.config import AlgorithmConfig, ResolvedConfig
 from megatron_rl.data.types import MicroBatch
 from megatron_rl.faults import kill_point
-from megatron_rl.models.routing import ModelRouting, routing_of
 from megatron_rl.parallel import collective_device
 from megatron_rl.policy.loss import (
     PolicyBatch,
@@ -53,6 +52,7 @@ from megatron_rl.policy.loss import (
 )
 from megatron_rl.trainer.optimizer import Trainable
 from megatron_rl.trainer.step import reduce_statistics, train_on_batches
+from megatron_rl.transforms.routing import ModelRouting, routing_of
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ RNG: the CPU generator, megatron's tracker, and with CUDA the default CUDA gener
 
 LoRA (`lora=`, the role's `lora_meta`): `dist/` holds the trainable tensors only (adapters, and a
 critic's value head) besides the optimizer, and meta.json's `lora` the LoRA settings and the
-base model's identity (path and fingerprint; models/lora_checkpoint.py); the frozen base is not
+base model's identity (path and fingerprint; transforms/lora_base.py); the frozen base is not
 written. A load checks that the run's base and settings are the saved ones before reading
 anything, then loads the adapters into the model whose base the config already loaded. Without
 `lora` (full fine-tuning) the checkpoint holds the whole model, as ever; a LoRA run also resumes
@@ -47,8 +47,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as ps
 
-from megatron_rl.models.lora_checkpoint import check_base, check_settings, is_trainable_key
-from megatron_rl.models.spec_keys import EXTRA_STATE, checkpoint_keys, plan_load
+from megatron_rl.conversion.spec_keys import EXTRA_STATE, checkpoint_keys, plan_load
 from megatron_rl.trainer import atomic_dir
 from megatron_rl.trainer.optimizer import (
     Trainable,
@@ -58,6 +57,7 @@ from megatron_rl.trainer.optimizer import (
     torch_optimizers,
     unify_adam_steps,
 )
+from megatron_rl.transforms.lora_base import check_base, check_settings, is_trainable_key
 
 OPTIMIZER_FORMAT = "dp_reshardable"
 LEGACY_OPTIMIZER_FORMAT = "fully_reshardable"  # checkpoints whose meta.json names no format
@@ -116,7 +116,7 @@ def _check_layout(path: Path, meta: dict) -> None:
 
 def _check_layer_spec(path: Path, model_state: dict) -> None:
     """A training checkpoint resumes with the layer spec (TransformerEngine or local) it was written
-    with: the other spec names some weights differently (models/spec_keys.py) and its optimizer
+    with: the other spec names some weights differently (conversion/spec_keys.py) and its optimizer
     state is laid out by parameter order, which the specs do not share. Weights alone load across
     specs (trainer.weights.load_backbone), so the error says how."""
     saved = checkpoint_keys(path / "dist")
@@ -166,7 +166,7 @@ def save_checkpoint(
     lora: dict | None = None,
 ) -> Path:
     """Collective: every rank of the model calls it. Returns the complete step directory. With
-    `lora` (models/lora_checkpoint.lora_meta) the model's trainable tensors only, and `lora` in
+    `lora` (transforms/lora_base.lora_meta) the model's trainable tensors only, and `lora` in
     meta.json."""
 
     final = _step_dir(Path(directory), step)

@@ -3,7 +3,7 @@
 `forward_only(model, batches, output_fn)` runs `model` on every RankBatch (megatron's forward-
 only schedule when PP > 1) and returns `[output_fn(output, batch), ...]` on the last pipeline
 stage, None on other stages. Used for critic scoring and reference-policy log-probabilities.
-A model with routing replay (models/routing.py) replays each batch's routes.
+A model with routing replay (transforms/routing.py) replays each batch's routes.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_rl.models.attention import packed_seq_params
-from megatron_rl.models.routing import routing_pass, set_batch_routes
 from megatron_rl.trainer.batches import RankBatch
+from megatron_rl.transforms.routing import routing_pass, set_batch_routes
 
 
 def _run(model, batch: RankBatch):

@@ -37,13 +37,13 @@ import torch
 
 from megatron_rl import parallel
 from megatron_rl.config import Architecture, LoraBase, ModelConfig, OptimizerConfig, ResolvedConfig
-from megatron_rl.models.lora_checkpoint import base_identity, lora_meta
 from megatron_rl.parallel import Role
 from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.trainer.optimizer import build_trainable, offload_threads
 from megatron_rl.trainer.receive import grid_receiver
 from megatron_rl.trainer.resume import run_resume_step
 from megatron_rl.trainer.weights import load_initial_weights
+from megatron_rl.transforms.lora_base import base_identity, lora_meta
 
 
 class RoleTrainer(ABC):
@@ -74,7 +74,7 @@ class RoleTrainer(ABC):
             self.model, model_config.checkpoint, arch, value_model=self.value_model, where=where
         )
         lora, key = self.lora_section()
-        # A LoRA checkpoint names this base instead of holding it (models/lora_checkpoint.py).
+        # A LoRA checkpoint names this base instead of holding it (transforms/lora_base.py).
         self.checkpoint_lora = None if lora is None else lora_meta(
             lora, key, base_identity(model_config.checkpoint, where, seed)
         )

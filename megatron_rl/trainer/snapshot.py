@@ -7,7 +7,7 @@ written atomically (atomic_dir: a partial export is never visible). The critic w
 version it needs and loads the backbone with `trainer.weights.load_backbone`, which reshards
 to the critic's own TP/EP (dist_checkpointing stores global shapes, so TP/CP/EP/GPU counts of the
 two models may differ). A LoRA policy exports its merged weights, W + (alpha / rank) B A, under
-the plain model's keys and without adapters (models/lora.merged_sharded_state_dict): the critic
+the plain model's keys and without adapters (transforms/lora.merged_sharded_state_dict): the critic
 loads a plain model's backbone.
 """
 
@@ -22,8 +22,8 @@ import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches
 from megatron.core import dist_checkpointing
 
 from megatron_rl.config import ResolvedConfig
-from megatron_rl.models.lora import merged_sharded_state_dict
 from megatron_rl.trainer import atomic_dir
+from megatron_rl.transforms.lora import merged_sharded_state_dict
 
 
 def snapshot_versions(resolved: ResolvedConfig) -> list[int]:

@@ -27,10 +27,10 @@ from torch.distributed import ReduceOp
 from megatron_rl.data.types import MicroBatch
 from megatron_rl.faults import kill_point
 from megatron_rl.models.attention import packed_seq_params
-from megatron_rl.models.routing import routing_pass, set_batch_routes
 from megatron_rl.parallel import any_rank, collective_device
 from megatron_rl.trainer.batches import RankBatch
 from megatron_rl.trainer.optimizer import Trainable, freeze_non_head_groups
+from megatron_rl.transforms.routing import routing_pass, set_batch_routes
 from megatron_rl.transport.broadcast import broadcast_bytes
 
 LossFunc = Callable[[torch.Tensor, RankBatch], tuple[torch.Tensor, dict]]

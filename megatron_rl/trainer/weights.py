@@ -6,7 +6,7 @@ checkpoint (tools/convert_hf_to_megatron.py, with or without a value head) or an
 megatron dist_checkpointing directory (a converted checkpoint, a training checkpoint's `dist/`,
 or a policy snapshot), resharding to this process's TP/EP layout; the critic uses it to start
 from a policy checkpoint and for policy snapshots. Checkpoints written with the local or the
-TransformerEngine layer spec load into a model of either (`models/spec_keys.py`).
+TransformerEngine layer spec load into a model of either (`conversion/spec_keys.py`).
 
 An HF directory is loaded without copies of the model: its safetensors are memory-mapped, each
 rank computes (and fuses) only the tensors of its own parameters, one at a time, and copies its
@@ -24,10 +24,10 @@ import torch
 from megatron.core import dist_checkpointing
 
 from megatron_rl.config import Architecture
-from megatron_rl.models.checkpoint_io import read_hf_state_dict
-from megatron_rl.models.hf_mapping import MegatronStateFromHF
+from megatron_rl.conversion.checkpoint_io import read_hf_state_dict
+from megatron_rl.conversion.hf_mapping import MegatronStateFromHF
+from megatron_rl.conversion.spec_keys import checkpoint_keys, plan_load
 from megatron_rl.models.sharding import global_parameter_names, load_full_state_dict
-from megatron_rl.models.spec_keys import checkpoint_keys, plan_load
 
 
 def _is_own_tensor(key: str) -> bool:

@@ -176,7 +176,7 @@ def test_bfloat16_checkpoints_stay_bfloat16_and_load_into_a_float32_model(tiny_m
     dtypes = run_ranks(checkpoint_dtypes, 1, str(tmp_path / "mg" / "model"))[0]
     assert set(dtypes.values()) == {torch.bfloat16}, dtypes
     loaded = run_ranks(load_converted, 1, str(tmp_path / "mg"))[0]
-    from megatron_rl.models.hf_mapping import hf_to_megatron
+    from megatron_rl.conversion.hf_mapping import hf_to_megatron
 
     arch = Architecture(**json.loads((tmp_path / "mg" / "megatron_rl.json").read_text())["architecture"])
     for name, tensor in hf_to_megatron(original, arch).items():
@@ -247,8 +247,8 @@ def save_te_layout_checkpoint(rank, world_size, hf_dir, out):
     from megatron.core import dist_checkpointing
 
     from megatron_rl import parallel
-    from megatron_rl.models import checkpoint_io as io
-    from megatron_rl.models.hf_mapping import hf_to_megatron
+    from megatron_rl.conversion import checkpoint_io as io
+    from megatron_rl.conversion.hf_mapping import hf_to_megatron
     from megatron_rl.models.sharding import load_full_state_dict
     from tests.support.te_standins import build_te_style_model
 
@@ -265,7 +265,7 @@ def save_te_layout_checkpoint(rank, world_size, hf_dir, out):
 
 def conversion_peaks(rank, world_size, hf_dir, work):
     """Peak extra anonymous bytes of hf_to_checkpoint and checkpoint_to_hf, in this process."""
-    from megatron_rl.models.convert import checkpoint_to_hf, hf_to_checkpoint
+    from megatron_rl.conversion.convert import checkpoint_to_hf, hf_to_checkpoint
     from tests.support.process_memory import peak_anonymous_memory, release_freed_memory
 
     work = Path(work)

@@ -59,7 +59,7 @@ def test_lora_at_tp2_trains_adapters_and_head_and_checkpoints(tiny_models, tmp_p
     # B starts at zero, so the first step moves B (and the head) but A's gradient is still zero
     assert any(".lora_b" in n for n in trained["changed"]) and set(HEAD) <= set(trained["changed"])
     # the checkpoint holds what trains (adapters and head) and names the frozen base instead
-    from megatron_rl.models.spec_keys import checkpoint_keys
+    from megatron_rl.conversion.spec_keys import checkpoint_keys
 
     dist = Path(_latest_dist(tmp_path))
     model_keys = {k for k in checkpoint_keys(dist) if not k.startswith("optimizer.")}
@@ -77,8 +77,8 @@ def test_lora_at_tp2_trains_adapters_and_head_and_checkpoints(tiny_models, tmp_p
     # merged HF weights of the step (export-lora --merged): the base with the adapters folded in, the trained head
     from safetensors.torch import load_file
 
-    from megatron_rl.models.hf_mapping import megatron_to_hf
-    from megatron_rl.models.lora import merge_adapter_tensors
+    from megatron_rl.conversion.hf_mapping import megatron_to_hf
+    from megatron_rl.transforms.lora import merge_adapter_tensors
 
     run_ranks(merged_export, 1, str(dist.parent), str(tmp_path / "merged"), str(tiny_models["qwen3"]))
     exported = load_file(tmp_path / "merged" / "model.safetensors")
@@ -110,7 +110,7 @@ def test_lora_on_an_moe_critic_at_tp2_sequence_parallel_equals_one_process(tiny_
 
 
 def merged_export(rank, world_size, step_dir, out, hf_dir):
-    from megatron_rl.models.lora_checkpoint import export_merged
+    from megatron_rl.transforms.lora_export import export_merged
 
     return export_merged(Path(step_dir), Path(out), Path(hf_dir))
 
@@ -437,6 +437,6 @@ def policy_snapshot(rank, world_size, arch, tp, seed, snapshot_root, checkpoint_
 
 def converted_parameters(rank, world_size, checkpoint_dir):
     """Full parameters of a converted checkpoint (tools/convert_hf_to_megatron.py)."""
-    from megatron_rl.models.convert import load_checkpoint_full
+    from megatron_rl.conversion.convert import load_checkpoint_full
 
     return load_checkpoint_full(checkpoint_dir)[2]

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 from megatron_rl import parallel
 from megatron_rl.config import Architecture
+from megatron_rl.conversion.hf_mapping import hf_to_megatron
 from megatron_rl.models.builder import build_gpt_model
-from megatron_rl.models.hf_mapping import hf_to_megatron
 from megatron_rl.models.sharding import load_full_state_dict
 from tests.support.ranks import gather_vocab, hf_logits, model_logits
 from tests.support.spawn import run_ranks

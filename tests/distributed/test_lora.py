@@ -69,7 +69,7 @@ def test_a_gathered_lora_model_merges_to_the_plain_models_weights_and_its_base_r
     the gathered state of a LoRA model keeps the plain model's names beside its adapters, and
     `merge_adapter_tensors` of it equals `merge_lora` at TP = 1; the merged weights run as the
     adapted model; within `adapters_disabled` the adapted model is the plain one, bit for bit."""
-    from megatron_rl.models.hf_mapping import megatron_to_hf
+    from megatron_rl.conversion.hf_mapping import megatron_to_hf
 
     full = run_ranks(reference_weights, 1, ARCH, 3)[0]
     input_ids = tokens(vocab=ARCH.vocab_size)
@@ -101,12 +101,12 @@ def lora_gathered(rank, world_size, arch, full, tp, input_ids):
     logits, logits within adapters_disabled, at TP = 1 the full weights after merge_lora)."""
     import zlib
 
-    from megatron_rl.models.lora import adapters_disabled, apply_lora, merge_adapter_tensors, merge_lora
     from megatron_rl.models.sharding import (
         gather_full_parameters,
         global_parameter_names,
         shard_full_state_dict,
     )
+    from megatron_rl.transforms.lora import adapters_disabled, apply_lora, merge_adapter_tensors, merge_lora
 
     parallel.initialize_model_parallel(tp=tp)
     model = build_gpt_model(arch, tp=tp)
@@ -154,8 +154,8 @@ def lora_ddp_gradients(rank, world_size, arch, full, ep):
     )
 
     from megatron_rl.models.builder import transformer_config
-    from megatron_rl.models.lora import apply_lora
     from megatron_rl.models.sharding import global_parameter_names
+    from megatron_rl.transforms.lora import apply_lora
 
     parallel.initialize_model_parallel(ep=ep)
     config = transformer_config(arch, ep=ep)
@@ -185,8 +185,8 @@ def lora_step(rank, world_size, arch, full, tp=1, value_model=False):
     """LoRA (rank 4, alpha 8, B set to 0.01 so adapters matter) on a GPT or value model:
     (output before the step, trainable names, changed names, replicated lora_a after an SGD step,
     output after merging the stepped adapters, output of the stepped LoRA model)."""
-    from megatron_rl.models.lora import apply_lora, merge_lora
     from megatron_rl.models.value_model import build_value_model
+    from megatron_rl.transforms.lora import apply_lora, merge_lora
 
     parallel.initialize_model_parallel(tp=tp)
     model = build_value_model(arch, tp=tp, head_init_std=0.1) if value_model else build_gpt_model(arch, tp=tp)

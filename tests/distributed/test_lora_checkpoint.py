@@ -11,7 +11,7 @@ as its HF base): what a checkpoint holds, resuming it, refusing another base, ex
 - `megatron-rl export-lora` writes a PEFT adapter directory that transformers + PEFT load onto
   the base with the trainer's logits, and with `--merged` HF weights that transformers loads
   alone with the same logits (atol 1e-4), from an HF base and from a converted one; `eval
-  --checkpoint`'s conversion (checkpoint_to_hf) gives the merged export's tensors.
+  --checkpoint`'s conversion (export_hf) gives the merged export's tensors.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def test_the_checkpoint_holds_the_adapters_and_names_the_base(run):
     assert (lora["key"], lora["rank"], lora["alpha"]) == ("lora", RANK, ALPHA)
     assert lora["target_modules"] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     assert lora["base"]["checkpoint"] == str(run["base"].absolute()) and lora["base"]["where"] == "model.checkpoint"
-    from megatron_rl.models.lora_checkpoint import fingerprint
+    from megatron_rl.transforms.lora_base import fingerprint
 
     assert lora["base"]["fingerprint"] == fingerprint(run["base"])
     # the same step with every tensor (the format before): the base makes most of it
@@ -164,7 +164,7 @@ def check_exports(lines: dict, directory: Path, hf_base: Path, out: dict) -> Non
     # an existing output is not overwritten; a full-model checkpoint is not LoRA
     assert lines["again_rc"] == 2 and "not empty; refusing to overwrite" in lines["again_err"]
     assert lines["full_rc"] == 2 and "its meta.json has no lora section" in lines["full_err"]
-    # `eval --checkpoint`'s conversion of the step (checkpoint_to_hf) merges it the same way
+    # `eval --checkpoint`'s conversion of the step (export_hf) merges it the same way
     merged_tensors, eval_tensors = load_file(merged / "model.safetensors"), load_file(directory / "eval" / "model.safetensors")
     assert sorted(eval_tensors) == sorted(merged_tensors)
     assert all(torch.equal(eval_tensors[k], t) for k, t in merged_tensors.items())
@@ -183,8 +183,8 @@ def train_policy(rank, world_size, resolved_path, uninterrupted):
     """The uninterrupted run (`uninterrupted`: steps 0..STEPS-1, a save after SAVE_AT, and the
     same step saved with every tensor for its size), or a resumed one (from the newest
     checkpoint to the end): per step the update's metrics and log-probs on fixed probe rows."""
+    from megatron_rl.conversion.spec_keys import checkpoint_keys
     from megatron_rl.data.packing import pack_into_grid
-    from megatron_rl.models.spec_keys import checkpoint_keys
     from megatron_rl.policy.loss import forward_logprobs, policy_batch
     from megatron_rl.policy.trainer import PolicyTrainer
     from megatron_rl.policy.update import policy_update
@@ -254,14 +254,14 @@ def export_both(rank, world_size, step_dir, yaml_path, out):
         result["full_rc"] = cli.main(["export-lora", str(full_step), "--config", yaml_path, "--out", f"{out}/full"])
     result["full_err"] = err.getvalue()
     # what `megatron-rl eval --checkpoint` converts a step with: merged into the base meta.json names
-    from megatron_rl.models.convert import checkpoint_to_hf
+    from megatron_rl.transforms.lora_export import export_hf
 
     base = yaml.safe_load(Path(yaml_path).read_text())["model"]["hf_config"]
-    checkpoint_to_hf(Path(step_dir), Path(out) / "eval", Path(base), value_model=False)
+    export_hf(Path(step_dir), Path(out) / "eval", Path(base), value_model=False)
     return result
 
 
 def convert_base(rank, world_size, hf_dir, out):
-    from megatron_rl.models.convert import hf_to_checkpoint
+    from megatron_rl.conversion.convert import hf_to_checkpoint
 
     return hf_to_checkpoint(Path(hf_dir), Path(out))

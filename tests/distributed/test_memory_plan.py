@@ -227,7 +227,7 @@ class AdapterActivations:
     input (the layer's input, which the plan counts with the layer)."""
 
     def __init__(self, model):
-        from megatron_rl.models.lora import LoRALinear
+        from megatron_rl.transforms.lora import LoRALinear
 
         self.adapters = [(int(n.split("layers.")[1].split(".")[0]), m) for n, m in model.named_modules()
                          if isinstance(m, LoRALinear)]  # fmt: skip
@@ -283,12 +283,12 @@ def measure_lora(rank, world_size, architectures, directory):
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.data.types import TrainingSample
-    from megatron_rl.models.lora import apply_lora
     from megatron_rl.policy.loss import policy_loss_func
     from megatron_rl.policy.publish import publish_hf_weights
     from megatron_rl.policy.publish.adapters import owned_adapter_tensors, publish_adapter
     from megatron_rl.trainer.optimizer import build_trainable, torch_optimizers
     from megatron_rl.trainer.step import train_step
+    from megatron_rl.transforms.lora import apply_lora
     from tests.support.te_standins import build_te_style_model
 
     def file_bytes(paths):

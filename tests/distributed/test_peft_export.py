@@ -14,10 +14,11 @@ from safetensors.torch import load_file
 
 from megatron_rl import parallel
 from megatron_rl.config import Architecture
+from megatron_rl.conversion.hf_mapping import hf_to_megatron
 from megatron_rl.models.builder import build_gpt_model
-from megatron_rl.models.hf_mapping import hf_to_megatron
-from megatron_rl.models.lora import apply_lora
-from megatron_rl.models.peft import (
+from megatron_rl.models.sharding import gather_full_parameters, load_full_state_dict
+from megatron_rl.transforms.lora import apply_lora
+from megatron_rl.transforms.peft import (
     PeftFormatError,
     is_adapter,
     megatron_adapters_to_peft,
@@ -25,7 +26,6 @@ from megatron_rl.models.peft import (
     read_peft_adapter,
     write_peft_adapter,
 )
-from megatron_rl.models.sharding import gather_full_parameters, load_full_state_dict
 from tests.support.ranks import gather_vocab
 from tests.support.spawn import run_ranks
 

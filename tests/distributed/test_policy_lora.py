@@ -249,11 +249,9 @@ def lora_policy(rank, world_size, arch, tp, cp, ep, directory, everything=False)
     from safetensors import safe_open
 
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.conversion.hf_mapping import megatron_to_hf
     from megatron_rl.data.packing import pack_minibatches
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.hf_mapping import megatron_to_hf
-    from megatron_rl.models.lora import LoRALinear, apply_lora, merge_adapter_tensors, merge_lora
-    from megatron_rl.models.routing import attach_routing
     from megatron_rl.models.sharding import full_parameters, gather_full_parameters, load_full_state_dict
     from megatron_rl.policy.loss import AdaptersOff, forward_logprobs, reference_model
     from megatron_rl.policy.publish import owned_hf_tensors, publish_hf_weights, stream_parts
@@ -261,6 +259,8 @@ def lora_policy(rank, world_size, arch, tp, cp, ep, directory, everything=False)
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.trainer.optimizer import adam_optimizers, build_trainable, torch_optimizers
     from megatron_rl.trainer.snapshot import export_snapshot
+    from megatron_rl.transforms.lora import LoRALinear, apply_lora, merge_adapter_tensors, merge_lora
+    from megatron_rl.transforms.routing import attach_routing
 
     out: dict = {}
     parallel.initialize_model_parallel(seed=5)
@@ -339,8 +339,8 @@ def lora_policy(rank, world_size, arch, tp, cp, ep, directory, everything=False)
         out["replayed"] = forward_logprobs(model, probe)
     if tp == 2:  # checkpoint (adapters only, the base named): save, step again (the adapters move), resume
         from megatron_rl.config import LoraConfig
-        from megatron_rl.models.lora_checkpoint import base_identity, lora_meta
-        from megatron_rl.models.spec_keys import checkpoint_keys
+        from megatron_rl.conversion.spec_keys import checkpoint_keys
+        from megatron_rl.transforms.lora_base import base_identity, lora_meta
 
         identity = lora_meta(LoraConfig(rank=RANK, alpha=ALPHA), "lora", base_identity(None, "model.checkpoint", 5))
         step_dir = save_checkpoint(Path(directory) / "checkpoints", 2, trainable, lora=identity)
@@ -406,10 +406,10 @@ def te_snapshot_logits(arch, full, directory):
     fused-norm linears, tests/support/te_standins.py) with nonzero adapters exports a policy
     snapshot, which a plain local-spec model loads; (its logits, the LoRA model's)."""
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.lora import apply_lora
     from megatron_rl.models.sharding import load_full_state_dict
     from megatron_rl.trainer.snapshot import export_snapshot, wait_for_snapshot
     from megatron_rl.trainer.weights import load_backbone
+    from megatron_rl.transforms.lora import apply_lora
     from tests.support.te_standins import build_te_style_model
     from tests.support.tensors import tokens
 
@@ -437,14 +437,14 @@ def trainer_with_lora(rank, world_size, resolved_path):
 
     from safetensors import safe_open
 
+    from megatron_rl.conversion.hf_mapping import megatron_to_hf
     from megatron_rl.data.packing import pack_into_grid
-    from megatron_rl.models.hf_mapping import megatron_to_hf
-    from megatron_rl.models.lora import LoRALinear, merge_adapter_tensors
     from megatron_rl.models.sharding import gather_full_parameters
     from megatron_rl.policy import trainer as policy_trainer
     from megatron_rl.policy.publish import latest_published, make_publisher
     from megatron_rl.policy.trainer import PolicyTrainer
     from megatron_rl.policy.update import policy_update
+    from megatron_rl.transforms.lora import LoRALinear, merge_adapter_tensors
 
     resolved = load_resolved(resolved_path)
     seen, built, lines = {}, [], []

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from megatron_rl import parallel
 from megatron_rl.config import Architecture
+from megatron_rl.conversion.hf_mapping import hf_to_megatron
 from megatron_rl.models.builder import build_gpt_model
-from megatron_rl.models.hf_mapping import hf_to_megatron
 from megatron_rl.models.sharding import load_full_state_dict
 from megatron_rl.policy.publish import latest_published, verify_published
 from tests.support.ranks import gather_vocab, hf_logits
@@ -103,8 +103,8 @@ def test_publishing_reads_the_live_parameters_without_a_model_copy(family, tiny_
 def owned_tensor_allocations(rank, world_size, hf_dir):
     """(bytes owned_hf_tensors allocates, bytes of the fused qkv parameters, model bytes, HF
     tensors sharing a parameter's storage, names whose value differs from a copying gather)."""
-    from megatron_rl.models.checkpoint_io import read_architecture
-    from megatron_rl.models.hf_mapping import megatron_to_hf
+    from megatron_rl.conversion.checkpoint_io import read_architecture
+    from megatron_rl.conversion.hf_mapping import megatron_to_hf
     from megatron_rl.models.sharding import gather_full_parameters
     from megatron_rl.policy.publish import owned_hf_tensors
     from megatron_rl.trainer.weights import load_initial_weights

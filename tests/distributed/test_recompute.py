@@ -151,10 +151,10 @@ def _build(role, arch, ep, recompute, full):
     """A LoRA policy (or a LoRA critic with its value head) with megatron DDP and the optimizer."""
     from megatron_rl.config import OptimizerConfig, RecomputeConfig
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.lora import apply_lora
     from megatron_rl.models.sharding import load_full_state_dict
     from megatron_rl.models.value_model import build_value_model
     from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.transforms.lora import apply_lora
 
     parallel.initialize_model_parallel(ep=ep, seed=5)
     fields = RecomputeConfig(**RECOMPUTE[recompute]).transformer_fields()
@@ -177,10 +177,10 @@ def _step(role, trainable, model, arch, replay: bool):
     from megatron_rl.config import AlgorithmConfig
     from megatron_rl.critic.loss import value_loss_func
     from megatron_rl.data.packing import pack_minibatches
-    from megatron_rl.models.routing import attach_routing
     from megatron_rl.policy.loss import AdaptersOff
     from megatron_rl.policy.update import UpdateSettings, policy_update
     from megatron_rl.trainer.step import train_step
+    from megatron_rl.transforms.routing import attach_routing
 
     dp = parallel_state.get_data_parallel_world_size()
     grid = pack_minibatches(_samples(arch, replay), 1, (1, 0), SEQ_LEN, dp, routes=replay)

@@ -19,9 +19,9 @@ import pytest
 from safetensors.torch import load_file
 
 from megatron_rl.config import Architecture
+from megatron_rl.conversion.hf_mapping import hf_to_megatron
 from megatron_rl.data.types import TrainingSample
 from megatron_rl.inference.rollout import RolloutClient, SamplingParams, TokenTrajectory
-from megatron_rl.models.hf_mapping import hf_to_megatron
 from tests.distributed.test_routing_replay import replayed_logprobs
 from tests.support.hf_routes import RoutedSampler
 from tests.support.routed_vllm import routed_vllm_command

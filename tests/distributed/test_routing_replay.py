@@ -1,4 +1,4 @@
-"""Routing replay (models/routing.py) on a tiny Qwen3-MoE, against transformers.
+"""Routing replay (transforms/routing.py) on a tiny Qwen3-MoE, against transformers.
 
 The sampler is transformers' Qwen3-MoE whose routers choose their experts from a perturbed copy
 of the router weights (tests/support/hf_routes.py): its routes are what vLLM would return and its
@@ -31,8 +31,8 @@ from safetensors.torch import load_file
 
 from megatron_rl import parallel
 from megatron_rl.config import Architecture
+from megatron_rl.conversion.hf_mapping import hf_to_megatron
 from megatron_rl.data.types import TrainingSample
-from megatron_rl.models.hf_mapping import hf_to_megatron
 from tests.support.hf_routes import RoutedSampler
 from tests.support.spawn import run_ranks
 
@@ -175,7 +175,7 @@ def test_the_fused_router_which_bypasses_replay_stays_off(moe):
 def fused_router(rank, world_size, arch):
     """(moe_router_fusion of a model our builder makes, the refusal of replay on a fused one)."""
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.routing import attach_routing
+    from megatron_rl.transforms.routing import attach_routing
 
     parallel.initialize_model_parallel()
     default = build_gpt_model(arch).config.moe_router_fusion
@@ -200,9 +200,9 @@ def replayed_logprobs(rank, world_size, arch, full, samples, mode, tp=1, cp=1, p
 
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.routing import attach_routing
     from megatron_rl.models.sharding import load_full_state_dict
     from megatron_rl.policy.loss import forward_logprobs, policy_batch
+    from megatron_rl.transforms.routing import attach_routing
 
     parallel.initialize_model_parallel(tp=tp, cp=cp, pp=pp, ep=ep)
     model = build_gpt_model(arch, tp=tp, cp=cp, pp=pp, ep=ep)
@@ -250,10 +250,10 @@ def replayed_update(rank, world_size, arch, full, samples, granularity):
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
     from megatron_rl.data.packing import pack_minibatches
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.routing import attach_routing
     from megatron_rl.models.sharding import gather_full_parameters, load_full_state_dict
     from megatron_rl.policy.update import UpdateSettings, policy_update
     from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.transforms.routing import attach_routing
 
     parallel.initialize_model_parallel()
     recompute = {} if granularity == "none" else dict(recompute_granularity="full", recompute_method="uniform",

@@ -26,7 +26,7 @@ TE_NORM_EXTRA_STATE = {
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_every_checkpoint_key_of_one_spec_has_a_counterpart_in_the_other(kind):
-    from megatron_rl.models.spec_keys import OTHER_SPEC_KEY
+    from megatron_rl.conversion.spec_keys import OTHER_SPEC_KEY
 
     local, te = run_ranks(checkpoint_keys_of_both_specs, 1, ARCHS[kind])[0]
     local_only, te_only = local - te, te - local
@@ -172,7 +172,7 @@ def fused_norm_lora(rank, world_size):
     """A LoRA-wrapped stand-in of TE's LayerNormColumnParallelLinear: (its output, the plain
     reference norm(x) W^T + s norm(x) A^T B^T, the merged layer's output, the layer without LoRA)."""
     from megatron_rl.models.builder import transformer_config
-    from megatron_rl.models.lora import LoRALinear, merge_lora
+    from megatron_rl.transforms.lora import LoRALinear, merge_lora
     from tests.support.te_standins import FusedNormColumnParallelLinear
 
     parallel.initialize_model_parallel()
@@ -206,8 +206,8 @@ def fused_norm_lora(rank, world_size):
 def lora_logits(rank, world_size, arch, spec):
     """Logits of a `spec` model with fixed weights and LoRA (rank 4, B = 0.01) on every target,
     before and after merge_lora."""
-    from megatron_rl.models.lora import apply_lora, merge_lora
     from megatron_rl.models.sharding import load_full_state_dict
+    from megatron_rl.transforms.lora import apply_lora, merge_lora
 
     full = reference_weights(rank, world_size, arch, 5)
     parallel.initialize_model_parallel()

@@ -45,9 +45,9 @@ def test_gathering_parameters_to_publish_can_alias_them():
 def load_hf_weights(rank, world_size, hf_dir, tp):
     """(peak extra anonymous bytes of load_initial_weights, the largest full tensor's bytes, the
     model's bytes on this rank, parameters whose loaded value differs from the HF checkpoint's)."""
-    from megatron_rl.models import checkpoint_io as io
+    from megatron_rl.conversion import checkpoint_io as io
+    from megatron_rl.conversion.hf_mapping import hf_to_megatron
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.hf_mapping import hf_to_megatron
     from megatron_rl.models.sharding import gather_full_parameters
     from megatron_rl.trainer.weights import load_initial_weights
     from tests.support.process_memory import peak_anonymous_memory, release_freed_memory

@@ -92,10 +92,10 @@ def inference_worker(hf_dir: str, http_port: int, out_path: str) -> None:
 
 def policy_publish(rank, world_size, hf_dir, http_port, group_port, pp, ep):
     from megatron_rl import parallel
+    from megatron_rl.conversion.checkpoint_io import read_architecture
+    from megatron_rl.conversion.hf_mapping import megatron_to_hf
     from megatron_rl.inference.vllm_control import VllmControl
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.checkpoint_io import read_architecture
-    from megatron_rl.models.hf_mapping import megatron_to_hf
     from megatron_rl.models.sharding import gather_full_parameters
     from megatron_rl.policy.publish import BroadcastPublisher
     from megatron_rl.trainer.weights import load_initial_weights

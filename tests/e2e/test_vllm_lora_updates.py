@@ -57,12 +57,12 @@ def _adapted_policy(hf_dir, tp, seed):
     """The policy at TP=`tp` with LoRA on every linear and adapters as after training (B drawn
     from `seed`, the same full B at any TP: drawn full, then this rank's shard taken)."""
     from megatron_rl import parallel
+    from megatron_rl.conversion.checkpoint_io import read_architecture
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.checkpoint_io import read_architecture
-    from megatron_rl.models.lora import apply_lora
-    from megatron_rl.models.peft import is_adapter
     from megatron_rl.models.sharding import gather_full_parameters, load_full_state_dict
     from megatron_rl.trainer.weights import load_initial_weights
+    from megatron_rl.transforms.lora import apply_lora
+    from megatron_rl.transforms.peft import is_adapter
 
     parallel.initialize_model_parallel(tp=tp)
     arch = read_architecture(hf_dir)

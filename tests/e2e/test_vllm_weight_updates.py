@@ -61,8 +61,8 @@ def greedy(pool, prompt=PROMPT, max_tokens=8):
 
 def _trained_policy(hf_dir, pp, seed, ep=1):
     from megatron_rl import parallel
+    from megatron_rl.conversion.checkpoint_io import read_architecture
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.checkpoint_io import read_architecture
     from megatron_rl.trainer.weights import load_initial_weights
 
     parallel.initialize_model_parallel(pp=pp, ep=ep)
@@ -86,8 +86,8 @@ def publish_files(rank, world_size, hf_dir, out_dir, version):
 
 
 def publish_broadcast(rank, world_size, hf_dir, urls, group_port, version, pp=2, ep=1):
+    from megatron_rl.conversion.hf_mapping import megatron_to_hf
     from megatron_rl.inference.vllm_control import VllmControl
-    from megatron_rl.models.hf_mapping import megatron_to_hf
     from megatron_rl.models.sharding import gather_full_parameters
     from megatron_rl.policy.publish import BroadcastPublisher
 
@@ -129,9 +129,9 @@ def test_path_b_broadcast_from_pipeline_ranks(vllm_pool):
 def test_path_b_moe_from_expert_parallel_ranks(moe_pool):
     from safetensors.torch import save_file
 
+    from megatron_rl.conversion.checkpoint_io import copy_hf_side_files
+    from megatron_rl.conversion.hf_mapping import decoder_layer_of
     from megatron_rl.inference.vllm_control import VllmControl
-    from megatron_rl.models.checkpoint_io import copy_hf_side_files
-    from megatron_rl.models.hf_mapping import decoder_layer_of
 
     pool, model, tmp = moe_pool
     version = pool.sync.version + 1

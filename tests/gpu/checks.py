@@ -357,9 +357,9 @@ def check_te_checkpoints(cpu: bool) -> dict:
     import torch
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.models.lora import apply_lora
     from megatron_rl.models.sharding import full_parameters, gather_full_parameters
     from megatron_rl.trainer.weights import load_backbone
+    from megatron_rl.transforms.lora import apply_lora
 
     torch.backends.cuda.matmul.allow_tf32 = False
     arch = _arch(cpu).model_copy(update=dict(num_experts=8, num_experts_per_tok=2,

@@ -192,16 +192,16 @@ def check_vllm(cpu: bool) -> dict:
 
     import torch
 
+    from megatron_rl.conversion.checkpoint_io import read_architecture
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.data.types import TrainingSample
     from megatron_rl.inference.pool import WeightSync
     from megatron_rl.inference.rollout import RolloutClient, SamplingParams, TokenTrajectory
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.checkpoint_io import read_architecture
-    from megatron_rl.models.routing import attach_routing
     from megatron_rl.policy.loss import forward_logprobs, policy_batch
     from megatron_rl.policy.publish import publish_hf_weights
     from megatron_rl.trainer.weights import load_initial_weights
+    from megatron_rl.transforms.routing import attach_routing
     from tests.support.inference import hf_token_logprobs
 
     prompt, observation = [5, 17, 42, 99, 7], [11, 12, 13]
@@ -283,15 +283,15 @@ def check_vllm_lora(cpu: bool, adapter_seed: int = 2) -> dict:
 
     import torch
 
+    from megatron_rl.conversion.checkpoint_io import read_architecture
+    from megatron_rl.conversion.hf_mapping import megatron_to_hf
     from megatron_rl.inference.pool import WeightSync, adapter_name
     from megatron_rl.inference.rollout import RolloutClient, SamplingParams
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.checkpoint_io import read_architecture
-    from megatron_rl.models.hf_mapping import megatron_to_hf
-    from megatron_rl.models.lora import apply_lora, merge_adapter_tensors
     from megatron_rl.models.sharding import gather_full_parameters
     from megatron_rl.policy.publish.adapters import publish_adapter
     from megatron_rl.trainer.weights import load_initial_weights
+    from megatron_rl.transforms.lora import apply_lora, merge_adapter_tensors
     from tests.support.inference import hf_token_logprobs
 
     prompt, rank, alpha, served = [5, 17, 42, 99, 7], 4, 8.0, "policy"

@@ -24,9 +24,9 @@ from megatron_rl.data.packing import pack_into_grid
 from megatron_rl.data.types import TrainingSample
 from megatron_rl.models.attention import packed_seq_params
 from megatron_rl.models.builder import build_gpt_model
-from megatron_rl.models.lora import COLUMN_PARALLEL, ROW_PARALLEL, apply_lora
 from megatron_rl.models.sharding import full_parameters, load_full_state_dict
 from megatron_rl.policy.loss import policy_batch
+from megatron_rl.transforms.lora import COLUMN_PARALLEL, ROW_PARALLEL, apply_lora
 
 ATTENTION = ("linear_qkv", "linear_proj")
 VARIANTS = {  # name -> (moe_grouped_gemm, LoRA targets)

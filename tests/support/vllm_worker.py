@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_rl.models.checkpoint_io import copy_hf_side_files
+from megatron_rl.conversion.checkpoint_io import copy_hf_side_files
 from megatron_rl.parallel import free_port
 from tests.support.memory import ReceivedAllocations
 from tests.support.spawn import run_ranks
@@ -239,10 +239,10 @@ def publish_from_policy(rank, world_size, hf_dir, url, group_port, pp, ep, bucke
     """Rank function: publishes weights perturbed with seed `version` from a PP x EP policy over
     path (b) (gloo) to the worker at `url`; returns (tensors sent: rank 0, this rank's HF tensors)."""
     from megatron_rl import parallel
+    from megatron_rl.conversion.checkpoint_io import read_architecture
+    from megatron_rl.conversion.hf_mapping import megatron_to_hf
     from megatron_rl.inference.vllm_control import VllmControl
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.checkpoint_io import read_architecture
-    from megatron_rl.models.hf_mapping import megatron_to_hf
     from megatron_rl.models.sharding import gather_full_parameters
     from megatron_rl.policy.publish import BroadcastPublisher
     from megatron_rl.trainer.weights import load_initial_weights

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.models.checkpoint_io import read_architecture, read_hf_state_dict
-from megatron_rl.models.hf_mapping import decoder_layer_of, hf_to_megatron, megatron_to_hf
+from megatron_rl.conversion.checkpoint_io import read_architecture, read_hf_state_dict
+from megatron_rl.conversion.hf_mapping import decoder_layer_of, hf_to_megatron, megatron_to_hf
 from megatron_rl.policy.publish import stream_parts
 
 

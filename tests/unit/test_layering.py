@@ -10,7 +10,8 @@ from pathlib import Path
 import megatron_rl
 
 ORDER = [
-    "config", "faults", "lifetime", "compat", "parallel", "models", "data", "algorithms", "transport", "inference",
+    "config", "faults", "lifetime", "compat", "parallel", "models", "conversion", "transforms", "data", "algorithms",
+    "transport", "inference",
     "trainer", "policy", "critic", "envs", "orchestrator", "sim", "demo", "launch",
 ]  # fmt: skip
 

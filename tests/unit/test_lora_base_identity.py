@@ -1,4 +1,4 @@
-"""The base model's identity in a LoRA checkpoint (models/lora_checkpoint.py): the fingerprint
+"""The base model's identity in a LoRA checkpoint (transforms/lora_base.py): the fingerprint
 reads names, sizes and the first and last MiB of weight files only, and `check_base` /
 `check_settings` / the checkpoint's own check refuse another base or other settings, naming both."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import LoraConfig
-from megatron_rl.models.lora_checkpoint import (
+from megatron_rl.transforms.lora_base import (
     FINGERPRINT_BYTES,
     BaseMismatch,
     base_identity,

@@ -81,9 +81,9 @@ def publisher_of(rank, world_size, resolved_json, hf_dir, out):
     from megatron_rl import parallel
     from megatron_rl.config import load_resolved
     from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.lora import apply_lora
     from megatron_rl.policy.publish import make_publisher
     from megatron_rl.trainer.weights import load_initial_weights
+    from megatron_rl.transforms.lora import apply_lora
 
     parallel.initialize_model_parallel()
     resolved = load_resolved(resolved_json)

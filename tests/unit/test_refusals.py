@@ -9,8 +9,8 @@ import asyncio
 import pytest
 
 from megatron_rl.algorithms.base import make_algorithm
-from megatron_rl.models import checkpoint_io
-from megatron_rl.models.convert import hf_to_checkpoint
+from megatron_rl.conversion import checkpoint_io
+from megatron_rl.conversion.convert import hf_to_checkpoint
 from megatron_rl.parallel import free_port
 from megatron_rl.transport.weight_buckets import WeightUpdateGroup
 from tests.support.orchestrator import orchestrator_config

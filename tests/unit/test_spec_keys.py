@@ -8,7 +8,7 @@ import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-from megatron_rl.models.spec_keys import plan_load
+from megatron_rl.conversion.spec_keys import plan_load
 
 LAYERS = 3
 

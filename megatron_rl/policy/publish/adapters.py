@@ -1,5 +1,5 @@
 """A LoRA policy's adapter-only updates (`lora.serve` resolving to `adapter`): each version is
-the adapters alone, in PEFT's format (models/peft.py), which the servers load with
+the adapters alone, in PEFT's format (transforms/peft.py), which the servers load with
 `/v1/load_lora_adapter` in place of the previous version's (inference/pool.WeightSync), so an
 update moves the adapter's bytes, not the model's.
 
@@ -27,7 +27,12 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.config import Architecture
-from megatron_rl.models.peft import (
+from megatron_rl.models.sharding import gather_full_parameters
+from megatron_rl.policy.publish.broadcast import BroadcastPublisher
+from megatron_rl.policy.publish.files import sha256_of
+from megatron_rl.policy.publish.ownership import writer_roles
+from megatron_rl.trainer import atomic_dir
+from megatron_rl.transforms.peft import (
     WEIGHTS_FILE,
     adapter_config,
     hf_target_modules,
@@ -35,11 +40,6 @@ from megatron_rl.models.peft import (
     megatron_adapters_to_peft,
     write_peft_adapter,
 )
-from megatron_rl.models.sharding import gather_full_parameters
-from megatron_rl.policy.publish.broadcast import BroadcastPublisher
-from megatron_rl.policy.publish.files import sha256_of
-from megatron_rl.policy.publish.ownership import writer_roles
-from megatron_rl.trainer import atomic_dir
 
 
 def owned_adapter_tensors(model, arch: Architecture) -> dict:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megatron_rl import compat
 from megatron_rl.config import Architecture
-from megatron_rl.models.hf_mapping import EMBEDDING_RENAMES, decoder_layer_of
+from megatron_rl.conversion.hf_mapping import EMBEDDING_RENAMES, decoder_layer_of
 from megatron_rl.policy.publish.ownership import owned_hf_tensors
 from megatron_rl.transport import weight_buckets as wb
 from megatron_rl.transport.weight_buckets import WeightUpdateGroup

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_rl.config import Architecture
-from megatron_rl.models.checkpoint_io import copy_hf_side_files
+from megatron_rl.conversion.checkpoint_io import copy_hf_side_files
 from megatron_rl.policy.publish.ownership import owned_hf_tensors, writer_roles
 from megatron_rl.trainer import atomic_dir
 

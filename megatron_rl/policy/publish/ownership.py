@@ -4,7 +4,7 @@ one rank per (stage, expert-parallel rank) its experts, so nothing else crosses 
 
 A LoRA policy (`lora`) publishes merged weights: the inference servers serve a plain model, so
 each owner folds the adapters of its gathered layers into their weights, W + (alpha / rank) B A
-(models/lora.merge_adapter_tensors), and publishes them under the plain HF names; no adapter
+(transforms/lora.merge_adapter_tensors), and publishes them under the plain HF names; no adapter
 tensor is ever published."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches
 from megatron.core import parallel_state as ps
 
 from megatron_rl.config import Architecture
-from megatron_rl.models.hf_mapping import megatron_to_hf
-from megatron_rl.models.lora import merge_adapter_tensors
-from megatron_rl.models.peft import is_adapter
+from megatron_rl.conversion.hf_mapping import megatron_to_hf
 from megatron_rl.models.sharding import gather_full_parameters
+from megatron_rl.transforms.lora import merge_adapter_tensors
+from megatron_rl.transforms.peft import is_adapter
 
 
 def writer_roles() -> tuple[bool, bool, str]:

@@ -1,7 +1,7 @@
 """LoRA adapters in PEFT's format, which transformers + PEFT and vLLM load: a directory with
 `adapter_config.json` and `adapter_model.safetensors`, tensors named
 `base_model.model.<HF module>.lora_A.weight` [rank, in] and `.lora_B.weight` [out, rank], and
-the scale lora_alpha / r, the same as ours (models/lora.py).
+the scale lora_alpha / r, the same as ours (transforms/lora.py).
 
 Megatron fuses some HF linears into one (linear_qkv = q, k, v per query group; linear_fc1 =
 [gate; up]); its adapter is one A and one B over the fused output. On HF's modules that is the
@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.config import Architecture
-from megatron_rl.models.hf_mapping import family_mapping
+from megatron_rl.conversion.hf_mapping import family_mapping
 
 PREFIX = "base_model.model."
 CONFIG_FILE = "adapter_config.json"

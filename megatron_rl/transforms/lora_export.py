@@ -1,42 +1,17 @@
-"""LoRA training checkpoints: the trainable tensors and the base model's identity, not a copy of
-the base; their export as a PEFT adapter directory or as merged HF weights.
-
-A LoRA role's checkpoint (the policy's `lora`, the critic's `value.lora`; trainer/checkpoint.py)
-writes only what trains: every adapter (`*.lora_a`, `*.lora_b`) and, for the critic, its value
-head (`value_head.*`), beside the optimizer state (which holds only those anyway). The frozen
-base is not written; meta.json's `lora` names it instead:
-
-    {"rank", "alpha", "target_modules", "key": "lora" | "value.lora",
-     "base": {"where": "model.checkpoint", "checkpoint": "/abs/path" | null,
-              "fingerprint": "sha256:..." | null, "seed": int}}
-
-On resume the base is what the config's `model.checkpoint` (`value.model.checkpoint`) loaded
-before LoRA wrapped the model, and the checkpoint gives the adapters; `check_base` refuses a
-base whose fingerprint differs from the saved one, or a base where the checkpoint had none (or
-the reverse), naming both paths. A moved copy of the same base (same fingerprint) resumes.
-
-The fingerprint (`fingerprint`) is sha256 over every weight file under the base directory
-(`WEIGHT_SUFFIXES`: safetensors, torch files, megatron's `.distcp` shards and its
-`.metadata`), sorted by relative path: the path, the file's size, and its first and last MiB.
-A safetensors file starts with its header (each tensor's name, dtype, shape and offsets) and
-its first and last MiB hold the first and last tensors' bytes; a dist checkpoint's `.metadata`
-holds the layout of every tensor. So it reads at most 2 MiB a file (about 60 MiB for a 60 GB
-checkpoint in 30 shards: well under a second), and sees another architecture, dtype, sharding,
-a truncated or re-saved file, or a fine-tuned model (whose first and last tensors differ), but
-not an edit confined to the middle of a file with its size unchanged. Config and tokenizer
-files are not weights and are not part of it. A random base (`checkpoint` null) is identified
-by the role's seed: it is rebuilt from that seed at the layout the checkpoint resumes at.
-
-Export: `trainable_tensors` loads a step's adapters (and head) as full tensors at TP = 1 (under
-the names `gather_full_parameters` gives), `export_peft` writes them in PEFT's format
-(models/peft.py), `export_merged` writes the base's HF tensors with each adapter folded in,
-W + (alpha / rank) B A, one decoder layer at a time, plus the HF side files.
+"""The LoRA export tool (`megatron-rl export-lora`, and the conversion of a LoRA training checkpoint
+step to HF weights): a step's adapters (and a critic's value head) as full tensors at TP = 1
+(`trainable_tensors`, under the names `gather_full_parameters` gives), written in PEFT's format
+(`export_peft`, transforms/peft.py) or folded into the base's HF tensors, W + (alpha / rank) B A,
+one decoder layer at a time, with the HF side files (`export_merged`). `export_hf` writes any
+checkpoint as HF weights: a LoRA step merged into the base its meta.json names, any other through
+conversion/convert.py. What every save and resume runs (the base's identity) is
+transforms/lora_base.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -45,122 +20,34 @@ import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches
 import torch
 
 from megatron_rl.config import Architecture
-from megatron_rl.models import checkpoint_io as io
-
-FINGERPRINT_BYTES = 1 << 20
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp", ".metadata")
-TRAINING_META = "meta.json"
-
-
-class BaseMismatch(ValueError):
-    """A LoRA checkpoint and the base model it is asked to resume (or export) on differ."""
-
-
-def is_trainable_key(name: str) -> bool:
-    """Whether a state-dict (or sharded state dict) entry is one a LoRA checkpoint writes: an
-    adapter or the critic's value head."""
-    return name.endswith((".lora_a", ".lora_b")) or name.startswith("value_head.")
-
-
-def _weight_files(directory: Path) -> list[Path]:
-    return sorted(
-        (p for p in directory.rglob("*") if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.name in WEIGHT_SUFFIXES)),
-        key=lambda p: p.relative_to(directory).as_posix(),
-    )
-
-
-def fingerprint(directory: str | Path, where: str = "model.checkpoint") -> str:
-    """sha256 (as "sha256:HEX") over the relative path, size and first and last MiB of every
-    weight file under `directory` (see the module's docstring for what it sees)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"{where}: {directory} is not a directory (the LoRA base model)")
-    files = _weight_files(directory)
-    if not files:
-        raise FileNotFoundError(f"{where}: {directory} holds no weight files ({', '.join(WEIGHT_SUFFIXES)})")
-    digest = hashlib.sha256()
-    for path in files:
-        size = path.stat().st_size
-        digest.update(f"{path.relative_to(directory).as_posix()}\0{size}\0".encode())
-        with path.open("rb") as f:
-            digest.update(f.read(FINGERPRINT_BYTES))
-            if size > FINGERPRINT_BYTES:
-                f.seek(max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES))
-                digest.update(f.read(FINGERPRINT_BYTES))
-    return f"sha256:{digest.hexdigest()}"
-
-
-def base_identity(checkpoint: str | None, where: str, seed: int) -> dict:
-    """The base model's identity for a LoRA checkpoint's meta: its path (absolute) and
-    fingerprint, or for a random base (`checkpoint` None) the seed it is drawn from."""
-    if not checkpoint:
-        return {"where": where, "checkpoint": None, "fingerprint": None, "seed": seed}
-    path = Path(checkpoint).absolute()
-    return {"where": where, "checkpoint": str(path), "fingerprint": fingerprint(path, where), "seed": seed}
-
-
-def lora_meta(lora, key: str, base: dict) -> dict:
-    """meta.json's `lora` of a LoRA role: its config section `key` (`lora` / `value.lora`) and base."""
-    return {"key": key, "rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules),
-            "base": base}  # fmt: skip
-
-
-def _describe(base: dict) -> str:
-    if base.get("checkpoint") is None:
-        return f"a random initialisation (seed {base.get('seed')}, {base.get('where')} null)"
-    return f"{base['checkpoint']} ({base.get('fingerprint')})"
-
-
-def check_base(saved: Mapping, current: Mapping, checkpoint: str | Path) -> None:
-    """Refuses (BaseMismatch, naming both) a base other than the one the LoRA checkpoint at
-    `checkpoint` was trained on: another fingerprint, a base where there was none or the
-    reverse, another seed of a random base. The same files elsewhere (a moved copy) pass."""
-    where = current.get("where") or saved.get("where") or "model.checkpoint"
-    same = (
-        saved.get("fingerprint") == current.get("fingerprint")
-        if saved.get("checkpoint") and current.get("checkpoint")
-        else saved.get("checkpoint") is None and current.get("checkpoint") is None
-        and saved.get("seed") == current.get("seed")
-    )
-    if not same:
-        raise BaseMismatch(
-            f"{checkpoint}: its LoRA adapters were trained on the base {_describe(saved)}, but {where} is now "
-            f"{_describe(current)}; adapters on another base would compute another model, so this is refused. "
-            f"Set {where} to the base the checkpoint was trained on (a copy with the same files passes), or start "
-            "a new run (another checkpoint.dir)"
-        )
-
-
-def check_settings(saved: Mapping, current: Mapping, checkpoint: str | Path) -> None:
-    """Refuses to resume adapters under other LoRA settings (rank, alpha, targets), naming the key."""
-    differ = [k for k in ("rank", "alpha", "target_modules") if saved.get(k) != current.get(k)]
-    if differ:
-        key = current.get("key", "lora")
-        raise ValueError(
-            f"{checkpoint}: its adapters were trained with "
-            + ", ".join(f"{key}.{k} {saved.get(k)}" for k in differ) + "; this run has "
-            + ", ".join(f"{key}.{k} {current.get(k)}" for k in differ) + ": a LoRA checkpoint resumes with its own settings"
-        )  # fmt: skip
-
-
-def read_lora_meta(step_dir: str | Path) -> dict | None:
-    """meta.json's `lora` of a training checkpoint step (None: a checkpoint with every tensor)."""
-    path = Path(step_dir) / TRAINING_META
-    if not path.is_file():
-        raise io.CheckpointError(f"{step_dir}: not a training checkpoint step directory (no {TRAINING_META})")
-    return json.loads(path.read_text()).get("lora")
-
-
-# -- export ------------------------------------------------------------------------------------
+from megatron_rl.config.model import EXPERT_LORA_TARGETS
+from megatron_rl.conversion import checkpoint_io as io
+from megatron_rl.conversion.convert import (
+    checkpoint_to_hf,
+    layer_of,
+    load_checkpoint_tensors,
+    load_structure_tensors,
+    single_process_group,
+    write_hf_by_layer,
+)
+from megatron_rl.conversion.hf_mapping import MegatronStateFromHF
+from megatron_rl.models.builder import build_gpt_model
+from megatron_rl.models.value_model import build_value_model
+from megatron_rl.transforms.lora import apply_lora, merge_adapter_tensors
+from megatron_rl.transforms.lora_base import (
+    TRAINING_META,
+    BaseMismatch,
+    base_identity,
+    check_base,
+    is_trainable_key,
+    read_lora_meta,
+)
+from megatron_rl.transforms.peft import megatron_adapters_to_peft, write_peft_adapter
 
 
 def _adapted_structure(arch: Architecture, lora: Mapping, value_model: bool) -> dict:
     """The trainable entries of the sharded state dict of the LoRA-wrapped local-spec model at
     TP = PP = EP = 1 on the meta device (the names of `gather_full_parameters`)."""
-    from megatron_rl.config.model import EXPERT_LORA_TARGETS
-    from megatron_rl.models.builder import build_gpt_model
-    from megatron_rl.models.lora import apply_lora
-    from megatron_rl.models.value_model import build_value_model
 
     experts = bool(arch.num_experts) and any(t in EXPERT_LORA_TARGETS for t in lora["target_modules"])
     builder = build_value_model if value_model else build_gpt_model
@@ -174,12 +61,11 @@ def _adapted_structure(arch: Architecture, lora: Mapping, value_model: bool) -> 
 def trainable_tensors(step_dir: str | Path, arch: Architecture, value_model: bool = False) -> dict[str, torch.Tensor]:
     """The full (TP = 1) adapters, and a critic's value head, of a LoRA training checkpoint step
     written at any layout, in their saved dtypes: `decoder.layers.0.self_attention.linear_qkv.lora_a`, ..."""
-    from megatron_rl.models.convert import _single_process_group, load_structure_tensors
 
     lora = read_lora_meta(step_dir)
     if lora is None:
         raise io.CheckpointError(f"{step_dir}: not a LoRA checkpoint (its meta.json has no lora section)")
-    _single_process_group()
+    single_process_group()
     structure = _adapted_structure(arch, lora, value_model)
     return load_structure_tensors(Path(step_dir) / "dist", structure)
 
@@ -207,7 +93,6 @@ def hf_base_dir(base: str | Path | None, fallback: str | Path | None = None) -> 
 def export_peft(step_dir: str | Path, out: str | Path, arch: Architecture, base_model: str | None) -> list[str]:
     """Writes a policy checkpoint step's adapters as a PEFT adapter directory (adapter_config.json,
     adapter_model.safetensors) with `base_model` as base_model_name_or_path."""
-    from megatron_rl.models.peft import megatron_adapters_to_peft, write_peft_adapter
 
     lora = read_lora_meta(step_dir)
     if lora is not None and lora.get("key") == "value.lora":
@@ -225,8 +110,6 @@ def export_peft(step_dir: str | Path, out: str | Path, arch: Architecture, base_
 def _base_megatron_tensors(base: Path, arch: Architecture) -> tuple[Mapping[str, torch.Tensor], bool]:
     """(the base's full megatron tensors, whether it is a value model): a converted checkpoint
     loaded in its dtype, or an HF directory's tensors mapped lazily."""
-    from megatron_rl.models.convert import load_checkpoint_tensors
-    from megatron_rl.models.hf_mapping import MegatronStateFromHF
 
     if (base / io.META_FILE).is_file():
         value_model = bool(io.read_meta(base)["value_model"])
@@ -242,8 +125,6 @@ def export_merged(step_dir: str | Path, out: str | Path, hf_config_dir: str | Pa
     one its meta.json names; checked against the saved fingerprint): W + (alpha / rank) B A in
     W's dtype (computed in float32), plain HF names, one decoder layer at a time, with the config
     and tokenizer files of `hf_config_dir`. A critic's (`value.lora`) gets its trained value head."""
-    from megatron_rl.models.convert import _group_of, _single_process_group, write_hf_by_layer
-    from megatron_rl.models.lora import merge_adapter_tensors
 
     lora = read_lora_meta(step_dir)
     if lora is None:
@@ -260,16 +141,16 @@ def export_merged(step_dir: str | Path, out: str | Path, hf_config_dir: str | Pa
     if value_model is None:
         value_model = lora.get("key") == "value.lora"
     arch = io.read_architecture(Path(hf_config_dir))
-    _single_process_group()
+    single_process_group()
     trained = trainable_tensors(step_dir, arch, value_model)
     base_tensors, _ = _base_megatron_tensors(Path(base), arch)
     names = sorted({n for n in base_tensors if value_model or not n.startswith("value_head.")}
                    | {n for n in trained if not n.endswith((".lora_a", ".lora_b"))})  # fmt: skip
 
     def layers():
-        for group in sorted({_group_of(n) for n in names}):
-            layer = {n: trained[n] if n in trained else base_tensors[n] for n in names if _group_of(n) == group}
-            layer.update({n: t for n, t in trained.items() if _group_of(n) == group and n.endswith((".lora_a", ".lora_b"))})
+        for group in sorted({layer_of(n) for n in names}):
+            layer = {n: trained[n] if n in trained else base_tensors[n] for n in names if layer_of(n) == group}
+            layer.update({n: t for n, t in trained.items() if layer_of(n) == group and n.endswith((".lora_a", ".lora_b"))})
             yield merge_adapter_tensors(layer, lora["alpha"])
 
     paths = write_hf_by_layer(layers(), arch, value_model, Path(out), f"{step_dir}: the checkpoint and its base give")
@@ -309,8 +190,6 @@ def export_lora(resolved, step_dir: str | Path, out: str | Path, merged: bool = 
     hf_dir = hf_base_dir(base, served or model_config.hf_config)
     partial = out.with_name(out.name + ".partial")
     if partial.exists():
-        import shutil
-
         shutil.rmtree(partial)
     if merged:
         config_dir = served or model_config.hf_config or hf_dir
@@ -327,3 +206,14 @@ def export_lora(resolved, step_dir: str | Path, out: str | Path, merged: bool = 
         out.rmdir()
     partial.rename(out)
     return [line.replace(str(partial), str(out)) for line in lines]
+
+
+def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, hf_config_dir: str | Path,
+              value_model: bool | None = None) -> list[str]:  # fmt: skip
+    """Writes HF safetensors of a converted checkpoint or of one training checkpoint step: a LoRA
+    step (adapters only) merged into the base its meta.json names (`export_merged`), any other
+    through `checkpoint_to_hf` (whose `value_model` says what a training step's meta.json does not)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if (checkpoint_dir / TRAINING_META).is_file() and read_lora_meta(checkpoint_dir) is not None:
+        return export_merged(checkpoint_dir, out_dir, hf_config_dir, value_model=value_model)
+    return checkpoint_to_hf(checkpoint_dir, Path(out_dir), Path(hf_config_dir), value_model=value_model)

@@ -19,6 +19,7 @@ or the TE spec (`spec_keys.py`). Used by tools/convert_*.py.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -30,17 +31,22 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 
 from megatron_rl import parallel
 from megatron_rl.config import Architecture
-from megatron_rl.models import checkpoint_io as io
+from megatron_rl.conversion import checkpoint_io as io
+from megatron_rl.conversion.hf_mapping import (
+    ConversionError,
+    MegatronStateFromHF,
+    family_mapping,
+    megatron_to_hf,
+)
+from megatron_rl.conversion.spec_keys import checkpoint_keys, plan_load
 from megatron_rl.models.builder import build_gpt_model
-from megatron_rl.models.hf_mapping import ConversionError, MegatronStateFromHF, family_mapping, megatron_to_hf
-from megatron_rl.models.spec_keys import checkpoint_keys, plan_load
 from megatron_rl.models.value_model import build_value_model, initial_value_head
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _HEAD = ("value_head.weight", "value_head.bias")
 
 
-def _single_process_group() -> None:
+def single_process_group() -> None:
     """A one-rank default group for megatron's checkpointing, unless one exists. Its store lives in
     this process (a HashStore): a converter listens on no port (the TCPStore server that
     `env://` starts listens on every interface)."""
@@ -87,7 +93,7 @@ def hf_to_checkpoint(
     full = MegatronStateFromHF(hf_state, arch, value_model=value_model)
     if (out_dir / io.MODEL_DIR).exists() and any((out_dir / io.MODEL_DIR).iterdir()):
         raise io.CheckpointError(f"{out_dir / io.MODEL_DIR}: not empty; refusing to overwrite a checkpoint")
-    _single_process_group()
+    single_process_group()
     structure, shapes = checkpoint_structure(arch, value_model)
     missing = sorted(set(shapes) - set(full) - set(_HEAD))
     if missing:
@@ -136,7 +142,7 @@ def hf_to_checkpoint(
     ]
 
 
-def _group_of(name: str) -> int:
+def layer_of(name: str) -> int:
     """The decoder layer a state-dict entry belongs to; -1 for the rest (embeddings, heads)."""
     match = _LAYER.match(name)
     return int(match[1]) if match else -1
@@ -200,7 +206,7 @@ def load_checkpoint_full(checkpoint_dir: Path, hf_config_dir: Path | None = None
     checkpoint_dir = Path(checkpoint_dir)
     meta = io.read_meta(checkpoint_dir)
     arch = io.read_architecture(hf_config_dir) if hf_config_dir else io.Architecture(**meta["architecture"])
-    _single_process_group()
+    single_process_group()
     return arch, meta["value_model"], load_checkpoint_tensors(checkpoint_dir, arch, meta["value_model"])
 
 
@@ -208,23 +214,24 @@ def checkpoint_to_hf(checkpoint_dir: Path, out_dir: Path, hf_config_dir: Path, v
     """Writes the HF safetensors of a converted checkpoint, or of one step of a training
     checkpoint (whose meta.json does not say whether it is a value model: `value_model` does),
     loaded once in its dtype, written one decoder layer at a time. A LoRA training checkpoint
-    (adapters only, models/lora_checkpoint.py) is merged into the base its meta.json names."""
+    holds adapters only: transforms/lora_export.export_hf merges it into its base."""
     checkpoint_dir = Path(checkpoint_dir)
-    if (checkpoint_dir / "meta.json").is_file():
-        from megatron_rl.models.lora_checkpoint import export_merged, read_lora_meta
-
-        if read_lora_meta(checkpoint_dir) is not None:  # adapters only: merged into the base its meta names
-            return export_merged(checkpoint_dir, out_dir, hf_config_dir, value_model=value_model)
+    training_meta = checkpoint_dir / "meta.json"
+    if training_meta.is_file() and json.loads(training_meta.read_text()).get("lora") is not None:
+        raise ConversionError(
+            f"{checkpoint_dir}: a LoRA training checkpoint (adapters only, no base weights): write it as HF "
+            "weights with transforms/lora_export.export_hf (the base merged in) or megatron-rl export-lora"
+        )
     if value_model is None:
         value_model = io.read_meta(checkpoint_dir)["value_model"]
     arch = io.read_architecture(hf_config_dir)
-    _single_process_group()
+    single_process_group()
     full = load_checkpoint_tensors(checkpoint_dir, arch, value_model)
 
     def layers():
-        for group in sorted({_group_of(name) for name in full}):
+        for group in sorted({layer_of(name) for name in full}):
             # Each layer's tensors are dropped once written (the writer holds at most one shard).
-            yield {name: full.pop(name) for name in [n for n in full if _group_of(n) == group]}
+            yield {name: full.pop(name) for name in [n for n in full if layer_of(n) == group]}
 
     paths = write_hf_by_layer(layers(), arch, value_model, out_dir, f"{checkpoint_dir}: the checkpoint gives")
     copied = io.copy_hf_side_files(Path(hf_config_dir), Path(out_dir))
@@ -232,7 +239,7 @@ def checkpoint_to_hf(checkpoint_dir: Path, out_dir: Path, hf_config_dir: Path, v
 
 
 def write_hf_by_layer(layers, arch: io.Architecture, value_model: bool, out_dir: Path, what: str) -> list[Path]:
-    """Writes megatron tensors given one layer (a `_group_of` group) at a time as HF safetensors
+    """Writes megatron tensors given one layer (a `layer_of` group) at a time as HF safetensors
     shards in `out_dir`; every HF tensor of the architecture must come (ConversionError naming
     `what` and the absent ones otherwise). The shard paths."""
     mapping = family_mapping(arch, value_model)
