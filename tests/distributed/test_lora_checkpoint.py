@@ -168,6 +168,8 @@ def check_exports(lines: dict, directory: Path, hf_base: Path, out: dict) -> Non
     merged_tensors, eval_tensors = load_file(merged / "model.safetensors"), load_file(directory / "eval" / "model.safetensors")
     assert sorted(eval_tensors) == sorted(merged_tensors)
     assert all(torch.equal(eval_tensors[k], t) for k, t in merged_tensors.items())
+    assert "a LoRA training checkpoint (adapters only, no base weights)" in lines["plain_conversion"]
+    assert "export_hf" in lines["plain_conversion"] and not (directory / "plain").exists()
 
 
 # Rank functions: module-level, so that the spawned ranks can import them.
@@ -254,10 +256,16 @@ def export_both(rank, world_size, step_dir, yaml_path, out):
         result["full_rc"] = cli.main(["export-lora", str(full_step), "--config", yaml_path, "--out", f"{out}/full"])
     result["full_err"] = err.getvalue()
     # what `megatron-rl eval --checkpoint` converts a step with: merged into the base meta.json names
+    from megatron_rl.conversion.convert import checkpoint_to_hf
+    from megatron_rl.conversion.hf_mapping import ConversionError
     from megatron_rl.transforms.lora_export import export_hf
 
     base = yaml.safe_load(Path(yaml_path).read_text())["model"]["hf_config"]
     export_hf(Path(step_dir), Path(out) / "eval", Path(base), value_model=False)
+    try:  # the plain conversion has no base to merge into: it refuses the step, naming the tool
+        checkpoint_to_hf(Path(step_dir), Path(out) / "plain", Path(base), value_model=False)
+    except ConversionError as error:
+        result["plain_conversion"] = str(error)
     return result
 
 
