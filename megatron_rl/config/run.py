@@ -22,7 +22,7 @@ class Config(Strict):
     """A run's whole config: every section."""
 
     model: ModelConfig = Field(description="The policy's Megatron model.")
-    lora: PolicyLoraConfig | None = Field(default=None, description="Train LoRA adapters on the policy instead of all its weights (the KL reference is then the model with its adapters off; inference gets merged weights); null: full fine-tuning.")
+    lora: PolicyLoraConfig | None = Field(default=None, description="Train LoRA adapters on the policy instead of all its weights (the KL reference is then the model with its adapters off; each version reaches inference as set by lora.serve: the adapters alone, or merged weights); null: full fine-tuning.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="The policy's optimizer.")
     value: ValueConfig | None = Field(default=None, description="The critic (algorithms whose advantage is gae need one); null: no critic.")
     algorithm: AlgorithmConfig = Field(description="The RL algorithm: preset, advantage estimator, policy loss, update options.")

@@ -11,6 +11,10 @@ checks the setting when it is built (path (b) joins every inference worker then)
     broadcast.py   path (b), `inference.weight_update: nccl` (BroadcastPublisher): a broadcast
                    from policy rank 0 to every inference worker in a WeightUpdateGroup (NCCL on
                    GPU, gloo on CPU), one decoder layer at a time (stream_parts)
+    adapters.py    a LoRA policy's adapter-only versions (`lora.serve: adapter`), on either
+                   path: the adapters alone in PEFT's format, loaded in place with
+                   /v1/load_lora_adapter (AdapterPublisher, AdapterBroadcastPublisher,
+                   publish_adapter, owned_adapter_tensors)
 """
 
 from megatron_rl.policy.publish.broadcast import BroadcastPublisher, stream_parts
