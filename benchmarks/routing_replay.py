@@ -68,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         fields = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
         model = build_gpt_model(arch, seq_len=args.seq_len, **fields)
         model.load_state_dict(initial)
-        attach_routing(model, mode, arch.num_layers, arch.num_experts_per_tok)
-        trainables[name] = build_trainable(model, OptimizerConfig(lr=1e-6), total_steps=10_000)
+        routing = attach_routing(model, mode, arch.num_layers, arch.num_experts_per_tok)
+        hooks = (routing,) if routing is not None else ()
+        trainables[name] = build_trainable(model, OptimizerConfig(lr=1e-6), total_steps=10_000, hooks=hooks)
         grids[name] = pack_into_grid(samples, args.seq_len, 1, routes=mode != "off")[0]
         settings[name] = UpdateSettings(AlgorithmConfig(type="ppo", old_logprobs="recompute", routing_replay=mode))
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}

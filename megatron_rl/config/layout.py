@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Literal
 
 from megatron_rl.config.base import Strict
-from megatron_rl.config.model import Architecture, ModelConfig
+from megatron_rl.config.model import (
+    Architecture,
+    LoraBase,
+    ModelConfig,
+    adapts_experts,
+    lora_serving,
+    vllm_max_lora_rank,
+)
 from megatron_rl.config.run import Config
 
 
@@ -32,6 +39,41 @@ class ModelLayout(Strict):
     # Sequence-parallel size: tp when the model runs sequence parallel (the builder turns it on
     # for MoE at tp > 1), else 1. Packed rows pad to a multiple of cp * sp.
     sp: int = 1
+
+
+class LoraPlan(Strict):
+    """A LoRA role's settings, decided once from its section (`lora`, `value.lora`): what its model
+    wraps and, for the policy, how each version reaches inference. Everything outside config/
+    reads these instead of the section."""
+
+    key: Literal["lora", "value.lora"]
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    # The adapters wrap an MoE model's experts: the model is built with one linear per expert
+    # (megatron's SequentialMLP, `moe_grouped_gemm` off): TE's grouped GEMM has no weight to wrap.
+    adapts_experts: bool
+    serve: Literal["adapter", "merged"] | None = None  # the policy's versions: adapters alone or merged
+    serve_reason: str = ""  # why (`lora.serve` and what the inference backend can serve)
+    vllm_max_lora_rank: int | None = None  # serve adapter: the servers' --max-lora-rank
+
+
+def lora_plan(lora: LoraBase | None, key: str, arch: Architecture | None, backend: str | None,
+              errors: list[str]) -> LoraPlan | None:  # fmt: skip
+    """The plan of a LoRA section (None without it); `backend` (the policy's inference backend)
+    decides how versions are served, None for the critic."""
+    if lora is None:
+        return None
+    plan = LoraPlan(key=key, rank=lora.rank, alpha=lora.alpha, target_modules=list(lora.target_modules),
+                    adapts_experts=adapts_experts(lora, arch))  # fmt: skip
+    if backend is not None:
+        plan.serve, plan.serve_reason = lora_serving(lora, arch, backend)
+        if plan.serve == "adapter":
+            try:
+                plan.vllm_max_lora_rank = vllm_max_lora_rank(lora.rank)
+            except ValueError as exc:
+                errors.append(f"{exc}: set lora.serve: merged, or a smaller lora.rank")
+    return plan
 
 
 class RunPaths(Strict):
@@ -59,6 +101,11 @@ class Layout(Strict):
     weight_broadcast_host: str
     policy_seed: int  # orchestrator.seed
     critic_seed: int  # orchestrator.seed + 1: the critic's own dropout / init streams
+    policy_lora: LoraPlan | None = None  # `lora`
+    critic_lora: LoraPlan | None = None  # `value.lora`
+    # The samples carry the sampler's routes (`algorithm.routing_replay` on): vLLM returns them,
+    # the grids carry them, the memory plan counts them.
+    sampler_routes: bool = False
 
 
 def read_architecture(model: ModelConfig, where: str, base_dir: Path, errors: list[str]) -> Architecture | None:

@@ -17,6 +17,7 @@ from megatron_rl.config.layout import (
     ResolvedConfig,
     fixed_ports,
     inference_urls,
+    lora_plan,
     model_layout,
     read_architecture,
     run_paths,
@@ -43,6 +44,8 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
         critic_layout = model_layout(config.value.model, critic_arch, critic_gpus, "value.model", errors)
     ports, inference_ports = fixed_ports(config, errors)
     urls = inference_urls(config, inference_ports, errors)
+    policy_lora = lora_plan(config.lora, "lora", policy_arch, config.inference.backend, errors)
+    critic_lora = lora_plan(config.value.lora if config.value else None, "value.lora", critic_arch, None, errors)
     if errors:
         raise ConfigError(source, errors)
     data = config.model_dump()
@@ -77,6 +80,9 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
         weight_broadcast_host=config.inference.weight_broadcast_host or "127.0.0.1",
         policy_seed=config.orchestrator.seed,
         critic_seed=config.orchestrator.seed + 1,
+        policy_lora=policy_lora,
+        critic_lora=critic_lora,
+        sampler_routes=config.algorithm.routing_replay != "off",
     )
     resolved = ResolvedConfig(**data, layout=layout)
     errors = check_fits(resolved, memory_plan(resolved))

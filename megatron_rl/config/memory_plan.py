@@ -81,7 +81,7 @@ from dataclasses import dataclass, field
 
 from megatron_rl.config.host_memory import GIB, HostMemory, ShardTensor, offloaded_host_memory
 from megatron_rl.config.layout import ModelLayout, ResolvedConfig
-from megatron_rl.config.model import LORA_TARGETS, Architecture, lora_serving
+from megatron_rl.config.model import LORA_TARGETS, Architecture
 from megatron_rl.config.model_memory import (  # the per-rank counts, imported from here by tests and tools
     BYTES,
     HOST_OFFLOAD_BYTES,
@@ -224,7 +224,7 @@ def _training_gpu(resolved: ResolvedConfig, role: str) -> GpuMemory:
         reference = role == "policy" and resolved.algorithm.kl_coef > 0 and resolved.lora is None
         if reference:
             parts["reference"] = weights  # the frozen initial policy, same layout and dtype
-        if role == "policy" and resolved.algorithm.routing_replay != "off":
+        if role == "policy" and resolved.layout.sampler_routes:
             parts["routes"] = routes_bytes(resolved) / GIB
         parts.update(fixed)
         tensors = rank_tensors(arch, layout, value_model, freeze, rank, stage, distributed, targets)
@@ -421,17 +421,16 @@ COLUMNS = ["weights", "reference", "routes", "gradients", "optimizer", "activati
 def weight_update_gib(resolved: ResolvedConfig) -> tuple[float, float | None]:
     """GiB one policy version sends to inference, in the model's dtype (`model.dtype`: both paths
     send the trainer's tensors as they are): (the whole model, as merged or full weights travel;
-    the adapters alone when a LoRA policy is served as adapters (`lora_serving`), else None). The
+    the adapters alone when a LoRA policy is served as adapters (the layout's `policy_lora.serve`), else None). The
     adapters are counted as they are sent (`published_lora_elements`: PEFT's tensors for
     `lora.target_modules`, one A per Hugging Face module), not as the trainer holds them."""
     arch = resolved.layout.policy_architecture
     single = rank_parameters(arch, ModelLayout(world_size=1, tp=1, cp=1, pp=1, ep=1, dp=1, expert_dp=1))
     element = BYTES[resolved.model.dtype]
     full = single.total * element / GIB
-    serving, _ = lora_serving(resolved.lora, arch, resolved.inference.backend)
-    if serving != "adapter":
+    lora = resolved.layout.policy_lora
+    if lora is None or lora.serve != "adapter":
         return full, None
-    lora = resolved.lora
     return full, published_lora_elements(arch, lora.rank, lora.target_modules) * element / GIB
 
 

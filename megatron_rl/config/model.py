@@ -235,6 +235,19 @@ def lora_serving(lora: PolicyLoraConfig | None, arch: Architecture | None, backe
     return "adapter", f"lora.serve: {lora.serve}: each version is published as its adapters alone"
 
 
+# vLLM 0.32 accepts these --max-lora-rank values only (vllm/config/lora.py).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that holds adapters of `rank`; ValueError when
+    vLLM serves none that large."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"lora.rank {rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}")
+    return fits[0]
+
+
 class LoraConfig(LoraBase):
     """Low-rank adapters on the critic's backbone (the backbone stays frozen)."""
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_rl.config import ResolvedConfig, adapts_experts
+from megatron_rl.config import ResolvedConfig
 from megatron_rl.critic.loss import value_loss_func
 from megatron_rl.critic.pretrain import pretrain_batches, read_pretrain_jsonl
 from megatron_rl.critic.scoring import score_sequences
@@ -37,7 +37,6 @@ from megatron_rl.trainer.role import RoleTrainer
 from megatron_rl.trainer.snapshot import wait_for_snapshot
 from megatron_rl.trainer.step import train_step
 from megatron_rl.trainer.weights import load_backbone
-from megatron_rl.transforms.lora import apply_lora
 
 
 class CriticTrainer(RoleTrainer):
@@ -90,19 +89,11 @@ class CriticTrainer(RoleTrainer):
                 "value.model.transformer_engine",
             ),
             **model_config.recompute.transformer_fields(),
-            # expert adapters need one linear per expert (config/model.adapts_experts)
-            **({"moe_grouped_gemm": False} if adapts_experts(self.value.lora, self.arch) else {}),
+            **self.model_options(),  # the transforms' (`value.lora` on experts: one linear per expert)
         )
 
-    def lora_section(self):
-        return self.value.lora, "value.lora"
-
     def prepare_model(self) -> None:
-        if self.value.lora is not None:
-            lora = self.value.lora
-            apply_lora(
-                self.model, lora.rank, lora.alpha, tuple(lora.target_modules), seed=self.resolved.orchestrator.seed
-            )
+        """After the transforms (`value.lora`: adapters, the backbone frozen): `freeze_attention`."""
         if self.value.freeze_attention:
             freeze_attention(self.model)
         self.frozen = frozenset(name for name, p in self.model.named_parameters() if not p.requires_grad)
@@ -119,7 +110,7 @@ class CriticTrainer(RoleTrainer):
                 "seq_len": self.value.model.seq_len,
                 "dtype": self.value.model.dtype,
                 "loaded": self.loaded,
-                "lora": self.value.lora is not None,
+                "lora": self.resolved.layout.critic_lora is not None,
                 "freeze_attention": self.value.freeze_attention,
                 "trainable_parameters_on_rank0": trainable,
             },

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_rl.config import ResolvedConfig, lora_serving
+from megatron_rl.config import ResolvedConfig
 from megatron_rl.inference.router import RouterSettings, VllmRouter
 from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
 from megatron_rl.inference.vllm_server import ServerStartError, VllmServer
@@ -296,7 +296,7 @@ class InferencePool:
                     seed=resolved.orchestrator.seed,
                     http_log_level=resolved.logging.inference_level,
                     extra_args=inference.extra_args,
-                    return_routed_experts=resolved.algorithm.routing_replay != "off",
+                    return_routed_experts=resolved.layout.sampler_routes,
                     lora_rank=adapter_rank(resolved),
                     api_key=api_key,
                     launch=launch,
@@ -323,9 +323,9 @@ class InferencePool:
 
 def adapter_rank(resolved: ResolvedConfig) -> int | None:
     """The LoRA rank the servers must serve adapters of (a LoRA policy published as adapters:
-    `lora_serving`), None when they serve plain weights."""
-    serving, _ = lora_serving(resolved.lora, resolved.layout.policy_architecture, resolved.inference.backend)
-    return resolved.lora.rank if serving == "adapter" else None
+    `layout.policy_lora.serve`), None when they serve plain weights."""
+    plan = resolved.layout.policy_lora
+    return plan.rank if plan is not None and plan.serve == "adapter" else None
 
 
 def adapter_name(model_name: str) -> str:

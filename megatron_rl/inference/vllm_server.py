@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from megatron_rl.config.model import vllm_max_lora_rank
 from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
 from megatron_rl.lifetime import bound_to_parent
 
@@ -61,19 +62,12 @@ class ServerCommand(NamedTuple):
     env: dict[str, str]
 
 
-# vLLM 0.32 accepts these --max-lora-rank values only (vllm/config/lora.py).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
 def lora_server_args(rank: int) -> tuple[list[str], dict[str, str]]:
     """vLLM's arguments and environment to serve one LoRA adapter of `rank` at a time, loaded and
     replaced at run time: `--enable-lora`, `--max-lora-rank` (the smallest value vLLM accepts
     that holds `rank`), `--max-loras 1` (the policy's one adapter; an update replaces it in
     place) and VLLM_ALLOW_RUNTIME_LORA_UPDATING for `/v1/load_lora_adapter`."""
-    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
-    if not fits:
-        raise ValueError(f"lora.rank {rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}")
-    return (["--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", "1"],
+    return (["--enable-lora", "--max-lora-rank", str(vllm_max_lora_rank(rank)), "--max-loras", "1"],
             {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})  # fmt: skip
 
 

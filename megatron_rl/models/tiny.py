@@ -20,8 +20,9 @@ import json
 import random
 from pathlib import Path
 
+import jinja2
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -55,8 +56,6 @@ def corpus(seed: int, lines: int = 4000) -> list[str]:
 def _byte_level_bpe(vocab_size: int, texts: list[str], added: list[str] = ()) -> Tokenizer:
     """A byte-level BPE trained on `texts` with SPECIAL_TOKENS, then `added` (not special):
     `vocab_size` tokens at most."""
-    from tokenizers import AddedToken
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -83,8 +82,6 @@ TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>
 def tool_corpus(seed: int, lines: int = 400) -> list[str]:
     """Text in the shape of tool conversations (the tools block of CHATML_TOOLS with the python
     tool, Hermes calls, tool responses), so that the BPE merges compress them."""
-    import jinja2
-
     environment = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
     environment.filters["tojson"] = json.dumps
     template = environment.from_string(CHATML_TOOLS)

@@ -69,7 +69,7 @@ class Orchestrator:
         self.sink = TrainSink(o.admission, o.overlong, o.max_completion_tokens)
         self.one_packing = self._policy_packs_like_the_critic()
 
-        replay = resolved.algorithm.routing_replay != "off"  # the samples carry the sampler's routes
+        replay = resolved.layout.sampler_routes  # the samples carry the sampler's routes
         self.sampling = SamplingParams.from_config(o, resolved.layout.policy_architecture.num_experts if replay else 0)
         self.evaluator = (
             Evaluator(o.eval, client, encoder, o.max_completion_tokens, o.seed) if o.eval else None
@@ -85,7 +85,7 @@ class Orchestrator:
         seq_len, DP, CP and sequence-parallel sizes (packing is deterministic), so the critic
         grid is sent to the policy too instead of packing (copying) every token a second time."""
         r = self.resolved
-        if r.value is None or r.algorithm.policy_minibatches != 1 or r.algorithm.routing_replay != "off":
+        if r.value is None or r.algorithm.policy_minibatches != 1 or r.layout.sampler_routes:
             return False  # (the critic's grid never carries routes)
         critic, policy = r.layout.critic, r.layout.policy
         same_layout = (critic.dp, critic.cp, critic.sp) == (policy.dp, policy.cp, policy.sp)
@@ -163,7 +163,7 @@ class Orchestrator:
         else:
             policy_grid = pack_minibatches(samples, self.resolved.algorithm.policy_minibatches, (o.seed, step),
                                            self.resolved.model.seq_len, layout.policy.dp, layout.policy.cp,
-                                           layout.policy.sp, routes=self.resolved.algorithm.routing_replay != "off")  # fmt: skip
+                                           layout.policy.sp, routes=self.resolved.layout.sampler_routes)  # fmt: skip
         await self.send_policy(step, policy_grid)
         times["policy_send"] = clock() - mark
         sync_seconds = getattr(self.weights, "sync_seconds", None)

@@ -33,8 +33,7 @@ from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
 from megatron_rl.trainer.batches import RankBatch, RowSlice
 from megatron_rl.trainer.forward import forward_only
 from megatron_rl.trainer.step import RoleLoss
-from megatron_rl.transforms.lora import adapters_disabled
-from megatron_rl.transforms.routing import own_routes
+from megatron_rl.transforms.lora_transform import AdaptersOff
 
 
 @dataclass(kw_only=True)
@@ -83,38 +82,18 @@ def policy_batch(mb: MicroBatch, cp_rank: int = 0, cp_size: int = 1) -> PolicyBa
     )
 
 
-def forward_logprobs(model, batches: list[PolicyBatch], temperature: float = 1.0) -> list | None:
+def forward_logprobs(model, batches: list[PolicyBatch], temperature: float = 1.0, hooks=()) -> list | None:
     """Forward-only log-probabilities of every batch's next tokens under `model`'s
     softmax(logits / temperature), detached: a list on the last pipeline stage (where losses are
-    computed), None on the others."""
+    computed), None on the others. `hooks` take part in the pass (routing replay's: the policy's
+    pi_old; none for a reference, which routes by its own router)."""
     outputs = forward_only(
         model,
         batches,
         lambda logits, batch: megatron_vocab_parallel_logprobs(logits[0], batch.targets, temperature)[0],
+        hooks,
     )
     return None if outputs is None else [logprobs.detach() for logprobs in outputs]
-
-
-@dataclass(frozen=True)
-class AdaptersOff:
-    """The KL reference of a LoRA policy: `model` (the policy's own, unwrapped) within
-    `adapters_disabled`, i.e. its frozen base, the initial policy. During its pass the model is
-    in eval mode and routes by its own router (no routing replay or measurement), as a separate
-    reference model would; both are restored after."""
-
-    model: torch.nn.Module
-
-    @contextmanager
-    def active(self) -> Iterator[torch.nn.Module]:
-        training = self.model.training
-        with adapters_disabled(self.model) as count, own_routes(self.model):
-            if not count:
-                raise ValueError("the KL reference 'adapters off' needs a LoRA-adapted policy; this one has no adapters")
-            self.model.eval()
-            try:
-                yield self.model
-            finally:
-                self.model.train(training)
 
 
 @contextmanager

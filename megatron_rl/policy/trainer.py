@@ -12,12 +12,14 @@ critic when that version is one of `value.snapshot.steps` (trainer/snapshot.py),
 `checkpoint.save_interval` steps, and append one metrics line per step to
 `logging.dir/policy_metrics.jsonl`.
 
-LoRA (`lora`): `prepare_model` wraps the target linears after the initial weights are loaded and
-before DDP and the optimizer exist, so the frozen base gets neither gradient buffers nor optimizer
-state; the KL reference is then the same model with its adapters off (policy/loss.AdaptersOff),
-and every published version and snapshot holds merged weights (policy/publish/ownership.py,
-trainer/snapshot.py). Checkpoints hold the adapters and the base's identity (`model.checkpoint`,
-its fingerprint), not the base (transforms/lora_base.py).
+The model transforms (transforms/plan.py): LoRA (`lora`, transforms/lora_transform.py) wraps the
+target linears after the initial weights are loaded and before DDP and the optimizer exist, so the
+frozen base gets neither gradient buffers nor optimizer state; the KL reference is then the same
+model with its adapters off (`AdaptersOff`); each version reaches inference as the layout's
+`policy_lora.serve` says (policy/publish/), and snapshots hold merged weights
+(trainer/snapshot.py); checkpoints hold the adapters and the base's identity (`model.checkpoint`,
+its fingerprint), not the base. Routing replay (`algorithm.routing_replay`,
+transforms/routing.py) takes part in every training and pi_old pass (`Trainable.hooks`).
 """
 
 from __future__ import annotations
@@ -28,22 +30,18 @@ import time
 import torch
 
 from megatron_rl import faults, parallel
-from megatron_rl.config import ModelLayout, ResolvedConfig, adapts_experts
+from megatron_rl.config import ModelLayout, ResolvedConfig
 from megatron_rl.models.builder import build_gpt_model, transformer_engine_choice
-from megatron_rl.policy.loss import AdaptersOff
 from megatron_rl.policy.publish import make_publisher
 from megatron_rl.policy.update import UpdateSettings, policy_update
 from megatron_rl.trainer.role import RoleTrainer
 from megatron_rl.trainer.snapshot import export_snapshot, snapshot_versions
-from megatron_rl.transforms.lora import apply_lora
-from megatron_rl.transforms.routing import attach_routing
 
 
-def build_policy_model(resolved: ResolvedConfig, layout: ModelLayout) -> torch.nn.Module:
-    """The policy at `layout`; with expert adapters (`lora` on an MoE model's linear_fc1/fc2) its
-    experts are one linear each (SequentialMLP), not TE's grouped GEMM, so that each can be wrapped."""
-    arch = resolved.layout.policy_architecture
-    grouped = {"moe_grouped_gemm": False} if adapts_experts(resolved.lora, arch) else {}
+def build_policy_model(resolved: ResolvedConfig, layout: ModelLayout, **options) -> torch.nn.Module:
+    """The policy at `layout`, with the model transforms' `options` (LoRA on an MoE model's
+    experts: one linear per expert, SequentialMLP, not TE's grouped GEMM, so that each can be
+    wrapped)."""
     te = transformer_engine_choice(
         resolved.model.transformer_engine, resolved.deployment.device, layout.cp, "model.transformer_engine"
     )
@@ -57,7 +55,7 @@ def build_policy_model(resolved: ResolvedConfig, layout: ModelLayout) -> torch.n
         dtype=resolved.model.dtype,
         seq_len=resolved.model.seq_len,
         **resolved.model.recompute.transformer_fields(),
-        **grouped,
+        **options,
     )
 
 
@@ -90,51 +88,23 @@ class PolicyTrainer(RoleTrainer):
         self.settings = UpdateSettings.from_config(resolved)
 
     def build_model(self) -> torch.nn.Module:
-        """The policy, with routing replay on its MoE layers when `algorithm.routing_replay` is on
-        (never on the KL reference: `build_reference` builds a model of its own)."""
-        model = build_policy_model(self.resolved, self.layout)
-        arch = self.resolved.layout.policy_architecture
-        attach_routing(model, self.resolved.algorithm.routing_replay, arch.num_layers, arch.num_experts_per_tok)
-        return model
-
-    def prepare_model(self) -> None:
-        """LoRA (`lora`): adapters on the target linears, every other parameter frozen, before
-        DDP and the optimizer (which then hold the adapters only). Each adapter's A is drawn from
-        `layout.policy_seed` (the seed this role's process groups and initialisation take) and the
-        layer's name in the full model, so it is the same at every TP/CP/EP/PP layout and in every
-        run with that seed; B starts at 0, so the first step's policy is the loaded one."""
-        lora = self.resolved.lora
-        if lora is None:
-            return
-        wrapped = apply_lora(
-            self.model, lora.rank, lora.alpha, tuple(lora.target_modules), seed=self.resolved.layout.policy_seed
-        )
-        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in self.model.parameters())
-        if self.is_rank0:
-            self.log.info(
-                "policy: LoRA on: rank %d, alpha %g, targets %s (%d linears wrapped on rank 0); trainable "
-                "parameters on rank 0: %d of %d (%.3f%%); the KL reference is the model with its adapters off",
-                lora.rank, lora.alpha, ", ".join(lora.target_modules), len(wrapped), trainable, total,
-                100.0 * trainable / max(total, 1),
-            )  # fmt: skip
+        """The policy, with its transforms' options (one linear per expert for expert adapters).
+        The transforms (LoRA, routing replay) apply to it after its initial weights, in
+        `RoleTrainer`; never to the KL reference, which `build_reference` builds plain."""
+        return build_policy_model(self.resolved, self.layout, **self.model_options())
 
     def after_optimizer(self) -> None:
         """The KL reference, built once DDP and the optimizer exist: DDP allocates a new
         parameter and fp32 gradient buffer before it frees the old weights, and a reference
         already resident then would add its weights to that peak (on the 30B REINFORCE++
         example: 146.5 GiB of tensors, 152.5 with the memory plan's allowances, on a 140.4 GiB
-        GPU; config/memory_plan.py plans this order). A LoRA policy's reference is its own model
-        with the adapters off (`AdaptersOff`): nothing is built."""
+        GPU; config/memory_plan.py plans this order). A transform may give a frozen reference
+        without a copy (LoRA: the policy's own model with its adapters off): nothing is built."""
         if self.resolved.algorithm.kl_coef <= 0:
             self.reference = None
-        elif self.resolved.lora is not None:
-            self.reference = AdaptersOff(self.model)
-        else:
-            self.reference = build_reference(self.model, self.layout, self.resolved)
-
-    def lora_section(self):
-        return self.resolved.lora, "lora"
+            return
+        frozen = [r for r in (t.frozen_reference(self.model) for t in self.transforms) if r is not None]
+        self.reference = frozen[0] if frozen else build_reference(self.model, self.layout, self.resolved)
 
     def checkpoint_extra(self, step: int) -> dict:
         return {"policy_version": step + 1}
@@ -159,7 +129,7 @@ class PolicyTrainer(RoleTrainer):
         meta = self.resume()
         start = 0 if meta is None else meta["step"] + 1
         if self.is_rank0:
-            lora = resolved.lora
+            lora = resolved.layout.policy_lora
             self.log.info(
                 "policy: %s, layout %s, steps %d..%d, %s", self.loaded, self.layout.model_dump(), start,
                 self.num_steps - 1, f"LoRA rank {lora.rank} on {lora.target_modules}" if lora else "full fine-tuning",

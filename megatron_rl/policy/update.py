@@ -52,7 +52,7 @@ from megatron_rl.policy.loss import (
 )
 from megatron_rl.trainer.optimizer import Trainable
 from megatron_rl.trainer.step import reduce_statistics, train_on_batches
-from megatron_rl.transforms.routing import ModelRouting, routing_of
+from megatron_rl.transforms.routing import ModelRouting
 
 
 @dataclass(frozen=True)
@@ -85,10 +85,10 @@ def token_views(batches: list[PolicyBatch]) -> list[rollout_correction.TokenView
     ]
 
 
-def recompute_old_logprobs(model, batches: list[PolicyBatch], temperature: float) -> None:
+def recompute_old_logprobs(model, batches: list[PolicyBatch], temperature: float, hooks=()) -> None:
     """pi_old: the policy's own log-probabilities before the step's first update, into every
-    batch's `old_logprobs` (last pipeline stage)."""
-    for batch, logprobs in zip(batches, forward_logprobs(model, batches, temperature) or []):
+    batch's `old_logprobs` (last pipeline stage); `hooks` as in training (`Trainable.hooks`)."""
+    for batch, logprobs in zip(batches, forward_logprobs(model, batches, temperature, hooks) or []):
         batch.old_logprobs = logprobs
 
 
@@ -197,9 +197,9 @@ def policy_update(
     (`check_minibatches`) before any forward pass or update of the step."""
     algorithm, times = settings.algorithm, {}
     check_minibatches(micro_batches, algorithm.policy_minibatches)
-    routing = routing_of(trainable.model[0])
+    routing = next((hook for hook in trainable.hooks if isinstance(hook, ModelRouting)), None)
     if routing is not None:
-        check_routes(micro_batches, algorithm.routing_replay)
+        check_routes(micro_batches, routing.mode)
     cp_rank = parallel_state.get_context_parallel_rank()
     cp_size = parallel_state.get_context_parallel_world_size()
     batches = [policy_batch(mb, cp_rank, cp_size) for mb in micro_batches]
@@ -211,7 +211,7 @@ def policy_update(
     if algorithm.old_logprobs == "recompute":
         began = time.perf_counter()
         with measured(routing, True):
-            recompute_old_logprobs(trainable.model[0], batches, settings.temperature)
+            recompute_old_logprobs(trainable.model[0], batches, settings.temperature, trainable.hooks)
         times["recompute"] = time.perf_counter() - began
         began = time.perf_counter()
         mismatch = correct_rollouts(settings, batches)

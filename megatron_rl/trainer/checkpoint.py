@@ -26,13 +26,16 @@ loading template was built (its step is a local, non-persistent entry), i.e. the
 optimizer's, so without it a resumed run's bias correction would restart.
 RNG: the CPU generator, megatron's tracker, and with CUDA the default CUDA generator.
 
-LoRA (`lora=`, the role's `lora_meta`): `dist/` holds the trainable tensors only (adapters, and a
-critic's value head) besides the optimizer, and meta.json's `lora` the LoRA settings and the
-base model's identity (path and fingerprint; transforms/lora_base.py); the frozen base is not
-written. A load checks that the run's base and settings are the saved ones before reading
-anything, then loads the adapters into the model whose base the config already loaded. Without
-`lora` (full fine-tuning) the checkpoint holds the whole model, as ever; a LoRA run also resumes
-such a checkpoint (LoRA checkpoints written before adapters-only ones) with every tensor.
+Model transforms (`transforms=`, the role's; transforms/base.py): each keeps its entry in
+meta.json (`checkpoint_meta`, under its name) and says which model-state entries a checkpoint
+holds (`keeps`). A LoRA role's `dist/` holds the trainable tensors only (adapters, and a critic's
+value head) besides the optimizer, and meta.json's `lora` the settings and the base model's
+identity (transforms/lora_base.py); the frozen base is not written. A load first asks every
+transform whether the checkpoint resumes (`transforms.plan.check_saved_transforms`: the LoRA base
+and settings; a LoRA checkpoint in a run without LoRA is refused), then loads the kept entries into
+the model whose base the config already loaded. Without transforms that keep less (full
+fine-tuning) the checkpoint holds the whole model, as ever; a LoRA run also resumes such a
+checkpoint (LoRA checkpoints written before adapters-only ones) with every tensor.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ from megatron_rl.trainer.optimizer import (
     torch_optimizers,
     unify_adam_steps,
 )
-from megatron_rl.transforms.lora_base import check_base, check_settings, is_trainable_key
+from megatron_rl.transforms.base import ModelTransform
+from megatron_rl.transforms.plan import check_saved_transforms
 
 OPTIMIZER_FORMAT = "dp_reshardable"
 LEGACY_OPTIMIZER_FORMAT = "fully_reshardable"  # checkpoints whose meta.json names no format
@@ -148,13 +152,19 @@ def load_rng_file(path: Path) -> dict:
         raise ValueError(f"{path}: not a plain-tensor RNG state, refusing to load it ({exc})") from exc
 
 
-def _trainable_part(model, model_state: dict) -> dict:
-    """A LoRA model's sharded state dict restricted to what trains (`is_trainable_key`); refuses
-    a model with a trainable parameter outside it (its state would be lost)."""
-    lost = sorted(n for n, p in model.named_parameters() if p.requires_grad and not is_trainable_key(n))
+def _kept(key: str, transforms: list[ModelTransform]) -> bool:
+    return all(transform.keeps(key) for transform in transforms)
+
+
+def _kept_part(model, model_state: dict, transforms: list[ModelTransform]) -> dict:
+    """The model's sharded state dict restricted to what the transforms keep (a LoRA model's
+    adapters and value head); refuses a model with a trainable parameter outside it (its state
+    would be lost)."""
+    lost = sorted(n for n, p in model.named_parameters() if p.requires_grad and not _kept(n, transforms))
     if lost:
-        raise RuntimeError(f"LoRA checkpoint: trainable parameters that are not adapters or a value head: {lost[:3]}")
-    return {k: v for k, v in model_state.items() if is_trainable_key(k)}
+        names = ", ".join(t.name for t in transforms)
+        raise RuntimeError(f"checkpoint ({names}): trainable parameters it would not keep: {lost[:3]}")
+    return {k: v for k, v in model_state.items() if _kept(k, transforms)}
 
 
 def save_checkpoint(
@@ -163,11 +173,11 @@ def save_checkpoint(
     trainable: Trainable,
     extra: dict | None = None,
     keep_last: int = 2,
-    lora: dict | None = None,
+    transforms: list[ModelTransform] = (),
 ) -> Path:
     """Collective: every rank of the model calls it. Returns the complete step directory. With
-    `lora` (transforms/lora_base.lora_meta) the model's trainable tensors only, and `lora` in
-    meta.json."""
+    `transforms` that keep an entry in meta.json, the model state they keep (a LoRA role's: its
+    trainable tensors only) and their entries."""
 
     final = _step_dir(Path(directory), step)
     meta = {
@@ -178,8 +188,8 @@ def save_checkpoint(
         "scheduler": trainable.scheduler.state_dict(),
         "extra": extra or {},
     }
-    if lora is not None:
-        meta["lora"] = lora
+    saved_by = [t for t in transforms if t.checkpoint_meta() is not None]
+    meta.update({t.name: t.checkpoint_meta() for t in saved_by})
 
     def finish(partial: Path) -> None:  # rank 0, after every rank wrote its shards
         meta["adam_step"] = adam_step(trainable)
@@ -191,7 +201,7 @@ def save_checkpoint(
         unify_adam_steps(trainable)  # one step count per optimizer, as megatron checkpoints it
         model = trainable.model[0].module
         model_state = model.sharded_state_dict()
-        saved_model = model_state if lora is None else _trainable_part(model, model_state)
+        saved_model = _kept_part(model, model_state, saved_by) if saved_by else model_state
         state = {"model": saved_model, "optimizer": _optimizer_state(trainable, model_state, OPTIMIZER_FORMAT)}
         dist_checkpointing.save(state, str(partial / "dist"))
         torch.save(_rng_state(), partial / "rng" / f"rank{dist.get_rank():05d}.pt")
@@ -225,27 +235,13 @@ def restore_group_settings(trainable: Trainable, settings: list[list[dict]]) -> 
             group.update(own)
 
 
-def _check_lora(path: Path, saved: dict | None, lora: dict | None) -> None:
-    """A LoRA checkpoint resumes only a LoRA run on its own base, with its own settings."""
-    if saved is None:
-        return  # every tensor is in the checkpoint
-    if lora is None:
-        raise ValueError(
-            f"{path}: a LoRA checkpoint ({saved.get('key', 'lora')}: adapters of the base "
-            f"{saved['base'].get('checkpoint')}, not the whole model); this run trains without "
-            f"{saved.get('key', 'lora')}: set it as the checkpoint was written, or start a new run (another checkpoint.dir)"
-        )
-    check_base(saved["base"], lora["base"], path)
-    check_settings(saved, lora, path)
-
-
 def load_checkpoint(
-    directory: str | Path, trainable: Trainable, step: int | None = None, lora: dict | None = None
+    directory: str | Path, trainable: Trainable, step: int | None = None, transforms: list[ModelTransform] = ()
 ) -> dict | None:
     """Collective: restores checkpoint `step` (default: the latest) into `trainable`; returns
-    its meta ({"step", "extra", ...}) or None when there is none. `lora` (the run's
-    `lora_meta`): a LoRA checkpoint is checked against it (its base and settings) and loads the
-    trainable tensors only, into the model whose base is already loaded."""
+    its meta ({"step", "extra", ...}) or None when there is none. The run's `transforms` check
+    the checkpoint first (a LoRA base and settings) and, where it was written keeping less (a
+    LoRA role's adapters), only that is loaded, into the model whose base is already loaded."""
 
     if step is None:
         path = latest_checkpoint(directory)
@@ -257,7 +253,7 @@ def load_checkpoint(
         return None
     meta = json.loads((path / "meta.json").read_text())
     _check_layout(path, meta)
-    _check_lora(path, meta.get("lora"), lora)
+    check_saved_transforms(meta, list(transforms), path)
     sharding = meta.get("optimizer_format", LEGACY_OPTIMIZER_FORMAT)
     settings = group_settings(trainable)  # before megatron's sharded_state_dict / load touch them
     for hybrid in hybrid_optimizers(trainable.optimizer):
@@ -268,17 +264,18 @@ def load_checkpoint(
     unify_adam_steps(trainable)  # one step count per optimizer, as megatron checkpoints it
     model = trainable.model[0].module
     model_state = model.sharded_state_dict()
-    adapters_only = meta.get("lora") is not None
-    loaded_model = _trainable_part(model, model_state) if adapters_only else model_state
+    # the transforms whose entry the checkpoint has: it was written keeping what they keep
+    partial = [t for t in transforms if meta.get(t.name) is not None and t.checkpoint_meta() is not None]
+    loaded_model = _kept_part(model, model_state, partial) if partial else model_state
     _check_layer_spec(path, loaded_model)
     optimizer_state = _optimizer_state(trainable, model_state, sharding, is_loading=True)
     loaded = dist_checkpointing.load({"model": loaded_model, "optimizer": optimizer_state}, str(path / "dist"))
-    if adapters_only:  # the base stays as the config loaded it
+    if partial:  # what the transforms do not keep (a LoRA base) stays as the config loaded it
         missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
-        absent = [k for k in missing if is_trainable_key(k)]
+        absent = [k for k in missing if _kept(k, partial)]
         if absent or unexpected:
-            raise RuntimeError(f"{path}: the LoRA checkpoint does not fit the model: missing {absent[:3]}, "
-                               f"unexpected {unexpected[:3]}")  # fmt: skip
+            raise RuntimeError(f"{path}: the checkpoint ({', '.join(t.name for t in partial)}) does not fit the "
+                               f"model: missing {absent[:3]}, unexpected {unexpected[:3]}")  # fmt: skip
     else:
         model.load_state_dict(loaded["model"])
     trainable.optimizer.load_state_dict(loaded["optimizer"])

@@ -56,6 +56,9 @@ class Trainable:
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     optimizer_step_s: float = 0.0  # seconds in optimizer.step() since the role last reported them
     gradients: GradientHooks | None = None  # which trainable parameters got a gradient this step
+    # What takes part in every training pass (trainer/forward.py `passes`): a model transform's
+    # pass hook, such as routing replay's.
+    hooks: tuple = ()
 
 
 def training_ranks_per_node(resolved: ResolvedConfig, role: str) -> int:
@@ -82,13 +85,14 @@ def offload_threads(resolved: ResolvedConfig, role: str, config: OptimizerConfig
 
 
 def build_trainable(
-    model: torch.nn.Module, config: OptimizerConfig, total_steps: int, head_pattern: str | None = None
+    model: torch.nn.Module, config: OptimizerConfig, total_steps: int, head_pattern: str | None = None,
+    hooks: tuple = (),
 ) -> Trainable:
     """Wraps `model` in megatron DDP and builds its optimizer and scheduler.
 
     `head_pattern` (an fnmatch pattern on parameter names, e.g. "*value_head.*") puts the
     matching parameters in their own optimizer groups so that `Trainable.head_only` can train
-    them alone."""
+    them alone. `hooks` take part in every training pass (`Trainable.hooks`)."""
 
     transformer_config = model.config
     transformer_config.finalize_model_grads_func = finalize_model_grads
@@ -129,7 +133,7 @@ def build_trainable(
         wd_incr_steps=decay_steps,
         wd_incr_style="constant",
     )
-    return Trainable([ddp], optimizer, scheduler, gradients=GradientHooks([ddp]))
+    return Trainable([ddp], optimizer, scheduler, gradients=GradientHooks([ddp]), hooks=tuple(hooks))
 
 
 def megatron_optimizer_config(

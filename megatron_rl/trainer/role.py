@@ -1,19 +1,21 @@
 """The skeleton both trainer processes (the policy and the critic) are built on.
 
 `RoleTrainer.__init__` is collective over the role's ranks and does, in this order: the process
-groups of the role's layout (with the lost-rank watchdog), the model (`build_model`), its initial
-weights (`model.checkpoint` / `value.model.checkpoint`), what the role does to the model before
-its optimizer exists (`prepare_model`: LoRA, freezing), megatron DDP with the optimizer and
-scheduler, a garbage collection (megatron builds its hybrid offload optimizer twice, and the first
+groups of the role's layout (with the lost-rank watchdog), the role's model transforms
+(`transforms.plan.role_transforms`: LoRA, routing replay; transforms/base.py), the model
+(`build_model`, with the transforms' build options), its initial weights (`model.checkpoint` /
+`value.model.checkpoint`), each transform applied, what the role does to the model before its
+optimizer exists (`prepare_model`: the critic's freezing), megatron DDP with the optimizer and
+scheduler (the transforms' pass hooks in `Trainable.hooks`), a garbage collection (megatron builds its hybrid offload optimizer twice, and the first
 one, kept alive by a reference cycle, holds an fp32 host copy of every offloaded parameter), and
 what the role builds once the optimizer exists (`after_optimizer`: the KL reference, which must
 not be resident while DDP allocates its buffers; see config/memory_plan.py). Then:
 
     resume()          the checkpoint of `resume_step()` (model, optimizer, scheduler, RNG, step)
-                      and the role's own extras (`restore_extra`); sets `loaded`. A LoRA role
-                      (`lora_section`) checkpoints its trainable tensors and its base's identity
-                      (`checkpoint_lora`, taken at construction); a resume on another base is
-                      refused (trainer/checkpoint.py)
+                      and the role's own extras (`restore_extra`); sets `loaded`. The
+                      transforms say what a checkpoint keeps and whether one resumes (a LoRA
+                      role's holds its adapters and its base's identity, taken at
+                      construction; another base is refused: trainer/checkpoint.py)
     should_save(s)    the `checkpoint.save_interval` cadence (and the last step)
     save(s)           a collective atomic checkpoint with `checkpoint_extra(s)`
     receiver(port)    this rank's end of the role's ZMQ grid stream
@@ -36,14 +38,14 @@ from pathlib import Path
 import torch
 
 from megatron_rl import parallel
-from megatron_rl.config import Architecture, LoraBase, ModelConfig, OptimizerConfig, ResolvedConfig
+from megatron_rl.config import Architecture, ModelConfig, OptimizerConfig, ResolvedConfig
 from megatron_rl.parallel import Role
 from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rl.trainer.optimizer import build_trainable, offload_threads
 from megatron_rl.trainer.receive import grid_receiver
 from megatron_rl.trainer.resume import run_resume_step
 from megatron_rl.trainer.weights import load_initial_weights
-from megatron_rl.transforms.lora_base import base_identity, lora_meta
+from megatron_rl.transforms.plan import build_options, role_transforms
 
 
 class RoleTrainer(ABC):
@@ -69,23 +71,24 @@ class RoleTrainer(ABC):
         self.num_steps = resolved.orchestrator.num_steps
         self.layout = parallel.initialize_role(resolved, self.role, seed=seed)
         self.is_rank0 = torch.distributed.get_rank() == 0
+        self.transforms = role_transforms(resolved, self.role)
         self.model = self.build_model()
         self.loaded = load_initial_weights(
             self.model, model_config.checkpoint, arch, value_model=self.value_model, where=where
         )
-        lora, key = self.lora_section()
-        # A LoRA checkpoint names this base instead of holding it (transforms/lora_base.py).
-        self.checkpoint_lora = None if lora is None else lora_meta(
-            lora, key, base_identity(model_config.checkpoint, where, seed)
-        )
+        for transform in self.transforms:
+            line = transform.apply(self.model)
+            if line and self.is_rank0:
+                self.log.info("%s: %s", self.role, line)
         self.prepare_model()
         threads = offload_threads(resolved, self.role, optimizer_config)
         if threads is not None:
             torch.set_num_threads(threads)
             if self.is_rank0:
                 self.log.info("%s: the offloaded optimizer step runs on %d threads per rank", self.role, threads)
+        hooks = tuple(hook for hook in (t.pass_hook() for t in self.transforms) if hook is not None)
         self.trainable = build_trainable(
-            self.model, optimizer_config, total_steps=total_optimizer_steps, head_pattern=head_pattern
+            self.model, optimizer_config, total_steps=total_optimizer_steps, head_pattern=head_pattern, hooks=hooks
         )
         # Under cpu_offload megatron first builds a hybrid optimizer over the full parameters,
         # then replaces it by one over the shards; its step hooks close over it, so only the
@@ -98,24 +101,25 @@ class RoleTrainer(ABC):
         if self.is_rank0:
             self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
 
+    def model_options(self) -> dict:
+        """The model builder's keyword arguments the role's transforms ask for."""
+        return build_options(self.transforms)
+
     # -- what a role supplies ------------------------------------------------------------------
     value_model = False  # a value head instead of the output layer (load_initial_weights)
 
     @abstractmethod
     def build_model(self) -> torch.nn.Module:
-        """The role's model at `self.layout` (collective: every rank of the role calls it)."""
+        """The role's model at `self.layout` with its transforms' options (`model_options`;
+        collective: every rank of the role calls it)."""
 
     def prepare_model(self) -> None:  # noqa: B027  (an optional hook)
-        """After the initial weights, before DDP and the optimizer (nothing by default)."""
+        """After the initial weights and the transforms, before DDP and the optimizer (nothing by
+        default)."""
 
     def after_optimizer(self) -> None:  # noqa: B027  (an optional hook)
         """After DDP and the optimizer exist, before any resume (nothing by default): what must
         not be on the GPU while DDP builds its parameter and gradient buffers."""
-
-    def lora_section(self) -> tuple[LoraBase | None, str]:
-        """(the role's LoRA config, its key): a LoRA role's checkpoints hold its trainable tensors
-        and its base's identity, not the base (none by default: full fine-tuning)."""
-        return None, "lora"
 
     def checkpoint_extra(self, step: int) -> dict:
         """The role's own state saved with checkpoint `step` (besides model and optimizer)."""
@@ -140,7 +144,7 @@ class RoleTrainer(ABC):
         if not self.resolved.checkpoint.resume:
             return None
         step = self.resume_step() if step is None else step
-        meta = None if step is None else load_checkpoint(self.checkpoint_dir, self.trainable, step, lora=self.checkpoint_lora)
+        meta = None if step is None else load_checkpoint(self.checkpoint_dir, self.trainable, step, self.transforms)
         if meta is not None:
             self.restore_extra(meta)
             self.loaded = f"checkpoint step {meta['step']} in {self.checkpoint_dir}"
@@ -158,7 +162,7 @@ class RoleTrainer(ABC):
             self.trainable,
             extra=self.checkpoint_extra(step),
             keep_last=self.resolved.checkpoint.keep_last,
-            lora=self.checkpoint_lora,
+            transforms=self.transforms,
         )
 
     def receiver(self, port: int, wait_for_sender: bool = True):

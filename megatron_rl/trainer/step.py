@@ -26,11 +26,10 @@ from torch.distributed import ReduceOp
 
 from megatron_rl.data.types import MicroBatch
 from megatron_rl.faults import kill_point
-from megatron_rl.models.attention import packed_seq_params
 from megatron_rl.parallel import any_rank, collective_device
 from megatron_rl.trainer.batches import RankBatch
+from megatron_rl.trainer.forward import passes, run_batch
 from megatron_rl.trainer.optimizer import Trainable, freeze_non_head_groups
-from megatron_rl.transforms.routing import routing_pass, set_batch_routes
 from megatron_rl.transport.broadcast import broadcast_bytes
 
 LossFunc = Callable[[torch.Tensor, RankBatch], tuple[torch.Tensor, dict]]
@@ -62,6 +61,7 @@ def train_step(trainable: Trainable, micro_batches: list[MicroBatch], loss_func:
 def train_on_batches(trainable: Trainable, batches: list[RankBatch], loss_func: LossFunc) -> dict:
     """One optimizer and scheduler step over this rank's prepared batches.
 
+    Every micro-batch's forward takes part in `trainable.hooks` (trainer/forward.py `passes`).
     Returns {"loss": global loss (sum / global normaliser), "num_tokens": global action-token
     count, "grad_norm", "update_successful", plus the loss functions' summed metrics}, identical
     on every rank. The optimizer step's seconds add up in `trainable.optimizer_step_s` (this
@@ -77,13 +77,7 @@ def train_on_batches(trainable: Trainable, batches: list[RankBatch], loss_func: 
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        set_batch_routes(model, batch)
-        output = model(
-            batch.input_ids,
-            batch.position_ids,
-            attention_mask=None,
-            packed_seq_params=packed_seq_params(batch.cu_seqlens, batch.total_tokens),
-        )
+        output = run_batch(model, batch, trainable.hooks)
 
         def loss(output_tensor):
             loss_sum, metrics = loss_func(output_tensor, batch)
@@ -97,7 +91,7 @@ def train_on_batches(trainable: Trainable, batches: list[RankBatch], loss_func: 
 
         return output, loss
 
-    with routing_pass(trainable.model[0], training=True):
+    with passes(trainable.hooks, training=True):
         reported = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(batches),

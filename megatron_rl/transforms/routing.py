@@ -36,7 +36,6 @@ layers). `statistics()` reduces them over all ranks.
 
 from __future__ import annotations
 
-import weakref
 from collections import deque
 from contextlib import contextmanager
 
@@ -48,6 +47,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from megatron_rl.parallel import collective_device
+from megatron_rl.transforms.base import ModelTransform
 
 ROUTING_MODES = ("off", "measure", "replay")
 
@@ -128,10 +128,11 @@ class ModelRouting:
             layer.recompute.clear()
         self.routed = None
 
-    def set_batch(self, routes: torch.Tensor | None, routed: torch.Tensor | None) -> None:
-        """This micro-batch's routes on this rank: `routes` [n, num_layers, k] for the n tokens of
-        the batch's CP slice, `routed` [n] bool (the tokens vLLM routed). None (a dummy
+    def set_batch(self, batch) -> None:
+        """This micro-batch's routes on this rank: the batch's `routes` [n, num_layers, k] for the
+        n tokens of its CP slice and `routed` [n] bool (the tokens vLLM routed). None (a dummy
         micro-batch, or a grid without routes): padding routes everywhere, nothing measured."""
+        routes, routed = getattr(batch, "routes", None), getattr(batch, "routed", None)
         if routes is not None:
             if routes.dim() != 3 or routes.shape[1:] != (self.num_layers, self.topk):
                 raise ValueError(
@@ -243,58 +244,30 @@ class ModelRouting:
         }
 
 
-_ROUTING: weakref.WeakKeyDictionary[torch.nn.Module, ModelRouting] = weakref.WeakKeyDictionary()
-
-
 def attach_routing(model: torch.nn.Module, mode: str, num_layers: int, topk: int) -> ModelRouting | None:
-    """Gives `model`'s MoE layers routing replay in `mode` ("off": nothing, returns None)."""
+    """Gives `model`'s MoE layers routing replay in `mode` ("off": nothing, returns None). The
+    returned `ModelRouting` is the hook a pass over the model is given (trainer/forward.py
+    `forward_only(..., hooks=)`, `Trainable.hooks`): a pass without it routes by the model's own
+    router (a LoRA policy's KL reference, the policy's own model with its adapters off)."""
     if mode == "off":
         return None
-    routing = ModelRouting(model, mode, num_layers, topk)
-    _ROUTING[model] = routing
-    return routing
+    return ModelRouting(model, mode, num_layers, topk)
 
 
-def routing_of(model: torch.nn.Module) -> ModelRouting | None:
-    """The ModelRouting attached to `model` or to the module it wraps (DDP, Float16Module)."""
-    while model is not None:
-        routing = _ROUTING.get(model)
-        if routing is not None:
-            return routing
-        model = getattr(model, "module", None)
-    return None
+class RoutingReplay(ModelTransform):
+    """`algorithm.routing_replay` (measure or replay) as a model transform: `apply` attaches a
+    `ModelRouting` to the built model, whose every training and pi_old pass it then takes part in
+    (`pass_hook`)."""
 
+    name = "routing_replay"
 
-@contextmanager
-def own_routes(model: torch.nn.Module):
-    """Within the block `model` (or the module it wraps) routes by its own router: its routing is
-    detached, so no pass replays or measures (a LoRA policy's KL reference, which is the policy's
-    own model with the adapters off, routes as the initial policy does); attached again after."""
-    holder = model
-    while holder is not None and holder not in _ROUTING:
-        holder = getattr(holder, "module", None)
-    routing = _ROUTING.pop(holder) if holder is not None else None
-    try:
-        yield
-    finally:
-        if routing is not None:
-            _ROUTING[holder] = routing
+    def __init__(self, mode: str, num_layers: int, topk: int):
+        self.mode, self.num_layers, self.topk = mode, num_layers, topk
+        self.routing: ModelRouting | None = None
 
+    def apply(self, model: torch.nn.Module) -> str:
+        self.routing = attach_routing(model, self.mode, self.num_layers, self.topk)
+        return f"routing replay: {self.mode} on {len(self.routing.layers)} local MoE layers"
 
-@contextmanager
-def routing_pass(model: torch.nn.Module, training: bool):
-    """`ModelRouting.forward_pass` of `model`'s routing, or nothing when it has none."""
-    routing = routing_of(model)
-    if routing is None:
-        yield None
-        return
-    with routing.forward_pass(training):
-        yield routing
-
-
-def set_batch_routes(model: torch.nn.Module, batch) -> None:
-    """Before a micro-batch's forward: its routes (`batch.routes`, `batch.routed`) into `model`'s
-    routing, when it has one."""
-    routing = routing_of(model)
-    if routing is not None:
-        routing.set_batch(getattr(batch, "routes", None), getattr(batch, "routed", None))
+    def pass_hook(self) -> ModelRouting | None:
+        return self.routing

@@ -253,13 +253,14 @@ def lora_policy(rank, world_size, arch, tp, cp, ep, directory, everything=False)
     from megatron_rl.data.packing import pack_minibatches
     from megatron_rl.models.builder import build_gpt_model
     from megatron_rl.models.sharding import full_parameters, gather_full_parameters, load_full_state_dict
-    from megatron_rl.policy.loss import AdaptersOff, forward_logprobs, reference_model
+    from megatron_rl.policy.loss import forward_logprobs, reference_model
     from megatron_rl.policy.publish import owned_hf_tensors, publish_hf_weights, stream_parts
     from megatron_rl.policy.update import UpdateSettings, policy_update
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.trainer.optimizer import adam_optimizers, build_trainable, torch_optimizers
     from megatron_rl.trainer.snapshot import export_snapshot
     from megatron_rl.transforms.lora import LoRALinear, apply_lora, merge_adapter_tensors, merge_lora
+    from megatron_rl.transforms.lora_transform import AdaptersOff
     from megatron_rl.transforms.routing import attach_routing
 
     out: dict = {}
@@ -333,22 +334,26 @@ def lora_policy(rank, world_size, arch, tp, cp, ep, directory, everything=False)
     if arch.num_experts and world_size == 1:
         # routing replay on (the probe rows carry no routes: a replaying pass takes padding
         # routes): the reference still routes by its own router, the policy's pass replays
-        attach_routing(model, "replay", arch.num_layers, arch.num_experts_per_tok)
-        with reference_model(reference) as base:
+        routing = attach_routing(model, "replay", arch.num_layers, arch.num_experts_per_tok)
+        with reference_model(reference) as base:  # a reference pass is given no routing hook
             out["reference_with_replay"] = forward_logprobs(base, probe)
-        out["replayed"] = forward_logprobs(model, probe)
+        out["replayed"] = forward_logprobs(model, probe, hooks=[routing])
     if tp == 2:  # checkpoint (adapters only, the base named): save, step again (the adapters move), resume
         from megatron_rl.config import LoraConfig
+        from megatron_rl.config.layout import LoraPlan
         from megatron_rl.conversion.spec_keys import checkpoint_keys
-        from megatron_rl.transforms.lora_base import base_identity, lora_meta
+        from megatron_rl.transforms.lora_base import base_identity
+        from megatron_rl.transforms.lora_transform import LoraTransform
 
-        identity = lora_meta(LoraConfig(rank=RANK, alpha=ALPHA), "lora", base_identity(None, "model.checkpoint", 5))
-        step_dir = save_checkpoint(Path(directory) / "checkpoints", 2, trainable, lora=identity)
+        plan = LoraPlan(key="lora", rank=RANK, alpha=ALPHA, target_modules=list(LoraConfig(rank=RANK).target_modules),
+                        adapts_experts=bool(arch.num_experts))  # fmt: skip
+        identity = [LoraTransform(plan, SEED, base_identity(None, "model.checkpoint", 5))]
+        step_dir = save_checkpoint(Path(directory) / "checkpoints", 2, trainable, transforms=identity)
         out["checkpoint_model_keys"] = sorted(k for k in checkpoint_keys(step_dir / "dist") if not k.startswith("optimizer."))
         saved = {n: p.detach().clone() for n, p in names.items()}
         policy_update(trainable, grid[data_rank], settings, reference=reference)
         out["moved_after_save"] = any(not torch.equal(p, saved[n]) for n, p in names.items() if ".lora_" in n)
-        out["resumed_step"] = load_checkpoint(Path(directory) / "checkpoints", trainable, 2, lora=identity)["step"]
+        out["resumed_step"] = load_checkpoint(Path(directory) / "checkpoints", trainable, 2, identity)["step"]
         out["restored_exactly"] = all(torch.equal(p, saved[n]) for n, p in names.items())
         out["after_resume"] = forward_logprobs(model, probe)
         # last: the policy snapshot, then a plain TP = 1 model (DP = 2) loads it

@@ -177,9 +177,9 @@ def _step(role, trainable, model, arch, replay: bool):
     from megatron_rl.config import AlgorithmConfig
     from megatron_rl.critic.loss import value_loss_func
     from megatron_rl.data.packing import pack_minibatches
-    from megatron_rl.policy.loss import AdaptersOff
     from megatron_rl.policy.update import UpdateSettings, policy_update
     from megatron_rl.trainer.step import train_step
+    from megatron_rl.transforms.lora_transform import AdaptersOff
     from megatron_rl.transforms.routing import attach_routing
 
     dp = parallel_state.get_data_parallel_world_size()
@@ -189,8 +189,8 @@ def _step(role, trainable, model, arch, replay: bool):
         loss = value_loss_func(None)
         return lambda: train_step(trainable, data, loss)
     mode = "replay" if replay else "off"
-    if replay:
-        attach_routing(model, "replay", arch.num_layers, arch.num_experts_per_tok)
+    if replay:  # the routing takes part in every training and pi_old pass, as the policy trainer hands it
+        trainable.hooks = (attach_routing(model, "replay", arch.num_layers, arch.num_experts_per_tok),)
     algorithm = AlgorithmConfig(type="grpo", kl_coef=0.1, kl_estimator="k2", old_logprobs="recompute",
                                 routing_replay=mode)  # fmt: skip
     settings, reference = UpdateSettings(algorithm, 1.0, loss_scale_factor=16), AdaptersOff(model)

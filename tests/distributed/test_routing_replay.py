@@ -216,7 +216,7 @@ def replayed_logprobs(rank, world_size, arch, full, samples, mode, tp=1, cp=1, p
 
     def logprobs_of(micro_batches):
         batches = [policy_batch(mb, cp_rank, cp) for mb in micro_batches]
-        outputs = forward_logprobs(model, batches)
+        outputs = forward_logprobs(model, batches, hooks=[routing])
         out = {}
         for mb, batch, logprobs in zip(micro_batches, batches, outputs or []):
             row_logprobs, row_mask = _gather(logprobs, cp_group), _gather(batch.loss_mask.float(), cp_group)
@@ -260,11 +260,12 @@ def replayed_update(rank, world_size, arch, full, samples, granularity):
                                                       recompute_num_layers=1)  # fmt: skip
     model = build_gpt_model(arch, **recompute)
     load_full_state_dict(model, full)
-    attach_routing(model, "replay", arch.num_layers, arch.num_experts_per_tok)
+    routing = attach_routing(model, "replay", arch.num_layers, arch.num_experts_per_tok)
     reference = build_gpt_model(arch)
     reference.load_state_dict(model.state_dict())
     reference.requires_grad_(False).eval()
-    trainable = build_trainable(model, OptimizerConfig(lr=1e-3, grad_clip=1.0, adam_eps=1e-6), total_steps=4)
+    trainable = build_trainable(model, OptimizerConfig(lr=1e-3, grad_clip=1.0, adam_eps=1e-6), total_steps=4,
+                                hooks=(routing,))  # fmt: skip
     config = AlgorithmConfig(type="ppo", policy_minibatches=2, old_logprobs="recompute", kl_coef=0.1,
                              routing_replay="replay")  # fmt: skip
     grid = pack_minibatches(samples, 2, (1, 0), SEQ_LEN, 1, routes=True)

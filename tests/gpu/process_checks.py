@@ -256,7 +256,8 @@ def check_vllm(cpu: bool) -> dict:
                                 inference_logprobs=trajectory.logprobs, routes=routes)  # fmt: skip
         model.eval()
         with routing.measure():
-            forward_logprobs(model, [policy_batch(mb) for mb in pack_into_grid([sample], 256, 1, routes=True)[0]])
+            batches = [policy_batch(mb) for mb in pack_into_grid([sample], 256, 1, routes=True)[0]]
+            forward_logprobs(model, batches, hooks=[routing])
         health = routing.statistics()
         figures.update(router_agreement=health["router_agreement"], router_token_mismatch=health["router_token_mismatch"],
                        router_tokens=health["router_tokens"])  # fmt: skip

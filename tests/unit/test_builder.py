@@ -116,7 +116,7 @@ def test_the_policy_and_critic_models_are_built_with_the_configs_te_setting(monk
     )  # fmt: skip
     with pytest.raises(RuntimeError, match=r"^model\.transformer_engine: required .*ImportError: te"):
         build_policy_model(resolved, layout)
-    critic = SimpleNamespace(layout=layout, arch=DENSE, resolved=resolved,
+    critic = SimpleNamespace(layout=layout, arch=DENSE, resolved=resolved, model_options=dict,
                              value=SimpleNamespace(model=model, head_init_std=0.0, lora=None))  # fmt: skip
     with pytest.raises(RuntimeError, match=r"^value\.model\.transformer_engine: required .*ImportError: te"):
         CriticTrainer.build_model(critic)

@@ -86,3 +86,30 @@ def test_modules_import_compat_before_megatron_core():
                 late.append(f"{path.relative_to(root.parent)}:{node.lineno}")
                 break
     assert not late, f"megatron-core imported before megatron_rl.compat: {late}"
+
+
+# The settings a model transform owns (transforms/plan.py decides from them, config/ derives its plans).
+TRANSFORM_KEYS = ("lora", "routing_replay")
+
+
+def places_reading(keys: tuple[str, ...], root: Path) -> list[str]:
+    """Every `.KEY` attribute read of `keys` outside config/ and transforms/ (PATH:LINE .KEY)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] in ("config", "transforms"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in keys:
+                found.append((str(path.relative_to(root.parent)), node.lineno, node.attr))
+    return [f"{path}:{line} .{key}" for path, line, key in sorted(found)]
+
+
+def test_only_config_and_the_transforms_read_the_lora_and_routing_keys(tmp_path):
+    """The LoRA and routing-replay decisions are made once (the layout's plans, transforms/plan.py);
+    every other module reads those, never `lora`, `value.lora` or `algorithm.routing_replay`."""
+    assert places_reading(TRANSFORM_KEYS, Path(megatron_rl.__file__).parent) == []
+    (tmp_path / "policy").mkdir()  # the check sees a read
+    (tmp_path / "policy" / "x.py").write_text("rank = resolved.lora.rank\nmode = cfg.algorithm.routing_replay\n")
+    assert places_reading(TRANSFORM_KEYS, tmp_path) == [
+        f"{tmp_path.name}/policy/x.py:1 .lora", f"{tmp_path.name}/policy/x.py:2 .routing_replay",
+    ]  # fmt: skip

@@ -133,9 +133,19 @@ def test_other_lora_settings_are_refused_naming_the_keys():
 
 
 def test_a_lora_checkpoint_is_refused_by_a_run_without_lora():
-    from megatron_rl.trainer.checkpoint import _check_lora
+    from megatron_rl.config.layout import LoraPlan
+    from megatron_rl.transforms.lora_transform import LoraTransform
+    from megatron_rl.transforms.plan import check_saved_transforms
 
-    saved = lora_meta(LoraConfig(rank=4), "value.lora", base_identity(None, "value.model.checkpoint", seed=0))
+    identity = base_identity(None, "value.model.checkpoint", seed=0)
+    saved = lora_meta(LoraConfig(rank=4), "value.lora", identity)
     with pytest.raises(ValueError, match=r"step: a LoRA checkpoint \(value.lora: adapters of the base None.*without value.lora"):
-        _check_lora(Path("step"), saved, None)
-    _check_lora(Path("step"), None, saved)  # a checkpoint with every tensor loads into a LoRA run as before
+        check_saved_transforms({"lora": saved}, [], Path("step"))
+    plan = LoraPlan(key="value.lora", rank=4, alpha=16.0, target_modules=list(LoraConfig(rank=4).target_modules),
+                    adapts_experts=False)  # fmt: skip
+    lora = LoraTransform(plan, 0, identity)
+    check_saved_transforms({}, [lora], Path("step"))  # a checkpoint with every tensor loads into a LoRA run as before
+    check_saved_transforms({"lora": saved}, [lora], Path("step"))  # its own base and settings
+    other = LoraTransform(plan.model_copy(update={"rank": 8}), 0, identity)
+    with pytest.raises(ValueError, match=r"trained with value.lora.rank 4; this run has value.lora.rank 8"):
+        check_saved_transforms({"lora": saved}, [other], Path("step"))

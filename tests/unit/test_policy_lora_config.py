@@ -136,9 +136,11 @@ def test_the_section_round_trips_through_the_resolved_json(tmp_path):
 
 
 def test_expert_adapters_build_the_policy_with_one_linear_per_expert(monkeypatch):
-    """build_policy_model turns TE's grouped GEMM off exactly when the adapters wrap experts (the
-    TE spec with one linear per expert: tests/distributed/test_te_layouts.py checks LoRA there)."""
+    """The policy's model is built with TE's grouped GEMM off exactly when the adapters wrap experts
+    (the LoRA transform's build options; the layout's plan says so once: the TE spec with one linear
+    per expert, tests/distributed/test_te_layouts.py checks LoRA there)."""
     from megatron_rl.policy import trainer
+    from megatron_rl.transforms.plan import build_options, role_transforms
 
     seen = []
     monkeypatch.setattr(trainer, "build_gpt_model", lambda arch, **kwargs: seen.append(kwargs))
@@ -149,7 +151,8 @@ def test_expert_adapters_build_the_policy_with_one_linear_per_expert(monkeypatch
     for targets, grouped_off in ((list(LORA_TARGETS), True), (["linear_qkv", "linear_proj"], False)):
         config["lora"]["target_modules"] = targets
         resolved = parse_config(config)
-        trainer.build_policy_model(resolved, resolved.layout.policy)
+        assert resolved.layout.policy_lora.adapts_experts == grouped_off
+        trainer.build_policy_model(resolved, resolved.layout.policy, **build_options(role_transforms(resolved, "policy")))
         assert (seen[-1].get("moe_grouped_gemm") is False) == grouped_off
 
 

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from megatron_rl.config import ResolvedConfig, lora_serving
+from megatron_rl.config import ResolvedConfig
 from megatron_rl.inference.pool import adapter_name
 from megatron_rl.inference.vllm_control import VllmControl
 from megatron_rl.policy.publish.adapters import AdapterBroadcastPublisher, AdapterPublisher
@@ -32,15 +32,16 @@ class WeightPublisher(Protocol):
 def make_publisher(resolved: ResolvedConfig) -> WeightPublisher:
     """Collective: the publisher `inference.weight_update` names. Path (b) forms its group with
     every inference server's workers here (policy rank 0), so a wrong address or port fails at
-    startup. With `lora`, each version is the adapters alone or merged weights (`lora_serving`:
-    `lora.serve`, and what the inference backend can serve), which rank 0 says at start-up."""
+    startup. With `lora`, each version is the adapters alone or merged weights (the layout's
+    `policy_lora.serve`: `lora.serve`, and what the inference backend can serve), which rank 0
+    says at start-up."""
 
     inference, arch = resolved.inference, resolved.layout.policy_architecture
-    lora = resolved.lora
-    serving, why = lora_serving(lora, arch, inference.backend)
+    lora = resolved.layout.policy_lora
+    serving = lora.serve if lora is not None else None
     if serving is not None and dist.get_rank() == 0:
-        log.info("policy LoRA (rank %d, alpha %g): versions reach inference as %s (%s)",
-                 lora.rank, lora.alpha, "adapters" if serving == "adapter" else "merged weights", why)  # fmt: skip
+        log.info("policy LoRA (rank %d, alpha %g): versions reach inference as %s (%s)", lora.rank, lora.alpha,
+                 "adapters" if serving == "adapter" else "merged weights", lora.serve_reason)  # fmt: skip
     base_model = inference.model_dir or resolved.model.hf_config  # the HF model the servers serve
     if serving == "adapter" and inference.weight_update == "safetensors":
         return AdapterPublisher(arch, inference.publish_dir, lora.rank, lora.alpha, base_model=base_model)
