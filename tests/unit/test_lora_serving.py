@@ -114,3 +114,16 @@ def test_make_publisher_publishes_adapters_or_merged_weights(tiny_models, tmp_pa
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 16.0, str(hf_dir))
     kind, files = seen["merged"]
     assert kind == "SafetensorsPublisher" and "model.safetensors.index.json" in files and "config.json" in files
+
+
+def test_the_layout_decides_serving_once_and_refuses_a_rank_vllm_cannot_serve():
+    """The layout's plan holds the decision every process reads (the serving form and why, vLLM's
+    --max-lora-rank, whether experts are adapted); a rank above vLLM's largest is refused at
+    config time when versions travel as adapters, and accepted merged."""
+    plan = parse_config(config(MOE, rank=17)).layout.policy_lora
+    assert (plan.serve, plan.vllm_max_lora_rank, plan.adapts_experts) == ("adapter", 32, True)
+    merged = parse_config(config(MOE, backend="vllm-cpu")).layout.policy_lora
+    assert merged.serve == "merged" and merged.vllm_max_lora_rank is None and "vllm-cpu" in merged.serve_reason
+    with pytest.raises(ConfigError, match=r"lora.rank 600: vLLM serves adapters up to rank 512: set lora.serve: merged"):
+        parse_config(config(rank=600))
+    assert parse_config(config(rank=600, serve="merged")).layout.policy_lora.serve == "merged"
