@@ -26,6 +26,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_rl.config import Architecture
 from megatron_rl.models.attention import PackedDotProductAttention, UlyssesAttention
 
+try:  # as megatron's layer specs import TE: absent without TE (or a broken TE, which compat hides)
+    from megatron.core.extensions.transformer_engine import TEColumnParallelGroupedLinear
+except ImportError:
+    TEColumnParallelGroupedLinear = None
+
 log = logging.getLogger("megatron_rl.models")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,11 +43,7 @@ def transformer_engine_available() -> bool:
 
 def te_grouped_linear_available() -> bool:
     """TE's GroupedLinear, which megatron's TE spec needs for grouped-GEMM experts (TE >= 1.9)."""
-    if not transformer_engine_available():
-        return False
-    from megatron.core.extensions import transformer_engine as te_extension
-
-    return getattr(te_extension, "TEColumnParallelGroupedLinear", None) is not None
+    return transformer_engine_available() and TEColumnParallelGroupedLinear is not None
 
 
 def uses_transformer_engine(context_parallel_size: int = 1, transformer_engine: bool | None = None) -> bool:

@@ -113,3 +113,25 @@ def test_only_config_and_the_transforms_read_the_lora_and_routing_keys(tmp_path)
     assert places_reading(TRANSFORM_KEYS, tmp_path) == [
         f"{tmp_path.name}/policy/x.py:1 .lora", f"{tmp_path.name}/policy/x.py:2 .routing_replay",
     ]  # fmt: skip
+
+
+def imports_inside_functions(root: Path, packages: tuple[str, ...]) -> list[str]:
+    """PATH:LINE of every import statement inside a function of `packages`."""
+    found = []
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            for function in ast.walk(ast.parse(path.read_text())):
+                if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                    found += [f"{path.relative_to(root.parent)}:{node.lineno}" for node in ast.walk(function)
+                              if isinstance(node, ast.Import | ast.ImportFrom)]  # fmt: skip
+    return sorted(set(found))
+
+
+def test_models_trainer_conversion_and_transforms_import_at_the_top(tmp_path):
+    """What a module needs is named at its top (no import circle to dodge); optional packages are
+    probed at import time, as megatron's layer specs probe TE."""
+    packages = ("models", "trainer", "conversion", "transforms")
+    assert imports_inside_functions(Path(megatron_rl.__file__).parent, packages) == []
+    (tmp_path / "models").mkdir()  # the check sees one
+    (tmp_path / "models" / "x.py").write_text("def f():\n    import json\n    return json\n")
+    assert imports_inside_functions(tmp_path, ("models",)) == [f"{tmp_path.name}/models/x.py:2"]
