@@ -178,7 +178,9 @@ def run_shared(name: str, cpu: bool) -> dict:
     from megatron_rl.launch.preflight import context_for
     from megatron_rl.launch.preflight.registry import BY_NAME, run_check
 
-    resolved = load_config(SHARED_CONFIG, [] if cpu else ["deployment.device=cuda"])
+    # TE: auto (layer_step's spec follows what imports; whether TE imports is te_extension's to say)
+    cuda = ["deployment.device=cuda", "model.transformer_engine=auto", "value.model.transformer_engine=auto"]
+    resolved = load_config(SHARED_CONFIG, [] if cpu else cuda)
     # A GPU check machine cannot install the gpu extra: its missing packages are listed, not a FAIL.
     result = run_check(BY_NAME[name], context_for(resolved, cpu=cpu, extras_required=False))
     record = {"check": name, "status": result.status, "seconds": result.seconds}

@@ -79,6 +79,24 @@ def test_every_gloo_check_runs_and_passes_on_a_tiny_cpu_config(free_ports, capsy
     assert "critic 1 of 2 layers" in lines["layer_step"][1]
 
 
+def test_the_layer_step_builds_each_role_as_its_trainer_does_with_its_transforms(capsys):
+    """A LoRA policy and a LoRA critic (expert adapters on a 4-expert MoE) under full recompute:
+    the one-layer step wraps them, so the adapters, not the frozen base, get the finite gradients
+    it checks (without the transforms it would train every weight)."""
+    moe = "{family: qwen3_moe, hidden_size: 64, num_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, " \
+          "head_dim: 16, intermediate_size: 96, vocab_size: 128, num_experts: 4, num_experts_per_tok: 2, " \
+          "moe_intermediate_size: 32, qk_norm: true}"  # fmt: skip
+    args = ["--set", f"model.architecture={moe}", "--set", "model.hf_config=null", "--set", "model.checkpoint=null",
+            "--set", f"value.model.architecture={moe}", "--set", "value.model.hf_config=null",
+            "--set", "value.model.checkpoint=null", "--set", "lora={rank: 4, alpha: 8}",
+            "--set", "value.lora={rank: 4, alpha: 8}", "--set", "inference.model_dir=.",
+            "--set", "model.recompute={granularity: full, method: uniform, num_layers: 1}"]  # fmt: skip
+    assert main(["preflight", TINY, "--cpu", "--only", "layer_step", *args]) == 0
+    status, detail = _lines(capsys.readouterr().out)["layer_step"]
+    assert status == "PASS" and "policy 1 of 2 layers (local spec, float32, with lora" in detail
+    assert "critic 1 of 2 layers (local spec, float32, with lora" in detail
+
+
 def test_a_role_larger_than_a_node_is_left_to_the_slurm_jobs_across_nodes_step(free_ports, capsys):
     """The policy needs 4 GPUs, a node has 3: on one host its collectives are NOT RUN (the
     --slurm job runs them across its nodes: tests/slurm); the critic's 2 ranks still run."""

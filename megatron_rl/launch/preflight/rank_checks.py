@@ -266,44 +266,55 @@ def _config_device_here(context: Context) -> None:
 # one forward/backward of the layer spec
 
 
-def layer_step_rank(rank: int, world_size: int, architecture: dict, dtype: str, critic: bool) -> dict:
-    """Forward and backward of the architecture trimmed to one layer on a packed row of random
-    tokens: the spec used, the loss, finite gradients on every parameter."""
+def layer_step_rank(rank: int, world_size: int, resolved_json: str, role: str) -> dict:
+    """Forward and backward of the role's model as the trainer builds it (its layer spec, dtype,
+    recomputation and model transforms: LoRA, routing replay), trimmed to one layer, on a packed
+    row of random tokens: the spec used, the transforms, the loss, finite gradients on every
+    parameter that trains."""
     import numpy as np
     import torch
 
     from megatron_rl import compat, parallel
-    from megatron_rl.config import Architecture
+    from megatron_rl.config import ResolvedConfig
     from megatron_rl.data.packing import pack_into_grid
     from megatron_rl.data.types import TrainingSample
-    from megatron_rl.models.attention import packed_seq_params
-    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.builder import build_gpt_model, transformer_engine_choice
     from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
     from megatron_rl.models.value_model import build_value_model
     from megatron_rl.policy.loss import policy_batch
+    from megatron_rl.trainer.forward import passes, run_batch
+    from megatron_rl.transforms.plan import build_options, role_transforms
 
+    resolved = ResolvedConfig.model_validate_json(resolved_json)
+    critic = role == "critic"
+    model_config = resolved.value.model if critic else resolved.model
+    full = resolved.layout.critic_architecture if critic else resolved.layout.policy_architecture
+    arch = full.model_copy(update={"num_layers": 1})
     parallel.initialize_model_parallel()
-    arch = Architecture.model_validate({**architecture, "num_layers": 1})
     torch.manual_seed(0)
-    model = (
-        build_value_model(arch, dtype=dtype, head_init_std=0.02)
-        if critic
-        else build_gpt_model(arch, dtype=dtype)
-    )
+    transforms = role_transforms(resolved, role)
+    where = "value.model.transformer_engine" if critic else "model.transformer_engine"
+    options = dict(dtype=model_config.dtype, **model_config.recompute.transformer_fields(), **build_options(transforms),
+                   transformer_engine=transformer_engine_choice(model_config.transformer_engine,
+                                                                resolved.deployment.device, 1, where))  # fmt: skip
+    model = build_value_model(arch, head_init_std=0.02, **options) if critic else build_gpt_model(arch, **options)
+    for transform in transforms:
+        transform.apply(model)
+    hooks = [hook for hook in (t.pass_hook() for t in transforms) if hook is not None]
     tokens = 64
     rng = np.random.default_rng(0)
     sample = TrainingSample(token_ids=rng.integers(0, arch.vocab_size, tokens), loss_mask=np.ones(tokens, dtype=bool),
                             inference_logprobs=np.zeros(tokens), reward=0.0)  # fmt: skip
     batch = policy_batch(pack_into_grid([sample], tokens, 1)[0][0])
     began = time.perf_counter()
-    output = model(batch.input_ids, batch.position_ids, attention_mask=None,
-                   packed_seq_params=packed_seq_params(batch.cu_seqlens, batch.total_tokens))  # fmt: skip
-    loss = (
-        output.float().square().mean()
-        if critic
-        else megatron_vocab_parallel_logprobs(output[0], batch.targets)[0].sum()
-    )
-    loss.backward()
+    with passes(hooks, training=True):
+        output = run_batch(model, batch, hooks)
+        loss = (
+            output.float().square().mean()
+            if critic
+            else megatron_vocab_parallel_logprobs(output[0], batch.targets)[0].sum()
+        )
+        loss.backward()
     seconds = time.perf_counter() - began
     bad = [
         n
@@ -313,7 +324,8 @@ def layer_step_rank(rank: int, world_size: int, architecture: dict, dtype: str, 
     if not math.isfinite(loss.item()) or bad:
         raise CheckFailed(f"loss {loss.item()}, gradients missing or not finite for {bad[:3]}")
     return {"spec": "te" if compat.MACHINE.transformer_engine else "local", "loss": loss.item(), "seconds": seconds,
-            "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "transforms": [t.name for t in transforms]}  # fmt: skip
 
 
 def check_layer_step(context: Context) -> str:
@@ -323,9 +335,10 @@ def check_layer_step(context: Context) -> str:
     if resolved.value is not None and resolved.layout.critic_architecture is not None:
         roles.append(("critic", resolved.layout.critic_architecture, resolved.value.model.dtype))
     for role, arch, dtype in roles:
-        [f] = spawn_ranks(layer_step_rank, 1, (arch.model_dump(), dtype, role == "critic"), limit_s=120)
-        cells.append(f"{role} 1 of {arch.num_layers} layers ({f['spec']} spec, {dtype}, {f['parameters']:,} "
-                     f"parameters): loss {f['loss']:.4g}, {f['seconds']:.2f} s")  # fmt: skip
+        [f] = spawn_ranks(layer_step_rank, 1, (resolved.to_json(), role), limit_s=120)
+        transforms = f", with {' and '.join(f['transforms'])}" if f["transforms"] else ""
+        cells.append(f"{role} 1 of {arch.num_layers} layers ({f['spec']} spec, {dtype}{transforms}, "
+                     f"{f['parameters']:,} parameters): loss {f['loss']:.4g}, {f['seconds']:.2f} s")  # fmt: skip
     return "; ".join(cells)
 
 
