@@ -313,18 +313,21 @@ def checkout_copy(tmp_path):
     return copy
 
 
-def _ensure_venv_gpu(copy: Path, bin_dir: Path, **env: str) -> subprocess.CompletedProcess:
+def _ensure_venv_gpu(copy: Path, tmp_path: Path, driver: str, toolkit: str) -> subprocess.CompletedProcess:
+    """ensure_venv.sh --gpu in `copy` with a stand-in nvidia-smi reporting `driver` and a CUDA
+    `toolkit` (its version) as CUDA_HOME; pip reaches no index."""
+    bin_dir = tmp_path / "bin"
+    _executable(bin_dir / "nvidia-smi", '#!/bin/sh\n[ "$1" = -L ] && { echo "GPU 0: NVIDIA H200"; exit 0; }\n'
+                                        f"echo {driver}\n")  # fmt: skip
+    cuda_home = _toolkit(tmp_path / f"cuda-{toolkit}", toolkit)
     environ = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable,
-               "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "", **env}  # fmt: skip
+               "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": "", "CUDA_HOME": str(cuda_home)}  # fmt: skip
     return subprocess.run(["bash", "scripts/ensure_venv.sh", "--gpu"], cwd=copy, env=environ, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
 
 
 def test_ensure_venv_gpu_refuses_an_old_driver_before_installing_anything(checkout_copy, tmp_path):
-    bin_dir = tmp_path / "bin"
-    _executable(bin_dir / "nvidia-smi", '#!/bin/sh\n[ "$1" = -L ] && { echo "GPU 0: NVIDIA H200"; exit 0; }\n'
-                                        "echo 570.172.08\n")  # fmt: skip
-    proc = _ensure_venv_gpu(checkout_copy, bin_dir, CUDA_HOME=str(_toolkit(tmp_path / "cuda-13.0", "13.0")))
+    proc = _ensure_venv_gpu(checkout_copy, tmp_path, "570.172.08", "13.0")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "NVIDIA driver 570.172.08 is too old for CUDA 13" in proc.stderr and "R580 or newer" in proc.stderr
     assert "refused before installing anything" in proc.stderr
@@ -332,10 +335,7 @@ def test_ensure_venv_gpu_refuses_an_old_driver_before_installing_anything(checko
 
 
 def test_ensure_venv_gpu_refuses_a_cuda_12_toolkit_before_installing_anything(checkout_copy, tmp_path):
-    bin_dir = tmp_path / "bin"
-    _executable(bin_dir / "nvidia-smi", '#!/bin/sh\n[ "$1" = -L ] && { echo "GPU 0: NVIDIA H200"; exit 0; }\n'
-                                        "echo 580.65.06\n")  # fmt: skip
-    proc = _ensure_venv_gpu(checkout_copy, bin_dir, CUDA_HOME=str(_toolkit(tmp_path / "cuda-12.8", "12.8")))
+    proc = _ensure_venv_gpu(checkout_copy, tmp_path, "580.65.06", "12.8")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "NVIDIA driver 580.65.06: runs CUDA 13" in proc.stdout
     assert (
