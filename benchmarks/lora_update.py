@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import _checkout  # noqa: F401  (tests/support importable)
@@ -42,7 +43,8 @@ def updates_rank(rank, world_size, hf_dir, out_dir, url, mode, lora_rank, alpha,
     from megatron_rl.policy.publish.adapters import publish_adapter
     from megatron_rl.policy.publish.files import publish_hf_weights
     from megatron_rl.trainer.weights import load_initial_weights
-    from megatron_rl.transforms.lora import apply_lora
+    from megatron_rl.transforms.lora import apply_lora, merge_adapter_tensors
+    from megatron_rl.transforms.lora_transform import PeftAdapters
 
     parallel.initialize_model_parallel()
     arch = read_architecture(hf_dir)
@@ -58,9 +60,10 @@ def updates_rank(rank, world_size, hf_dir, out_dir, url, mode, lora_rank, alpha,
                     param.add_(0.01 * torch.randn_like(param))
         began = time.perf_counter()
         if mode == "adapter":
-            path = publish_adapter(model, arch, out_dir, version, lora_rank, alpha, base_model=str(hf_dir))
+            path = publish_adapter(model, arch, out_dir, version, PeftAdapters(lora_rank, alpha), base_model=str(hf_dir))
         else:
-            path = publish_hf_weights(model, arch, out_dir, version, hf_side_files=Path(hf_dir), lora_alpha=alpha)
+            path = publish_hf_weights(model, arch, out_dir, version, hf_side_files=Path(hf_dir),
+                                      merge=partial(merge_adapter_tensors, alpha=alpha))
         published = time.perf_counter() - began
         size = sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
         loaded = sync.update(version, path)

@@ -33,7 +33,6 @@ from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
 from megatron_rl.trainer.batches import RankBatch, RowSlice
 from megatron_rl.trainer.forward import forward_only
 from megatron_rl.trainer.step import RoleLoss
-from megatron_rl.transforms.lora_transform import AdaptersOff
 
 
 @dataclass(kw_only=True)
@@ -99,12 +98,13 @@ def forward_logprobs(model, batches: list[PolicyBatch], temperature: float = 1.0
 @contextmanager
 def reference_model(reference) -> Iterator[torch.nn.Module]:
     """The model the reference's log-probabilities come from: a frozen reference model itself, or
-    an `AdaptersOff` reference's model with its adapters off for the block."""
-    if isinstance(reference, AdaptersOff):
+    the model a transform's frozen reference (`ModelTransform.frozen_reference`: LoRA's
+    `AdaptersOff`) makes active for the block."""
+    if isinstance(reference, torch.nn.Module):
+        yield reference
+    else:
         with reference.active() as model:
             yield model
-    else:
-        yield reference
 
 
 def set_reference_logprobs(reference, batches: list[PolicyBatch], temperature: float = 1.0) -> None:

@@ -129,13 +129,12 @@ class PolicyTrainer(RoleTrainer):
         meta = self.resume()
         start = 0 if meta is None else meta["step"] + 1
         if self.is_rank0:
-            lora = resolved.layout.policy_lora
             self.log.info(
-                "policy: %s, layout %s, steps %d..%d, %s", self.loaded, self.layout.model_dump(), start,
-                self.num_steps - 1, f"LoRA rank {lora.rank} on {lora.target_modules}" if lora else "full fine-tuning",
+                "policy: %s, layout %s, steps %d..%d, model transforms: %s", self.loaded, self.layout.model_dump(),
+                start, self.num_steps - 1, ", ".join(t.name for t in self.transforms) or "none",
             )  # fmt: skip
         receiver = self.receiver(resolved.transport.policy_port)
-        publisher = make_publisher(resolved)
+        publisher = make_publisher(resolved, self.transforms)
         snapshots = snapshot_versions(resolved)
         try:
             for step in range(start, self.num_steps):

@@ -6,9 +6,10 @@ The policy exports version v (its weights after v optimizer steps) as
 written atomically (atomic_dir: a partial export is never visible). The critic waits for the
 version it needs and loads the backbone with `trainer.weights.load_backbone`, which reshards
 to the critic's own TP/EP (dist_checkpointing stores global shapes, so TP/CP/EP/GPU counts of the
-two models may differ). A LoRA policy exports its merged weights, W + (alpha / rank) B A, under
-the plain model's keys and without adapters (transforms/lora.merged_sharded_state_dict): the critic
-loads a plain model's backbone.
+two models may differ). The export is the plain model's state (transforms/base.PLAIN_MODEL): a
+model transform's tensors are folded into the weights they change (a LoRA policy's merged weights,
+W + (alpha / rank) B A, under the plain model's keys, without adapters), so the critic loads a
+plain model's backbone.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from megatron.core import dist_checkpointing
 
 from megatron_rl.config import ResolvedConfig
 from megatron_rl.trainer import atomic_dir
-from megatron_rl.transforms.lora import merged_sharded_state_dict
+from megatron_rl.transforms.base import PLAIN_MODEL
 
 
 def snapshot_versions(resolved: ResolvedConfig) -> list[int]:
@@ -49,7 +50,7 @@ def export_snapshot(
     with atomic_dir.collective_write(
         final.parent, final.name, keep_last, "snapshot.written", finish, subdirs=("dist",)
     ) as partial:
-        dist_checkpointing.save(merged_sharded_state_dict(model), str(partial / "dist"))
+        dist_checkpointing.save(model.sharded_state_dict(metadata={PLAIN_MODEL: True}), str(partial / "dist"))
     return final
 
 

@@ -24,9 +24,9 @@ The adapter path does the communication its layer does:
   factor's gradient, which each rank holds a part of, summed over the expert-TP group. `merge_lora`
 folds the adapters into W (per shard) for export; `merge_adapter_tensors` does it on a full
 (gathered) state dict, where a wrapped layer's own tensors keep the layer's names
-(`models/sharding.canonical_name`) and its adapters sit beside them; `merged_sharded_state_dict`
-is the model's reshardable (dist_checkpointing) state with each adapted weight merged, per shard,
-and no adapters: what a plain model loads. `adapters_disabled` runs the base model (the adapters
+(`models/sharding.canonical_name`) and its adapters sit beside them; the model's reshardable
+(dist_checkpointing) state asked for with `metadata={MERGED: True}` (the seam's PLAIN_MODEL) has
+each adapted weight merged, per shard, and no adapters: what a plain model loads. `adapters_disabled` runs the base model (the adapters
 skipped): the frozen reference of a LoRA-adapted model, with no copy.
 
 Checkpoints: a wrapped layer's tensors keep the checkpoint keys of the plain layer, its adapters
@@ -52,11 +52,13 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch import nn
 
 from megatron_rl.models.sharding import global_parameter_names
+from megatron_rl.transforms.base import PLAIN_MODEL
 
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
-# `sharded_state_dict(metadata={MERGED: True})`: each wrapped layer's weight merged, no adapters.
-MERGED = "megatron_rl_lora_merged"
+# `sharded_state_dict(metadata={MERGED: True})`: each wrapped layer's weight merged, no adapters
+# (the seam's plain-model request, transforms/base.PLAIN_MODEL).
+MERGED = PLAIN_MODEL
 
 
 def fused_norm(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -272,13 +274,6 @@ def merge_lora(model: nn.Module) -> None:
             module.base.weight.copy_(module.merged_weight())
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, module.base)
-
-
-def merged_sharded_state_dict(model: nn.Module) -> dict:
-    """The model's sharded state dict (dist_checkpointing) with every adapted weight merged,
-    W + (alpha / rank) B A per shard, under the plain model's checkpoint keys and without the
-    adapters: a plain model of any layout loads it. A model without LoRA gives its own."""
-    return model.sharded_state_dict(metadata={MERGED: True})
 
 
 @contextlib.contextmanager

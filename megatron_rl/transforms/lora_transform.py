@@ -8,7 +8,9 @@ reference are, from the layout's plan (`config/layout.LoraPlan`).
 - checkpoints keep the adapters (and a critic's value head) and meta.json's `lora` names the base
   (transforms/lora_base.py); a resume refuses another base or other settings, and a run without
   LoRA refuses a LoRA checkpoint (`refuse_without_lora`);
-- the frozen reference is the model itself with its adapters off (`AdaptersOff`): no copy.
+- the frozen reference is the model itself with its adapters off (`AdaptersOff`): no copy;
+- publishing: merged weights, W + (alpha / rank) B A (`merge`), or, when the plan serves adapters
+  (`LoraPlan.serve`), the adapters alone in PEFT's format (`PeftAdapters`), which vLLM loads.
 """
 
 from __future__ import annotations
@@ -22,8 +24,15 @@ import torch
 
 from megatron_rl.config.layout import LoraPlan
 from megatron_rl.transforms.base import ModelTransform
-from megatron_rl.transforms.lora import adapters_disabled, apply_lora
+from megatron_rl.transforms.lora import adapters_disabled, apply_lora, merge_adapter_tensors
 from megatron_rl.transforms.lora_base import check_base, check_settings, is_trainable_key, lora_meta
+from megatron_rl.transforms.peft import (
+    adapter_config,
+    hf_target_modules,
+    is_adapter,
+    megatron_adapters_to_peft,
+    write_peft_adapter,
+)
 
 
 class LoraTransform(ModelTransform):
@@ -51,6 +60,17 @@ class LoraTransform(ModelTransform):
 
     def frozen_reference(self, model: torch.nn.Module) -> AdaptersOff:
         return AdaptersOff(model)
+
+    def merge(self, tensors: dict) -> dict:
+        return merge_adapter_tensors(tensors, self.plan.alpha)
+
+    def served_alone(self) -> PeftAdapters | None:
+        return PeftAdapters(self.plan.rank, self.plan.alpha) if self.plan.serve == "adapter" else None
+
+    def serving_line(self) -> str:
+        plan = self.plan
+        form = "adapters" if plan.serve == "adapter" else "merged weights"
+        return f"LoRA (rank {plan.rank}, alpha {plan.alpha:g}): versions reach inference as {form} ({plan.serve_reason})"
 
     def checkpoint_meta(self) -> dict:
         return lora_meta(self.plan, self.plan.key, self.base)
@@ -95,3 +115,27 @@ class AdaptersOff:
                 yield self.model
             finally:
                 self.model.train(training)
+
+
+@dataclass(frozen=True)
+class PeftAdapters:
+    """LoRA adapters published alone (transforms/base.ExternalFormat) in PEFT's format: the
+    tensors `lora_A`/`lora_B` under HF names, `adapter_config.json` with `rank` and `alpha`."""
+
+    rank: int
+    alpha: float
+
+    def select(self, key: str) -> bool:
+        return is_adapter(key)
+
+    def convert(self, tensors: dict, arch) -> dict:
+        return megatron_adapters_to_peft(tensors, arch, partial=True)
+
+    def targets(self, tensors: dict) -> list[str]:
+        return hf_target_modules(tensors)
+
+    def config(self, targets: list[str], base_model: str | None) -> dict:
+        return adapter_config(self.rank, self.alpha, targets, base_model)
+
+    def write(self, directory: Path, tensors: dict, base_model: str | None) -> None:
+        write_peft_adapter(directory, tensors, self.rank, self.alpha, base_model)

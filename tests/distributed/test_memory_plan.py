@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -288,7 +289,8 @@ def measure_lora(rank, world_size, architectures, directory):
     from megatron_rl.policy.publish.adapters import owned_adapter_tensors, publish_adapter
     from megatron_rl.trainer.optimizer import build_trainable, torch_optimizers
     from megatron_rl.trainer.step import train_step
-    from megatron_rl.transforms.lora import apply_lora
+    from megatron_rl.transforms.lora import apply_lora, merge_adapter_tensors
+    from megatron_rl.transforms.lora_transform import PeftAdapters
     from tests.support.te_standins import build_te_style_model
 
     def file_bytes(paths):
@@ -322,11 +324,12 @@ def measure_lora(rank, world_size, architectures, directory):
             )
         adam = sum(state["exp_avg"].numel() for opt in torch_optimizers(trainable.optimizer)
                    for state in opt.state.values() if "exp_avg" in state)  # fmt: skip
-        streamed = owned_adapter_tensors(model, arch)
+        streamed = owned_adapter_tensors(model, arch, PeftAdapters(LORA_RANK, LORA_ALPHA))
         adapters = publish_adapter(
-            model, arch, Path(directory) / f"adapters{index}", 1, LORA_RANK, LORA_ALPHA
+            model, arch, Path(directory) / f"adapters{index}", 1, PeftAdapters(LORA_RANK, LORA_ALPHA)
         )
-        merged = publish_hf_weights(model, arch, Path(directory) / f"merged{index}", 1, lora_alpha=LORA_ALPHA)
+        merged = publish_hf_weights(model, arch, Path(directory) / f"merged{index}", 1,
+                                    merge=partial(merge_adapter_tensors, alpha=LORA_ALPHA))
         torch.distributed.barrier()
         result = {
             "adam": adam,

@@ -24,6 +24,7 @@ reference, publishing, snapshots and checkpoints.
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -330,7 +331,7 @@ def lora_policy(rank, world_size, arch, tp, cp, ep, directory, everything=False)
     merged = merge_adapter_tensors(stepped_full, ALPHA)
     out["merged_full"] = merged
     # what both publishing paths send: the HF tensors this rank owns, merged
-    out["published"] = {k: v.clone() for k, v in owned_hf_tensors(model, arch, ALPHA).items()}
+    out["published"] = {k: v.clone() for k, v in owned_hf_tensors(model, arch, partial(merge_adapter_tensors, alpha=ALPHA)).items()}  # fmt: skip
     if arch.num_experts and world_size == 1:
         # routing replay on (the probe rows carry no routes: a replaying pass takes padding
         # routes): the reference still routes by its own router, the policy's pass replays
@@ -364,9 +365,10 @@ def lora_policy(rank, world_size, arch, tp, cp, ep, directory, everything=False)
         return out
 
     # publishing: a safetensors version on disk, and what the broadcast path streams
-    hf = owned_hf_tensors(model, arch, ALPHA)
+    hf = owned_hf_tensors(model, arch, partial(merge_adapter_tensors, alpha=ALPHA))
     out["stream_names"] = sorted(n for part in stream_parts(hf, arch.num_layers) for n in part)
-    version = publish_hf_weights(model, arch, Path(directory) / "published", 1, lora_alpha=ALPHA)
+    version = publish_hf_weights(model, arch, Path(directory) / "published", 1,
+                                 merge=partial(merge_adapter_tensors, alpha=ALPHA))
     on_disk = {}
     for file in sorted(version.glob("model-*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
@@ -479,7 +481,7 @@ def trainer_with_lora(rank, world_size, resolved_path):
     samples = training_samples(4, resolved.layout.policy_architecture.vocab_size, seed=0)
     grid = pack_into_grid(samples, resolved.model.seq_len, 1)
     policy_update(trainer.trainable, grid[0], trainer.settings, reference=trainer.reference)
-    publisher = make_publisher(resolved)
+    publisher = make_publisher(resolved, trainer.transforms)
     publisher.publish(trainer.model, 1)
     version = latest_published(resolved.inference.publish_dir)
     published = {}

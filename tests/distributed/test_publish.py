@@ -171,7 +171,7 @@ def publish_failing_mid_broadcast(rank, world_size):
     def lost(*args, **kwargs):
         raise ConnectionError("weight-update link lost")
 
-    broadcast.owned_hf_tensors = lambda model, arch, lora_alpha=None: {}
+    broadcast.owned_hf_tensors = lambda model, arch, merge=None: {}
     weight_buckets.broadcast_end = lost
     controls = [RecordingControl(), RecordingControl()]
     publisher = broadcast.BroadcastPublisher(DENSE, controls, "127.0.0.1", 0, backend="gloo", timeout_s=5)

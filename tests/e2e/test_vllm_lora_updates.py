@@ -79,18 +79,20 @@ def _adapted_policy(hf_dir, tp, seed):
 
 def publish_version(rank, world_size, hf_dir, out_dir, version, seed):
     from megatron_rl.policy.publish.adapters import publish_adapter
+    from megatron_rl.transforms.lora_transform import PeftAdapters
 
     model, arch = _adapted_policy(hf_dir, world_size, seed)
-    return str(publish_adapter(model, arch, out_dir, version, RANK, ALPHA, base_model=str(hf_dir)))
+    return str(publish_adapter(model, arch, out_dir, version, PeftAdapters(RANK, ALPHA), base_model=str(hf_dir)))
 
 
 def broadcast_version(rank, world_size, hf_dir, url, group_port, server_dir, version, seed):
     from megatron_rl.inference.vllm_control import VllmControl
     from megatron_rl.policy.publish.adapters import AdapterBroadcastPublisher
+    from megatron_rl.transforms.lora_transform import PeftAdapters
 
     model, arch = _adapted_policy(hf_dir, world_size, seed)
-    publisher = AdapterBroadcastPublisher(arch, [VllmControl(url, timeout_s=120)], "127.0.0.1", group_port, RANK,
-                                          ALPHA, "policy-lora", server_dir, base_model=str(hf_dir), backend="gloo",
+    publisher = AdapterBroadcastPublisher(arch, [VllmControl(url, timeout_s=120)], "127.0.0.1", group_port,
+                                          PeftAdapters(RANK, ALPHA), "policy-lora", server_dir, base_model=str(hf_dir), backend="gloo",
                                           timeout_s=120)  # fmt: skip
     if rank == 0:
         publisher.connect()

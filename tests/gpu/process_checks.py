@@ -293,6 +293,7 @@ def check_vllm_lora(cpu: bool, adapter_seed: int = 2) -> dict:
     from megatron_rl.policy.publish.adapters import publish_adapter
     from megatron_rl.trainer.weights import load_initial_weights
     from megatron_rl.transforms.lora import apply_lora, merge_adapter_tensors
+    from megatron_rl.transforms.lora_transform import PeftAdapters
     from tests.support.inference import hf_token_logprobs
 
     prompt, rank, alpha, served = [5, 17, 42, 99, 7], 4, 8.0, "policy"
@@ -313,7 +314,8 @@ def check_vllm_lora(cpu: bool, adapter_seed: int = 2) -> dict:
                     if name.endswith(".lora_b"):
                         param.copy_(0.3 * torch.randn(param.shape, generator=generator))
             experts = sum(".experts." in name for name in wrapped)
-            published = publish_adapter(model, arch, tmp / "published", 1, rank, alpha, base_model=str(hf_dir))
+            published = publish_adapter(model, arch, tmp / "published", 1, PeftAdapters(rank, alpha),
+                                        base_model=str(hf_dir))
             adapter_bytes = sum(p.stat().st_size for p in published.glob("*.safetensors"))
             merged = megatron_to_hf(merge_adapter_tensors(gather_full_parameters(model), alpha), arch)
             server.wait_ready(timeout_s=LIMIT_S["vllm_lora"] - 15)

@@ -135,3 +135,29 @@ def test_models_trainer_conversion_and_transforms_import_at_the_top(tmp_path):
     (tmp_path / "models").mkdir()  # the check sees one
     (tmp_path / "models" / "x.py").write_text("def f():\n    import json\n    return json\n")
     assert imports_inside_functions(tmp_path, ("models",)) == [f"{tmp_path.name}/models/x.py:2"]
+
+
+def transform_imports(root: Path, packages: tuple[str, ...]) -> list[str]:
+    """Every import from a `transforms` module other than the seam (base, plan) in `packages`
+    (PATH MODULE)."""
+    found = []
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+                if module.startswith("megatron_rl.transforms.") and module.rsplit(".", 1)[1] not in ("base", "plan"):
+                    found.append(f"{path.relative_to(root.parent)} {module}")
+    return sorted(found)
+
+
+def test_the_trainer_checkpoints_and_publishers_reach_the_transforms_through_the_seam(tmp_path):
+    """trainer/ (the shared trainer, checkpoints, snapshots) and policy/publish/ ask the transforms
+    (transforms/base.py, plan.py) and never name one; the one exception is the publishers' guard
+    that no adapter tensor is published unmerged (transforms.peft.is_adapter)."""
+    root = Path(megatron_rl.__file__).parent
+    assert transform_imports(root, ("trainer", "policy/publish")) == [
+        "megatron_rl/policy/publish/ownership.py megatron_rl.transforms.peft"
+    ]
+    (tmp_path / "trainer").mkdir()  # the check sees one
+    (tmp_path / "trainer" / "x.py").write_text("from megatron_rl.transforms.lora import apply_lora\n")
+    assert transform_imports(tmp_path, ("trainer",)) == [f"{tmp_path.name}/trainer/x.py megatron_rl.transforms.lora"]

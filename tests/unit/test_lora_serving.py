@@ -84,10 +84,11 @@ def publisher_of(rank, world_size, resolved_json, hf_dir, out):
     from megatron_rl.policy.publish import make_publisher
     from megatron_rl.trainer.weights import load_initial_weights
     from megatron_rl.transforms.lora import apply_lora
+    from megatron_rl.transforms.plan import role_transforms
 
     parallel.initialize_model_parallel()
     resolved = load_resolved(resolved_json)
-    publisher = make_publisher(resolved)
+    publisher = make_publisher(resolved, role_transforms(resolved, "policy"))
     arch = resolved.layout.policy_architecture
     model = build_gpt_model(arch)
     load_initial_weights(model, hf_dir, arch)

@@ -1,21 +1,22 @@
-"""A LoRA policy's adapter-only updates (`lora.serve` resolving to `adapter`): each version is
-the adapters alone, in PEFT's format (transforms/peft.py), which the servers load with
+"""Adapter-only updates: a model transform's own tensors published alone in its external format
+(transforms/base.ExternalFormat, `served_alone`; a LoRA policy whose `lora.serve` resolves to
+`adapter`: PEFT's format, transforms/lora_transform.PeftAdapters), which the servers load with
 `/v1/load_lora_adapter` in place of the previous version's (inference/pool.WeightSync), so an
 update moves the adapter's bytes, not the model's.
 
 Path (a) (`AdapterPublisher`): collective over the policy's ranks like the full-weight path:
-only the adapter parameters are gathered over TP (`gather_full_parameters(select=is_adapter)`),
+only the format's parameters are gathered over TP (`gather_full_parameters(select=fmt.select)`),
 each owner (ownership.writer_roles: one rank per pipeline stage, one per (stage, expert rank))
-writes its layers' PEFT tensors into `adapter-<tag>.safetensors` of `version_N.partial`, and rank
-0 joins them into one `adapter_model.safetensors` (PEFT's single file), writes
-`adapter_config.json` (rank, alpha, HF target modules, the base model) and `manifest.json`, then
+writes its layers' converted tensors into `adapter-<tag>.safetensors` of `version_N.partial`, and
+rank 0 joins them into one directory in the format (`fmt.write`: for PEFT `adapter_model.safetensors`
+and `adapter_config.json` with rank, alpha, HF target modules, the base model) and `manifest.json`, then
 commits the version as the full-weight path does (atomic_dir). A version directory is then a
 PEFT adapter that transformers + PEFT load too.
 
 Path (b) (`AdapterBroadcastPublisher`): the full-weight broadcast (BroadcastPublisher: group,
 pause, stream from the owners through rank 0, resume) with the owners' PEFT adapter tensors
 instead of the model's; each server's workers take them with `receive_adapter`, the server's
-first worker writes them as a PEFT directory on its node (`server_dir/server<i>/version_N`),
+first worker writes them as an adapter directory (with `fmt.config`) on its node (`server_dir/server<i>/version_N`),
 and rank 0 has each server load it in place (`/v1/load_lora_adapter`) under `adapter_name`.
 """
 
@@ -32,30 +33,23 @@ from megatron_rl.policy.publish.broadcast import BroadcastPublisher
 from megatron_rl.policy.publish.files import sha256_of
 from megatron_rl.policy.publish.ownership import writer_roles
 from megatron_rl.trainer import atomic_dir
-from megatron_rl.transforms.peft import (
-    WEIGHTS_FILE,
-    adapter_config,
-    hf_target_modules,
-    is_adapter,
-    megatron_adapters_to_peft,
-    write_peft_adapter,
-)
+from megatron_rl.transforms.base import ExternalFormat
 
 
-def owned_adapter_tensors(model, arch: Architecture) -> dict:
-    """Collective over the model's TP groups: the PEFT-named adapter tensors this rank owns
-    (`writer_roles`), empty on the other ranks. Only the adapters are gathered."""
-    full = gather_full_parameters(model, select=is_adapter)
+def owned_adapter_tensors(model, arch: Architecture, fmt: ExternalFormat) -> dict:
+    """Collective over the model's TP groups: the adapter tensors this rank owns (`writer_roles`)
+    under the format's names, empty on the other ranks. Only the adapters are gathered."""
+    full = gather_full_parameters(model, select=fmt.select)
     writes_dense, writes_experts, _ = writer_roles()
     mine = {k: v for k, v in full.items()
             if (".experts." in k and writes_experts) or (".experts." not in k and writes_dense)}  # fmt: skip
-    return megatron_adapters_to_peft(mine, arch, partial=True)
+    return fmt.convert(mine, arch)
 
 
-def publish_adapter(model, arch: Architecture, directory: str | Path, step: int, rank: int, alpha: float,
+def publish_adapter(model, arch: Architecture, directory: str | Path, step: int, fmt: ExternalFormat,
                     base_model: str | None = None, keep_last: int = 2) -> Path:  # fmt: skip
-    """Writes version `step` of the adapters under `directory` as a PEFT adapter directory with a
-    manifest; returns its path (on every rank)."""
+    """Writes version `step` of the adapters under `directory` as an adapter directory in `fmt`
+    with a manifest; returns its path (on every rank)."""
     root = Path(directory)
     version = atomic_dir.name("version", step)
 
@@ -64,15 +58,16 @@ def publish_adapter(model, arch: Architecture, directory: str | Path, step: int,
         tensors = {}
         for part in parts:
             tensors.update(load_file(str(part)))
-        write_peft_adapter(partial, tensors, rank, alpha, base_model)
+        fmt.write(partial, tensors, base_model)
         for part in parts:
             part.unlink()
-        manifest = {"step": step, "files": {WEIGHTS_FILE: sha256_of(partial / WEIGHTS_FILE)}, "num_tensors": len(tensors),
+        written = {f.name: sha256_of(f) for f in sorted(partial.glob("*.safetensors"))}  # the format's weights
+        manifest = {"step": step, "files": written, "num_tensors": len(tensors),
                     "bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "adapter": True}  # fmt: skip
         (partial / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
     with atomic_dir.collective_write(root, version, keep_last, "publish.written", finish) as partial:
-        tensors = owned_adapter_tensors(model, arch)
+        tensors = owned_adapter_tensors(model, arch, fmt)
         _, _, tag = writer_roles()
         if tensors:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(partial / f"adapter-{tag}.safetensors"),
@@ -81,15 +76,15 @@ def publish_adapter(model, arch: Architecture, directory: str | Path, step: int,
 
 
 class AdapterPublisher:
-    """Path (a) for a LoRA policy served as an adapter: `publish_adapter` into `directory`."""
+    """Path (a) for a policy served as an adapter: `publish_adapter` in `fmt` into `directory`."""
 
-    def __init__(self, arch: Architecture, directory: str | Path, rank: int, alpha: float,
+    def __init__(self, arch: Architecture, directory: str | Path, fmt: ExternalFormat,
                  base_model: str | None = None, keep_last: int = 2):  # fmt: skip
-        self.arch, self.directory, self.rank, self.alpha = arch, Path(directory), rank, alpha
+        self.arch, self.directory, self.fmt = arch, Path(directory), fmt
         self.base_model, self.keep_last = base_model, keep_last
 
     def publish(self, model, version: int) -> Path:
-        return publish_adapter(model, self.arch, self.directory, version, self.rank, self.alpha, self.base_model,
+        return publish_adapter(model, self.arch, self.directory, version, self.fmt, self.base_model,
                                self.keep_last)  # fmt: skip
 
     def close(self) -> None:
@@ -97,27 +92,26 @@ class AdapterPublisher:
 
 
 class AdapterBroadcastPublisher(BroadcastPublisher):
-    """Path (b) for a LoRA policy served as an adapter (see the module docstring). `server_dir`:
-    an absolute directory each server's node can write and its API server read (default: the
-    nodes' temporary directory)."""
+    """Path (b) for a policy served as an adapter in `fmt` (see the module docstring).
+    `server_dir`: an absolute directory each server's node can write and its API server read."""
 
-    def __init__(self, arch: Architecture, controls: list, host: str, port: int, rank: int, alpha: float,
+    def __init__(self, arch: Architecture, controls: list, host: str, port: int, fmt: ExternalFormat,
                  adapter_name: str, server_dir: str, base_model: str | None = None, **options):  # fmt: skip
         super().__init__(arch, controls, host, port, **options)
-        self.rank, self.alpha, self.adapter_name = rank, alpha, adapter_name
+        self.fmt, self.adapter_name = fmt, adapter_name
         self.server_dir, self.base_model = Path(server_dir), base_model
         self.targets: list[str] = []
 
     def owned_tensors(self, model) -> dict:
-        tensors = owned_adapter_tensors(model, self.arch)
-        self.targets = hf_target_modules(tensors) if tensors else self.targets
+        tensors = owned_adapter_tensors(model, self.arch, self.fmt)
+        self.targets = self.fmt.targets(tensors) if tensors else self.targets
         return tensors
 
     def _version_dir(self, index: int, version: int) -> Path:
         return self.server_dir / f"server{index}" / atomic_dir.name("version", version)
 
     def receive(self, index: int, control, version: int):
-        config = adapter_config(self.rank, self.alpha, self.targets, self.base_model)
+        config = self.fmt.config(self.targets, self.base_model)
         return control.collective_rpc("receive_adapter", {
             "version": version, "directory": str(self._version_dir(index, version)), "adapter_config": config})  # fmt: skip
 

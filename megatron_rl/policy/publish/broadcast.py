@@ -5,6 +5,7 @@ decoder layer at a time (`stream_parts`)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ class BroadcastPublisher:
     layer: every expert) once it has all its tensors, completes each layer before the next one
     arrives and buffers at most about one layer. Rank 0 then ends the stream, resets the prefix
     cache and resumes the servers. Metadata travels as msgpack bytes in tensors, never pickle.
-    A LoRA policy's weights are sent merged with `lora_alpha` (`owned_hf_tensors`).
+    A transformed policy's weights are sent merged with `merge` (its transforms', `owned_hf_tensors`).
     """
 
     def __init__(
@@ -63,10 +64,10 @@ class BroadcastPublisher:
         backend: str | None = None,
         bucket_bytes: int = 256 << 20,
         timeout_s: float = 600.0,
-        lora_alpha: float | None = None,
+        merge: Callable[[dict], dict] | None = None,
     ):
         self.arch = arch
-        self.lora_alpha = lora_alpha
+        self.merge = merge
         self.controls = controls
         self.host, self.port = host, port
         self.workers_per_server = workers_per_server
@@ -128,8 +129,8 @@ class BroadcastPublisher:
         self._join(threads, errors, self.timeout_s)
 
     def owned_tensors(self, model) -> dict[str, torch.Tensor]:
-        """Collective: the HF-named tensors this rank sends (the whole model's, merged for LoRA)."""
-        return owned_hf_tensors(model, self.arch, self.lora_alpha)
+        """Collective: the HF-named tensors this rank sends (the whole model's, its transforms merged)."""
+        return owned_hf_tensors(model, self.arch, self.merge)
 
     def receive(self, index: int, control, version: int):
         """What server `index` runs to take one update (its workers' side of the stream)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from safetensors import safe_open
@@ -41,10 +42,10 @@ def publish_hf_weights(
     step: int,
     hf_side_files: Path | None = None,
     keep_last: int = 2,
-    lora_alpha: float | None = None,
+    merge: Callable[[dict], dict] | None = None,
 ) -> Path:
-    """Writes version `step` under `directory`; returns its path (on every rank). A LoRA
-    policy's weights are merged with `lora_alpha` (`owned_hf_tensors`)."""
+    """Writes version `step` under `directory`; returns its path (on every rank). A transformed
+    policy's weights are merged with `merge` (`owned_hf_tensors`)."""
     root = Path(directory)
     version = atomic_dir.name("version", step)
 
@@ -67,7 +68,7 @@ def publish_hf_weights(
         (partial / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
     with atomic_dir.collective_write(root, version, keep_last, "publish.written", finish) as partial:
-        hf = owned_hf_tensors(model, arch, lora_alpha)
+        hf = owned_hf_tensors(model, arch, merge)
         _, _, tag = writer_roles()
         if hf:
             save_file(
@@ -95,8 +96,8 @@ def verify_published(path: str | Path) -> dict:
 
 class SafetensorsPublisher:
     """Path (a): `publish_hf_weights` into `directory`, with the HF side files (config.json,
-    tokenizer) from `side_files` so that each version loads on its own; a LoRA policy's weights
-    merged with `lora_alpha`."""
+    tokenizer) from `side_files` so that each version loads on its own; a transformed policy's
+    weights merged with `merge` (its transforms', transforms/base.merged)."""
 
     def __init__(
         self,
@@ -104,15 +105,15 @@ class SafetensorsPublisher:
         directory: str | Path,
         side_files: Path | None = None,
         keep_last: int = 2,
-        lora_alpha: float | None = None,
+        merge: Callable[[dict], dict] | None = None,
     ):
         self.arch, self.directory = arch, Path(directory)
-        self.side_files, self.keep_last, self.lora_alpha = side_files, keep_last, lora_alpha
+        self.side_files, self.keep_last, self.merge = side_files, keep_last, merge
 
     def publish(self, model, version: int) -> Path:
         return publish_hf_weights(
             model, self.arch, self.directory, version, hf_side_files=self.side_files, keep_last=self.keep_last,
-            lora_alpha=self.lora_alpha,
+            merge=self.merge,
         )  # fmt: skip
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
 """The one interface both publishing paths share, `WeightPublisher`, and `make_publisher`, which
-builds the one `inference.weight_update` names from the resolved config (for a LoRA policy
-served as an adapter, the adapter publishers of adapters.py)."""
+builds the one `inference.weight_update` names from the resolved config and the policy's model
+transforms (for a transform served alone, e.g. LoRA adapters, the adapter publishers of
+adapters.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from megatron_rl.inference.vllm_control import VllmControl
 from megatron_rl.policy.publish.adapters import AdapterBroadcastPublisher, AdapterPublisher
 from megatron_rl.policy.publish.broadcast import BroadcastPublisher
 from megatron_rl.policy.publish.files import SafetensorsPublisher
+from megatron_rl.transforms.base import ModelTransform, merged, served_alone
 
 log = logging.getLogger("megatron_rl.policy")
 
@@ -29,40 +31,38 @@ class WeightPublisher(Protocol):
     def close(self) -> None: ...
 
 
-def make_publisher(resolved: ResolvedConfig) -> WeightPublisher:
+def make_publisher(resolved: ResolvedConfig, transforms: list[ModelTransform] = ()) -> WeightPublisher:
     """Collective: the publisher `inference.weight_update` names. Path (b) forms its group with
     every inference server's workers here (policy rank 0), so a wrong address or port fails at
-    startup. With `lora`, each version is the adapters alone or merged weights (the layout's
-    `policy_lora.serve`: `lora.serve`, and what the inference backend can serve), which rank 0
-    says at start-up."""
+    startup. With model `transforms` (the policy trainer's), each version is their tensors alone
+    in a transform's external format when one is served alone (`served_alone`: LoRA adapters,
+    the layout's `policy_lora.serve`), else the weights with every transform merged; rank 0 says
+    which at start-up."""
 
     inference, arch = resolved.inference, resolved.layout.policy_architecture
-    lora = resolved.layout.policy_lora
-    serving = lora.serve if lora is not None else None
-    if serving is not None and dist.get_rank() == 0:
-        log.info("policy LoRA (rank %d, alpha %g): versions reach inference as %s (%s)", lora.rank, lora.alpha,
-                 "adapters" if serving == "adapter" else "merged weights", lora.serve_reason)  # fmt: skip
+    if dist.get_rank() == 0:
+        for line in filter(None, (t.serving_line() for t in transforms)):
+            log.info("policy %s", line)
+    alone, merge = served_alone(transforms), merged(transforms)
     base_model = inference.model_dir or resolved.model.hf_config  # the HF model the servers serve
-    if serving == "adapter" and inference.weight_update == "safetensors":
-        return AdapterPublisher(arch, inference.publish_dir, lora.rank, lora.alpha, base_model=base_model)
-    lora_alpha = lora.alpha if lora is not None else None
+    if alone is not None and inference.weight_update == "safetensors":
+        return AdapterPublisher(arch, inference.publish_dir, alone, base_model=base_model)
     if inference.weight_update == "safetensors":
         side_files = Path(resolved.model.hf_config) if resolved.model.hf_config else None
-        return SafetensorsPublisher(arch, inference.publish_dir, side_files, lora_alpha=lora_alpha)
+        return SafetensorsPublisher(arch, inference.publish_dir, side_files, merge=merge)
     if not resolved.layout.inference_urls:
         raise ValueError("inference.weight_update 'nccl': there are no inference servers to broadcast to")
     api_key = inference.api_key()
     controls = [VllmControl(url, api_key=api_key) for url in resolved.layout.inference_urls]
     options = {"workers_per_server": inference.tp, "bucket_bytes": inference.weight_bucket_mb << 20}
-    if serving == "adapter":
+    if alone is not None:
         publisher = AdapterBroadcastPublisher(
-            arch, controls, resolved.layout.weight_broadcast_host, inference.weight_broadcast_port, lora.rank,
-            lora.alpha, adapter_name(inference.served_model_name), adapter_server_dir(resolved),
-            base_model=base_model, **options,
+            arch, controls, resolved.layout.weight_broadcast_host, inference.weight_broadcast_port, alone,
+            adapter_name(inference.served_model_name), adapter_server_dir(resolved), base_model=base_model, **options,
         )  # fmt: skip
     else:
         publisher = BroadcastPublisher(arch, controls, resolved.layout.weight_broadcast_host,
-                                       inference.weight_broadcast_port, lora_alpha=lora_alpha, **options)  # fmt: skip
+                                       inference.weight_broadcast_port, merge=merge, **options)  # fmt: skip
     if dist.get_rank() == 0:
         publisher.connect()
     return publisher
