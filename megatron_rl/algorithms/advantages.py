@@ -1,6 +1,7 @@
-"""Advantages: skip-observation GAE (PPO, SAO; needs the critic's values) and the outcome
-estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++, REINFORCE++ with a group baseline), which see only
-each member's scalar reward.
+"""Advantages: skip-observation GAE (PPO, SAO; needs the critic's values), the critic's
+version-aware value targets (`version_bootstrap_returns`), and the outcome estimators (GRPO,
+Dr. GRPO, RLOO, REINFORCE++, REINFORCE++ with a group baseline), which see only each member's
+scalar reward.
 
 Outcome estimators take the step's groups as a list of 1-D float64 tensors of member rewards and
 return each member's advantage in the same shape (`algorithms.registry` documents the protocol).
@@ -15,7 +16,9 @@ A_k = delta_k + c * A_{k+1} (c = gamma * lambda) is solved as A = M @ delta with
 triangular Toeplitz matrix M[k, j] = c^(j - k), computed blockwise: within blocks of L tokens,
 then once more over the blocks' first entries with c^L. Powers are taken directly (never
 c^-k * c^j), so nothing overflows; entries that underflow to 0 are below float64 resolution.
-Memory is O(B * T * L) with L ~ sqrt(T).
+Memory is O(B * T * L) with L ~ sqrt(T). A recursion cut after some tokens (the version-aware
+targets) is the uncut solve minus, at each token, the discounted uncut solve from the token after
+its cut on (`_cut_suffix_sum`); the scan simply drops A_{k+1} there.
 """
 
 from __future__ import annotations
@@ -106,6 +109,12 @@ def skip_observation_gae(
     "blockwise".
     """
     mask = loss_mask.bool()
+    return _gae(rewards, values, mask, bootstrap_values, truncated, gamma, lam, kl_rewards, method)
+
+
+def _gae(rewards, values, mask, bootstrap_values, truncated, gamma, lam, kl_rewards, method, continues=None):
+    """The GAE recursion by the chosen method; `continues` [B, T] bool (None: never cut) cuts it
+    after each action token where it is False."""
     batch = mask.shape[0]
     lam = torch.as_tensor(lam, dtype=torch.float64, device=mask.device).expand(batch)
     if method == "auto":
@@ -121,13 +130,36 @@ def skip_observation_gae(
             gamma,
             as_numpy(lam),
             None if kl_rewards is None else as_numpy(kl_rewards),
+            None if continues is None else as_numpy(continues),
         )
         return torch.from_numpy(advantages), torch.from_numpy(returns)
-    return _blockwise_gae(rewards, values, mask, bootstrap_values, truncated, gamma, lam, kl_rewards)
+    return _blockwise_gae(
+        rewards, values, mask, bootstrap_values, truncated, gamma, lam, kl_rewards, continues
+    )
 
 
-def _blockwise_gae(rewards, values, mask, bootstrap_values, truncated, gamma, lam, kl_rewards):
-    """skip_observation_gae by compaction of action tokens and a blockwise Toeplitz solve."""
+def _cut_suffix_sum(
+    suffix_sums: torch.Tensor, discount: torch.Tensor, continues: torch.Tensor
+) -> torch.Tensor:
+    """The suffix sums cut after every k where `continues` is False: with e the first such index at
+    or after k, A_k = F_k - discount^(e + 1 - k) * F_{e + 1} (F_K = 0), since F_k is A_k plus the
+    discounted F from e + 1 on. suffix_sums (F) [B, K] float64, discount [B], continues [B, K] bool
+    (False at the last entry of each row). Powers are taken directly, as in _discounted_suffix_sum."""
+    batch, length = suffix_sums.shape
+    steps = torch.arange(length, device=suffix_sums.device).expand(batch, length)
+    cut_at = torch.where(continues, length - 1, steps)
+    ends = torch.flip(torch.cummin(torch.flip(cut_at, [1]), dim=1).values, [1])  # e
+    after = ends + 1
+    padded = torch.cat([suffix_sums, suffix_sums.new_zeros(batch, 1)], dim=1)
+    beyond = torch.gather(padded, 1, after)  # F_{e + 1}
+    return suffix_sums - torch.pow(discount[:, None], (after - steps).to(torch.float64)) * beyond
+
+
+def _blockwise_gae(
+    rewards, values, mask, bootstrap_values, truncated, gamma, lam, kl_rewards, continues=None
+):
+    """skip_observation_gae by compaction of action tokens and a blockwise Toeplitz solve; with
+    `continues`, cut by _cut_suffix_sum."""
     batch = mask.shape[0]
     values = values.to(torch.float64)
     order, valid, counts = _compact_action_tokens(mask)
@@ -151,6 +183,9 @@ def _blockwise_gae(rewards, values, mask, bootstrap_values, truncated, gamma, la
     delta = torch.where(valid, step_rewards + gamma * next_values - step_values, 0.0)
 
     compact_advantages = _discounted_suffix_sum(delta, gamma * lam)
+    if continues is not None:
+        compact_continues = valid & torch.gather(continues, 1, gather)
+        compact_advantages = _cut_suffix_sum(compact_advantages, gamma * lam, compact_continues)
     compact_returns = compact_advantages + step_values
 
     advantages = torch.zeros_like(values)
@@ -186,6 +221,88 @@ def decoupled_gae(
     advantages, _ = skip_observation_gae(*args, policy_lambda, kl_rewards=kl_rewards)
     _, returns = skip_observation_gae(*args, value_lambda, kl_rewards=kl_rewards)
     return advantages, returns
+
+
+def _version_cuts(
+    mask: torch.Tensor, versions: torch.Tensor, current_version: int, max_lag: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(continues, cuts), [B, T] bool: for each action token t_k with a next action token t_{k+1},
+    whether the lambda-return continues into it (same version, lag within max_lag) or is cut.
+    Both are False off the action tokens and at each sample's last action token."""
+    batch, length = mask.shape
+    positions = torch.arange(length, device=mask.device).expand(batch, length)
+    action_positions = torch.where(mask, positions, length)
+    first_action_from = torch.flip(torch.cummin(torch.flip(action_positions, [1]), dim=1).values, [1])
+    no_action = first_action_from.new_full((batch, 1), length)
+    next_action = torch.cat([first_action_from[:, 1:], no_action], dim=1)[:, :length]  # t_{k+1} for t_k
+    has_next = mask & (next_action < length)
+    next_versions = torch.gather(versions, 1, next_action.clamp(max=max(length - 1, 0)))
+    continues = has_next & (next_versions == versions)
+    if max_lag is not None:
+        continues &= current_version - versions <= max_lag
+    return continues, has_next & ~continues
+
+
+def version_bootstrap_returns(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    loss_mask: torch.Tensor,
+    bootstrap_values: torch.Tensor,
+    truncated: torch.Tensor,
+    gamma: float,
+    lam: float | torch.Tensor,
+    token_versions: torch.Tensor,
+    current_version: int,
+    max_lag: int | None = None,
+    kl_rewards: torch.Tensor | None = None,
+    method: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The critic's value targets with the lambda-return cut at every policy-version boundary and
+    at stale tokens, bootstrapped on the critic's own value there.
+
+    Over the action tokens t_1 < ... < t_K of a sample, as in skip_observation_gae (reward R on
+    t_K plus optional `kl_rewards`, V(t_{K+1}) = bootstrap if truncated else 0), with
+    v_k = token_versions[t_k] and lag_k = current_version - v_k:
+        c_k = 1 if k < K and v_{k+1} == v_k and (max_lag is None or lag_k <= max_lag), else 0
+        delta_k = r_k + gamma * V(t_{k+1}) - V(t_k)
+        A_k = delta_k + gamma * lambda * c_k * A_{k+1}
+        returns_k = A_k + V(t_k)
+    i.e. G_k = r_k + gamma * V(t_{k+1}) + gamma * lambda * c_k * (G_{k+1} - V(t_{k+1})): a cut
+    return is the one-step target r_k + gamma * V(t_{k+1}). A token with lag > max_lag is cut
+    after itself, so it gets the one-step target (lambda = 0). Versions of prompt and observation
+    tokens are not read. With one version per sample and no max_lag this is skip_observation_gae's
+    returns, bit for bit.
+
+    Args as in skip_observation_gae, plus token_versions [B, T] (integer, the policy version that
+    sampled each token), current_version (the policy version the targets are for; lag 0 is
+    on-policy) and max_lag (>= 0, or None: no staleness bound). Returns (returns, cuts): returns
+    [B, T] float64, 0 off the action tokens; cuts [B, T] bool, True on each action token k < K
+    whose return is cut after it (a version boundary or a stale token). Raises ValueError for
+    token_versions of another shape or a float dtype, a version on an action token newer than
+    current_version, or a negative max_lag.
+    """
+    mask = loss_mask.bool()
+    versions = torch.as_tensor(token_versions)
+    if versions.shape != mask.shape:
+        raise ValueError(
+            f"token_versions: shape {tuple(versions.shape)}, expected loss_mask's {tuple(mask.shape)}"
+        )
+    if versions.is_floating_point() or versions.is_complex() or versions.dtype == torch.bool:
+        raise ValueError(f"token_versions: dtype {versions.dtype}, expected an integer dtype")
+    if max_lag is not None and max_lag < 0:
+        raise ValueError(f"max_lag: {max_lag}, expected >= 0 or None")
+    versions = versions.to(device=mask.device, dtype=torch.int64)
+    newer = mask & (versions > current_version)
+    if newer.any():
+        sample = int(newer.any(dim=1).nonzero()[0])
+        raise ValueError(
+            f"token_versions: sample {sample} has action tokens of version "
+            f"{int(versions[sample][newer[sample]].max())}, newer than current_version {current_version}"
+        )
+    continues, cuts = _version_cuts(mask, versions, current_version, max_lag)
+    args = (rewards, values, mask, bootstrap_values, truncated, gamma, lam, kl_rewards, method)
+    _, returns = _gae(*args, continues)
+    return returns, cuts
 
 
 def grpo_advantages(

@@ -16,6 +16,7 @@ from megatron_rl.algorithms.advantages import (
     length_adaptive_lambda,
     skip_observation_gae,
 )
+from tests.support.tensors import pad_batch, random_mask
 
 
 def reference_gae(reward, values, mask, bootstrap, truncated, gamma, lam, kl=None):
@@ -44,22 +45,6 @@ def ordinary_gae(rewards, values, next_value_at_end, gamma, lam):
         running = rewards[t] + gamma * next_value - values[t] + gamma * lam * running
         advantages[t] = running
     return advantages
-
-
-def random_mask(rng: random.Random, length: int) -> list[bool]:
-    """Prompt, then alternating action and observation spans (back to back, at the end, anywhere)."""
-    mask = []
-    prompt = rng.randint(0, max(0, length // 3))
-    mask += [False] * min(prompt, length)
-    while len(mask) < length:
-        span = rng.randint(1, max(1, length // 4))
-        mask += [rng.random() < 0.6] * span
-    return mask[:length]
-
-
-def pad_batch(rows, fill, dtype):
-    longest = max(len(r) for r in rows)
-    return torch.tensor([list(r) + [fill] * (longest - len(r)) for r in rows], dtype=dtype)
 
 
 METHODS = ["scan", "blockwise"]
