@@ -8,9 +8,18 @@
   whose oldest generating version v has n - v > S (time spent queued included) is dropped and
   counted.
 
-Groups get consecutive ids and dataset rows (cursor) in order and are shipped in id order
-(skipping rejected and stale ones), so which groups form batch n does not depend on which
-finished first: a restarted run from the same cursor sees the same prompts.
+**Batch order** (`orchestrator.batch_order`). Groups get consecutive ids and dataset rows
+(cursor) in order. With `dataset` they are shipped in id order (skipping rejected and stale
+ones), so which groups form batch n does not depend on which finished first: a restarted run from
+the same cursor sees the same prompts, and a batch waits for its slowest group. With `finish` a
+step takes the groups in the order they finished, so no batch waits on the tail; with
+`orchestrator.oversample` = O, up to O groups beyond what the lead gate admits generate at once,
+and those left over go into later steps, where the staleness bound judges them like any group
+(queue time counted). The cursor's meaning is kept as a watermark: `next_to_ship` is the lowest
+group id not yet consumed and `consumed_ahead` the ids past it that were; a resumed run starts
+again every group at or past the watermark that was not consumed (the ones in flight at the
+checkpoint are generated anew, from the same rows) and never a consumed one, so every row is
+trained on at most once; which rows form which batch then differs from an uninterrupted run.
 
 **Dynamic sampling** (`orchestrator.dynamic_sampling`, DAPO): rejected and stale groups are
 replaced from the stream (replacements start within the lead gate like any group). With a bound
@@ -20,14 +29,19 @@ batch is full, "stop" raises `DynamicSamplingLimit`. After a smaller batch the g
 in flight would slide into later batches than the gate allowed when they started; from the
 first one that could land past its gate (counting every group still in flight as admitted), the
 newest groups are cancelled and the cursor rewound to it, so they are started again (same ids,
-same rows) once the gate allows. Every consumed group is counted in its step's `StepCounts`.
+same rows) once the gate allows. Under finish order nothing is rewound: a group's place in a batch
+is not fixed by its id, and the staleness bound drops one that waited too long. The two bounds
+on extra groups are separate: `oversample` bounds how many groups generate beyond the gate at
+once, `max_extra_groups` how many consumed groups one step may fail to admit (a replacement
+starts within the gate plus `oversample` like any group). Every consumed group is counted in its
+step's `StepCounts`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -68,10 +82,17 @@ class Dispatcher:
         next_group_id: int = 0,
         shipped_batches: int = 0,
         dynamic_sampling: DynamicSamplingConfig | None = None,
+        batch_order: str = "dataset",
+        oversample: int = 0,
+        consumed_ahead: tuple[int, ...] = (),
     ):
         """`start_group(group_id, row_index)` runs one group; `judge(group)` gives its Verdict;
         `live_version()` is the policy version the inference servers run; `dynamic_sampling`
-        a DynamicSamplingConfig or None (no bound)."""
+        a DynamicSamplingConfig or None (no bound); `batch_order` "dataset" or "finish" with
+        `oversample` groups beyond the gate; `consumed_ahead` (finish order, a resume): group ids
+        past `next_group_id` that were consumed already."""
+        if batch_order not in ("dataset", "finish"):
+            raise ValueError(f"orchestrator.batch_order: 'dataset' or 'finish', got {batch_order!r}")
         self.start_group, self.judge = start_group, judge
         self.dynamic_sampling = dynamic_sampling
         self.batch_size, self.lead, self.max_lag = batch_size, max_async_level, max_off_policy_steps
@@ -83,7 +104,10 @@ class Dispatcher:
         self._admitted_waiting = 0  # entries of `done` with samples (kept, not recounted per fill)
         self.groups: dict[int, Group] = {}
         self.started_at: dict[int, int] = {}  # group id -> the live version when it started
-        self.next_to_ship = next_group_id
+        self.next_to_ship = next_group_id  # the lowest group id not consumed yet
+        self.by_finish, self.oversample = batch_order == "finish", oversample
+        self.consumed_ahead: set[int] = set(consumed_ahead)  # finish order: consumed ids past next_to_ship
+        self.finished: deque[int] = deque()  # finish order: ids in `done` in the order they finished
         self.stale_dropped = 0
         self.lag_histogram: Counter = Counter()
         self.last_counts = StepCounts()  # of the newest step next_batch worked on
@@ -96,7 +120,7 @@ class Dispatcher:
     # -- bounds --------------------------------------------------------------------------------
     def capacity(self) -> int:
         allowed_batches = self.live_version() + self.lead + 1 - self.shipped_batches
-        return max(0, self.batch_size * allowed_batches)
+        return max(0, self.batch_size * allowed_batches) + self.oversample
 
     def occupancy(self) -> int:
         """Groups counted against the gate: running, admitted and waiting, and those already
@@ -107,6 +131,8 @@ class Dispatcher:
         self._pop_done(group_id)
         self.done[group_id] = verdict
         self._admitted_waiting += verdict.samples is not None
+        if self.by_finish:
+            self.finished.append(group_id)
 
     def _pop_done(self, group_id: int) -> Verdict | None:
         verdict = self.done.pop(group_id, None)
@@ -119,6 +145,8 @@ class Dispatcher:
         while self.occupancy() < self.capacity():
             group_id = self.next_group_id
             self.next_group_id += 1
+            if group_id in self.consumed_ahead:  # a resume under finish order: trained on already
+                continue
             self.started_at[group_id] = self.live_version()
             task = asyncio.ensure_future(self.start_group(group_id, group_id))
             self.running[group_id] = task
@@ -150,9 +178,9 @@ class Dispatcher:
 
     # -- shipping ------------------------------------------------------------------------------
     async def next_batch(self, step: int, timeout_s: float | None = None) -> list[tuple[Group, list]]:
-        """The admitted groups of training step `step`, in group-id order, stale ones dropped:
-        `batch_size` of them, or fewer where the dynamic-sampling bound says "train". What the
-        step consumed is in `last_counts`."""
+        """The admitted groups of training step `step`, in group-id order (finish order: in the
+        order they finished), stale ones dropped: `batch_size` of them, or fewer where the
+        dynamic-sampling bound says "train". What the step consumed is in `last_counts`."""
         batch: list[tuple[Group, list]] = []
         counts = self.last_counts = StepCounts()
         sampling = self.dynamic_sampling
@@ -164,12 +192,12 @@ class Dispatcher:
                 raise self._error
             if most is not None and sampling.on_limit == "train" and batch and counts.generated >= most:
                 break  # the bound: train on what was admitted
-            if self.next_to_ship in self.done:
-                self._consume(step, batch, counts)
+            if (group_id := self._next_done()) is not None:
+                self._consume(step, batch, counts, group_id)
                 continue
             self.fill()
             self._changed.clear()
-            if self.next_to_ship in self.done:
+            if self._next_done() is not None:
                 continue
             remaining = None if deadline is None else max(0.0, deadline - loop.time())
             try:
@@ -187,7 +215,7 @@ class Dispatcher:
         self._in_batch = 0
         counts.partial = len(batch) < self.batch_size
         if counts.partial:
-            counts.restarted = self._rewind_past_the_gate()
+            counts.restarted = 0 if self.by_finish else self._rewind_past_the_gate()
             log.warning(
                 "step %d: orchestrator.dynamic_sampling.max_extra_groups (%d) reached: training on %d of %d "
                 "groups (%d consumed, rejected by rule %s, stale %d; %d in flight restarted for the lead gate)",
@@ -197,10 +225,23 @@ class Dispatcher:
         self.fill()  # the next batch may start generating now
         return batch
 
-    def _consume(self, step: int, batch: list, counts: StepCounts) -> None:
-        """Takes the next group of the ordered stream into the step: admitted, rejected or stale."""
-        group_id = self.next_to_ship
-        self.next_to_ship += 1
+    def _next_done(self) -> int | None:
+        """The finished group the step takes next: the next in id order (dataset order), or the
+        first to finish (finish order); None while it is not there."""
+        if self.by_finish:
+            return self.finished[0] if self.finished else None
+        return self.next_to_ship if self.next_to_ship in self.done else None
+
+    def _consume(self, step: int, batch: list, counts: StepCounts, group_id: int) -> None:
+        """Takes finished group `group_id` into the step: admitted, rejected or stale."""
+        if self.by_finish:
+            self.finished.popleft()
+            self.consumed_ahead.add(group_id)
+            while self.next_to_ship in self.consumed_ahead:  # the watermark
+                self.consumed_ahead.remove(self.next_to_ship)
+                self.next_to_ship += 1
+        else:
+            self.next_to_ship += 1
         verdict = self._pop_done(group_id)
         group = self.groups.pop(group_id, None)
         self.started_at.pop(group_id, None)

@@ -1,6 +1,7 @@
 """The orchestrator's step loop: one training step of docs/concepts/data-flow.md (steps 1 to 7).
 
-For step n: the dispatcher hands over `batch_size` admitted groups, or fewer at the
+For step n: the dispatcher hands over `batch_size` admitted groups (in dataset order, or the
+first to finish under `orchestrator.batch_order: finish`), or fewer at the
 `orchestrator.dynamic_sampling` bound with on_limit "train" (generation of later batches goes on
 meanwhile, within the lead gate; the sink has added any overlong penalty to the rewards) ->
 `prepare_batch` over the step's groups (gae: one `/score` request per group with every branch,
@@ -77,7 +78,8 @@ class Orchestrator:
         self.dispatcher = Dispatcher(
             self._start_group, self.sink.judge, o.batch_size, o.max_async_level, o.max_off_policy_steps,
             weights.version, next_group_id=state.group_for_step(state.step), shipped_batches=state.step,
-            dynamic_sampling=o.dynamic_sampling,
+            dynamic_sampling=o.dynamic_sampling, batch_order=o.batch_order, oversample=o.oversample,
+            consumed_ahead=state.consumed_for_step(state.step),
         )  # fmt: skip
 
     def _policy_packs_like_the_critic(self) -> bool:
@@ -170,7 +172,7 @@ class Orchestrator:
         if sync_seconds:  # the newest path (a) weight sync (pause, load, reset, resume)
             times["weight_sync"] = sync_seconds[-1]
         times["total"] = clock() - began
-        self.state.advance(step, first_group, self.dispatcher.next_to_ship)
+        self.state.advance(step, first_group, self.dispatcher.next_to_ship, self.dispatcher.consumed_ahead)
         record = step_metrics(
             step, batch, samples, self.dispatcher.last_counts, self.dispatcher, times, status,
             live_version=self.weights.version(), batch_size=o.batch_size, overlong=o.overlong,

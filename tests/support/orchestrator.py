@@ -14,7 +14,11 @@ import numpy as np
 
 from megatron_rl.config import parse_config
 from megatron_rl.data.types import ScoreResult, route_dtype
+from megatron_rl.envs import make_environment
 from megatron_rl.inference.rollout import Completion
+from megatron_rl.orchestrator.loop import Orchestrator, Timeouts
+from megatron_rl.orchestrator.state import OrchestratorState
+from tests.support.shipped import ShippedSamples
 
 
 class InProcessScorer:
@@ -33,11 +37,14 @@ class InProcessScorer:
 class FakeClient:
     """Completions of random tokens (seeded by session and turn); `fail` maps (group, branch)
     to an exception raised for that member's first request, or (group, branch, turn) for its
-    request of that turn (a failure mid-rollout); `script` gives fixed completions per turn."""
+    request of that turn (a failure mid-rollout); `script` gives fixed completions per turn;
+    `slow` maps a group to seconds each of its requests takes besides `delay_s` (a long tail)."""
 
     def __init__(self, weights, vocab: int = 500, eos: int | None = None, delay_s: float = 0.0,
-                 fail=None, script: list[list[int]] | None = None, moe_layers: int = 2, topk: int = 2):  # fmt: skip
+                 fail=None, script: list[list[int]] | None = None, moe_layers: int = 2, topk: int = 2,
+                 slow: dict[int, float] | None = None):  # fmt: skip
         self.weights, self.vocab, self.eos, self.delay_s = weights, vocab, eos, delay_s
+        self.slow = slow or {}
         self.fail = fail or {}
         self.script = script
         self.moe_layers, self.topk = moe_layers, topk  # the routes' shape, with sampling.routed_experts
@@ -53,7 +60,7 @@ class FakeClient:
             if key in self.fail:
                 raise self.fail[key]
         rng = random.Random(f"{session_id}:{turn}")
-        await asyncio.sleep(self.delay_s * rng.random())
+        await asyncio.sleep(self.delay_s * rng.random() + self.slow.get(group, 0.0))
         limit = max_tokens or sampling.max_tokens
         if self.script is not None:
             tokens = list(self.script[turn])[:limit]
@@ -180,3 +187,18 @@ def per_token_gae(reward, values, mask, bootstrap, bootstrapped, gamma, lam):
         advantages[t] = running
         next_value = values[t]
     return advantages
+
+
+def build_orchestrator(resolved, encoder, client_kwargs=None, train_s=0.0, state=None, env="procedural", dataset=None):
+    """The real Orchestrator over the fakes: (orchestrator with `.shipped`, events, client,
+    critic or None, policy, the step records)."""
+    events, weights = [], FakeWeights()
+    client = FakeClient(weights, **(client_kwargs or {}))
+    critic = FakeCritic(events) if resolved.value is not None else None
+    policy = FakePolicy(weights, events, train_s)
+    records = []
+    orchestrator = ShippedSamples().attach(Orchestrator(
+        resolved, make_environment(env, dataset, resolved.orchestrator.seed), encoder, client, weights, critic,
+        policy.send, state or OrchestratorState(None), records.append, Timeouts(batch_s=60, critic_s=60, weights_s=60),
+    ))  # fmt: skip
+    return orchestrator, events, client, critic, policy, records

@@ -17,31 +17,19 @@ from megatron_rl.orchestrator.rollouts import PromptEncoder
 from megatron_rl.orchestrator.state import OrchestratorState
 from tests.support.orchestrator import (
     FakeClient,
-    FakeCritic,
     FakePolicy,
     FakeWeights,
+    build_orchestrator,
     orchestrator_config,
     per_token_gae,
 )
-from tests.support.shipped import ShippedSamples
+
+build = build_orchestrator
 
 
 @pytest.fixture(scope="module")
 def encoder(tiny_models):
     return PromptEncoder(AutoTokenizer.from_pretrained(str(tiny_models["qwen3"])))
-
-
-def build(resolved, encoder, client_kwargs=None, train_s=0.0, state=None, env="procedural", dataset=None):
-    events, weights = [], FakeWeights()
-    client = FakeClient(weights, **(client_kwargs or {}))
-    critic = FakeCritic(events) if resolved.value is not None else None
-    policy = FakePolicy(weights, events, train_s)
-    records = []
-    orchestrator = ShippedSamples().attach(Orchestrator(
-        resolved, make_environment(env, dataset, resolved.orchestrator.seed), encoder, client, weights, critic,
-        policy.send, state or OrchestratorState(None), records.append, Timeouts(batch_s=60, critic_s=60, weights_s=60),
-    ))  # fmt: skip
-    return orchestrator, events, client, critic, policy, records
 
 
 @pytest.mark.parametrize("algorithm", ["sao", "ppo"])
