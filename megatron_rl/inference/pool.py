@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_rl.config import ResolvedConfig
+from megatron_rl.config import Layout, ResolvedConfig
 from megatron_rl.inference.router import RouterSettings, VllmRouter
 from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
 from megatron_rl.inference.vllm_server import ServerStartError, VllmServer
@@ -297,7 +297,7 @@ class InferencePool:
                     http_log_level=resolved.logging.inference_level,
                     extra_args=inference.extra_args,
                     return_routed_experts=resolved.layout.sampler_routes,
-                    lora_rank=adapter_rank(resolved),
+                    lora_rank=adapter_rank(resolved.layout),
                     api_key=api_key,
                     launch=launch,
                 )  # fmt: skip
@@ -321,10 +321,10 @@ class InferencePool:
         self.stop()
 
 
-def adapter_rank(resolved: ResolvedConfig) -> int | None:
+def adapter_rank(layout: Layout) -> int | None:
     """The LoRA rank the servers must serve adapters of (a LoRA policy published as adapters:
     `layout.policy_lora.serve`), None when they serve plain weights."""
-    plan = resolved.layout.policy_lora
+    plan = layout.policy_lora
     return plan.rank if plan is not None and plan.serve == "adapter" else None
 
 

@@ -7,14 +7,14 @@ import asyncio
 import logging
 import sys
 
-from megatron_rl.config import ConfigError, ResolvedConfig, load_config, load_resolved
+from megatron_rl.config import ConfigError, InferenceConfig, LoggingConfig, load_config, load_resolved
 from megatron_rl.launch.preflight import REGISTRY as PREFLIGHT_CHECKS
 from megatron_rl.launch.preflight.flags import add_network_flag
 
 
-def configure_logging(resolved: ResolvedConfig) -> None:
+def configure_logging(logging_config: LoggingConfig) -> None:
     """Every process of a run logs at `logging.level`, one format."""
-    logging.basicConfig(level=resolved.logging.level, format="%(asctime)s %(name)s %(message)s", force=True)
+    logging.basicConfig(level=logging_config.level, format="%(asctime)s %(name)s %(message)s", force=True)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
 
@@ -77,7 +77,7 @@ def _run_role(args: argparse.Namespace, role: str) -> int:
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    configure_logging(resolved)
+    configure_logging(resolved.logging)
     if role == "policy":
         from megatron_rl.policy.trainer import run_policy
 
@@ -101,13 +101,13 @@ def _orchestrate(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    configure_logging(resolved)
+    configure_logging(resolved.logging)
     from megatron_rl.inference.pool import InferencePool
     from megatron_rl.orchestrator.loop import OrchestratorError
     from megatron_rl.orchestrator.run import attach_pool, orchestrate
 
     if args.start_inference:
-        pool = InferencePool.from_config(resolved, _inference_devices(resolved, args.inference_devices),
+        pool = InferencePool.from_config(resolved, _inference_devices(resolved.inference, args.inference_devices),
                                          f"{resolved.logging.dir}/logs")  # fmt: skip
     else:
         pool = attach_pool(resolved)
@@ -121,11 +121,12 @@ def _orchestrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _inference_devices(resolved, spec: str | None) -> list[list[str]]:
-    """Device ids per server from '2,5;7,0'; on CPU (no spec) a "GPU" is a process."""
+def _inference_devices(inference: InferenceConfig, spec: str | None) -> list[list[str]]:
+    """Device ids per server from '2,5;7,0'; on CPU (no spec) a "GPU" is a process: `inference.tp`
+    of them for each of `inference.num_servers`."""
     if spec:
         return [group.split(",") for group in spec.split(";")]
-    return [["cpu"] * resolved.inference.tp for _ in range(resolved.inference.num_servers)]
+    return [["cpu"] * inference.tp for _ in range(inference.num_servers)]
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -136,7 +137,7 @@ def _eval(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    configure_logging(resolved)
+    configure_logging(resolved.logging)
     import time
 
     from transformers import AutoTokenizer
@@ -155,7 +156,7 @@ def _eval(args: argparse.Namespace) -> int:
     from megatron_rl.orchestrator.run import attach_pool
 
     try:
-        check_sets(resolved)
+        check_sets(resolved.orchestrator)
         if args.attach and (args.model or args.checkpoint):
             raise EvalError("--attach evaluates what the running servers serve; --model and --checkpoint start servers")
         if args.attach:
@@ -169,7 +170,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.attach:
         pool = attach_pool(resolved)
     else:
-        pool = InferencePool.from_config(resolved, _inference_devices(resolved, args.inference_devices),
+        pool = InferencePool.from_config(resolved, _inference_devices(resolved.inference, args.inference_devices),
                                          f"{resolved.logging.dir}/logs", model_dir=model_dir)  # fmt: skip
     try:
         started = time.monotonic()
@@ -179,7 +180,7 @@ def _eval(args: argparse.Namespace) -> int:
         return 2
     finally:
         pool.stop()
-    path = write_metrics(resolved, label, results, time.monotonic() - started)
+    path = write_metrics(resolved.logging, label, results, time.monotonic() - started)
     width = max(len(key) for key in results)
     print(f"eval of {label}:")
     for key, value in results.items():
@@ -275,7 +276,7 @@ def _preflight(args: argparse.Namespace) -> int:
             print(str(exc), file=sys.stderr)
             return 2
         what = f"preflight on {resolved.deployment.nodes} node(s)"
-        return write_and_submit(resolved, script, args.out, "preflight.sbatch", what, args.submit)
+        return write_and_submit(resolved.logging, script, args.out, "preflight.sbatch", what, args.submit)
     context = context_for(resolved, cpu=args.cpu, inference_url=args.inference_url)
     print(f"preflight of {args.config} on {context.backend} ({'CUDA' if context.cuda else 'CPU: the gloo twins'})")
     results = run_checks(context, args.only, echo=lambda line: print(line, flush=True))
@@ -292,7 +293,7 @@ def _job_step(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    configure_logging(resolved)
+    configure_logging(resolved.logging)
     if args.command == "inference-server":
         job_steps.exec_inference_server(resolved, args.index)
     elif args.command == "router":

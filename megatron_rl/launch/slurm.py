@@ -33,7 +33,7 @@ from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from megatron_rl.config import ResolvedConfig, load_config
+from megatron_rl.config import Layout, LoggingConfig, ResolvedConfig, load_config
 from megatron_rl.launch.local import training_env
 
 
@@ -127,9 +127,9 @@ def template(name: str):
     return templates.get_template(name)
 
 
-def fixed_ports(resolved: ResolvedConfig) -> str:
-    """The config's fixed ports, which a probed rendezvous port must not take."""
-    return " ".join(str(p) for p in sorted(set(resolved.layout.ports.values())))
+def fixed_ports(layout: Layout) -> str:
+    """The config's fixed ports (`layout.ports`), which a probed rendezvous port must not take."""
+    return " ".join(str(p) for p in sorted(set(layout.ports.values())))
 
 
 def srun_export(env: dict[str, str]) -> str:
@@ -158,7 +158,7 @@ def render(resolved: ResolvedConfig, config_path: Path, partition: str | None = 
         orchestrator=placement["orchestrator"],
         policy_export=srun_export(training_env(resolved, "policy")),
         critic_export=srun_export(training_env(resolved, "critic")) if "critic" in placement else None,
-        fixed_ports=fixed_ports(resolved),
+        fixed_ports=fixed_ports(resolved.layout),
         grace_s=int(resolved.deployment.stop_grace_s),
         style=resolved.layout.deployment_style,
     )
@@ -168,17 +168,17 @@ def render_and_submit(config: str, out: str | None, submit: bool, partition=None
     resolved = load_config(config)
     script = render(resolved, Path(config), partition, time_limit)
     what = f"{resolved.layout.deployment_style} layout, {resolved.deployment.nodes} node(s)"
-    return write_and_submit(resolved, script, out, "job.sbatch", what, submit)
+    return write_and_submit(resolved.logging, script, out, "job.sbatch", what, submit)
 
 
-def write_and_submit(resolved: ResolvedConfig, script: str, out: str | None, name: str, what: str,
+def write_and_submit(logging_config: LoggingConfig, script: str, out: str | None, name: str, what: str,
                      submit: bool) -> int:  # fmt: skip
     """Writes `script` to `out` (default: logging.dir/`name`) and, with `submit`, sbatches it;
     the exit status of sbatch, 0 without it."""
-    path = Path(out) if out else Path(resolved.logging.dir) / name
+    path = Path(out) if out else Path(logging_config.dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
-    (Path(resolved.logging.dir) / "logs").mkdir(parents=True, exist_ok=True)  # sbatch --output opens it first
+    (Path(logging_config.dir) / "logs").mkdir(parents=True, exist_ok=True)  # sbatch --output opens it first
     print(f"wrote {path} ({what})")
     if submit:
         result = subprocess.run(["sbatch", str(path)], capture_output=True, text=True)

@@ -18,7 +18,7 @@ import logging
 import time
 from pathlib import Path
 
-from megatron_rl.config import ResolvedConfig
+from megatron_rl.config import Layout, LoggingConfig, OrchestratorConfig, ResolvedConfig
 from megatron_rl.inference.pool import served_model_dir
 from megatron_rl.inference.rollout import RolloutClient
 from megatron_rl.orchestrator.evaluation import Evaluator
@@ -31,10 +31,10 @@ class EvalError(ValueError):
     """What `megatron-rl eval` cannot do, naming the input."""
 
 
-def policy_checkpoint(resolved: ResolvedConfig, which: str) -> Path:
+def policy_checkpoint(layout: Layout, which: str) -> Path:
     """The step directory `which` names: `latest`, a step number of the run's policy checkpoints
-    (`checkpoint.dir/policy`), or a step directory's path."""
-    root = Path(resolved.layout.paths.policy_checkpoints)
+    (`layout.paths.policy_checkpoints`: `checkpoint.dir/policy`), or a step directory's path."""
+    root = Path(layout.paths.policy_checkpoints)
     if which == "latest":
         from megatron_rl.trainer.atomic_dir import latest
 
@@ -73,7 +73,7 @@ def eval_model_dir(resolved: ResolvedConfig, model: str | None, checkpoint: str 
     if model and checkpoint:
         raise EvalError("give --model or --checkpoint, not both")
     if checkpoint:
-        step_dir = policy_checkpoint(resolved, checkpoint)
+        step_dir = policy_checkpoint(resolved.layout, checkpoint)
         out = Path(resolved.logging.dir) / "eval" / step_dir.name
         return export_policy(resolved, step_dir, out), f"checkpoint {step_dir}"
     directory = Path(model) if model else Path(served_model_dir(resolved))
@@ -98,8 +98,10 @@ async def evaluate(resolved: ResolvedConfig, router_url: str, model_name: str, w
         await client.close()
 
 
-def write_metrics(resolved: ResolvedConfig, model: str, results: dict, seconds: float) -> Path:
-    path = Path(resolved.logging.dir) / EVAL_METRICS
+def write_metrics(logging_config: LoggingConfig, model: str, results: dict, seconds: float) -> Path:
+    """Appends one JSON line (time, `model`, eval_s, `results`) to `logging.dir/eval_metrics.jsonl`;
+    returns its path."""
+    path = Path(logging_config.dir) / EVAL_METRICS
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"time": time.time(), "model": model, "eval_s": round(seconds, 3), **results}
     with path.open("a") as f:
@@ -107,6 +109,7 @@ def write_metrics(resolved: ResolvedConfig, model: str, results: dict, seconds: 
     return path
 
 
-def check_sets(resolved: ResolvedConfig) -> None:
-    if not resolved.orchestrator.eval:
+def check_sets(orchestrator: OrchestratorConfig) -> None:
+    """EvalError when `orchestrator.eval` names no evaluation set."""
+    if not orchestrator.eval:
         raise EvalError("orchestrator.eval: the config names no evaluation set to run")

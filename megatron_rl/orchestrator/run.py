@@ -144,7 +144,7 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
         resolved.inference.publish_dir if resolved.inference.weight_update == "safetensors" else None
     )
     # A LoRA policy served as adapters: after version 0 (the base), requests name the adapter.
-    pool.sync.adapter_versions = adapter_rank(resolved) is not None
+    pool.sync.adapter_versions = adapter_rank(resolved.layout) is not None
     follower = VersionFollower(pool.sync, publish_dir)
     if publish_dir is None:
         pool.sync.refresh()

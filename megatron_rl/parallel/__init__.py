@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_rl.config import ModelLayout, ResolvedConfig
+from megatron_rl.config import Layout, ModelLayout, ResolvedConfig
 from megatron_rl.parallel.watchdog import PeerWatchdog, store_owner
 
 Role = Literal["policy", "critic"]
@@ -64,11 +64,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def role_layout(resolved: ResolvedConfig, role: Role) -> ModelLayout:
-    layout = resolved.layout.policy if role == "policy" else resolved.layout.critic
-    if layout is None:
+def role_layout(layout: Layout, role: Role) -> ModelLayout:
+    """The model layout of `role` (`layout.policy` or `layout.critic`)."""
+    model_layout = layout.policy if role == "policy" else layout.critic
+    if model_layout is None:
         raise ValueError(f"role '{role}' has no layout in this config (a GRPO config has no critic)")
-    return layout
+    return model_layout
 
 
 def initialize_distributed(timeout_s: float = 600.0) -> None:
@@ -101,7 +102,7 @@ _watchdog = None  # this process's PeerWatchdog, while its role runs
 def initialize_role(resolved: ResolvedConfig, role: Role, seed: int = 1234) -> ModelLayout:
     """Default group from the environment, then megatron groups with this role's layout; starts
     the lost-rank watchdog."""
-    layout = role_layout(resolved, role)
+    layout = role_layout(resolved.layout, role)
     deployment = resolved.deployment
     initialize_distributed(timeout_s=deployment.collective_timeout_s)
     start_watchdog(role, deployment.heartbeat_timeout_s)

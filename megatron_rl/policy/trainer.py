@@ -135,7 +135,7 @@ class PolicyTrainer(RoleTrainer):
             )  # fmt: skip
         receiver = self.receiver(resolved.transport.policy_port)
         publisher = make_publisher(resolved, self.transforms)
-        snapshots = snapshot_versions(resolved)
+        snapshots = snapshot_versions(resolved.value)
         try:
             for step in range(start, self.num_steps):
                 began = time.perf_counter()

@@ -6,7 +6,7 @@ import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches
 
 from megatron.core import parallel_state as ps
 
-from megatron_rl.config import ResolvedConfig
+from megatron_rl.config import TransportConfig
 from megatron_rl.transport import GridReceiver
 
 
@@ -20,17 +20,15 @@ def receiver_id_in_replica() -> int:
 
 
 def grid_receiver(
-    resolved: ResolvedConfig,
+    transport: TransportConfig,
     port: int,
     wait_for_sender: bool = True,
     vocab_size: int | None = None,
     num_experts: int | None = None,
 ):
-    """This rank's GridReceiver on a model's ZMQ stream (its data rank, its index in the
-    replica); without `wait_for_sender` the handshake completes at the first receive."""
+    """This rank's GridReceiver on a model's ZMQ stream on `transport.host` (its data rank, its
+    index in the replica); without `wait_for_sender` the handshake completes at the first receive."""
 
-
-    transport = resolved.transport
     return GridReceiver(
         transport.host,
         port,

@@ -22,14 +22,14 @@ import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches
 
 from megatron.core import dist_checkpointing
 
-from megatron_rl.config import ResolvedConfig
+from megatron_rl.config import ValueConfig
 from megatron_rl.trainer import atomic_dir
 from megatron_rl.transforms.base import PLAIN_MODEL
 
 
-def snapshot_versions(resolved: ResolvedConfig) -> list[int]:
-    """The policy versions the critic will load (empty without value.snapshot)."""
-    snapshot = resolved.value.snapshot if resolved.value is not None else None
+def snapshot_versions(value: ValueConfig | None) -> list[int]:
+    """The policy versions the critic will load (empty without a value section or value.snapshot)."""
+    snapshot = value.snapshot if value is not None else None
     return sorted(snapshot.steps) if snapshot is not None else []
 
 

@@ -46,8 +46,8 @@ def test_every_eval_set_runs_once_through_the_pool_and_its_metrics_are_appended(
     assert results["eval/math/errors"] == 0 and results["eval/count/errors"] == 0
     assert 0.0 <= results["eval/math/mean@2"] <= results["eval/math/pass@2"] <= 1.0
     assert results["eval/count/reward_mean"] is not None
-    path = write_metrics(resolved, str(model), results, 1.5)
-    write_metrics(resolved, "another", results, 1.0)
+    path = write_metrics(resolved.logging, str(model), results, 1.5)
+    write_metrics(resolved.logging, "another", results, 1.0)
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert path.name == EVAL_METRICS and [r["model"] for r in records] == [str(model), "another"]
     assert records[0]["eval/math/pass@2"] == results["eval/math/pass@2"] and records[0]["eval_s"] == 1.5

@@ -275,7 +275,7 @@ def test_every_process_logs_at_the_configured_level():
     resolved.logging.level = "WARNING"
     before = logging.getLogger().level
     try:
-        configure_logging(resolved)
+        configure_logging(resolved.logging)
         level = logging.getLogger().level
     finally:
         logging.getLogger().setLevel(before)

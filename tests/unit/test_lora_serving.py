@@ -60,7 +60,7 @@ def test_the_servers_enable_lora_exactly_when_they_get_adapters(tmp_path):
     for data, rank in ((config(rank=4), 4), (config(rank=4, serve="merged"), None), (base("grpo"), None)):
         data["inference"]["model_dir"] = str(tmp_path)
         resolved = parse_config(data)
-        assert adapter_rank(resolved) == rank
+        assert adapter_rank(resolved.layout) == rank
         servers = InferencePool.from_config(resolved, [["0"], ["1"]], tmp_path / "logs", launch=False)
         for server in servers:
             lora = "--enable-lora" in server.command

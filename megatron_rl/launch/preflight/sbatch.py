@@ -47,6 +47,6 @@ def render(resolved: ResolvedConfig, config_path: Path, overrides: list[str], pa
         export=srun_export(training_env(resolved, "policy")),
         spanning=[{"name": role.name, "nodes": role.nodes, "gpus_per_node": role.gpus_per_node,
                    "export": srun_export(training_env(resolved, role.name))} for role in spanning],  # fmt: skip
-        fixed_ports=fixed_ports(resolved),
+        fixed_ports=fixed_ports(resolved.layout),
         network=network_args(network_gbytes_per_s),
     )

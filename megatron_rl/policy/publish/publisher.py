@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from megatron_rl.config import ResolvedConfig
+from megatron_rl.config import LoggingConfig, ResolvedConfig
 from megatron_rl.inference.pool import adapter_name
 from megatron_rl.inference.vllm_control import VllmControl
 from megatron_rl.policy.publish.adapters import AdapterBroadcastPublisher, AdapterPublisher
@@ -58,7 +58,7 @@ def make_publisher(resolved: ResolvedConfig, transforms: list[ModelTransform] = 
     if alone is not None:
         publisher = AdapterBroadcastPublisher(
             arch, controls, resolved.layout.weight_broadcast_host, inference.weight_broadcast_port, alone,
-            adapter_name(inference.served_model_name), adapter_server_dir(resolved), base_model=base_model, **options,
+            adapter_name(inference.served_model_name), adapter_server_dir(resolved.logging), base_model=base_model, **options,
         )  # fmt: skip
     else:
         publisher = BroadcastPublisher(arch, controls, resolved.layout.weight_broadcast_host,
@@ -68,7 +68,7 @@ def make_publisher(resolved: ResolvedConfig, transforms: list[ModelTransform] = 
     return publisher
 
 
-def adapter_server_dir(resolved: ResolvedConfig) -> str:
+def adapter_server_dir(logging_config: LoggingConfig) -> str:
     """Where path (b)'s servers write the adapters they receive before loading them: under
     `logging.dir` (which every node of a run writes its logs to), `adapters/`."""
-    return str(Path(resolved.logging.dir).resolve() / "adapters")
+    return str(Path(logging_config.dir).resolve() / "adapters")
