@@ -107,8 +107,8 @@ def _orchestrate(args: argparse.Namespace) -> int:
     from megatron_rl.orchestrator.run import attach_pool, orchestrate
 
     if args.start_inference:
-        pool = InferencePool.from_config(resolved, _inference_devices(resolved.inference, args.inference_devices),
-                                         f"{resolved.logging.dir}/logs")  # fmt: skip
+        devices = _inference_devices(resolved.inference, args.inference_devices)
+        pool = InferencePool.from_config(resolved, devices, f"{resolved.logging.dir}/logs")
     else:
         pool = attach_pool(resolved)
     try:
@@ -170,8 +170,10 @@ def _eval(args: argparse.Namespace) -> int:
     if args.attach:
         pool = attach_pool(resolved)
     else:
-        pool = InferencePool.from_config(resolved, _inference_devices(resolved.inference, args.inference_devices),
-                                         f"{resolved.logging.dir}/logs", model_dir=model_dir)  # fmt: skip
+        devices = _inference_devices(resolved.inference, args.inference_devices)
+        pool = InferencePool.from_config(
+            resolved, devices, f"{resolved.logging.dir}/logs", model_dir=model_dir
+        )
     try:
         started = time.monotonic()
         results = asyncio.run(evaluate(resolved, pool.router_url, pool.model_name, pool.worker_urls, tokenizer))

@@ -166,8 +166,8 @@ class RoleTrainer(ABC):
         )
 
     def receiver(self, port: int, wait_for_sender: bool = True):
-        return grid_receiver(self.resolved.transport, port, wait_for_sender=wait_for_sender, vocab_size=self.arch.vocab_size,
-                             num_experts=self.arch.num_experts or None)  # fmt: skip
+        return grid_receiver(self.resolved.transport, port, wait_for_sender=wait_for_sender,
+                             vocab_size=self.arch.vocab_size, num_experts=self.arch.num_experts or None)  # fmt: skip
 
     def write_metrics(self, record: dict) -> None:
         """Rank 0: appends `record` to the role's metrics JSONL (and prints its console line), with

@@ -58,7 +58,8 @@ def make_publisher(resolved: ResolvedConfig, transforms: list[ModelTransform] = 
     if alone is not None:
         publisher = AdapterBroadcastPublisher(
             arch, controls, resolved.layout.weight_broadcast_host, inference.weight_broadcast_port, alone,
-            adapter_name(inference.served_model_name), adapter_server_dir(resolved.logging), base_model=base_model, **options,
+            adapter_name(inference.served_model_name), adapter_server_dir(resolved.logging), base_model=base_model,
+            **options,
         )  # fmt: skip
     else:
         publisher = BroadcastPublisher(arch, controls, resolved.layout.weight_broadcast_host,
