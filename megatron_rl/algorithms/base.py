@@ -53,13 +53,14 @@ class Algorithm(ABC):
         self.config = config
 
     @abstractmethod
-    async def prepare_batch(self, groups: list[list[TrainingSample]]) -> None:
+    async def prepare_batch(self, groups: list[list[TrainingSample]], version: int | None = None) -> None:
         """Annotates `advantages` (and for critic algorithms `values`, `returns`) in place, for
-        every sample of the step's admitted groups."""
+        every sample of the step's admitted groups; `version`: the policy version the step
+        trains (the step's index; None: the newest version in the samples)."""
 
-    async def prepare_group(self, samples: list[TrainingSample]) -> None:
+    async def prepare_group(self, samples: list[TrainingSample], version: int | None = None) -> None:
         """`prepare_batch` of a step made of this one group."""
-        await self.prepare_batch([samples])
+        await self.prepare_batch([samples], version)
 
 
 class OutcomeAlgorithm(Algorithm):
@@ -70,7 +71,7 @@ class OutcomeAlgorithm(Algorithm):
         super().__init__(config)
         self.estimator = registry.advantage_for(config)
 
-    async def prepare_batch(self, groups: list[list[TrainingSample]]) -> None:
+    async def prepare_batch(self, groups: list[list[TrainingSample]], version: int | None = None) -> None:
         rewards = [torch.tensor([s.reward for s in group], dtype=torch.float64) for group in groups]
         action_tokens = [torch.tensor([s.num_action_tokens for s in group], dtype=torch.int64) for group in groups]
         scalars = self.estimator(rewards, action_tokens)
@@ -129,29 +130,37 @@ class CriticAlgorithm(Algorithm):
             sample.values = values
             sample.bootstrap_value = float(reply.bootstrap_values[i])
 
-    def compute_advantages(self, samples: list[TrainingSample]) -> None:
-        """Decoupled skip-observation GAE on scored samples; annotates advantages and returns."""
+    def compute_advantages(self, samples: list[TrainingSample], version: int | None = None) -> None:
+        """Decoupled skip-observation GAE on scored samples; annotates advantages and returns
+        (`algorithm.value_targets` 'version_bootstrap': returns cut at the samples' version
+        boundaries, for policy `version`)."""
         c = self.config
-        advantages, returns = adv.decoupled_gae(
+        batch = dict(
             rewards=torch.tensor([s.reward for s in samples], dtype=torch.float64),
             values=_pad([s.values for s in samples], torch.float64),
             loss_mask=_pad([s.loss_mask for s in samples], torch.bool, False),
             bootstrap_values=torch.tensor([s.bootstrap_value for s in samples], dtype=torch.float64),
             truncated=torch.tensor([s.truncated and not s.episode_done for s in samples]),  # bootstrap the tail
             gamma=c.gamma,
-            policy_lambda=c.policy_lambda,
-            value_lambda=c.value_lambda,
-            length_adaptive_alpha=c.length_adaptive_alpha,
         )
+        advantages, returns = adv.decoupled_gae(**batch, policy_lambda=c.policy_lambda, value_lambda=c.value_lambda,
+                                                length_adaptive_alpha=c.length_adaptive_alpha)  # fmt: skip
+        if c.value_targets == "version_bootstrap":
+            versions = _pad([s.versions() for s in samples], torch.int64)
+            newest = int(versions.max()) if versions.numel() else 0
+            returns, _ = adv.version_bootstrap_returns(
+                **batch, lam=c.value_lambda, token_versions=versions, current_version=newest if version is None else version,
+                max_lag=c.value_targets_max_lag,
+            )  # fmt: skip
         for i, sample in enumerate(samples):
             sample.advantages = advantages[i, : len(sample)].numpy().astype(np.float32)
             sample.returns = returns[i, : len(sample)].numpy().astype(np.float32)
 
-    async def prepare_batch(self, groups: list[list[TrainingSample]]) -> None:
+    async def prepare_batch(self, groups: list[list[TrainingSample]], version: int | None = None) -> None:
         await asyncio.gather(*[self.score_samples(group) for group in groups])
         for group in groups:
             if group:
-                self.compute_advantages(group)
+                self.compute_advantages(group, version)
         if self.config.whiten_advantages:
             samples = [s for group in groups for s in group]
             rows = [torch.from_numpy(s.advantages.astype(np.float64)) for s in samples]

@@ -166,6 +166,8 @@ class AlgorithmConfig(Strict):
     gamma: float = Field(default=1.0, ge=0, le=1, description="Discount factor per token (GAE, Monte Carlo returns).")
     policy_lambda: float = Field(default=0.95, ge=0, le=1, description="GAE's lambda for the policy's advantages.")
     value_lambda: float = Field(default=1.0, ge=0, le=1, description="GAE's lambda for the critic's return targets.")
+    value_targets: Literal["gae", "version_bootstrap"] = Field(default="gae", description="The critic's return targets: 'gae' (the lambda-return through the whole sample, value_lambda) or 'version_bootstrap' (cut at each policy-version boundary inside a sample, a partial rollout's, and after tokens older than value_targets_max_lag, bootstrapped on the critic's value there: the critic learns the value of the policy it is trained for, not of a mixture; docs/concepts/gae.md). The policy's advantages are GAE's either way.")
+    value_targets_max_lag: int | None = Field(default=None, ge=0, description="version_bootstrap: tokens sampled more than this many versions before the step get one-step targets (lambda 0); null: no bound beyond orchestrator.max_off_policy_steps.")
     length_adaptive_alpha: float | None = Field(default=None, gt=0, description="Length-adaptive GAE lambda for the policy (VAPO): lambda = 1 - 1 / (alpha * action tokens of the sample); null: policy_lambda.")
     eps_low: float = Field(default=0.2, ge=0, le=1, description="Lower clip range of the ratio: the ratio is clipped at 1 - eps_low.")
     eps_high: float = Field(default=0.2, ge=0, description="Upper clip range of the ratio: the ratio is clipped at 1 + eps_high.")
@@ -199,7 +201,13 @@ class AlgorithmConfig(Strict):
 
     @model_validator(mode="after")
     def _std_agrees(self) -> AlgorithmConfig:
-        """normalize_advantage_std false contradicts advantage grpo (use dr_grpo)."""
+        """normalize_advantage_std false contradicts advantage grpo (use dr_grpo);
+        value_targets_max_lag belongs to version_bootstrap."""
+        if self.value_targets_max_lag is not None and self.value_targets != "version_bootstrap":
+            raise ValueError(
+                f"algorithm.value_targets_max_lag ({self.value_targets_max_lag}) bounds algorithm.value_targets "
+                f"'version_bootstrap'; value_targets is {self.value_targets!r}"
+            )
         if self.advantage == "grpo" and not self.normalize_advantage_std:
             raise ValueError(
                 "algorithm.normalize_advantage_std: false contradicts algorithm.advantage 'grpo' (which divides "

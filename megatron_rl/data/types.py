@@ -35,6 +35,11 @@ class TrainingSample:
     R <= T tokens; vLLM routes every token it ran through the model, so R is T - 1 (the last
     sampled token was never fed back). The tokens after R get padding routes when packed
     (`padding_routes`; transforms/routing.py replays them).
+
+    `token_versions` ([T] int64): the policy version that sampled each action token (a partial
+    rollout, interrupted by weight updates and resumed, spans several); the prompt's and the
+    observations' tokens carry the oldest. `policy_version` is the oldest: staleness is judged by
+    it. None: every token `policy_version`.
     """
 
     token_ids: np.ndarray  # [T] int64
@@ -52,6 +57,7 @@ class TrainingSample:
     returns: np.ndarray | None = None  # [T] float32
     score: float | None = None  # the environment's reward before shaping
     routes: np.ndarray | None = None  # [R <= T, moe_layers, top_k] uint8 / uint16
+    token_versions: np.ndarray | None = None  # [T] int64
 
     def __post_init__(self) -> None:
         if self.score is None:
@@ -60,7 +66,9 @@ class TrainingSample:
         self.loss_mask = np.asarray(self.loss_mask, dtype=bool)
         self.inference_logprobs = np.asarray(self.inference_logprobs, dtype=np.float32)
         n = len(self.token_ids)
-        for name in ("loss_mask", "inference_logprobs"):
+        if self.token_versions is not None:
+            self.token_versions = np.asarray(self.token_versions, dtype=np.int64)
+        for name in ("loss_mask", "inference_logprobs") + (("token_versions",) if self.token_versions is not None else ()):
             if len(getattr(self, name)) != n:
                 raise ValueError(
                     f"TrainingSample(group {self.group_id}, branch {self.branch_index}): {name} has "
@@ -78,6 +86,12 @@ class TrainingSample:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def versions(self) -> np.ndarray:
+        """[T] int64: the version that sampled each token (`token_versions`, or `policy_version`)."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return np.full(len(self.token_ids), self.policy_version, dtype=np.int64)
 
     @property
     def num_action_tokens(self) -> int:

@@ -4,9 +4,22 @@
 the prompt as token ids (the chat template was applied once, by our tokenizer) and
 `return_token_ids` + `logprobs`, and returns a `Completion`: the generated token ids, the
 sampler's log-probability of each sampled token, the finish reason (`stop` / `length`) and the
-policy version the pool ran when the request was sent (a lower bound on the versions that
-produced its tokens: a weight update in mode `keep` may land mid-request). Text is never
-re-tokenised: a multi-turn rollout (`TokenTrajectory`) extends the exact token sequence it holds.
+policy version of each token. Text is never re-tokenised: a multi-turn rollout
+(`TokenTrajectory`) extends the exact token sequence it holds.
+
+**Partial rollouts.** A request that a weight update interrupts (`inference.update_mode:
+interrupt`: the update pauses the servers in vLLM's mode `abort`, which ends every request in
+flight with finish reason `abort` and the tokens it sampled so far) is resumed by the client:
+once the update is over (`update_in_progress()` false, and the pool's version moved), it is sent
+again, to any server, with the tokens so far appended to its prompt and the rest of its budget,
+and the parts are joined token for token. Each part is stamped with the version the pool ran
+when it was sent, and no request is sent while an update is in progress, so every token knows
+the version that sampled it (`Completion.token_versions`) exactly where the orchestrator runs the
+updates (path (a)); under path (b), where the policy pauses the servers, a request sent while a
+broadcast's pause is in progress is stamped with the version before it (a lower bound). With
+`update_mode: keep` (vLLM's mode `keep`: requests in flight are preempted and finish under the
+new weights) a completion carries one version, the one it was sent under: a lower bound on the
+versions that produced its tokens.
 
 With `SamplingParams.routed_experts` (a MoE policy under `algorithm.routing_replay`), every
 request also asks for the experts vLLM routed each token to (`routed_experts_prompt_start`: the
@@ -25,10 +38,12 @@ router's message carries its URL) or the router.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
 import re
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,16 +87,23 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # the sampler's log-probability of each token in token_ids
     finish_reason: str  # "stop" (EOS or a stop token) or "length"
-    policy_version: int
+    policy_version: int  # the oldest version behind its tokens
     worker: str  # the worker that answered, or the router's URL when the router chose it
     prompt_logprobs: list[float] | None = None  # with SamplingParams.prompt_logprobs (nan at 0)
     # With SamplingParams.routed_experts: [rows, moe_layers, top_k] the experts of the request's
     # tokens from its routes start to the second-to-last sampled token (uint8 / uint16).
     routes: np.ndarray | None = None
+    token_versions: list[int] | None = None  # the version that sampled each token; None: policy_version
+    interruptions: int = 0  # times a weight update interrupted it (each resumed)
+    reprefilled_tokens: int = 0  # tokens sent again as the prompt of its resumed parts
 
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+    def versions(self) -> list[int]:
+        """The version that sampled each token."""
+        return list(self.token_versions) if self.token_versions is not None else [self.policy_version] * len(self.token_ids)
 
 
 class _Logprobs(msgspec.Struct):
@@ -118,7 +140,15 @@ class RolloutClient:
         version_source: Callable[[], int] | None = None,
         on_worker_failure: Callable[[str], None] | None = None,
         model_source: Callable[[], str] | None = None,
+        update_in_progress: Callable[[], bool] | None = None,
+        max_interruptions: int = 64,
+        version_wait_s: float = 30.0,
     ):
+        """`update_in_progress()`: True while a weight update the orchestrator runs is in
+        progress (no request is sent then); `max_interruptions`: how often one completion may be
+        interrupted and resumed before it fails, naming its session; `version_wait_s`: how long
+        a resumed part waits for the pool's version to move after an interruption (path (b):
+        the follower learns it from the servers) before it is sent under the version it has."""
         self.router_url = router_url.rstrip("/")
         self.model = model
         # The model name of each request, when it changes during the run (a LoRA policy's
@@ -126,6 +156,9 @@ class RolloutClient:
         self.model_source = model_source or (lambda: self.model)
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         self.version_source = version_source or (lambda: 0)
+        self.update_in_progress = update_in_progress or (lambda: False)
+        self.max_interruptions, self.version_wait_s = max_interruptions, version_wait_s
+        self.interruptions = 0  # completions' parts ended by a weight update (resumed)
         self.on_worker_failure = on_worker_failure
         self.session_workers: dict[str, str] = {}  # sessions moved off a failed worker
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -191,7 +224,47 @@ class RolloutClient:
         """One completion of `prompt_ids` (token ids); `max_tokens` overrides the sampling's
         (a multi-turn rollout's remaining budget), `seed` its seed, `stop` ends the turn at a
         string (kept in the output); `routes_start`: the first prompt position whose routes to
-        return (with `sampling.routed_experts`)."""
+        return (with `sampling.routed_experts`). A part interrupted by a weight update is resumed
+        (see the module docstring) and the parts joined."""
+        budget = int(max_tokens if max_tokens is not None else sampling.max_tokens)
+        seed = sampling.seed if seed is None else seed
+        parts: list[Completion] = []
+        while True:
+            await self._wait_for_update()
+            done = sum(len(part.token_ids) for part in parts)
+            part_seed = None if seed is None else (seed + 7919 * len(parts)) & 0x7FFFFFFF  # a fresh stream per part
+            part = await self._complete_once(
+                [*prompt_ids, *(t for part in parts for t in part.token_ids)], sampling, session_id, budget - done,
+                part_seed, stop, routes_start + sum(0 if p.routes is None else len(p.routes) for p in parts),
+            )  # fmt: skip
+            parts.append(part)
+            if part.finish_reason != "abort":
+                break
+            if budget - done - len(part.token_ids) <= 0:
+                part.finish_reason = "length"  # interrupted as its budget ran out
+                break
+            self.interruptions += 1
+            if len(parts) > self.max_interruptions:
+                raise RolloutError(
+                    f"completion for session {session_id!r} was interrupted {len(parts)} times "
+                    f"(ended with finish reason 'abort'); more than the client's max_interruptions "
+                    f"({self.max_interruptions})"
+                )
+            await self._wait_for_newer(part.policy_version)
+        return parts[0] if len(parts) == 1 else _joined(parts, len(prompt_ids))
+
+    async def _wait_for_update(self) -> None:
+        while self.update_in_progress():
+            await asyncio.sleep(0.005)
+
+    async def _wait_for_newer(self, version: int) -> None:
+        """After an interruption: until the update is over and the pool's version moved past
+        `version`, or `version_wait_s` passed (an abort no update caused)."""
+        deadline = time.monotonic() + self.version_wait_s
+        while self.update_in_progress() or (self.version_source() <= version and time.monotonic() < deadline):
+            await asyncio.sleep(0.005)
+
+    async def _complete_once(self, prompt_ids, sampling, session_id, max_tokens, seed, stop, routes_start) -> Completion:
         version = self.version_source()
         body = self._body(prompt_ids, sampling, max_tokens, seed, stop, routes_start)
         target = self.session_workers.get(session_id, self.router_url)
@@ -260,8 +333,28 @@ class RolloutClient:
             policy_version=version,
             worker=target,
             prompt_logprobs=None if prompt_ids is None else _prompt_logprobs(choice, prompt_ids, target),
-            routes=None if routes is None else _routes(choice, routes[0] + len(choice.token_ids) - 1, routes[1], target),
+            routes=None if routes is None or (choice.finish_reason == "abort" and choice.routed_experts is None)
+            else _routes(choice, routes[0] + len(choice.token_ids) - 1, routes[1], target),  # an interrupted part may have none
         )
+
+
+def _joined(parts: list[Completion], prompt_tokens: int) -> Completion:
+    """The parts of one interrupted completion as one: tokens, log-probabilities, each token's
+    version and routes in order; the last part's finish reason and worker; the prompt's
+    log-probabilities of the first part (the later parts' prompts hold sampled tokens)."""
+    routes = [p.routes for p in parts if p.routes is not None]
+    return Completion(
+        token_ids=[t for p in parts for t in p.token_ids],
+        logprobs=[x for p in parts for x in p.logprobs],
+        finish_reason=parts[-1].finish_reason,
+        policy_version=min(p.policy_version for p in parts),
+        worker=parts[-1].worker,
+        prompt_logprobs=parts[0].prompt_logprobs,
+        routes=np.concatenate(routes) if routes else None,  # each part's from where the last one's ended
+        token_versions=[v for p in parts for v in p.versions()],
+        interruptions=len(parts) - 1,
+        reprefilled_tokens=sum(prompt_tokens + sum(len(q.token_ids) for q in parts[:i]) for i in range(1, len(parts))),
+    )
 
 
 def _routes(choice: _Choice, rows: int, num_experts: int, target: str) -> np.ndarray:
@@ -316,7 +409,8 @@ class TokenTrajectory:
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    policy_versions: list[int] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)  # of every completion's parts
+    token_versions: list[int] = field(default_factory=list)  # per token; -1 off the completions
     finish_reason: str = ""
     observation_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each
     route_chunks: list[np.ndarray] = field(default_factory=list)  # each completion's routes, in order
@@ -327,12 +421,15 @@ class TokenTrajectory:
             self.token_ids = list(self.prompt_ids)
             self.loss_mask = [False] * len(self.prompt_ids)
             self.logprobs = [0.0] * len(self.prompt_ids)
+            self.token_versions = [-1] * len(self.prompt_ids)
 
     def add_completion(self, completion: Completion) -> None:
+        versions = completion.versions()
         self.token_ids += completion.token_ids
         self.loss_mask += [True] * len(completion.token_ids)
         self.logprobs += completion.logprobs
-        self.policy_versions.append(completion.policy_version)
+        self.token_versions += versions
+        self.policy_versions += sorted(set(versions)) or [completion.policy_version]
         self.finish_reason = completion.finish_reason
         if completion.routes is not None:
             self.route_chunks.append(completion.routes)
@@ -348,6 +445,7 @@ class TokenTrajectory:
         self.token_ids += [int(t) for t in token_ids]
         self.loss_mask += [False] * len(token_ids)
         self.logprobs += [0.0] * len(token_ids)
+        self.token_versions += [-1] * len(token_ids)
 
     def observation_as_action(self, span: tuple[int, int], logprobs: list[float]) -> None:
         """Ablation (`orchestrator.train_on_observations`): the observation tokens of `span`
@@ -362,3 +460,10 @@ class TokenTrajectory:
     def policy_version(self) -> int:
         """The oldest version that produced any of its tokens."""
         return min(self.policy_versions) if self.policy_versions else -1
+
+    def versions(self) -> np.ndarray:
+        """[T] int64: the version that sampled each token; the prompt's and observations' tokens
+        (sampled by no policy) get the oldest version."""
+        versions = np.asarray(self.token_versions, dtype=np.int64)
+        versions[versions < 0] = max(self.policy_version, 0)
+        return versions

@@ -146,7 +146,7 @@ class Orchestrator:
         times["generate"] = clock() - mark
         samples = [s for _, group_samples in batch for s in group_samples]
         mark = clock()
-        await self.algorithm.prepare_batch([group_samples for _, group_samples in batch])
+        await self.algorithm.prepare_batch([group_samples for _, group_samples in batch], step)
         times["score"] = clock() - mark
         layout = self.resolved.layout
         critic_grid = None

@@ -3,7 +3,9 @@ and a console line: rewards, pass rate, lengths, truncation, multi-turn rollouts
 calls and errors, observation tokens, the token budget), admission counts by rule, stale
 drops, dynamic sampling's cost (groups generated for the step, extra generation as a fraction of
 the batch, the bound hit, a smaller batch), overlong shaping, the off-policy lag histogram,
-advantages, the critic's values and explained variance of the returns, the train-inference
+partial rollouts (the version span of samples, the fraction of action tokens per lag,
+interruptions and the tokens they sent again), advantages, the critic's values and explained
+variance of the returns, the train-inference
 mismatch KL reported by the policy, and the step's time split."""
 
 from __future__ import annotations
@@ -70,6 +72,27 @@ def turn_metrics(members) -> dict:
     }
 
 
+def version_metrics(step: int, samples) -> dict:
+    """Partial rollouts: `version_span_mean` / `_max` (newest minus oldest version behind a
+    sample's action tokens), `samples_spanning_versions` (samples with more than one), and
+    `token_lag` (the fraction of the step's action tokens per lag, step - the version that
+    sampled the token)."""
+    spans, lags = [], []
+    for sample in samples:
+        versions = sample.versions()[sample.loss_mask]
+        if versions.size:
+            spans.append(int(versions.max() - versions.min()))
+            lags.append(step - versions)
+    lags = np.concatenate(lags) if lags else np.zeros(0, dtype=np.int64)
+    values, counts = np.unique(lags, return_counts=True)
+    return {
+        "version_span_mean": float(np.mean(spans)) if spans else None,
+        "version_span_max": max(spans) if spans else None,
+        "samples_spanning_versions": sum(1 for span in spans if span > 0),
+        "token_lag": {str(int(v)): round(float(c) / lags.size, 6) for v, c in zip(values, counts)},
+    }
+
+
 def step_metrics(
     step, batch, samples, counts, dispatcher, times, critic_status, live_version, batch_size,
     overlong: OverlongConfig | None = None,
@@ -100,6 +123,9 @@ def step_metrics(
         "groups_restarted": counts.restarted,
         **overlong_metrics(samples, overlong),
         "off_policy_lag": {str(k): v for k, v in sorted(dispatcher.lag_histogram.items())},
+        **version_metrics(step, samples),
+        "interruptions": int(sum(m.interruptions for m in members)),
+        "reprefilled_tokens": int(sum(m.reprefilled_tokens for m in members)),
         "advantage_mean": float(advantages.mean()) if advantages.size else None,
         "advantage_std": float(advantages.std()) if advantages.size else None,
         "live_version": live_version,

@@ -41,6 +41,8 @@ class Member:
     observation_tokens: int = 0  # appended by the environment (loss mask 0)
     template_rewrites: int = 0  # tool messages rendered after a reference conversation (orchestrator/chat.py)
     budget_exhausted: bool = False  # cut by the rollout's token budget before the episode ended
+    interruptions: int = 0  # completions' parts ended by a weight update and resumed
+    reprefilled_tokens: int = 0  # tokens the resumed parts sent again as their prompt
 
     @property
     def num_completion_tokens(self) -> int:
@@ -74,6 +76,7 @@ async def run_member(
     prompt_len, texts = len(trajectory.prompt_ids), []
     session = f"group{group_id}-branch{branch}"
     turn_result, tool_calls, tool_errors, malformed, observation_tokens, rewrites = None, 0, 0, 0, 0, 0
+    interruptions = reprefilled = 0
     for turn in range(env.max_turns):
         remaining = budget - (len(trajectory.token_ids) - prompt_len)
         if remaining <= 0:
@@ -87,6 +90,7 @@ async def run_member(
             start, end = span = trajectory.observation_spans[-1]
             trajectory.observation_as_action(span, completion.prompt_logprobs[start:end])
         trajectory.add_completion(completion)
+        interruptions, reprefilled = interruptions + completion.interruptions, reprefilled + completion.reprefilled_tokens
         texts.append(encoder.answer(encoder.decode(completion.token_ids)))
         turn_result = await env.astep(row, texts)
         tool_calls, tool_errors = tool_calls + turn_result.tool_calls, tool_errors + turn_result.tool_errors
@@ -108,7 +112,8 @@ async def run_member(
         reward=turn_result.reward if done else 0.0,
         passed=turn_result.passed if turn_result is not None else None, truncated=truncated,
         episode_done=done, turns=len(texts), tool_calls=tool_calls, tool_errors=tool_errors, tool_malformed=malformed,
-        observation_tokens=observation_tokens, template_rewrites=rewrites,
+        observation_tokens=observation_tokens, template_rewrites=rewrites, interruptions=interruptions,
+        reprefilled_tokens=reprefilled,
         budget_exhausted=not done and len(trajectory.token_ids) - prompt_len >= budget,
     )  # fmt: skip
 

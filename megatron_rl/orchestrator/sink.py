@@ -115,6 +115,7 @@ class TrainSink:
                 policy_version=m.trajectory.policy_version,
                 score=float(m.reward),
                 routes=m.trajectory.routes(),
+                token_versions=m.trajectory.versions(),
             )
             for m, reward in zip(kept, rewards)
         ]

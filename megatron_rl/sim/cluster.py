@@ -410,9 +410,9 @@ class SimCluster:
         )  # fmt: skip
         prepare = orchestrator.algorithm.prepare_batch
 
-        async def prepare_batch(groups):
+        async def prepare_batch(groups, version=None):
             preparing[:] = [(s.group_id, s.branch_index, s.policy_version) for group in groups for s in group]
-            return await prepare(groups)
+            return await prepare(groups, version)
 
         orchestrator.algorithm.prepare_batch = prepare_batch
         self.follower.start()

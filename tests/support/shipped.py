@@ -23,9 +23,9 @@ class ShippedSamples:
     def attach(self, orchestrator: Orchestrator) -> Orchestrator:
         prepare, send = orchestrator.algorithm.prepare_batch, orchestrator.send_policy
 
-        async def prepare_batch(groups):
+        async def prepare_batch(groups, version=None):
             self._preparing = [sample for group in groups for sample in group]
-            return await prepare(groups)
+            return await prepare(groups, version)
 
         async def send_policy(step, grid):
             result = await send(step, grid)
