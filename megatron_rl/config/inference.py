@@ -20,6 +20,7 @@ class InferenceConfig(Strict):
     server_hosts: list[str] | None = Field(default=None, description="One address per server when they run on several nodes (a SLURM job sets them); null: host.")
     base_port: int = Field(default=8000, gt=0, lt=65536, description="Port of server 0; server i listens on base_port + i.")
     weight_update: Literal["nccl", "safetensors"] = Field(default="nccl", description="How new weights reach the servers: broadcast from policy rank 0 (nccl, path (b)) or files in publish_dir (safetensors, path (a)).")
+    update_mode: Literal["keep", "interrupt"] = Field(default="keep", description="What a weight update does to requests in flight: 'keep' holds them (vLLM's pause mode keep) and they finish under the new weights, re-prefilled, each completion stamped with the version it was sent under; 'interrupt' ends them (mode abort) and the rollout client resumes each with its tokens so far as the prompt (partial rollouts), so every token carries the version that sampled it.")
     weight_broadcast_port: int = Field(default=29600, gt=0, lt=65536, description="Port of the weight broadcast's process group (nccl).")
     weight_broadcast_host: str | None = Field(default=None, description="Address of policy rank 0 that inference workers connect to for path (b); null: 127.0.0.1 (a SLURM job sets policy node 0's address).")
     weight_bucket_mb: int = Field(default=256, gt=0, description="Size of one weight broadcast bucket, in MB.")

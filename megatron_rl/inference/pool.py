@@ -13,9 +13,13 @@ goes straight to each server through `pool.controls`.
 `WeightSync` (pool.sync) knows which policy version each server runs, asking the servers
 themselves (our worker extension records it), and moves them to a new version:
 
-- path (a), `update(version, weights_dir)`: on every server at once, pause in mode `keep`
-  (requests in flight are held, never aborted) -> load the published directory -> reset the
-  prefix cache -> resume, the resume in a `finally`; admin calls retry with backoff;
+- path (a), `update(version, weights_dir)`: `updating` is set (the rollout client sends nothing
+  meanwhile), then on every server at once: pause (`inference.update_mode`: `keep` holds the
+  requests in flight, `interrupt` ends them with the tokens so far for the client to resume;
+  KV and prefix caches cleared) -> load the published directory -> reset the prefix cache, its
+  reply checked -> resume, the resume in a `finally`; the new version is recorded before
+  `updating` is cleared, so a request sent afterwards is stamped with the weights it runs on;
+  admin calls retry with backoff;
 - path (b): policy rank 0 broadcasts into the servers itself; `refresh()` learns the version it
   installed.
 
@@ -57,6 +61,10 @@ class WeightSyncError(RuntimeError):
     pass
 
 
+# inference.update_mode -> vLLM's pause mode: requests in flight held, or ended with their tokens.
+PAUSE_MODES = {"keep": "keep", "interrupt": "abort"}
+
+
 ADAPTER_CONFIG = "adapter_config.json"  # a published version that is a LoRA adapter (PEFT's format)
 
 
@@ -66,10 +74,12 @@ def is_adapter_version(weights_dir: str | Path) -> bool:
 
 class WeightSync:
     def __init__(self, controls: list[VllmControl], router: VllmRouter | None, version: int = 0,
-                 adapter_name: str | None = None):  # fmt: skip
+                 adapter_name: str | None = None, update_mode: str = "keep"):  # fmt: skip
         self.controls = controls
         self.router = router
         self.version = version  # the newest version installed on every in-service server
+        self.update_mode = update_mode  # inference.update_mode (the orchestrator sets the config's)
+        self.updating = False  # a path (a) update is in progress: the rollout client waits
         # A LoRA policy served as an adapter: the name its adapter is loaded under, and whether
         # versions after 0 are adapters (then requests name the adapter: `model_for`).
         self.adapter_name = adapter_name
@@ -93,7 +103,7 @@ class WeightSync:
         return self.adapter_name if self.adapter_versions and self.version > 0 else base
 
     def _load_one(self, control: VllmControl, version: int, weights_dir: str) -> int:
-        control.pause(mode="keep")
+        control.pause(mode=PAUSE_MODES[self.update_mode], clear_cache=True)
         try:
             if is_adapter_version(weights_dir):
                 if self.adapter_name is None:
@@ -110,10 +120,14 @@ class WeightSync:
         """Path (a): every server loads `weights_dir` as `version`; returns the seconds taken.
         On failure the servers keep serving (resumed) and the error names each failed server."""
         began = time.perf_counter()
-        self._on_each(lambda c: self._load_one(c, version, str(weights_dir)))
-        self.server_versions = dict.fromkeys(self.server_versions, version)
-        self.version = version
-        self.adapter_versions = self.adapter_versions or is_adapter_version(weights_dir)
+        self.updating = True
+        try:
+            self._on_each(lambda c: self._load_one(c, version, str(weights_dir)))
+            self.server_versions = dict.fromkeys(self.server_versions, version)
+            self.version = version
+            self.adapter_versions = self.adapter_versions or is_adapter_version(weights_dir)
+        finally:
+            self.updating = False
         self._reconcile()
         self.last_update_s = time.perf_counter() - began
         return self.last_update_s

@@ -1,7 +1,8 @@
 """Admin control of one vLLM OpenAI server (dev-mode endpoints), straight to the server.
 
-`VllmControl(base_url)`: `pause()` (mode `keep`: requests in flight are held, not aborted, and
-continue after `resume()`), `resume()`, `is_paused()`, `reset_prefix_cache()`,
+`VllmControl(base_url)`: `pause(mode)` (`keep`: requests in flight are held and continue after
+`resume()`; `abort`: they end with the tokens so far; the caches cleared either way), `resume()`,
+`is_paused()`, `reset_prefix_cache()` (checked: an error unless the server emptied it),
 `reload_weights(dir)`, `collective_rpc(method, kwargs)` (calls a method of every worker of that
 server, e.g. of `megatron_rl.inference.vllm_extension.WeightReceiverExtension`), `models()`,
 `load_adapter_version(name, dir, version)` (a LoRA adapter in PEFT's format, by vLLM's
@@ -64,9 +65,13 @@ class VllmControl:
                 delay *= 2
         raise error
 
-    def pause(self, mode: str = "keep"):
-        """`keep`: requests in flight wait and finish after resume (none is aborted)."""
-        return self._request("POST", f"/pause?mode={mode}")
+    def pause(self, mode: str = "keep", clear_cache: bool = True):
+        """`keep`: requests in flight are preempted and held, and finish after `resume()` under the
+        weights loaded meanwhile; `abort`: they end now with finish reason `abort` and the tokens
+        sampled so far (the rollout client resumes them). `clear_cache`: vLLM empties its KV and
+        prefix caches once paused, which re-prefills a held request from its first token (sent,
+        not left to the server's default)."""
+        return self._request("POST", f"/pause?mode={mode}&clear_cache={'true' if clear_cache else 'false'}")
 
     def resume(self):
         return self._request("POST", "/resume")
@@ -76,7 +81,16 @@ class VllmControl:
         return bool(reply.get("is_paused")) if isinstance(reply, dict) else bool(reply)
 
     def reset_prefix_cache(self):
-        return self._request("POST", "/reset_prefix_cache")
+        """Empties the server's prefix cache, so no request reuses KV computed under the previous
+        weights; a VllmControlError naming the server unless it replies that it did
+        (`{"success": true}`: vLLM declines while blocks are held)."""
+        reply = self._request("POST", "/reset_prefix_cache")
+        if not (isinstance(reply, dict) and reply.get("success") is True):
+            raise VllmControlError(
+                f"{self.base_url}/reset_prefix_cache: the prefix cache was not emptied (reply {reply!r}); requests "
+                "could reuse KV of the previous weights"
+            )
+        return reply
 
     def models(self, timeout_s: float = 5.0) -> list[str]:
         """The served model names (`GET /v1/models`), without retries (a readiness probe)."""

@@ -6,8 +6,9 @@ resolved config with the real collaborators:
   at `inference.router_port`;
 - `VersionFollower`: keeps the servers on the newest policy version. Path (a): watches
   `inference.publish_dir` and loads each new complete version with WeightSync (pause keep ->
-  load -> reset -> resume); path (b): the policy broadcasts, and the follower asks the servers
-  which version they run;
+  load -> reset -> resume; `inference.update_mode: interrupt` ends the requests in flight instead,
+  and the rollout client resumes them: partial rollouts); path (b): the policy broadcasts, and
+  the follower asks the servers which version they run;
 - `CriticLink`: the critic's HTTP service (`HttpValueScorer`: one `/score` per group, `/status`
   polled until the step is trained) and its ZMQ GridSender;
 - the policy's GridSender.
@@ -145,6 +146,7 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
     )
     # A LoRA policy served as adapters: after version 0 (the base), requests name the adapter.
     pool.sync.adapter_versions = adapter_rank(resolved.layout) is not None
+    pool.sync.update_mode = resolved.inference.update_mode  # requests in flight at an update: held or resumed
     follower = VersionFollower(pool.sync, publish_dir)
     if publish_dir is None:
         pool.sync.refresh()
@@ -160,6 +162,7 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
     client = RolloutClient(pool.router_url, pool.model_name, pool.worker_urls,
                            timeout_s=resolved.inference.request_timeout_s, version_source=follower.version,
                            model_source=lambda: pool.sync.model_for(pool.model_name),
+                           update_in_progress=lambda: pool.sync.updating,
                            api_key=resolved.inference.api_key(),
                            on_worker_failure=lambda url: log.warning("inference server %s failed a request", url))  # fmt: skip
     environment = make_environment(o.environment, o.dataset, o.seed, args=o.environment_args)

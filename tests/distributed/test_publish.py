@@ -148,7 +148,7 @@ class RecordingControl:
     def __init__(self):
         self.calls = []
 
-    def pause(self):
+    def pause(self, mode="keep", clear_cache=True):
         self.calls.append("pause")
 
     def resume(self):

@@ -70,7 +70,7 @@ def inference_worker(hf_dir: str, http_port: int, out_path: str) -> None:
         def do_POST(self):
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             calls.append(self.path)
-            result = None
+            result = {"success": True} if self.path == "/reset_prefix_cache" else None  # vLLM's reply
             if self.path == "/collective_rpc":
                 request = json.loads(body)
                 calls.append(request["method"])
@@ -178,7 +178,7 @@ def test_policy_ranks_broadcast_to_an_inference_worker(family, pp, ep, tiny_mode
     assert calls[1:] == [  # after the readiness probe: join, pause, update, reset, resume
         "/collective_rpc",
         "init_weight_update_group",
-        "/pause?mode=keep",
+        "/pause?mode=keep&clear_cache=true",  # the caches cleared: held requests re-prefill
         "/collective_rpc",
         "receive_weights",
         "/reset_prefix_cache",

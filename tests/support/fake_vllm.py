@@ -73,6 +73,8 @@ def make_app(args) -> web.Application:
             state["paused"] = True
         elif request.path == "/resume":
             state["paused"] = False
+        elif request.path == "/reset_prefix_cache":  # vLLM's reply: whether the cache was emptied
+            return web.json_response({"success": True})
         return web.json_response({})
 
     async def is_paused(request):

@@ -93,7 +93,7 @@ def make_app(args) -> web.Application:
 
     async def admin(request):
         state["paused"] = {"/pause": True, "/resume": False}.get(request.path, state["paused"])
-        return web.json_response({})
+        return web.json_response({"success": True} if request.path == "/reset_prefix_cache" else {})
 
     async def is_paused(request):
         return web.json_response({"is_paused": state["paused"]})

@@ -65,9 +65,11 @@ class BroadcastPublisher:
         bucket_bytes: int = 256 << 20,
         timeout_s: float = 600.0,
         merge: Callable[[dict], dict] | None = None,
+        pause_mode: str = "keep",
     ):
         self.arch = arch
         self.merge = merge
+        self.pause_mode = pause_mode  # vLLM's: "keep" (inference.update_mode keep) or "abort" (interrupt)
         self.controls = controls
         self.host, self.port = host, port
         self.workers_per_server = workers_per_server
@@ -154,7 +156,7 @@ class BroadcastPublisher:
             if self.group is None:
                 raise RuntimeError("BroadcastPublisher.publish before connect()")
             for control in self.controls:
-                control.pause()
+                control.pause(mode=self.pause_mode, clear_cache=True)
             try:
                 threads, _, errors = self._on_every_server(lambda i, c: self.receive(i, c, version))
                 for position, part in enumerate(parts):

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch.distributed as dist
 
 from megatron_rl.config import LoggingConfig, ResolvedConfig
-from megatron_rl.inference.pool import adapter_name
+from megatron_rl.inference.pool import PAUSE_MODES, adapter_name
 from megatron_rl.inference.vllm_control import VllmControl
 from megatron_rl.policy.publish.adapters import AdapterBroadcastPublisher, AdapterPublisher
 from megatron_rl.policy.publish.broadcast import BroadcastPublisher
@@ -54,7 +54,8 @@ def make_publisher(resolved: ResolvedConfig, transforms: list[ModelTransform] = 
         raise ValueError("inference.weight_update 'nccl': there are no inference servers to broadcast to")
     api_key = inference.api_key()
     controls = [VllmControl(url, api_key=api_key) for url in resolved.layout.inference_urls]
-    options = {"workers_per_server": inference.tp, "bucket_bytes": inference.weight_bucket_mb << 20}
+    options = {"workers_per_server": inference.tp, "bucket_bytes": inference.weight_bucket_mb << 20,
+               "pause_mode": PAUSE_MODES[inference.update_mode]}  # fmt: skip
     if alone is not None:
         publisher = AdapterBroadcastPublisher(
             arch, controls, resolved.layout.weight_broadcast_host, inference.weight_broadcast_port, alone,
