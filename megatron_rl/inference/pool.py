@@ -362,7 +362,8 @@ def router_settings(resolved: ResolvedConfig) -> RouterSettings:
     """Router timeouts and queue sized from the config: every rollout of the batches that may be
     in flight at once fits in the queue, and no timeout is shorter than the longest rollout."""
     inference, orchestrator = resolved.inference, resolved.orchestrator
-    in_flight = orchestrator.batch_size * orchestrator.group_size * (orchestrator.max_async_level + 1)
+    groups = orchestrator.batch_size * (orchestrator.max_async_level + 1) + orchestrator.oversample
+    in_flight = groups * orchestrator.group_size
     return RouterSettings(
         policy=inference.router_policy,
         request_timeout_s=int(inference.request_timeout_s),

@@ -15,6 +15,8 @@ import torch
 
 from megatron_rl.algorithms import aggregation, rollout_correction
 from megatron_rl.config.algorithm import RolloutCorrectionConfig
+from megatron_rl.data.packing import pack_into_grid
+from megatron_rl.data.types import TrainingSample
 
 RULE_SETS = [
     {"rollout_is": "token", "rollout_is_threshold": 1.3},
@@ -332,3 +334,50 @@ def test_seq_mean_modes_count_only_the_sequences_rejection_keeps(mode):
     assert ours == pytest.approx(verl_agg_loss(losses, kept, mode, 16), rel=1e-6)  # float32 weights
     every_sequence = numerator / (len(sequences) * (16 if mode.endswith("norm") else 1))  # verl's trainer
     assert every_sequence != pytest.approx(ours, rel=1e-3)
+
+
+def test_correction_is_per_token_on_samples_that_span_versions():
+    """Partial rollouts: a sample's tokens come from several policy versions, each with its own
+    sampler log-probabilities. Through packing, token-level TIS / IcePop weights, token rejection
+    and the mismatch metrics use each token's own sampler log-probability: they equal the plain
+    reference on the per-token log-ratios, and only the tokens of the stale version are corrected."""
+    rng = np.random.default_rng(5)
+    samples, old = [], []
+    for i in range(6):
+        n, boundary = int(rng.integers(12, 30)), int(rng.integers(4, 10))
+        mask = np.arange(n) >= 3
+        pi_old = -rng.random(n) * 2  # the trainer's pi_old: the newest version's
+        versions = np.where(np.arange(n) < boundary, 4, 5)  # tokens before the boundary sampled by version 4
+        sampler = np.where(versions == 4, pi_old + rng.normal(0.4, 0.2, n), pi_old + rng.normal(0, 1e-3, n))
+        samples.append(TrainingSample(token_ids=rng.integers(1, 100, n), loss_mask=mask,
+                                      inference_logprobs=np.where(mask, sampler, 0.0), reward=1.0, group_id=i,
+                                      policy_version=4, token_versions=versions))  # fmt: skip
+        old.append(pi_old)
+    micro = pack_into_grid(samples, 256, 1)[0][0]
+    index = micro.sample_index
+    position = np.concatenate([np.arange(len(s)) for s in (samples[i] for i in dict.fromkeys(index[index >= 0]))])
+    pi_old = np.zeros(micro.num_tokens)
+    pi_old[: len(position)] = [old[i][p] for i, p in zip(index[index >= 0], position)]
+    log_ratio = np.where(micro.loss_mask, pi_old - micro.inference_logprobs.astype(np.float64), 0.0)
+    order = list(dict.fromkeys(index[index >= 0]))
+    sequences = [(log_ratio[index == i], micro.loss_mask[index == i]) for i in order]
+    stale = np.concatenate([samples[i].versions() == 4 for i in order])
+    for rules in ({"rollout_is": "token", "rollout_is_threshold": "0.8_1.25"},
+                  {"rollout_rs": "token_k1", "rollout_rs_threshold": "0.8_1.25"}):  # fmt: skip
+        config = RolloutCorrectionConfig(**rules)
+        views, _, _ = packed_views(sequences, 1)
+        (corrections, metrics), = run_cp(config, views)
+        expected = reference(config, sequences)
+        weights = corrections[0].weights
+        keep = corrections[0].keep.numpy()[: len(stale)]
+        actions = np.concatenate([m for _, m in sequences])
+        if weights is not None:
+            applied = weights.double().numpy()[: len(stale)][actions]
+            assert applied == pytest.approx(np.concatenate([w for w, _ in expected])[actions])
+            corrected = np.zeros_like(actions)
+            corrected[actions] = applied == 0.0  # IcePop: zeroed outside [0.8, 1.25]
+        else:
+            assert keep.tolist() == np.concatenate([k for _, k in expected]).tolist()
+            corrected = ~keep
+        assert corrected[actions & stale].mean() > 0.5 and not corrected[actions & ~stale].any()
+        assert float(metrics["mismatch_k1_sum"]) == pytest.approx(-sum(lr[m].sum() for lr, m in sequences))
