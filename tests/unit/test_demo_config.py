@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl.config import parse_config
-from megatron_rl.demo.run import DEFAULTS, TOOL, demo_config
+from megatron_rl.demo.run import ASYNC, DEFAULTS, TOOL, demo_config
 from megatron_rl.demo.warm_start import TOOL_TASK
 
 
@@ -37,3 +37,13 @@ def test_a_rollout_count_that_does_not_fill_groups_is_refused(tmp_path, tiny_mod
     model = tiny_models["qwen3"]
     with pytest.raises(SystemExit, match="--rollouts 6: must be a positive multiple of the group size 4"):
         demo_config(tmp_path, "ppo", 3, 0, model, model, model, rollouts=6)
+
+
+@pytest.mark.parametrize("algo", ["sao", "ppo"])
+def test_the_async_preset_resolves_and_a_set_wins_over_it(algo, tiny_models, tmp_path):
+    model = tiny_models["qwen3"]
+    overrides = [f"{key}={value}" for key, value in ASYNC.items()] + ["orchestrator.oversample=8"]
+    resolved = parse_config(demo_config(tmp_path, algo, 7, 1, model, model, model, overrides=overrides))
+    o = resolved.orchestrator
+    assert (o.max_async_level, o.max_off_policy_steps, o.batch_order, o.oversample) == (2, 4, "finish", 8)
+    assert resolved.inference.update_mode == "interrupt" and resolved.algorithm.value_targets == "version_bootstrap"
