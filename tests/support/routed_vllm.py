@@ -14,6 +14,8 @@ vLLM's RoutedExpertsCapturer). The routes are transformers' Qwen3-MoE router's c
 `/resume`, `/is_paused`, `/reset_prefix_cache`, and `/collective_rpc` with our worker
 extension's `load_published_version` (the model is reloaded from the published directory),
 `reload_weights` and `get_weights_version`), so it serves a whole CPU stack's policy versions.
+`POST /abort_next {"after": [k, ...]}` makes the next requests end after k tokens with finish
+reason `abort` (what a weight update in vLLM's pause mode abort returns), for partial rollouts.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ def encode_routes(routes: np.ndarray) -> str:
         return base64.b64encode(buffer.getbuffer()).decode("ascii")
 
 
-def complete(sampler: RoutedSampler, body: dict, eos: int | None) -> dict:
-    """One choice of vLLM's completion reply for `body`."""
+def complete(sampler: RoutedSampler, body: dict, eos: int | None, abort_after: int | None = None) -> dict:
+    """One choice of vLLM's completion reply for `body`; `abort_after`: it ends after that many
+    tokens with finish reason `abort`, as a request in flight when vLLM pauses in mode abort."""
     prompt = [int(t) for t in body["prompt"]]
     start = int(body.get("routed_experts_prompt_start", 0))
     if not 0 <= start <= len(prompt):
@@ -54,7 +57,10 @@ def complete(sampler: RoutedSampler, body: dict, eos: int | None) -> dict:
     temperature = float(body.get("temperature", 1.0))
     generator = torch.Generator().manual_seed(int(body.get("seed", 0)))
     tokens, logprobs, finish = list(prompt), [], "length"
-    for _ in range(int(body.get("max_tokens", 16))):
+    for step in range(int(body.get("max_tokens", 16))):
+        if step == abort_after:
+            finish = "abort"
+            break
         logits, _ = sampler.forward(tokens)
         log_p = torch.log_softmax(logits[-1] / temperature, dim=-1)
         token = int(torch.multinomial(log_p.exp(), 1, generator=generator))
@@ -76,7 +82,7 @@ def complete(sampler: RoutedSampler, body: dict, eos: int | None) -> dict:
 
 def make_app(args) -> web.Application:
     state = {"sampler": RoutedSampler(args.model_dir, args.perturb, seed=args.perturb_seed), "version": 0,
-             "paused": False}  # fmt: skip
+             "paused": False, "abort_after": []}  # fmt: skip
 
     async def models(request):
         return web.json_response({"object": "list", "data": [{"id": args.model, "object": "model"}]})
@@ -87,7 +93,8 @@ def make_app(args) -> web.Application:
     async def completions(request):
         body = await request.json()
         sampler = state["sampler"]
-        choice = complete(sampler, body, sampler.model.config.eos_token_id)
+        abort_after = state["abort_after"].pop(0) if state["abort_after"] else None
+        choice = complete(sampler, body, sampler.model.config.eos_token_id, abort_after)
         return web.json_response({"id": "cmpl-routed", "object": "text_completion", "model": args.model,
                                   "choices": [choice]})  # fmt: skip
 
@@ -97,6 +104,10 @@ def make_app(args) -> web.Application:
 
     async def is_paused(request):
         return web.json_response({"is_paused": state["paused"]})
+
+    async def abort_next(request):  # a test's hook: the next requests end as a weight update aborts them
+        state["abort_after"] += [int(n) for n in (await request.json())["after"]]
+        return web.json_response({})
 
     async def collective_rpc(request):
         body = await request.json()
@@ -117,6 +128,7 @@ def make_app(args) -> web.Application:
         app.router.add_post(path, admin)
     app.router.add_get("/is_paused", is_paused)
     app.router.add_post("/collective_rpc", collective_rpc)
+    app.router.add_post("/abort_next", abort_next)
     return app
 
 
