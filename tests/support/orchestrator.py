@@ -38,12 +38,15 @@ class FakeClient:
     """Completions of random tokens (seeded by session and turn); `fail` maps (group, branch)
     to an exception raised for that member's first request, or (group, branch, turn) for its
     request of that turn (a failure mid-rollout); `script` gives fixed completions per turn;
-    `slow` maps a group to seconds each of its requests takes besides `delay_s` (a long tail)."""
+    `slow` maps a group to seconds each of its requests takes besides `delay_s` (a long tail);
+    `interrupted`: completions sent under a version v > 0 come back as a partial rollout whose
+    first half was sampled by v - 1 (as if resumed after an update), stamped per token."""
 
     def __init__(self, weights, vocab: int = 500, eos: int | None = None, delay_s: float = 0.0,
                  fail=None, script: list[list[int]] | None = None, moe_layers: int = 2, topk: int = 2,
-                 slow: dict[int, float] | None = None):  # fmt: skip
+                 slow: dict[int, float] | None = None, interrupted: bool = False):  # fmt: skip
         self.weights, self.vocab, self.eos, self.delay_s = weights, vocab, eos, delay_s
+        self.interrupted = interrupted
         self.slow = slow or {}
         self.fail = fail or {}
         self.script = script
@@ -74,6 +77,11 @@ class FakeClient:
             choice = np.argsort(np.random.default_rng(rng.randrange(2**32)).random((rows, self.moe_layers,
                                                                                     sampling.routed_experts)), -1)  # fmt: skip
             routes = choice[..., : self.topk].astype(route_dtype(sampling.routed_experts))
+        if self.interrupted and version > 0 and len(tokens) > 1:
+            half = len(tokens) // 2
+            return Completion(tokens, logprobs, finish, policy_version=version - 1, worker="fake", routes=routes,
+                              token_versions=[version - 1] * half + [version] * (len(tokens) - half), interruptions=1,
+                              reprefilled_tokens=len(prompt_ids) + half)  # fmt: skip
         return Completion(tokens, logprobs, finish, policy_version=version, worker="fake", routes=routes)
 
 
@@ -142,14 +150,16 @@ class FakeCritic:
         return {"trained_step": step}
 
 
-def orchestrator_config(algorithm: str = "sao", checkpoint_dir: str = "checkpoints", **orchestrator):
-    """A resolved config for driving the orchestrator in-process (policy DP 2, critic DP 2)."""
+def orchestrator_config(algorithm: str = "sao", checkpoint_dir: str = "checkpoints", algorithm_options=None,
+                        **orchestrator):  # fmt: skip
+    """A resolved config for driving the orchestrator in-process (policy DP 2, critic DP 2);
+    `algorithm_options`: keys of the algorithm section besides its type."""
 
     arch = {"family": "qwen3", "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512}  # fmt: skip
     data = {
         "model": {"architecture": arch, "seq_len": 256},
-        "algorithm": {"type": algorithm},
+        "algorithm": {"type": algorithm, **(algorithm_options or {})},
         "orchestrator": {
             "batch_size": 4,
             "group_size": 2,
