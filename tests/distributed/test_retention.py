@@ -22,7 +22,7 @@ from tests.support.samples import training_samples
 from tests.support.spawn import run_ranks
 
 ARCH = DENSE.model_copy(update=dict(num_layers=1))
-PUBLISHED_KEPT = 2  # SafetensorsPublisher's keep_last (make_publisher: not a config key)
+PUBLISHED_KEPT = 2  # publish_hf_weights's default keep_last (make_publisher keeps versions_kept(L), at least 2)
 SNAPSHOTS_KEPT = 2  # export_snapshot's keep_last, as the policy trainer calls it
 
 

@@ -9,6 +9,7 @@ from megatron_rl.config import ConfigError, parse_config
 from megatron_rl.inference.pool import router_settings
 from megatron_rl.inference.rollout import Completion, SamplingParams, TokenTrajectory
 from megatron_rl.inference.router import RouterSettings, router_command
+from megatron_rl.policy.publish.publisher import versions_kept
 from tests.support.configs import base
 
 
@@ -128,3 +129,14 @@ def test_an_api_key_from_the_environment_reaches_servers_router_and_clients(tmp_
     assert all(s.control.headers == {"Authorization": "Bearer k-123"} for s in servers)
     settings = router_settings(resolved)
     assert option(router_command(["http://a:1"], "127.0.0.1", 8050, 9100, settings), "--api-key") == "k-123"
+
+
+def test_path_a_keeps_every_version_a_server_may_still_be_loading():
+    """At max_async_level L the policy may publish up to L + 1 versions past the live one while a
+    server loads the next: those stay on disk (a version deleted under a loading server failed an
+    L = 2 run of the async demo at step 13)."""
+    for level in range(6):
+        live = 10
+        loading, newest = live + 1, live + level + 1
+        assert versions_kept(level) >= newest - loading + 1 and versions_kept(level) >= 2
+    assert [versions_kept(level) for level in (0, 1, 2, 8)] == [2, 3, 4, 10]

@@ -31,6 +31,14 @@ class WeightPublisher(Protocol):
     def close(self) -> None: ...
 
 
+def versions_kept(max_async_level: int) -> int:
+    """How many published versions path (a) keeps: the inference side may still be loading
+    version v + 1 (v live) while the policy, which may train every batch shipped under the lead
+    gate (batches up to v + L), publishes up to v + L + 1; so the newest L + 1 versions, and one
+    more for the file poll's latency, stay on disk (at least 2)."""
+    return max(2, max_async_level + 2)
+
+
 def make_publisher(resolved: ResolvedConfig, transforms: list[ModelTransform] = ()) -> WeightPublisher:
     """Collective: the publisher `inference.weight_update` names. Path (b) forms its group with
     every inference server's workers here (policy rank 0), so a wrong address or port fails at
@@ -44,12 +52,13 @@ def make_publisher(resolved: ResolvedConfig, transforms: list[ModelTransform] = 
         for line in filter(None, (t.serving_line() for t in transforms)):
             log.info("policy %s", line)
     alone, merge = served_alone(transforms), merged(transforms)
+    keep = versions_kept(resolved.orchestrator.max_async_level)  # none deleted while a server may load it
     base_model = inference.model_dir or resolved.model.hf_config  # the HF model the servers serve
     if alone is not None and inference.weight_update == "safetensors":
-        return AdapterPublisher(arch, inference.publish_dir, alone, base_model=base_model)
+        return AdapterPublisher(arch, inference.publish_dir, alone, base_model=base_model, keep_last=keep)
     if inference.weight_update == "safetensors":
         side_files = Path(resolved.model.hf_config) if resolved.model.hf_config else None
-        return SafetensorsPublisher(arch, inference.publish_dir, side_files, merge=merge)
+        return SafetensorsPublisher(arch, inference.publish_dir, side_files, keep_last=keep, merge=merge)
     if not resolved.layout.inference_urls:
         raise ValueError("inference.weight_update 'nccl': there are no inference servers to broadcast to")
     api_key = inference.api_key()
