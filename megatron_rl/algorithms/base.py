@@ -21,6 +21,7 @@ import torch
 
 from megatron_rl.algorithms import advantages as adv
 from megatron_rl.algorithms import registry
+from megatron_rl.algorithms.distillation import Distillation
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data.types import ScoreResult, TrainingSample
 
@@ -45,12 +46,19 @@ def _pad(rows: Sequence[np.ndarray], dtype: torch.dtype, fill=0) -> torch.Tensor
 
 
 class Algorithm(ABC):
-    """What the orchestrator needs from an algorithm: `prepare_batch` over a step's groups."""
+    """What the orchestrator needs from an algorithm: `prepare_batch` over a step's groups. With
+    `distillation` (algorithms/distillation.py) the teacher scores every sample first and its
+    dense reward joins the task reward (GAE per token; outcome estimators its sum)."""
 
     needs_critic = False
 
-    def __init__(self, config: AlgorithmConfig):
+    def __init__(self, config: AlgorithmConfig, distillation: Distillation | None = None):
         self.config = config
+        self.distillation = distillation
+
+    async def score_teacher(self, groups: list[list[TrainingSample]]) -> None:
+        if self.distillation is not None:
+            await self.distillation.score([s for group in groups for s in group])
 
     @abstractmethod
     async def prepare_batch(self, groups: list[list[TrainingSample]], version: int | None = None) -> None:
@@ -67,12 +75,14 @@ class OutcomeAlgorithm(Algorithm):
     """One scalar advantage per member from the step's rewards (`algorithm.advantage`: grpo,
     dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline or a plug-in), on every action token."""
 
-    def __init__(self, config: AlgorithmConfig):
-        super().__init__(config)
+    def __init__(self, config: AlgorithmConfig, distillation: Distillation | None = None):
+        super().__init__(config, distillation)
         self.estimator = registry.advantage_for(config)
 
     async def prepare_batch(self, groups: list[list[TrainingSample]], version: int | None = None) -> None:
-        rewards = [torch.tensor([s.reward for s in group], dtype=torch.float64) for group in groups]
+        await self.score_teacher(groups)
+        dense = (lambda s: float(self.distillation.rewards(s).sum())) if self.distillation else (lambda s: 0.0)
+        rewards = [torch.tensor([s.reward + dense(s) for s in group], dtype=torch.float64) for group in groups]
         action_tokens = [torch.tensor([s.num_action_tokens for s in group], dtype=torch.int64) for group in groups]
         scalars = self.estimator(rewards, action_tokens)
         name = f"algorithm.advantage {self.config.advantage!r}"
@@ -99,8 +109,8 @@ class CriticAlgorithm(Algorithm):
 
     needs_critic = True
 
-    def __init__(self, config: AlgorithmConfig, scorer: ValueScorer | None):
-        super().__init__(config)
+    def __init__(self, config: AlgorithmConfig, scorer: ValueScorer | None, distillation: Distillation | None = None):
+        super().__init__(config, distillation)
         if scorer is None:
             raise ValueError(
                 f"algorithm.advantage '{config.advantage}' (algorithm.type '{config.type}') needs a ValueScorer "
@@ -142,7 +152,9 @@ class CriticAlgorithm(Algorithm):
             bootstrap_values=torch.tensor([s.bootstrap_value for s in samples], dtype=torch.float64),
             truncated=torch.tensor([s.truncated and not s.episode_done for s in samples]),  # bootstrap the tail
             gamma=c.gamma,
-        )
+            kl_rewards=None if self.distillation is None else _pad([self.distillation.rewards(s) for s in samples],
+                                                                   torch.float64),  # the teacher's, per token
+        )  # fmt: skip
         advantages, returns = adv.decoupled_gae(**batch, policy_lambda=c.policy_lambda, value_lambda=c.value_lambda,
                                                 length_adaptive_alpha=c.length_adaptive_alpha)  # fmt: skip
         if c.value_targets == "version_bootstrap":
@@ -157,7 +169,7 @@ class CriticAlgorithm(Algorithm):
             sample.returns = returns[i, : len(sample)].numpy().astype(np.float32)
 
     async def prepare_batch(self, groups: list[list[TrainingSample]], version: int | None = None) -> None:
-        await asyncio.gather(*[self.score_samples(group) for group in groups])
+        await asyncio.gather(self.score_teacher(groups), *[self.score_samples(group) for group in groups])
         for group in groups:
             if group:
                 self.compute_advantages(group, version)
@@ -169,9 +181,10 @@ class CriticAlgorithm(Algorithm):
                 sample.advantages = row.numpy().astype(np.float32)
 
 
-def make_algorithm(config: AlgorithmConfig, scorer: ValueScorer | None = None) -> Algorithm:
+def make_algorithm(config: AlgorithmConfig, scorer: ValueScorer | None = None,
+                   distillation: Distillation | None = None) -> Algorithm:  # fmt: skip
     """The algorithm `config.advantage` calls for: a CriticAlgorithm for an estimator that reads the
-    critic's values (gae), else an OutcomeAlgorithm."""
+    critic's values (gae), else an OutcomeAlgorithm; either with `distillation`'s teacher."""
     if registry.needs_critic(config.advantage):
-        return CriticAlgorithm(config, scorer)
-    return OutcomeAlgorithm(config)
+        return CriticAlgorithm(config, scorer, distillation)
+    return OutcomeAlgorithm(config, distillation)

@@ -14,6 +14,7 @@ path (parts.py), as it reaches a plug-in.
     parts.py         the registry's built-in algorithm parts, reached by import path
     plugins.py       plug-ins by import path: loading them, checking their signatures
     orchestrator.py  rollouts, admission, dynamic sampling, overlong shaping, evaluation
+    distillation.py  on-policy distillation: the teacher and its signal
     inference.py     the vLLM servers, the router, how weights reach them
     deployment.py    where each process group runs
     transport.py     the ZMQ channels to the trainers
@@ -30,6 +31,7 @@ from megatron_rl.config.algorithm import ALGORITHM_DEFAULTS, AlgorithmConfig
 from megatron_rl.config.base import ConfigError, Strict, secret_from_env
 from megatron_rl.config.checkpoint import CheckpointConfig
 from megatron_rl.config.deployment import DeploymentConfig
+from megatron_rl.config.distillation import DistillationConfig, TeacherConfig
 from megatron_rl.config.inference import InferenceConfig
 from megatron_rl.config.layout import Layout, ModelLayout, ResolvedConfig, RunPaths
 from megatron_rl.config.load import apply_overrides, load_config, load_resolved, parse_config, resolve
@@ -61,9 +63,9 @@ from megatron_rl.config.value import ServiceConfig, SnapshotConfig, ValueConfig
 
 __all__ = [
     "ALGORITHM_DEFAULTS", "HF_MODEL_TYPES", "LORA_TARGETS", "AdmissionConfig", "AlgorithmConfig", "Architecture",
-    "CheckpointConfig", "Config", "ConfigError", "DeploymentConfig", "DynamicSamplingConfig", "EvalConfig", "Family",
+    "CheckpointConfig", "Config", "ConfigError", "DeploymentConfig", "DistillationConfig", "DynamicSamplingConfig", "EvalConfig", "Family",
     "InferenceConfig", "Layout", "LoggingConfig", "LoraBase", "LoraConfig", "ModelConfig", "ModelLayout",
     "OptimizerConfig", "PolicyLoraConfig", "OrchestratorConfig", "OverlongConfig", "RecomputeConfig", "ResolvedConfig", "RunPaths",
-    "ServiceConfig", "SnapshotConfig", "Strict", "TransportConfig", "ValueConfig", "WandbConfig", "apply_overrides",
+    "ServiceConfig", "SnapshotConfig", "Strict", "TeacherConfig", "TransportConfig", "ValueConfig", "WandbConfig", "apply_overrides",
     "adapts_experts", "load_config", "lora_serving", "load_resolved", "parse_config", "resolve", "secret_from_env",
 ]  # fmt: skip

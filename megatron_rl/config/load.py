@@ -61,6 +61,8 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
         if section:
             section["hf_config"], section["checkpoint"] = absolute(section["hf_config"]), absolute(section["checkpoint"])
     data["inference"]["model_dir"] = absolute(data["inference"]["model_dir"])
+    if data["distillation"]:
+        data["distillation"]["teacher"]["model_dir"] = absolute(data["distillation"]["teacher"]["model_dir"])
     template = data["orchestrator"]["chat_template"]
     if isinstance(template, str):  # a template file, like the model files relative to the config
         data["orchestrator"]["chat_template"] = template = absolute(template)

@@ -239,6 +239,20 @@ def training_samples_are_untruncated(ctx: Context) -> list[str]:
     return []
 
 
+def distillation_compares_untempered_distributions(ctx: Context) -> list[str]:
+    """The teacher's log-probabilities are vLLM's prompt_logprobs, which are of its distribution at
+    temperature 1; the student's sampler log-probabilities are of softmax(logits / T). The reverse
+    KL is taken at temperature 1, so the student samples at temperature 1."""
+    temperature = ctx.config.orchestrator.temperature
+    if ctx.config.distillation is not None and temperature != 1.0:
+        return [
+            f"distillation: the teacher's log-probabilities (vLLM's prompt_logprobs) are of its distribution at "
+            f"temperature 1, the student's of softmax(logits / {temperature}) (orchestrator.temperature); the KL "
+            "would compare two different temperatures. Set orchestrator.temperature: 1.0"
+        ]
+    return []
+
+
 def update_options_fit_together(ctx: Context) -> list[str]:
     """Mini-batches, the ratio's denominator, rollout correction and loss aggregation:
     algorithm.rollout_correction needs old_logprobs recompute; loss_scale_factor is read only by
@@ -312,6 +326,7 @@ RULES: tuple[Callable[[Context], list[str]], ...] = (
     roles_fit_on_the_nodes,
     inference_gpus_match_the_servers,
     training_samples_are_untruncated,
+    distillation_compares_untempered_distributions,
     update_options_fit_together,
     routing_replay_has_experts,
     lora_adapters_can_be_served,

@@ -40,6 +40,9 @@ class TrainingSample:
     rollout, interrupted by weight updates and resumed, spans several); the prompt's and the
     observations' tokens carry the oldest. `policy_version` is the oldest: staleness is judged by
     it. None: every token `policy_version`.
+
+    `teacher_logprobs` ([T] float32, on-policy distillation): the teacher's log-probability of
+    each action token after the same prefix (0 elsewhere; algorithms/distillation.py).
     """
 
     token_ids: np.ndarray  # [T] int64
@@ -58,6 +61,7 @@ class TrainingSample:
     score: float | None = None  # the environment's reward before shaping
     routes: np.ndarray | None = None  # [R <= T, moe_layers, top_k] uint8 / uint16
     token_versions: np.ndarray | None = None  # [T] int64
+    teacher_logprobs: np.ndarray | None = None  # [T] float32
 
     def __post_init__(self) -> None:
         if self.score is None:

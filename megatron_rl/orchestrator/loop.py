@@ -16,8 +16,9 @@ wait has a timeout whose error names what it waited for.
 
 The collaborators are small protocols, so tests drive the loop with in-process fakes:
 `weights` (`version()`, `wait_for(version, timeout_s)`), `critic` (`scorer`, `wait_trained(step,
-timeout_s)`, `send(step, grid)`), `send_policy(step, grid)`; the loop keeps no sample past its
-step. The step's time split is read from
+timeout_s)`, `send(step, grid)`), `send_policy(step, grid)`, and with `distillation` a
+`teacher` (`logprobs(token_ids)`, algorithms/distillation.TeacherScorer); the loop keeps no
+sample past its step. The step's time split is read from
 the event loop's clock (monotonic time; a simulated cluster's virtual clock,
 megatron_rl/sim/cluster.py, gives simulated seconds).
 """
@@ -30,6 +31,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from megatron_rl.algorithms import make_algorithm
+from megatron_rl.algorithms.distillation import Distillation
 from megatron_rl.config import ResolvedConfig
 from megatron_rl.data.packing import pack_into_grid, pack_minibatches
 from megatron_rl.inference.rollout import SamplingParams
@@ -57,7 +59,8 @@ class Timeouts:
 
 class Orchestrator:
     def __init__(self, resolved: ResolvedConfig, env, encoder: PromptEncoder, client, weights, critic,
-                 send_policy, state: OrchestratorState, record_metrics, timeouts: Timeouts | None = None):  # fmt: skip
+                 send_policy, state: OrchestratorState, record_metrics, timeouts: Timeouts | None = None,
+                 teacher=None):  # fmt: skip
         self.resolved = resolved
         self.env, self.encoder, self.client = env, encoder, client
         self.weights, self.critic, self.send_policy = weights, critic, send_policy
@@ -66,7 +69,12 @@ class Orchestrator:
         self.timeouts = timeouts or Timeouts()
         o = resolved.orchestrator
         # An advantage that reads values without a critic: make_algorithm refuses it, naming the key.
-        self.algorithm = make_algorithm(resolved.algorithm, critic.scorer if critic is not None else None)
+        distillation = None
+        if resolved.distillation is not None:
+            if teacher is None:
+                raise OrchestratorError("distillation is configured but the orchestrator was given no teacher")
+            distillation = Distillation(teacher, resolved.distillation.coef)
+        self.algorithm = make_algorithm(resolved.algorithm, critic.scorer if critic is not None else None, distillation)
         self.sink = TrainSink(o.admission, o.overlong, o.max_completion_tokens)
         self.one_packing = self._policy_packs_like_the_critic()
 
@@ -176,6 +184,7 @@ class Orchestrator:
         record = step_metrics(
             step, batch, samples, self.dispatcher.last_counts, self.dispatcher, times, status,
             live_version=self.weights.version(), batch_size=o.batch_size, overlong=o.overlong,
+            distillation=self.algorithm.distillation,
         )  # fmt: skip
         record.update(evaluation)
         self.record_metrics(record)

@@ -5,7 +5,7 @@ drops, dynamic sampling's cost (groups generated for the step, extra generation 
 the batch, the bound hit, a smaller batch), overlong shaping, the off-policy lag histogram,
 partial rollouts (the version span of samples, the fraction of action tokens per lag,
 interruptions and the tokens they sent again), advantages, the critic's values and explained
-variance of the returns, the train-inference
+variance of the returns, on-policy distillation's teacher KL and its share of the reward, the train-inference
 mismatch KL reported by the policy, and the step's time split."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from megatron_rl.algorithms.distillation import distillation_metrics
 from megatron_rl.config import OverlongConfig
 
 
@@ -95,9 +96,10 @@ def version_metrics(step: int, samples) -> dict:
 
 def step_metrics(
     step, batch, samples, counts, dispatcher, times, critic_status, live_version, batch_size,
-    overlong: OverlongConfig | None = None,
+    overlong: OverlongConfig | None = None, distillation=None,
 ) -> dict:
-    """`counts`: the dispatcher's StepCounts of this step; `overlong`: the OverlongConfig or None."""
+    """`counts`: the dispatcher's StepCounts of this step; `overlong`: the OverlongConfig or None;
+    `distillation`: the algorithm's (the teacher's signal: `distillation_metrics`) or None."""
     members = [m for group, _ in batch for m in group.members if m.status == "finished"]
     passed = [m.passed for m in members if m.passed is not None]
     mask = [s.loss_mask for s in samples]
@@ -132,6 +134,8 @@ def step_metrics(
         "finished_at": time.time(),
         "time": {k: round(v, 4) for k, v in times.items()},
     }
+    if distillation is not None:
+        record.update(distillation_metrics(samples, distillation.coef))
     if samples and samples[0].values is not None:
         values = np.concatenate([s.values[s.loss_mask] for s in samples])
         returns = np.concatenate([s.returns[s.loss_mask] for s in samples])

@@ -11,7 +11,9 @@ resolved config with the real collaborators:
   the follower asks the servers which version they run;
 - `CriticLink`: the critic's HTTP service (`HttpValueScorer`: one `/score` per group, `/status`
   polled until the step is trained) and its ZMQ GridSender;
-- the policy's GridSender.
+- the policy's GridSender;
+- with `distillation`, the teacher (`VllmTeacher` at `distillation.teacher.url`), its tokenizer
+  checked to be the student's before anything starts.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from megatron_rl.envs import make_environment
 from megatron_rl.inference.pool import InferencePool, WeightSync, adapter_rank, served_model_dir
 from megatron_rl.inference.rollout import RolloutClient
 from megatron_rl.inference.router import VllmRouter
+from megatron_rl.inference.teacher import VllmTeacher, check_same_tokenizer
 from megatron_rl.inference.vllm_control import VllmControl
 from megatron_rl.orchestrator.chat import PromptEncoder
 from megatron_rl.orchestrator.loop import Orchestrator, OrchestratorError, Timeouts
@@ -167,11 +170,19 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
                            on_worker_failure=lambda url: log.warning("inference server %s failed a request", url))  # fmt: skip
     environment = make_environment(o.environment, o.dataset, o.seed, args=o.environment_args)
     encoder.check_environment(environment)
+    teacher = None
+    if resolved.distillation is not None:  # the same token ids, then a teacher that answers
+        settings = resolved.distillation.teacher
+        check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(settings.model_dir), settings.model_dir)
+        teacher = VllmTeacher(settings.url, settings.served_model_name, settings.api_key(), settings.timeout_s,
+                              settings.max_concurrent)  # fmt: skip
     orchestrator = Orchestrator(resolved, environment, encoder, client, follower, critic, send_policy, state, metrics,
-                                timeouts)  # fmt: skip
+                                timeouts, teacher=teacher)  # fmt: skip
     follower.start()
     finished = False
     try:
+        if teacher is not None:
+            await teacher.check_ready()
         if critic is not None:
             await critic.scorer.wait_ready(timeout_s=timeouts.critic_s)
         ran = await orchestrator.run()
@@ -184,6 +195,8 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
         if tracker is not None:  # after a full run: the trainers' last metrics lines first
             await asyncio.to_thread(tracker.close, o.num_steps - 1 if finished else None)
         await client.close()
+        if teacher is not None:
+            await teacher.close()
         if critic is not None:
             await critic.close()
         await asyncio.to_thread(policy_sender.close)

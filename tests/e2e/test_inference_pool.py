@@ -11,6 +11,7 @@ import asyncio
 import re
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -296,3 +297,33 @@ def test_partial_rollouts_stamp_every_token_with_the_version_that_sampled_it(vll
             assert logprob == pytest.approx(expected[version][i][k], abs=1e-4), (i, k, version)
     assert max(r.interruptions for r in results) >= 2  # a rollout interrupted twice
     assert max(len(set(r.versions())) for r in results) >= 2  # samples that span versions
+
+
+def test_the_teacher_scores_every_token_as_transformers_does(vllm_pool):
+    """On-policy distillation's teacher (inference/teacher.py) on the pool: the log-probability of
+    every token of single- and multi-turn sequences (prompt, completion, observation, completion)
+    given the tokens before it equals transformers' on the same weights; a teacher that does not
+    serve the configured name is refused, named."""
+    from megatron_rl.inference.teacher import TeacherError, VllmTeacher
+
+    pool, _, tmp = vllm_pool
+    _, weights = install(pool, tmp, seed=41)
+    rng = np.random.default_rng(3)
+    sequences = [rng.integers(1, 400, n).tolist() for n in (9, 40, 120)]
+    sequences.append([5, 6, 7, 8] + list(range(100, 120)) + [9, 9, 9] + list(range(200, 230)))  # two turns
+
+    async def run(model):
+        teacher = VllmTeacher(pool.router_url, model, max_concurrent=2)
+        try:
+            await teacher.check_ready()
+            return await teacher.logprobs(sequences)
+        finally:
+            await teacher.close()
+
+    scored = asyncio.run(run(pool.model_name))
+    expected = logprobs_under(weights, sequences, 1)
+    for sequence, got, want in zip(sequences, scored, expected, strict=True):
+        assert len(got) == len(sequence) and np.isnan(got[0])
+        assert got[1:].tolist() == pytest.approx(want, abs=1e-4)
+    with pytest.raises(TeacherError, match=r"does not serve 'no-such-model' \(distillation.teacher.served_model_name\)"):
+        asyncio.run(run("no-such-model"))

@@ -151,9 +151,10 @@ class FakeCritic:
 
 
 def orchestrator_config(algorithm: str = "sao", checkpoint_dir: str = "checkpoints", algorithm_options=None,
-                        **orchestrator):  # fmt: skip
+                        distillation=None, **orchestrator):  # fmt: skip
     """A resolved config for driving the orchestrator in-process (policy DP 2, critic DP 2);
-    `algorithm_options`: keys of the algorithm section besides its type."""
+    `algorithm_options`: keys of the algorithm section besides its type; `distillation`: that
+    section."""
 
     arch = {"family": "qwen3", "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512}  # fmt: skip
@@ -177,6 +178,8 @@ def orchestrator_config(algorithm: str = "sao", checkpoint_dir: str = "checkpoin
         },
         "checkpoint": {"dir": checkpoint_dir},
     }
+    if distillation is not None:
+        data["distillation"] = distillation
     if algorithm != "grpo":
         data["value"] = {"model": {"architecture": arch, "seq_len": 256}}
         data["deployment"]["num_value_gpus_per_train_node"] = 2
@@ -199,9 +202,10 @@ def per_token_gae(reward, values, mask, bootstrap, bootstrapped, gamma, lam):
     return advantages
 
 
-def build_orchestrator(resolved, encoder, client_kwargs=None, train_s=0.0, state=None, env="procedural", dataset=None):
+def build_orchestrator(resolved, encoder, client_kwargs=None, train_s=0.0, state=None, env="procedural", dataset=None,
+                       teacher=None):  # fmt: skip
     """The real Orchestrator over the fakes: (orchestrator with `.shipped`, events, client,
-    critic or None, policy, the step records)."""
+    critic or None, policy, the step records); `teacher` for distillation."""
     events, weights = [], FakeWeights()
     client = FakeClient(weights, **(client_kwargs or {}))
     critic = FakeCritic(events) if resolved.value is not None else None
@@ -210,5 +214,6 @@ def build_orchestrator(resolved, encoder, client_kwargs=None, train_s=0.0, state
     orchestrator = ShippedSamples().attach(Orchestrator(
         resolved, make_environment(env, dataset, resolved.orchestrator.seed), encoder, client, weights, critic,
         policy.send, state or OrchestratorState(None), records.append, Timeouts(batch_s=60, critic_s=60, weights_s=60),
+        teacher=teacher,
     ))  # fmt: skip
     return orchestrator, events, client, critic, policy, records

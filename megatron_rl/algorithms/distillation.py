@@ -1,0 +1,106 @@
+"""On-policy distillation's signal: the teacher's log-probabilities of the student's own tokens.
+
+For every action token a_t of a sample (loss mask True; prompt and observation tokens are not
+the student's choices and get nothing), with the student's sampler log-probability and the
+teacher's of the same token after the same prefix:
+
+    k_t = log pi_student(a_t) - log pi_teacher(a_t)      (the reverse-KL estimate, per token)
+    r_t = -coef * k_t                                    (its dense reward)
+
+Summed over the sample, E[sum_t k_t] is KL(pi_student || pi_teacher) of the completion, so
+maximising the dense reward moves the student towards the teacher where the student samples
+(on-policy, mode-seeking). Both log-probabilities are of the untempered distributions: the
+config requires `orchestrator.temperature` 1 (the teacher's are vLLM's prompt_logprobs, which
+are of temperature 1).
+
+How the estimators take it (`algorithms/base.py`): GAE adds r_t to each action token's reward
+(skip-observation GAE's per-token rewards, the task reward still on the last action token),
+for the policy's advantages and the critic's targets alike; the outcome estimators (GRPO,
+RLOO, REINFORCE++, ...) see one scalar per sample, the task reward plus sum_t r_t.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from megatron_rl.data.types import TrainingSample
+
+
+class TeacherScorer(Protocol):
+    """The teacher: for each token sequence, the log-probability of every token given the tokens
+    before it ([T] float, the first nan), at temperature 1."""
+
+    async def logprobs(self, batched_token_ids: list[list[int]]) -> list[np.ndarray]: ...
+
+
+class TeacherReplyError(RuntimeError):
+    """The teacher's reply does not fit the sequences it was asked about."""
+
+
+def set_teacher_logprobs(samples: list[TrainingSample], replies: list[np.ndarray]) -> None:
+    """Stores each reply as the sample's `teacher_logprobs` ([T] float32, 0 off the action
+    tokens); a TeacherReplyError naming the sample when a reply has the wrong length or a
+    non-finite value on an action token."""
+    if len(replies) != len(samples):
+        raise TeacherReplyError(f"the teacher answered {len(replies)} sequences for {len(samples)}")
+    for sample, reply in zip(samples, replies):
+        reply = np.asarray(reply, dtype=np.float64)
+        where = f"group {sample.group_id}, branch {sample.branch_index}"
+        if reply.shape != (len(sample),):
+            raise TeacherReplyError(f"teacher log-probabilities for {where}: {reply.shape[0]} for {len(sample)} tokens")
+        actions = sample.loss_mask
+        if not np.isfinite(reply[actions]).all():
+            bad = int(np.flatnonzero(actions & ~np.isfinite(reply))[0])
+            raise TeacherReplyError(f"teacher log-probability of {where}, token {bad}: {reply[bad]}")
+        sample.teacher_logprobs = np.where(actions, reply, 0.0).astype(np.float32)
+
+
+def reverse_kl(sample: TrainingSample) -> np.ndarray:
+    """[T] float64: k_t = log pi_student(a_t) - log pi_teacher(a_t) on action tokens, 0 elsewhere."""
+    if sample.teacher_logprobs is None:
+        raise ValueError(f"group {sample.group_id}, branch {sample.branch_index}: no teacher log-probabilities")
+    student = sample.inference_logprobs.astype(np.float64)
+    return np.where(sample.loss_mask, student - sample.teacher_logprobs.astype(np.float64), 0.0)
+
+
+def dense_rewards(sample: TrainingSample, coef: float) -> np.ndarray:
+    """[T] float64: r_t = -coef * k_t on action tokens, 0 elsewhere."""
+    return -coef * reverse_kl(sample)
+
+
+def distillation_metrics(samples: list[TrainingSample], coef: float) -> dict:
+    """`teacher_kl_mean` (k_t over the step's action tokens), `teacher_kl_per_sample` (sum_t k_t,
+    mean over samples), `distill_reward_mean` (sum_t r_t, mean over samples) and
+    `distill_reward_share` (sum |sum_t r_t| / (sum |sum_t r_t| + sum |task reward|) over samples)."""
+    scored = [s for s in samples if s.teacher_logprobs is not None]
+    if not scored:
+        return {}
+    kl = [reverse_kl(s) for s in scored]
+    tokens = np.concatenate([k[s.loss_mask] for k, s in zip(kl, scored)])
+    per_sample = np.array([k.sum() for k in kl])
+    dense = -coef * per_sample
+    task = np.array([s.reward for s in scored], dtype=np.float64)
+    total = np.abs(dense).sum() + np.abs(task).sum()
+    return {
+        "teacher_kl_mean": float(tokens.mean()) if tokens.size else None,
+        "teacher_kl_per_sample": float(per_sample.mean()),
+        "distill_reward_mean": float(dense.mean()),
+        "distill_reward_share": float(np.abs(dense).sum() / total) if total > 0 else None,
+    }
+
+
+class Distillation:
+    """The teacher and the signal's weight, as the algorithm uses them (`algorithms/base.py`)."""
+
+    def __init__(self, teacher: TeacherScorer, coef: float):
+        self.teacher, self.coef = teacher, coef
+
+    async def score(self, samples: list[TrainingSample]) -> None:
+        """The teacher's log-probabilities of every sample's tokens, into `teacher_logprobs`."""
+        if samples:
+            set_teacher_logprobs(samples, await self.teacher.logprobs([s.token_ids.tolist() for s in samples]))
+
+    def rewards(self, sample: TrainingSample) -> np.ndarray:
+        return dense_rewards(sample, self.coef)

@@ -1,0 +1,87 @@
+"""The teacher of on-policy distillation, served by vLLM (algorithms/distillation.py).
+
+`VllmTeacher(url, model)` scores token sequences: one `/v1/completions` request a sequence with
+the sequence as the token-id prompt, `prompt_logprobs` 0 (the log-probability of each prompt
+token given the tokens before it, of the untempered distribution) and one generated token (vLLM
+needs one; it is discarded). Requests carrying prompt_logprobs never read vLLM's prefix cache,
+so each sequence is scored once, whole. At most `max_concurrent` requests are in flight; each
+goes through `RolloutClient` (retried once on another server of the teacher's, errors naming
+the server).
+
+`check_same_tokenizer(student, teacher, where)` is the start-up check that both read the same
+token ids: the same vocabulary (every token at the same id) and the same special tokens;
+otherwise the teacher's log-probabilities would be of other tokens than the student sampled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+
+import httpx
+import numpy as np
+
+from megatron_rl.inference.rollout import RolloutClient, SamplingParams
+
+SCORING = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=True)
+
+
+class TeacherError(RuntimeError):
+    pass
+
+
+class VllmTeacher:
+    def __init__(self, url: str, model: str, api_key: str | None = None, timeout_s: float = 600.0,
+                 max_concurrent: int = 64):  # fmt: skip
+        self.url, self.model = url.rstrip("/"), model
+        self.client = RolloutClient(self.url, model, timeout_s=timeout_s, api_key=api_key)
+        self.max_concurrent = max_concurrent
+        self._bound: asyncio.Semaphore | None = None
+        self.requests = 0
+
+    async def logprobs(self, batched_token_ids: list[list[int]]) -> list[np.ndarray]:
+        """[T] float64 per sequence: log p_teacher(token_t | tokens before it), nan at 0."""
+        self._bound = self._bound or asyncio.Semaphore(self.max_concurrent)
+
+        async def one(token_ids: list[int]) -> np.ndarray:
+            session = f"teacher-{zlib.crc32(np.asarray(token_ids, dtype=np.int64).tobytes()):08x}"
+            async with self._bound:
+                completion = await self.client.complete(token_ids, SCORING, session)
+            self.requests += 1
+            return np.asarray(completion.prompt_logprobs, dtype=np.float64)
+
+        return list(await asyncio.gather(*[one(list(ids)) for ids in batched_token_ids]))
+
+    async def check_ready(self, timeout_s: float = 30.0) -> None:
+        """The teacher answers /v1/models with its model; a TeacherError naming the URL if not."""
+        try:
+            reply = await self.client._http.get(f"{self.url}/v1/models", timeout=timeout_s)
+            names = [entry["id"] for entry in reply.json().get("data", [])] if reply.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as exc:
+            raise TeacherError(f"distillation.teacher.url {self.url}: {type(exc).__name__}: {exc}") from None
+        if names is None or self.model not in names:
+            raise TeacherError(
+                f"distillation.teacher.url {self.url} does not serve {self.model!r} "
+                f"(distillation.teacher.served_model_name); it answered {names if names is not None else reply.status_code}"
+            )
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def check_same_tokenizer(student, teacher, where: str) -> None:
+    """Raises ValueError naming `where` (the teacher's model_dir) unless both tokenizers have
+    the same vocabulary and special tokens."""
+    problems = []
+    mine, theirs = student.get_vocab(), teacher.get_vocab()
+    if mine != theirs:
+        differing = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda item: item[1])
+        problems.append(f"vocabularies differ ({len(mine)} and {len(theirs)} tokens; e.g. {differing[:3]})")
+    for name in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if getattr(student, name, None) != getattr(teacher, name, None):
+            problems.append(f"{name} {getattr(student, name, None)} (student) and {getattr(teacher, name, None)} (teacher)")
+    if problems:
+        raise ValueError(
+            f"distillation.teacher.model_dir {where}: the teacher's tokenizer is not the student's ("
+            + "; ".join(problems) + "): its log-probabilities would be of other tokens than the student sampled"
+        )

@@ -1,0 +1,163 @@
+"""On-policy distillation's signal (algorithms/distillation.py) against plain loops: the
+per-token reverse KL on action tokens only (observations of multi-turn samples excluded), GAE
+with the teacher's dense reward per token, the outcome estimators with its sum, the step's
+metrics, bad teacher replies named; the config's temperature rule and the start-up tokenizer
+check; and the orchestrator's loop with a fake teacher."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from megatron_rl.algorithms import make_algorithm
+from megatron_rl.algorithms.distillation import (
+    Distillation,
+    TeacherReplyError,
+    distillation_metrics,
+    reverse_kl,
+    set_teacher_logprobs,
+)
+from megatron_rl.config import AlgorithmConfig, ConfigError
+from megatron_rl.data import ScoreResult, TrainingSample
+from megatron_rl.inference.teacher import check_same_tokenizer
+from megatron_rl.orchestrator.rollouts import PromptEncoder
+from tests.support.orchestrator import InProcessScorer, build_orchestrator, orchestrator_config, per_token_gae
+
+COEF = 0.5
+
+
+def teacher_of(sequence: list[int]) -> np.ndarray:
+    """A deterministic stand-in teacher: log-probabilities from the token ids, nan at 0."""
+    out = np.array([-((t * 13) % 17) / 7.0 - 0.05 for t in sequence])
+    out[0] = np.nan
+    return out
+
+
+class FakeTeacher:
+    def __init__(self):
+        self.calls = []
+
+    async def logprobs(self, batched):
+        self.calls.append(batched)
+        return [teacher_of(ids) for ids in batched]
+
+
+def multi_turn_samples(seed: int = 0) -> list[TrainingSample]:
+    """Prompt, a completion, an observation, a completion: the loss mask on the completions only."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for branch in range(3):
+        mask = np.array([False] * 3 + [True] * 4 + [False] * 2 + [True] * (3 + branch))
+        n = len(mask)
+        samples.append(TrainingSample(token_ids=rng.integers(1, 90, n), loss_mask=mask, group_id=7,
+                                      inference_logprobs=np.where(mask, -rng.random(n) * 3, 0.0),
+                                      reward=float(branch == 1), branch_index=branch))  # fmt: skip
+    return samples
+
+
+def test_the_reverse_kl_and_its_dense_reward_equal_a_plain_loop():
+    samples = multi_turn_samples()
+    asyncio.run(Distillation(FakeTeacher(), COEF).score(samples))
+    for sample in samples:
+        teacher = teacher_of(sample.token_ids.tolist())
+        expected = [float(sample.inference_logprobs[t]) - teacher[t] if sample.loss_mask[t] else 0.0
+                    for t in range(len(sample))]  # fmt: skip
+        assert reverse_kl(sample) == pytest.approx(expected, abs=1e-6)
+        assert not reverse_kl(sample)[~sample.loss_mask].any()  # observations and the prompt: nothing
+    metrics = distillation_metrics(samples, COEF)
+    tokens = [reverse_kl(s)[t] for s in samples for t in np.flatnonzero(s.loss_mask)]
+    sums = [reverse_kl(s).sum() for s in samples]
+    assert metrics["teacher_kl_mean"] == pytest.approx(np.mean(tokens))
+    assert metrics["distill_reward_mean"] == pytest.approx(-COEF * np.mean(sums))
+    share = sum(abs(COEF * x) for x in sums) / (sum(abs(COEF * x) for x in sums) + sum(abs(s.reward) for s in samples))
+    assert metrics["distill_reward_share"] == pytest.approx(share)
+
+
+def test_gae_takes_the_teachers_reward_per_token_and_outcome_estimators_its_sum():
+    values = {}
+
+    def critic(batched):
+        out = [np.array([((t * 7) % 11) / 11.0 for t in ids], dtype=np.float32) for ids in batched]
+        values.update({tuple(ids): v for ids, v in zip(batched, out)})
+        return ScoreResult(values=out, bootstrap_values=[0.0] * len(batched))
+
+    config = AlgorithmConfig(type="ppo", policy_lambda=0.9, value_lambda=1.0)
+    samples = multi_turn_samples(1)
+    algorithm = make_algorithm(config, InProcessScorer(critic), Distillation(FakeTeacher(), COEF))
+    asyncio.run(algorithm.prepare_batch([samples], 0))
+    for sample in samples:
+        dense = -COEF * reverse_kl(sample)
+        value = values[tuple(sample.token_ids.tolist())].astype(np.float64)
+        # the loop: GAE over action tokens, reward R on the last plus the dense reward on each
+        actions = np.flatnonzero(sample.loss_mask)
+        expected, running, next_value = np.zeros(len(sample)), 0.0, 0.0
+        for k in reversed(range(len(actions))):
+            t = actions[k]
+            reward = dense[t] + (sample.reward if k == len(actions) - 1 else 0.0)
+            running = reward + next_value - value[t] + 0.9 * running
+            expected[t], next_value = running, value[t]
+        assert sample.advantages == pytest.approx(expected, abs=1e-5)
+        assert sample.advantages != pytest.approx(per_token_gae(sample.reward, value, sample.loss_mask, 0.0, False,
+                                                                1.0, 0.9), abs=1e-3)  # fmt: skip
+
+    grpo = make_algorithm(AlgorithmConfig(type="grpo"), distillation=Distillation(FakeTeacher(), COEF))
+    samples = multi_turn_samples(2)
+    asyncio.run(grpo.prepare_batch([samples], 0))
+    totals = np.array([s.reward - COEF * reverse_kl(s).sum() for s in samples])
+    expected = (totals - totals.mean()) / (totals.std(ddof=1) + 1e-6)
+    assert [float(s.advantages[s.loss_mask][0]) for s in samples] == pytest.approx(expected, abs=1e-4)
+
+
+def test_bad_teacher_replies_are_named():
+    samples = multi_turn_samples()
+    with pytest.raises(TeacherReplyError, match="answered 2 sequences for 3"):
+        set_teacher_logprobs(samples, [teacher_of([1, 2]), teacher_of([3])])
+    short = [teacher_of(s.token_ids.tolist()) for s in samples]
+    short[1] = short[1][:-1]
+    with pytest.raises(TeacherReplyError, match="group 7, branch 1: 12 for 13 tokens"):
+        set_teacher_logprobs(samples, short)
+    holed = [teacher_of(s.token_ids.tolist()) for s in samples]
+    holed[2][4] = np.nan  # an action token
+    with pytest.raises(TeacherReplyError, match="group 7, branch 2, token 4: nan"):
+        set_teacher_logprobs(samples, holed)
+
+
+def test_the_config_takes_the_kl_at_temperature_one_and_the_teachers_tokenizer_must_be_the_students(
+    tiny_models, tmp_path
+):
+    teacher = {"url": "http://teacher:8000", "model_dir": "teacher-model"}
+    resolved = orchestrator_config("sao", distillation={"teacher": teacher, "coef": 0.2})
+    assert resolved.distillation.teacher.model_dir.endswith("/teacher-model")  # relative to the config
+    with pytest.raises(ConfigError, match=r"distillation: .*orchestrator.temperature\); .*Set orchestrator.temperature: 1.0"):
+        orchestrator_config("sao", distillation={"teacher": teacher}, temperature=0.7)
+
+    qwen = AutoTokenizer.from_pretrained(str(tiny_models["qwen3"]))
+    check_same_tokenizer(qwen, AutoTokenizer.from_pretrained(str(tiny_models["qwen3"])), "same")
+    llama = AutoTokenizer.from_pretrained(str(tiny_models["llama"]))
+    if llama.get_vocab() != qwen.get_vocab() or llama.eos_token_id != qwen.eos_token_id:
+        with pytest.raises(ValueError, match="distillation.teacher.model_dir /x/llama: the teacher's tokenizer is not"):
+            check_same_tokenizer(qwen, llama, "/x/llama")
+    extended = AutoTokenizer.from_pretrained(str(tiny_models["qwen3"]))
+    extended.add_tokens(["<extra-token>"])
+    with pytest.raises(ValueError, match=r"vocabularies differ \(\d+ and \d+ tokens"):
+        check_same_tokenizer(qwen, extended, "/x/extended")
+
+
+def test_the_orchestrator_scores_every_sample_with_the_teacher_and_reports_the_signal(tiny_models):
+    encoder = PromptEncoder(AutoTokenizer.from_pretrained(str(tiny_models["qwen3"])))
+    teacher = {"url": "http://teacher:8000", "model_dir": str(tiny_models["qwen3"])}
+    resolved = orchestrator_config("sao", distillation={"teacher": teacher, "coef": COEF}, num_steps=2,
+                                   batch_size=3, group_size=1)  # fmt: skip
+    with pytest.raises(RuntimeError, match="distillation is configured but the orchestrator was given no teacher"):
+        build_orchestrator(resolved, encoder)
+    fake = FakeTeacher()
+    orchestrator, _, _, _, _, records = build_orchestrator(resolved, encoder, teacher=fake)
+    asyncio.run(asyncio.wait_for(orchestrator.run(), 30))
+    assert sum(len(call) for call in fake.calls) == len(orchestrator.shipped.items) == 6
+    assert all(s.teacher_logprobs is not None for _, s in orchestrator.shipped.items)
+    for record in records:
+        step = [s for n, s in orchestrator.shipped.items if n == record["step"]]
+        assert record["teacher_kl_mean"] == pytest.approx(distillation_metrics(step, COEF)["teacher_kl_mean"])
