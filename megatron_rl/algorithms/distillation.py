@@ -13,7 +13,11 @@ maximising the dense reward moves the student towards the teacher where the stud
 config requires `orchestrator.temperature` 1 (the teacher's are vLLM's prompt_logprobs, which
 are of temperature 1).
 
-How the estimators take it (`algorithms/base.py`): GAE adds r_t to each action token's reward
+With `distillation.mode: kl_penalty` the signal is a term of the policy's loss instead
+(policy/loss.py: coef x the per-token estimator `algorithm.kl_estimator` against the teacher's
+log-probabilities, which the policy's grid carries) and the rewards are the task's alone.
+
+How the estimators take the reward (`algorithms/base.py`): GAE adds r_t to each action token's reward
 (skip-observation GAE's per-token rewards, the task reward still on the last action token),
 for the policy's advantages and the critic's targets alike; the outcome estimators (GRPO,
 RLOO, REINFORCE++, ...) see one scalar per sample, the task reward plus sum_t r_t.
@@ -92,10 +96,12 @@ def distillation_metrics(samples: list[TrainingSample], coef: float) -> dict:
 
 
 class Distillation:
-    """The teacher and the signal's weight, as the algorithm uses them (`algorithms/base.py`)."""
+    """The teacher and the signal's weight, as the algorithm uses them (`algorithms/base.py`).
+    `mode` "kl_penalty": the samples are scored (the policy's grid carries the teacher's
+    log-probabilities to its loss) and the rewards are the task's alone."""
 
-    def __init__(self, teacher: TeacherScorer, coef: float):
-        self.teacher, self.coef = teacher, coef
+    def __init__(self, teacher: TeacherScorer, coef: float, mode: str = "reward"):
+        self.teacher, self.coef, self.mode = teacher, coef, mode
 
     async def score(self, samples: list[TrainingSample]) -> None:
         """The teacher's log-probabilities of every sample's tokens, into `teacher_logprobs`."""
@@ -103,4 +109,6 @@ class Distillation:
             set_teacher_logprobs(samples, await self.teacher.logprobs([s.token_ids.tolist() for s in samples]))
 
     def rewards(self, sample: TrainingSample) -> np.ndarray:
+        if self.mode == "kl_penalty":
+            return np.zeros(len(sample))
         return dense_rewards(sample, self.coef)

@@ -243,8 +243,14 @@ def distillation_compares_untempered_distributions(ctx: Context) -> list[str]:
     """The teacher's log-probabilities are vLLM's prompt_logprobs, which are of its distribution at
     temperature 1; the student's sampler log-probabilities are of softmax(logits / T). The reverse
     KL is taken at temperature 1, so the student samples at temperature 1."""
-    temperature = ctx.config.orchestrator.temperature
-    if ctx.config.distillation is not None and temperature != 1.0:
+    temperature, distillation = ctx.config.orchestrator.temperature, ctx.config.distillation
+    if distillation is not None and distillation.mode == "kl_penalty" and ctx.config.algorithm.kl_estimator == "k1":
+        return [
+            "distillation.mode 'kl_penalty' with algorithm.kl_estimator 'k1': as a loss term k1 = log pi - log "
+            "pi_teacher has gradient grad log pi, whose expectation over the student's own tokens is 0, so the "
+            "student would learn nothing from the teacher; use k2 (its gradient is the reverse KL's) or k3"
+        ]
+    if distillation is not None and temperature != 1.0:
         return [
             f"distillation: the teacher's log-probabilities (vLLM's prompt_logprobs) are of its distribution at "
             f"temperature 1, the student's of softmax(logits / {temperature}) (orchestrator.temperature); the KL "

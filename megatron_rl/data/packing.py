@@ -204,7 +204,8 @@ def _routes(samples: Sequence[TrainingSample], items: list[int], total: int) -> 
     return routes, routed
 
 
-def _micro_batch(samples: Sequence[TrainingSample], items: list[int], cp: int, routes: bool = False) -> MicroBatch:
+def _micro_batch(samples: Sequence[TrainingSample], items: list[int], cp: int, routes: bool = False,
+                 teacher: bool = False) -> MicroBatch:  # fmt: skip
     lengths = [len(samples[i]) for i in items]
     real = sum(lengths)
     total = -(-real // cp) * cp
@@ -227,6 +228,8 @@ def _micro_batch(samples: Sequence[TrainingSample], items: list[int], cp: int, r
     }
     assert set(floats) == set(MICRO_BATCH_FLOAT_FIELDS)
     route_arrays = dict(zip(("routes", "routed"), _routes(samples, items, total))) if routes else {}
+    if teacher:
+        route_arrays["teacher_logprobs"] = cat(annotation("teacher_logprobs"), np.float32)
     return MicroBatch(
         input_ids=cat(lambda s: s.token_ids, np.int64),
         position_ids=np.concatenate(
@@ -269,12 +272,14 @@ def pack_into_grid(
     cost: CostModel | None = None,
     sequence_parallel_size: int = 1,
     routes: bool = False,
+    teacher: bool = False,
 ) -> Grid:
     """Packs `samples` into `grid[data_rank][micro_step]` (see the module docstring).
 
     `sequence_parallel_size` is the TP size when the model runs sequence parallel (megatron MoE
     with TP > 1), else 1. `routes`: the micro-batches carry the samples' routes (the policy's
-    grid under routing replay; every sample must have them).
+    grid under routing replay; every sample must have them). `teacher`: they carry the samples'
+    `teacher_logprobs` (distillation's kl_penalty).
     """
     dp = data_parallel_size
     if dp < 1 or context_parallel_size < 1 or sequence_parallel_size < 1:
@@ -306,7 +311,7 @@ def pack_into_grid(
     for rank_bins in ranks:
         # Longest bins first: the heaviest micro-steps line up across ranks.
         ordered = sorted(rank_bins, key=lambda b: (-sum(costs[i] for i in b.items), min(b.items)))
-        row = [_micro_batch(samples, sorted(b.items), cp, routes) for b in ordered]
+        row = [_micro_batch(samples, sorted(b.items), cp, routes, teacher) for b in ordered]
         row += [dummy_micro_batch(cp) for _ in range(steps - len(row))]
         grid.append(row)
     return grid
@@ -375,20 +380,21 @@ def pack_minibatches(
     sequence_parallel_size: int = 1,
     cost: CostModel | None = None,
     routes: bool = False,
+    teacher: bool = False,
 ) -> Grid:
     """`grid[data_rank]` = mini-batch 0's micro-steps, then mini-batch 1's, ... (each MicroBatch
     carries its `minibatch`; `sample_index` refers to `samples`). Each mini-batch is packed on its
     own (`pack_into_grid`), so each is balanced over the data ranks with the same number of
-    micro-steps on every rank. `routes` as in `pack_into_grid`."""
+    micro-steps on every rank. `routes` and `teacher` as in `pack_into_grid`."""
     parts = split_into_minibatches(len(samples), num_minibatches, seed)
     if len(parts) == 1:
         return pack_into_grid(samples, seq_len, data_parallel_size, context_parallel_size, cost,
-                              sequence_parallel_size, routes)  # fmt: skip
+                              sequence_parallel_size, routes, teacher)  # fmt: skip
     grid: Grid = [[] for _ in range(data_parallel_size)]
     for k, indices in enumerate(parts):
         original = np.asarray(indices, dtype=np.int64)
         part = pack_into_grid([samples[i] for i in indices], seq_len, data_parallel_size, context_parallel_size,
-                              cost, sequence_parallel_size, routes)  # fmt: skip
+                              cost, sequence_parallel_size, routes, teacher)  # fmt: skip
         for rank, row in enumerate(part):
             for mb in row:
                 mb.minibatch = k

@@ -140,7 +140,9 @@ class MicroBatch:
 
     The policy's grid carries the samples' `routes` when routing replay is on ([N, moe_layers,
     top_k], padding routes where the sampler routed nothing) and `routed` ([N] bool: the sampler
-    routed the token); the critic's grid never does. A dummy carries neither.
+    routed the token); the critic's grid never does. A dummy carries neither. Under on-policy
+    distillation's `kl_penalty` the policy's grid carries `teacher_logprobs` ([N] float32, the
+    teacher's log-probability of each action token, 0 elsewhere); a dummy does not.
     """
 
     input_ids: np.ndarray  # [N] int64
@@ -156,6 +158,7 @@ class MicroBatch:
     minibatch: int = 0
     routes: np.ndarray | None = None  # [N, moe_layers, top_k] uint8 / uint16
     routed: np.ndarray | None = None  # [N] bool
+    teacher_logprobs: np.ndarray | None = None  # [N] float32 (distillation kl_penalty: the policy's grid)
 
     @property
     def num_tokens(self) -> int:

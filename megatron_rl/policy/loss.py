@@ -47,6 +47,7 @@ class PolicyBatch(RankBatch):
     owned_sequences: torch.Tensor  # [S] bool: the sequence's first token is on this CP rank
     minibatch: int = 0
     ref_logprobs: torch.Tensor | None = None  # the reference policy's, when KL is configured
+    teacher_logprobs: torch.Tensor | None = None  # [n] the teacher's (distillation kl_penalty)
     # Per-token factors of the loss (None: 1): the loss aggregation's, and the rollout correction's
     # importance weights (the policy term only).
     aggregation_weights: torch.Tensor | None = None
@@ -78,6 +79,7 @@ def policy_batch(mb: MicroBatch, cp_rank: int = 0, cp_size: int = 1) -> PolicyBa
         sequence_of_token=row.sequence_of_token(),
         owned_sequences=row.owned_sequences(),
         minibatch=mb.minibatch,
+        teacher_logprobs=None if mb.teacher_logprobs is None else row.next_token(mb.teacher_logprobs, torch.float32, 0.0),
     )
 
 
@@ -129,11 +131,13 @@ def batch_sequences(batch: PolicyBatch) -> Sequences:
     return Sequences(batch.cu_seqlens, batch.sequence_of_token, batch.num_sequences, cp_reduce)
 
 
-def policy_loss_func(config: AlgorithmConfig, temperature: float = 1.0) -> RoleLoss:
+def policy_loss_func(config: AlgorithmConfig, temperature: float = 1.0, teacher_coef: float = 0.0) -> RoleLoss:
     """`algorithm.policy_loss` (registry.policy_loss_for) on vocab-parallel log-probabilities of
     softmax(logits / temperature) of the next tokens, plus `kl_coef` * KL(policy || reference)
     per action token (`kl_estimator`) when `algorithm.kl_coef` > 0 (the batch then carries
-    reference log-probabilities: `set_reference_logprobs`), minus `entropy_coef` * entropy.
+    reference log-probabilities: `set_reference_logprobs`), plus `teacher_coef` * the same
+    estimator against the teacher's log-probabilities from the grid (on-policy distillation's
+    kl_penalty; metric `teacher_kl`), minus `entropy_coef` * entropy.
     Each term is weighted per token by the batch's `aggregation_weights`; the policy term also by
     its `correction_weights` (rollout correction). On `PolicyBatch`es (`policy_batch`)."""
     objective, kl_coef, entropy_coef = policy_loss_for(config), config.kl_coef, config.entropy_coef
@@ -159,6 +163,13 @@ def policy_loss_func(config: AlgorithmConfig, temperature: float = 1.0) -> RoleL
                                                    config.kl_estimator, aggregation)  # fmt: skip
             loss_sum = loss_sum + kl_coef * kl_sum
             metrics.update(kl_metrics)
+        if teacher_coef > 0 and (batch.teacher_logprobs is not None or batch.loss_mask.any()):
+            if batch.teacher_logprobs is None:
+                raise ValueError("policy loss: distillation kl_penalty needs the teacher's log-probabilities in the grid")
+            teacher_sum, teacher_metrics = reference_kl_loss(logprobs, batch.teacher_logprobs, batch.loss_mask,
+                                                             config.kl_estimator, aggregation)  # fmt: skip
+            loss_sum = loss_sum + teacher_coef * teacher_sum
+            metrics["teacher_kl_sum"] = teacher_metrics["kl_ref_sum"]
         if entropy_coef > 0:
             loss_sum = loss_sum - entropy_coef * entropy_bonus(entropy, batch.loss_mask, aggregation)
         return loss_sum, metrics

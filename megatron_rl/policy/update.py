@@ -60,12 +60,14 @@ class UpdateSettings:
     algorithm: AlgorithmConfig
     temperature: float = 1.0  # orchestrator.temperature: the training samples' sampling temperature
     loss_scale_factor: int | None = None  # seq-mean-token-sum-norm's divisor (resolved default)
+    teacher_coef: float = 0.0  # distillation kl_penalty's coef: the teacher's term of the loss
 
     @classmethod
     def from_config(cls, resolved: ResolvedConfig) -> UpdateSettings:
-        algorithm = resolved.algorithm
+        algorithm, distillation = resolved.algorithm, resolved.distillation
         scale = algorithm.loss_scale_factor or resolved.orchestrator.max_completion_tokens
-        return cls(algorithm, resolved.orchestrator.temperature, scale)
+        teacher = distillation.coef if distillation is not None and distillation.mode == "kl_penalty" else 0.0
+        return cls(algorithm, resolved.orchestrator.temperature, scale, teacher)
 
 
 def is_last_stage() -> bool:
@@ -217,7 +219,7 @@ def policy_update(
         mismatch = correct_rollouts(settings, batches)
         times["correction"] = time.perf_counter() - began
     set_aggregation(settings, batches)
-    loss = policy_loss_func(algorithm, settings.temperature)
+    loss = policy_loss_func(algorithm, settings.temperature, settings.teacher_coef)
     began = time.perf_counter()
     updates = []
     for _ in range(algorithm.policy_epochs):

@@ -1,11 +1,12 @@
 """Wire format for one grid item (a data rank's micro-batches for one step). Never pickle.
 
 Frames: [header, buffer, buffer, ...]. The header is msgpack:
-    {"format": "megatron_rl.grid", "version": 3, "step", "data_rank", "num_micro_steps",
+    {"format": "megatron_rl.grid", "version": 4, "step", "data_rank", "num_micro_steps",
      "micro_batches": [{"is_dummy", "minibatch", "arrays": [{"name", "dtype", "shape", "nbytes", "crc32"}]}]}
 followed by one raw buffer per array, in header order. Every array is one-dimensional except a
 policy grid's `routes` under routing replay ([N, moe_layers, top_k] uint8 or uint16, sent with
-`routed`, [N] bool).
+`routed`, [N] bool). Under on-policy distillation's kl_penalty the policy's micro-batches (not
+the dummies) also carry `teacher_logprobs` ([N] float32, finite).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 from megatron_rl.data.types import MicroBatch
 
 FORMAT = "megatron_rl.grid"
-VERSION = 3  # 2: micro-batches carry their policy mini-batch; 3: and may carry routes
+VERSION = 4  # 2: micro-batches carry their policy mini-batch; 3: and may carry routes; 4: teacher log-probs
 _ALLOWED_DTYPES = {"int64", "int32", "float32", "float64", "bool", "uint8", "uint16"}
 
 
@@ -76,6 +77,8 @@ ARRAY_DTYPES = {
 }  # fmt: skip
 # The arrays a policy grid under routing replay adds (both or neither), their dtypes.
 ROUTE_ARRAYS = {"routes": ("uint8", "uint16"), "routed": ("bool",)}
+# What a policy grid under distillation's kl_penalty adds.
+TEACHER_ARRAYS = {"teacher_logprobs": ("float32",)}
 
 
 def decode_grid_item(
@@ -132,6 +135,7 @@ def decode_grid_item(
             )
         names = [spec.name for spec in batch.arrays]
         expected = sorted(ARRAY_DTYPES) + (sorted(ROUTE_ARRAYS) if set(ROUTE_ARRAYS) & set(names) else [])
+        expected += sorted(TEACHER_ARRAYS) if set(TEACHER_ARRAYS) & set(names) else []
         if sorted(names) != sorted(expected):
             missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
             raise TransportError(f"{where_mb}: arrays missing {missing}, unexpected {extra}, repeated "
@@ -141,7 +145,7 @@ def decode_grid_item(
             buffer = memoryview(frames[position]).cast("B")
             position += 1
             name = spec.name
-            allowed = ROUTE_ARRAYS.get(name, (ARRAY_DTYPES.get(name),))
+            allowed = ROUTE_ARRAYS.get(name) or TEACHER_ARRAYS.get(name) or (ARRAY_DTYPES.get(name),)
             if spec.dtype not in _ALLOWED_DTYPES or spec.dtype not in allowed:
                 raise TransportError(
                     f"{where_mb} array {name}: unexpected dtype {spec.dtype!r} (expected {' or '.join(allowed)})"
@@ -219,6 +223,6 @@ def _check_row(fields: dict, is_dummy: bool, vocab_size: int | None, where: str)
         )  # fmt: skip
     if n and fields["sample_index"].min() < -1:
         raise TransportError(f"{where} array sample_index: {int(fields['sample_index'].min())} below -1")
-    for name in ("advantages", "returns", "old_values", "inference_logprobs"):
-        if not np.isfinite(fields[name]).all():
+    for name in ("advantages", "returns", "old_values", "inference_logprobs", *TEACHER_ARRAYS):
+        if name in fields and not np.isfinite(fields[name]).all():
             raise TransportError(f"{where} array {name}: non-finite values")

@@ -93,6 +93,16 @@ def test_the_entropy_bonus_lowers_the_loss_by_coef_times_the_entropy(weights):
     assert with_bonus["grad_norm"] != without["grad_norm"]  # the entropy's gradient reaches the model
 
 
+def test_distillation_kl_penalty_adds_coef_times_the_teachers_kl_to_the_loss(weights):
+    """distillation.mode kl_penalty: the teacher's log-probabilities travel in the policy's grid
+    (through the codec) and the loss gains coef x the per-token k3 estimate against them, equal
+    to a plain mean over the action tokens; its gradient reaches the model."""
+    ((without, with_teacher, expected),) = run_ranks(teacher_step, 1, ARCH, weights, 0.5)
+    assert with_teacher["teacher_kl"] == pytest.approx(expected, rel=1e-5) and expected > 1e-3
+    assert with_teacher["loss"] == pytest.approx(without["loss"] + 0.5 * expected, rel=1e-5)
+    assert with_teacher["grad_norm"] != without["grad_norm"]
+
+
 @pytest.fixture(scope="module")
 def everything_one_process(weights):
     return run_ranks(policy_step, 1, ARCH, weights, 1, 1, EVERYTHING, 0.3, 0.8)[0]
@@ -219,6 +229,46 @@ def policy_step(rank, world_size, arch, full, tp, cp, algorithm, perturbation_sc
     record = policy_update(trainable, grid[parallel_state.get_data_parallel_rank()], settings)
     record["scheduler_steps"] = trainable.scheduler.num_steps
     return record, gather_full_parameters(model), perturbation
+
+
+def teacher_step(rank, world_size, arch, full, coef):
+    """One policy step, from the same weights, without and with distillation's kl_penalty (`coef`),
+    on samples that carry teacher log-probabilities (the sampler's, the policy's own, minus a
+    seeded delta on action tokens), packed into the policy's grid and sent through the codec.
+    Returns (record without, record with, the plain k3 mean exp(-d) + d - 1 over action tokens,
+    d = log pi - log pi_teacher)."""
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.sharding import load_full_state_dict
+    from megatron_rl.policy.update import UpdateSettings, policy_update
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.transport import decode_grid_item, encode_grid_item
+
+    parallel.initialize_model_parallel(tp=1, cp=1)
+    model = build_gpt_model(arch)
+    load_full_state_dict(model, full)
+    samples, _ = _samples_with_policy_logprobs(model, 1.0, 0.0)
+    del model
+    rng = np.random.default_rng(5)
+    gaps = []
+    for sample in samples:
+        delta = rng.normal(scale=0.3, size=len(sample))
+        sample.teacher_logprobs = np.where(sample.loss_mask, sample.inference_logprobs - delta, 0.0).astype(np.float32)
+        gaps.append((sample.inference_logprobs - sample.teacher_logprobs).astype(np.float64)[sample.loss_mask])
+    d = np.concatenate(gaps)
+    expected = float(np.mean(np.exp(-d) + d - 1.0))
+    records = []
+    for teacher_coef in (0.0, coef):
+        row = pack_into_grid(samples, SEQ_LEN, 1, 1, teacher=teacher_coef > 0)[0]
+        assert all((mb.teacher_logprobs is not None) == (teacher_coef > 0) for mb in row if not mb.is_dummy)
+        row = decode_grid_item([bytes(f) for f in encode_grid_item(0, 0, row)], "test", 0, 0)
+        model = build_gpt_model(arch)
+        load_full_state_dict(model, full)
+        trainable = build_trainable(model, OptimizerConfig(lr=1e-3, grad_clip=1.0, adam_eps=1e-6), total_steps=20)
+        settings = UpdateSettings(AlgorithmConfig(type="ppo"), 1.0, loss_scale_factor=16, teacher_coef=teacher_coef)
+        records.append(policy_update(trainable, row, settings))
+    return records[0], records[1], expected
 
 
 def plain_train_step(rank, world_size, arch, full):

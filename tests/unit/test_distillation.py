@@ -161,3 +161,45 @@ def test_the_orchestrator_scores_every_sample_with_the_teacher_and_reports_the_s
     for record in records:
         step = [s for n, s in orchestrator.shipped.items if n == record["step"]]
         assert record["teacher_kl_mean"] == pytest.approx(distillation_metrics(step, COEF)["teacher_kl_mean"])
+
+
+def test_kl_penalty_sends_the_teachers_log_probs_to_the_policy_and_leaves_the_rewards_alone(tiny_models):
+    """mode kl_penalty: the orchestrator scores every sample, the advantages are the task reward's
+    alone, the policy's grid (not the critic's) carries the teacher's log-probabilities through
+    the codec, and a non-finite one is refused by it; k1 is refused by the config."""
+    from megatron_rl.transport import TransportError, decode_grid_item, encode_grid_item
+
+    teacher = {"url": "http://teacher:8000", "model_dir": str(tiny_models["qwen3"])}
+    with pytest.raises(ConfigError, match="distillation.mode 'kl_penalty' with algorithm.kl_estimator 'k1'"):
+        orchestrator_config("sao", algorithm_options={"kl_estimator": "k1"},
+                            distillation={"teacher": teacher, "mode": "kl_penalty"})  # fmt: skip
+    encoder = PromptEncoder(AutoTokenizer.from_pretrained(str(tiny_models["qwen3"])))
+    resolved = orchestrator_config("sao", distillation={"teacher": teacher, "coef": COEF, "mode": "kl_penalty"},
+                                   num_steps=1, batch_size=3, group_size=1)  # fmt: skip
+    orchestrator, _, _, critic, policy, records = build_orchestrator(resolved, encoder, teacher=FakeTeacher())
+    asyncio.run(asyncio.wait_for(orchestrator.run(), 30))
+    samples = [s for _, s in orchestrator.shipped.items]
+    assert records[0]["teacher_kl_mean"] == pytest.approx(distillation_metrics(samples, COEF)["teacher_kl_mean"])
+    policy_rows = [mb for rank in policy.grids[0] for mb in rank if not mb.is_dummy]
+    assert policy_rows and all(mb.teacher_logprobs is not None for mb in policy_rows)
+    assert all(mb.teacher_logprobs is None for rank in critic.grids[0] for mb in rank)
+    for mb in policy_rows:  # each token's teacher log-prob where the sample's is
+        for index, sample in enumerate(samples):
+            rows = np.flatnonzero(mb.sample_index == index)
+            if rows.size:
+                assert mb.teacher_logprobs[rows] == pytest.approx(sample.teacher_logprobs)
+    plain, penalised = multi_turn_samples(3), multi_turn_samples(3)  # the advantages: the task reward's alone
+    config = AlgorithmConfig(type="ppo")
+    critic_scores = InProcessScorer(lambda batched: ScoreResult(values=[np.full(len(t), 0.25, np.float32) for t in batched],
+                                                                bootstrap_values=[0.0] * len(batched)))  # fmt: skip
+    asyncio.run(make_algorithm(config, critic_scores).prepare_batch([plain], 0))
+    asyncio.run(make_algorithm(config, critic_scores, Distillation(FakeTeacher(), COEF, "kl_penalty"))
+                .prepare_batch([penalised], 0))  # fmt: skip
+    for a, b in zip(plain, penalised):
+        assert a.advantages.tolist() == b.advantages.tolist() and b.teacher_logprobs is not None
+    row = policy.grids[0][0]
+    bad = [mb for mb in row if not mb.is_dummy][0]
+    bad.teacher_logprobs = bad.teacher_logprobs.copy()
+    bad.teacher_logprobs[0] = np.inf
+    with pytest.raises(TransportError, match="array teacher_logprobs: non-finite values"):
+        decode_grid_item([bytes(f) for f in encode_grid_item(0, 0, row)], "test", 0, 0)
