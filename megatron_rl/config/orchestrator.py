@@ -3,11 +3,12 @@ admission, dynamic sampling, overlong shaping, asynchrony and held-out evaluatio
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from megatron_rl.config.base import Strict
+from megatron_rl.config.base import Strict, secret_from_env
 
 # Keywords the rollout passes the chat template itself: chat_template_kwargs may not set them.
 RESERVED_TEMPLATE_KEYWORDS = frozenset(
@@ -93,6 +94,57 @@ class EvalConfig(Strict):
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="Keyword arguments of the chat template for this set (e.g. enable_thinking); null: orchestrator.chat_template_kwargs.")
 
 
+class JudgeConfig(Strict):
+    """An LLM judge whose verdict is the reward (envs/judge.py): an OpenAI-compatible chat
+    endpoint (a vLLM server or router of the user's), a prompt template with the rubric, and how
+    its verdict is read."""
+
+    url: str = Field(description="Base URL of the judge's OpenAI-compatible server (http://host:port); requests go to /v1/chat/completions.")
+    model: str = Field(description="The model name the judge's server serves.")
+    template: str = Field(description="The user message: the rubric, with {answer} (the completion, reasoning removed) and optionally {prompt} and {reference} (the row's answer).")
+    system: str | None = Field(default=None, description="A system message before the template; null: none.")
+    verdict: Literal["score", "choice"] = Field(default="score", description="'score': the first group of pattern as a number, clipped to score_range and mapped to [0, 1]; 'choice': the reply must be one of choices.")
+    pattern: str = Field(default=r"(\d+)", description="score: a regular expression whose first group is the score.")
+    score_range: tuple[float, float] = Field(default=(0.0, 10.0), description="score: the scale the judge scores on, mapped to [0, 1].")
+    choices: dict[str, float] | None = Field(default=None, description="choice: each verdict the judge may give and its reward.")
+    structured: bool = Field(default=True, description="Ask the server for structured outputs (vLLM: regex for a score, choice for choices), so the judge can only emit a verdict the parser reads.")
+    weight: float = Field(default=1.0, ge=0, description="The verdict's weight in the reward.")
+    rule_weight: float = Field(default=0.0, ge=0, description="The environment's own reward's weight beside the verdict (0: the judge alone).")
+    pass_threshold: float = Field(default=0.5, description="A rollout passes (pass rate, pass@k) when its verdict is at least this.")
+    max_tokens: int = Field(default=16, gt=0, description="The verdict's length limit, in tokens.")
+    max_concurrent: int = Field(default=16, gt=0, description="Judge requests in flight at once.")
+    retries: int = Field(default=2, ge=0, description="Retries of a request that failed (connection, timeout, HTTP 5xx) before the step fails, naming the judge.")
+    timeout_s: float = Field(default=120.0, gt=0, description="How long one judge request may take, in seconds.")
+    api_key_env: str | None = Field(default=None, description="The name of an environment variable holding the judge's API key; null: none.")
+
+    def api_key(self) -> str | None:
+        return secret_from_env(self.api_key_env, "orchestrator.judge.api_key_env")
+
+    @model_validator(mode="after")
+    def _readable(self) -> JudgeConfig:
+        """The template's placeholders are known, a score's pattern has a group, choices exist."""
+        problems = []
+        try:
+            self.template.format(prompt="", answer="", reference="")
+        except (KeyError, IndexError, ValueError) as exc:
+            problems.append(f"orchestrator.judge.template: placeholders are {{prompt}}, {{answer}}, {{reference}} ({type(exc).__name__}: {exc})")
+        if "{answer}" not in self.template:
+            problems.append("orchestrator.judge.template: has no {answer}: the judge would not see the completion")
+        if self.verdict == "score":
+            try:
+                if re.compile(self.pattern).groups < 1:
+                    problems.append(f"orchestrator.judge.pattern {self.pattern!r}: needs a group around the score")
+            except re.error as exc:
+                problems.append(f"orchestrator.judge.pattern {self.pattern!r}: {exc}")
+            if self.score_range[1] <= self.score_range[0]:
+                problems.append(f"orchestrator.judge.score_range {list(self.score_range)}: low < high")
+        elif not self.choices:
+            problems.append("orchestrator.judge.choices: verdict 'choice' needs the verdicts and their rewards")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
 class OrchestratorConfig(Strict):
     """Rollouts: the environment, sampling, groups and batches, admission, asynchrony, evaluation."""
 
@@ -120,6 +172,7 @@ class OrchestratorConfig(Strict):
     reasoning_markers: tuple[str, str] | None = Field(default=("<think>", "</think>"), description="Start and end of a completion's reasoning: the grader and the tool parser see only what follows the last end marker (nothing while the reasoning is unfinished); the trained tokens are always the sampled ones. null: the whole text.")
     train_on_observations: bool = Field(default=False, description="Ablation: observation tokens are trained on as actions (loss mask 1, the sampler's log-probabilities of them from the next turn's prompt_logprobs; a last observation with no turn after it stays masked), to measure what skip-observation GAE buys. Needs temperature 1.")
     eval: list[EvalConfig] = Field(default_factory=list, description="Held-out evaluation sets, never trained on.")
+    judge: JudgeConfig | None = Field(default=None, description="An LLM judge whose verdict is the training rollouts' reward (beside the environment's, weighted); null: the environment's reward alone.")
 
     @model_validator(mode="after")
     def _settings_fit(self) -> OrchestratorConfig:

@@ -17,6 +17,7 @@ class Turn:
     tool_calls: int = 0  # tool calls in this turn's completion (per-step metric `tool_calls`)
     tool_errors: int = 0  # of which failed (metric `tool_errors`)
     tool_malformed: int = 0  # of the failed, those the parser could not read (metric `tool_malformed`)
+    judge_score: float | None = None  # an LLM judge's verdict in [0, 1] (orchestrator.judge; envs/judge.py)
 
 
 class Environment(ABC):

@@ -463,7 +463,8 @@ class TokenTrajectory:
 
     def versions(self) -> np.ndarray:
         """[T] int64: the version that sampled each token; the prompt's and observations' tokens
-        (sampled by no policy) get the oldest version."""
-        versions = np.asarray(self.token_versions, dtype=np.int64)
+        (sampled by no policy), and tokens appended without add_completion, get the oldest."""
+        missing = len(self.token_ids) - len(self.token_versions)
+        versions = np.asarray(self.token_versions + [-1] * missing, dtype=np.int64)
         versions[versions < 0] = max(self.policy_version, 0)
         return versions

@@ -1,6 +1,7 @@
 """One JSON line of orchestrator metrics per step (`logging.dir/orchestrator_metrics.jsonl`)
 and a console line: rewards, pass rate, lengths, truncation, multi-turn rollouts (turns, tool
-calls and errors, observation tokens, the token budget), admission counts by rule, stale
+calls and errors, observation tokens, the token budget), an LLM judge's verdicts (their mean, the
+unparsable ones), admission counts by rule, stale
 drops, dynamic sampling's cost (groups generated for the step, extra generation as a fraction of
 the batch, the bound hit, a smaller batch), overlong shaping, the off-policy lag histogram,
 partial rollouts (the version span of samples, the fraction of action tokens per lag,
@@ -62,7 +63,9 @@ def turn_metrics(members) -> dict:
     if not members:
         return {"turns_mean": None, "tool_calls": 0, "tool_errors": 0, "tool_malformed": 0, "observation_tokens_mean": None,
                 "budget_exhausted_rate": None, "template_rewrites": 0}  # fmt: skip
+    judged = [m.judge_score for m in members if m.judge_score is not None]
     return {
+        **({"judge_score_mean": float(np.mean(judged))} if judged else {}),
         "turns_mean": float(np.mean([m.turns for m in members])),
         "tool_calls": int(sum(m.tool_calls for m in members)),
         "tool_errors": int(sum(m.tool_errors for m in members)),
@@ -101,6 +104,8 @@ def step_metrics(
     """`counts`: the dispatcher's StepCounts of this step; `overlong`: the OverlongConfig or None;
     `distillation`: the algorithm's (the teacher's signal: `distillation_metrics`) or None."""
     members = [m for group, _ in batch for m in group.members if m.status == "finished"]
+    unparsable = sum(1 for group, _ in batch for m in group.members
+                     if m.status == "failed" and (m.error or "").startswith("JudgeVerdictError"))  # fmt: skip
     passed = [m.passed for m in members if m.passed is not None]
     mask = [s.loss_mask for s in samples]
     advantages = np.concatenate([s.advantages[s.loss_mask] for s in samples]) if samples else np.zeros(0)
@@ -118,6 +123,7 @@ def step_metrics(
         "samples": len(samples),
         "groups_rejected": dict(counts.rejected),
         "members_dropped": dict(counts.members_dropped),
+        **({"judge_unparsable": unparsable} if unparsable else {}),
         "stale_dropped": counts.stale,
         "extra_generation": max(0, counts.generated - batch_size) / batch_size,
         "dynamic_sampling_limit_hit": counts.limit_hit,

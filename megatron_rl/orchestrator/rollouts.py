@@ -9,8 +9,9 @@ messages as the template renders them after the sampled tokens (with
 its tokens from the next turn's `prompt_logprobs`; a last observation with no turn after it stays
 masked). The whole
 rollout has `max_completion_tokens` of budget across turns (completions and observations).
-A member that raises is `failed` (its error kept), one cancelled is `cancelled`: a group always
-completes, with whatever members finished.
+A member that raises is `failed` (its error kept: an LLM judge's unreadable verdict among them),
+one cancelled is `cancelled`: a group always completes, with whatever members finished; a judge
+that cannot be reached fails the group (and so the step).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from megatron_rl.envs import Environment
+from megatron_rl.envs.judge import JudgeUnavailable
 from megatron_rl.inference.rollout import SamplingParams, TokenTrajectory
 from megatron_rl.orchestrator.chat import PromptEncoder
 
@@ -42,6 +44,7 @@ class Member:
     template_rewrites: int = 0  # tool messages rendered after a reference conversation (orchestrator/chat.py)
     budget_exhausted: bool = False  # cut by the rollout's token budget before the episode ended
     interruptions: int = 0  # completions' parts ended by a weight update and resumed
+    judge_score: float | None = None  # an LLM judge's verdict (orchestrator.judge)
     reprefilled_tokens: int = 0  # tokens the resumed parts sent again as their prompt
 
     @property
@@ -113,7 +116,7 @@ async def run_member(
         passed=turn_result.passed if turn_result is not None else None, truncated=truncated,
         episode_done=done, turns=len(texts), tool_calls=tool_calls, tool_errors=tool_errors, tool_malformed=malformed,
         observation_tokens=observation_tokens, template_rewrites=rewrites, interruptions=interruptions,
-        reprefilled_tokens=reprefilled,
+        reprefilled_tokens=reprefilled, judge_score=turn_result.judge_score if turn_result is not None else None,
         budget_exhausted=not done and len(trajectory.token_ids) - prompt_len >= budget,
     )  # fmt: skip
 
@@ -122,12 +125,16 @@ async def run_group(
     env: Environment, row: dict, group_id: int, group_size: int, client, encoder: PromptEncoder,
     sampling: SamplingParams, budget: int,
 ) -> Group:  # fmt: skip
-    """Every member of one group; a failed or cancelled member never hangs the group."""
+    """Every member of one group; a failed or cancelled member never hangs the group. A judge
+    that cannot be reached (after its retries) fails the group, so the step fails naming it."""
     tasks = [
         asyncio.ensure_future(run_member(env, row, client, encoder, sampling, group_id, b, budget))
         for b in range(group_size)
     ]
     results = await asyncio.gather(*tasks, return_exceptions=True)
+    for result in results:
+        if isinstance(result, JudgeUnavailable):
+            raise result
     members = []
     for branch, result in enumerate(results):
         if isinstance(result, asyncio.CancelledError):

@@ -26,6 +26,7 @@ from pathlib import Path
 from megatron_rl.config import ResolvedConfig
 from megatron_rl.critic.client import HttpValueScorer
 from megatron_rl.envs import make_environment
+from megatron_rl.envs.judge import Judge, JudgedEnvironment
 from megatron_rl.inference.pool import InferencePool, WeightSync, adapter_rank, served_model_dir
 from megatron_rl.inference.rollout import RolloutClient
 from megatron_rl.inference.router import VllmRouter
@@ -169,6 +170,9 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
                            api_key=resolved.inference.api_key(),
                            on_worker_failure=lambda url: log.warning("inference server %s failed a request", url))  # fmt: skip
     environment = make_environment(o.environment, o.dataset, o.seed, args=o.environment_args)
+    judge = Judge(o.judge) if o.judge is not None else None
+    if judge is not None:  # the verdict is the reward (orchestrator.judge)
+        environment = JudgedEnvironment(environment, judge)
     encoder.check_environment(environment)
     teacher = None
     if resolved.distillation is not None:  # the same token ids, then a teacher that answers
@@ -195,6 +199,8 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
         if tracker is not None:  # after a full run: the trainers' last metrics lines first
             await asyncio.to_thread(tracker.close, o.num_steps - 1 if finished else None)
         await client.close()
+        if judge is not None:
+            await judge.close()
         if teacher is not None:
             await teacher.close()
         if critic is not None:

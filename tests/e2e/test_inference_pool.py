@@ -327,3 +327,29 @@ def test_the_teacher_scores_every_token_as_transformers_does(vllm_pool):
         assert got[1:].tolist() == pytest.approx(want, abs=1e-4)
     with pytest.raises(TeacherError, match=r"does not serve 'no-such-model' \(distillation.teacher.served_model_name\)"):
         asyncio.run(run("no-such-model"))
+
+
+def test_a_judge_on_vllm_with_structured_outputs_always_gives_a_readable_verdict(vllm_pool):
+    """An LLM judge (envs/judge.py) served by the pool: a tiny random model, which left alone
+    writes anything, asked through the chat API with vLLM's structured outputs, answers only
+    verdicts the parser reads, for a choice and for a score."""
+    from megatron_rl.config.orchestrator import JudgeConfig
+    from megatron_rl.envs.judge import Judge
+
+    pool, _, _ = vllm_pool
+    template = "Is this answer right? {prompt} -> {answer}"
+    choice = JudgeConfig(url=pool.router_url, model=pool.model_name, template=template, verdict="choice",
+                         choices={"yes": 1.0, "no": 0.0, "unsure": 0.5}, max_tokens=4)  # fmt: skip
+    score = JudgeConfig(url=pool.router_url, model=pool.model_name, template=template, pattern=r"([0-9])",
+                        score_range=(0, 9), max_tokens=2)  # fmt: skip
+
+    async def run(config):
+        judge = Judge(config)
+        try:
+            return await asyncio.gather(*[judge.verdict(f"{i}+{i}", str(2 * i + i % 3)) for i in range(8)]), judge
+        finally:
+            await judge.close()
+
+    (choices, judge), (scores, _) = asyncio.run(run(choice)), asyncio.run(run(score))
+    assert set(choices) <= {1.0, 0.0, 0.5} and judge.unparsable == 0 and judge.calls == 8
+    assert all(0.0 <= s <= 1.0 for s in scores) and len(scores) == 8

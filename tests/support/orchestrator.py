@@ -203,16 +203,18 @@ def per_token_gae(reward, values, mask, bootstrap, bootstrapped, gamma, lam):
 
 
 def build_orchestrator(resolved, encoder, client_kwargs=None, train_s=0.0, state=None, env="procedural", dataset=None,
-                       teacher=None):  # fmt: skip
+                       teacher=None, environment=None):  # fmt: skip
     """The real Orchestrator over the fakes: (orchestrator with `.shipped`, events, client,
-    critic or None, policy, the step records); `teacher` for distillation."""
+    critic or None, policy, the step records); `teacher` for distillation; `environment` an
+    Environment in place of `env`'s."""
     events, weights = [], FakeWeights()
     client = FakeClient(weights, **(client_kwargs or {}))
     critic = FakeCritic(events) if resolved.value is not None else None
     policy = FakePolicy(weights, events, train_s)
     records = []
     orchestrator = ShippedSamples().attach(Orchestrator(
-        resolved, make_environment(env, dataset, resolved.orchestrator.seed), encoder, client, weights, critic,
+        resolved, make_environment(env, dataset, resolved.orchestrator.seed) if environment is None else environment,
+        encoder, client, weights, critic,
         policy.send, state or OrchestratorState(None), records.append, Timeouts(batch_s=60, critic_s=60, weights_s=60),
         teacher=teacher,
     ))  # fmt: skip
