@@ -8,11 +8,13 @@ loopback that decode and checksum every grid item, `VersionFollower`'s path (b) 
 
 The stand-ins (timing models in megatron_rl/sim/models.py):
 
-- **inference** (the rollout client's place): the router's session hash picks a server; each
-  server runs at most `concurrency_per_server` requests (the rest queue, in order); a request
-  takes prompt / prefill rate + completion / decode rate, its completion length drawn from a
-  lognormal (seeded by the request's seed) cut at the token budget (finish "length"); during a
-  weight broadcast every server pauses its running requests;
+- **inference** (the rollout client's place, megatron_rl/sim/inference.py): the router's session
+  hash picks a server; each server runs at most `concurrency_per_server` requests (the rest
+  queue, in order); a request takes prompt / prefill rate + completion / decode rate, its
+  completion length drawn from a lognormal (seeded by the request's seed) cut at the token
+  budget (finish "length"); a weight broadcast pauses every server and does to the requests in
+  flight what `inference.update_mode` says (keep: preempted, re-prefilled after it; interrupt:
+  ended with their tokens so far and resumed as partial rollouts);
 - **critic** (behind an in-process httpx transport: `/score`, `/status`, `/health`): a score
   request takes a fixed overhead plus its forward FLOPs; a training step (after its grid
   arrived over ZMQ) its training FLOPs, times a per-step spread; both share the critic's GPUs;
@@ -36,7 +38,6 @@ import asyncio
 import tempfile
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,13 +48,12 @@ import numpy as np
 from megatron_rl.config import ResolvedConfig, load_config, parse_config
 from megatron_rl.critic.client import HttpValueScorer
 from megatron_rl.critic.wire import BINARY_VALUES, STEP_HEADER
-from megatron_rl.data.types import padding_routes, route_dtype
-from megatron_rl.inference.rollout import Completion
 from megatron_rl.orchestrator.chat import PromptEncoder
 from megatron_rl.orchestrator.loop import Orchestrator, Timeouts
 from megatron_rl.orchestrator.metrics import MetricsWriter
 from megatron_rl.orchestrator.run import VersionFollower
 from megatron_rl.orchestrator.state import OrchestratorState
+from megatron_rl.sim.inference import SimInference
 from megatron_rl.sim.models import (
     ClusterModel,
     SimEnvironment,
@@ -88,84 +88,6 @@ class CpuLedger:
 
 def _now() -> float:
     return asyncio.get_running_loop().time()
-
-
-class Server:
-    """One inference server: a slot limit, pauses for weight broadcasts, busy-time integrals."""
-
-    def __init__(self, index: int, concurrency: int):
-        self.index, self.slots = index, asyncio.Semaphore(concurrency)
-        self.pauses: list[tuple[float, float]] = []  # (start, end) of each broadcast
-        self.active, self.since = 0, 0.0
-        self.busy_s = 0.0  # time with at least one running request
-        self.slot_s = 0.0  # running requests x time
-
-    def _account(self) -> None:
-        now = _now()
-        if self.active:
-            self.busy_s += now - self.since
-            self.slot_s += self.active * (now - self.since)
-        self.since = now
-
-    def paused_within(self, start: float, end: float) -> float:
-        return sum(max(0.0, min(end, b) - max(start, a)) for a, b in self.pauses)
-
-    async def run(self, seconds: float) -> None:
-        """Holds a slot for `seconds` of work; broadcasts overlapping it add their length."""
-        async with self.slots:
-            self._account()
-            self.active += 1
-            try:
-                began, owed = _now(), seconds
-                while owed > 1e-9:
-                    await asyncio.sleep(owed)
-                    owed = seconds - ((_now() - began) - self.paused_within(began, _now()))
-            finally:
-                self._account()
-                self.active -= 1
-
-
-class SimInference:
-    """The rollout client's stand-in (`complete`, like RolloutClient's)."""
-
-    def __init__(self, cluster: SimCluster, num_servers: int):
-        self.cluster, m = cluster, cluster.model
-        self.servers = [Server(k, m.concurrency_per_server) for k in range(num_servers)]
-        self.completion_tokens: list[int] = []
-
-    async def complete(self, prompt_ids, sampling, session_id, max_tokens=None, seed=None, stop=None, routes_start=0):
-        m, c = self.cluster.model, self.cluster
-        version = c.follower.version()  # like RolloutClient: the version live when sent
-        limit = max_tokens or sampling.max_tokens
-        with c.ledger:
-            draw = seed if seed is not None else zlib.crc32(session_id.encode())
-            rng = np.random.default_rng([c.seed, draw])
-            n = int(
-                max(
-                    m.completion_min_tokens,
-                    rng.lognormal(np.log(m.completion_median_tokens), m.completion_sigma),
-                )
-            )
-            n = min(n, limit)
-            server = self.servers[zlib.crc32(session_id.encode()) % len(self.servers)]
-            seconds = len(prompt_ids) / m.prefill_tokens_per_s + n / m.decode_tokens_per_s
-        c.event("request", group_of(prompt_ids), server.index)
-        await server.run(seconds)
-        with c.ledger:
-            tokens = rng.integers(1, c.vocab_size, n).tolist()
-            logprobs = (-3.0 * rng.random(n)).tolist()
-            self.completion_tokens.append(n)
-            routes = None
-            if sampling.routed_experts:  # what vLLM returns under routing replay: its size, not its choice
-                arch = c.resolved.layout.policy_architecture
-                routes = padding_routes(len(prompt_ids) + n - 1 - routes_start, arch.num_layers,
-                                        arch.num_experts_per_tok, route_dtype(sampling.routed_experts))  # fmt: skip
-        return Completion(tokens, logprobs, "length" if n >= limit else "stop", policy_version=version,
-                          worker=f"sim-server-{server.index}", routes=routes)  # fmt: skip
-
-    def pause(self, start: float, seconds: float) -> None:
-        for server in self.servers:
-            server.pauses.append((start, start + seconds))
 
 
 class _ScoreBody(msgspec.Struct):
@@ -276,7 +198,7 @@ class SimPolicy:
         async with self.gpu:
             c.event("policy_train_start", step, len(lengths))
             await asyncio.sleep(seconds * spread(c.model, c.seed, "policy", step))
-            c.inference.pause(_now(), c.model.broadcast_s)
+            c.inference.pause(_now(), c.model.broadcast_s, step + 1)
             c.event("broadcast", step + 1, 0)
             await asyncio.sleep(c.model.broadcast_s)
             self.installed = max(self.installed, step + 1)
@@ -294,11 +216,13 @@ class SimSync:
 
 
 def cluster_config(
-    example: str | Path, run_dir: str | Path, algorithm: dict | None = None, **orchestrator
+    example: str | Path, run_dir: str | Path, algorithm: dict | None = None, settings: dict | None = None,
+    **orchestrator,
 ) -> ResolvedConfig:
     """The resolved config of `example` (a YAML, e.g. examples/configs/qwen3_30b_a3b_sao.yaml)
-    with `orchestrator` keys and `algorithm` keys replaced and the run's directories under
-    `run_dir`."""
+    with `orchestrator` keys and `algorithm` keys replaced, any other key set by its dotted path in
+    `settings` (`{"model.seq_len": 32768, "inference.update_mode": "interrupt"}`), and the run's
+    directories under `run_dir`. The result is validated like any config (memory plan included)."""
     data = load_config(example).model_dump(exclude={"layout"}, exclude_none=True)
     data["algorithm"].update(algorithm or {})
     unknown = sorted(
@@ -309,6 +233,14 @@ def cluster_config(
     if unknown:
         raise ValueError(f"cluster_config: unknown orchestrator keys {unknown}")
     data["orchestrator"].update(orchestrator)
+    for path, value in (settings or {}).items():
+        *parents, key = path.split(".")
+        section = data
+        for name in parents:
+            if not isinstance(section.get(name), dict):
+                raise ValueError(f"cluster_config: settings key {path!r}: {example} has no section {name!r} there")
+            section = section[name]
+        section[key] = value
     data["checkpoint"]["dir"] = str(Path(run_dir) / "checkpoints")
     data["logging"]["dir"] = str(Path(run_dir) / "logs")
     return parse_config(data)
@@ -322,7 +254,8 @@ class SimResult:
     step_end_s: list[float]  # simulated time of each step's end
     records: list[dict]  # the orchestrator's metrics records
     events: list[tuple]  # (time, kind, a, b) in order
-    shipped: list[tuple[int, int, int, int]]  # (step, group, branch, policy version) of every sample
+    # (step, group, branch, oldest, newest version stamped on its action tokens) of every sample
+    shipped: list[tuple[int, int, int, int, int]]
     orchestrator_cpu_s: float
     standin_cpu_s: float
     wall_s: float
@@ -334,8 +267,21 @@ class SimResult:
     grid_wall_s: dict = field(default_factory=dict)  # model -> wall seconds publish -> every ack
     grid_micro_steps: dict = field(default_factory=dict)  # model -> {step: [micro-steps per data rank]}
     version_at_ship: dict = field(default_factory=dict)  # step -> version live when its policy grid went
-    server_busy: float = 0.0  # fraction of the run a server had a request running (mean over servers)
-    server_slots: float = 0.0  # fraction of the slots in use (mean over servers)
+    # Inference (megatron_rl/sim/inference.py): generating means a first prefill or decoding, not a
+    # weight update's pause nor a re-prefill after one.
+    server_busy: float = 0.0  # fraction of the run a server had a request generating (mean over servers)
+    server_slots: float = 0.0  # fraction of the slots generating (mean over servers)
+    server_busy_steady: float = 0.0  # the same between the ends of step 1 and of the last step
+    server_slots_steady: float = 0.0
+    server_paused_steady: float = 0.0  # fraction of that window the servers were paused for updates
+    server_reprefilling: float = 0.0  # fraction of the run a server re-prefilled after an update
+    updates: list = field(default_factory=list)  # the weight updates (inference.Update: start, end, version)
+    reprefilled_tokens: dict = field(default_factory=dict)  # update's version -> tokens prefilled again
+    wasted_groups: list[int] = field(default_factory=list)  # consumed and never trained (stale, rejected)
+    wasted_tokens: int = 0  # completion tokens of wasted_groups
+    unconsumed_groups: int = 0  # in flight or finished, not consumed when the last step ended
+    true_version_spans: list[int] = field(default_factory=list)  # of each trained group: versions that decoded its tokens
+    parts: list = field(default_factory=list)  # interrupt: (group, version, first decode, end, tokens) of each part
     completion_tokens: list[int] = field(default_factory=list)
     params: dict = field(default_factory=dict)
 
@@ -375,21 +321,24 @@ class SimCluster:
         r, o = self.resolved, self.resolved.orchestrator
         self._main_task = asyncio.current_task()
         servers = self.model.num_servers or r.inference.num_servers
-        self.inference = SimInference(self, servers)
+        self.inference = SimInference(self, servers, r.inference.update_mode)
         self.policy = SimPolicy(self, r)
         self.critic = SimCritic(self, r) if r.value is not None else None
         self.follower = VersionFollower(SimSync(self.policy), None)
-        shipped, ends, records = [], [], []
+        shipped, ends, records, integrals = [], [], [], []
         writer = MetricsWriter(self.run_dir / "logs", console=False, num_steps=o.num_steps)
 
         def record(metrics: dict) -> None:
             writer(metrics)
             records.append(metrics)
             ends.append(_now())
+            for server in self.inference.servers:
+                server.account()
+            integrals.append((sum(s.busy_s for s in self.inference.servers), sum(s.slot_s for s in self.inference.servers)))
 
-        # What ships, as a bounded record (four ints a sample): the step's samples as the algorithm
+        # What ships, as a bounded record (five ints a sample): the step's samples as the algorithm
         # prepares them, recorded once the policy's grid is sent.
-        preparing: list[tuple[int, int, int]] = []
+        preparing: list[tuple[int, int, int, int]] = []
 
         async def send_policy(step, grid) -> None:
             await self.policy.send(step, grid)
@@ -411,7 +360,8 @@ class SimCluster:
         prepare = orchestrator.algorithm.prepare_batch
 
         async def prepare_batch(groups, version=None):
-            preparing[:] = [(s.group_id, s.branch_index, s.policy_version) for group in groups for s in group]
+            preparing[:] = [(s.group_id, s.branch_index, s.policy_version, int(s.versions()[s.loss_mask].max(initial=s.policy_version)))
+                            for group in groups for s in group]  # fmt: skip
             return await prepare(groups, version)
 
         orchestrator.algorithm.prepare_batch = prepare_batch
@@ -419,6 +369,8 @@ class SimCluster:
         wall, cpu = time.perf_counter(), time.process_time()
         try:
             steps = await orchestrator.run()
+            dispatcher = orchestrator.dispatcher  # its groups not consumed (cancelled, not yet removed)
+            unconsumed = set(dispatcher.running) | set(dispatcher.done)
             await self.follower.wait_for(o.num_steps, 1e9)
         except asyncio.CancelledError:
             if self.failure is not None:
@@ -435,16 +387,30 @@ class SimCluster:
             for link in links:
                 link.close()
         total = _now()
+        servers, inference = len(self.inference.servers), self.inference
+        trained = {group for _, group, *_ in shipped}
+        wasted = sorted(set(inference.tokens_by_group) - unconsumed - trained)
+        window = ends[-1] - ends[1] if len(ends) > 2 else 0.0
+        paused = sum(max(0.0, min(u.end, ends[-1]) - max(u.start, ends[1])) for u in inference.updates) if window else 0.0
         result = SimResult(
             steps=steps, step_end_s=ends, records=records, events=self.events, shipped=shipped,
             orchestrator_cpu_s=cpu - self.ledger.seconds, standin_cpu_s=self.ledger.seconds, wall_s=wall,
             grid_bytes={k.name: k.bytes for k in links}, grid_tokens={k.name: k.tokens for k in links}, grid_wall_s={k.name: k.wall_s for k in links},
             grid_micro_steps={k.name: k.micro_steps for k in links},
             version_at_ship=dict(self.policy.link.version_at_send),
-            server_busy=float(np.mean([s.busy_s for s in self.inference.servers])) / total if total else 0.0,
-            server_slots=float(np.mean([s.slot_s for s in self.inference.servers]))
+            server_busy=float(np.mean([s.busy_s for s in inference.servers])) / total if total else 0.0,
+            server_slots=float(np.mean([s.slot_s for s in inference.servers]))
             / (total * self.model.concurrency_per_server) if total else 0.0,
-            completion_tokens=self.inference.completion_tokens,
+            server_busy_steady=(integrals[-1][0] - integrals[1][0]) / (servers * window) if window else 0.0,
+            server_slots_steady=(integrals[-1][1] - integrals[1][1]) / (servers * window * self.model.concurrency_per_server)
+            if window else 0.0,
+            server_paused_steady=paused / window if window else 0.0,
+            server_reprefilling=float(np.mean([s.reprefill_s for s in inference.servers])) / total if total else 0.0,
+            updates=list(inference.updates), reprefilled_tokens=dict(inference.reprefilled_tokens),
+            wasted_groups=wasted, wasted_tokens=sum(inference.tokens_by_group[g] for g in wasted),
+            unconsumed_groups=len(unconsumed), parts=inference.parts,
+            true_version_spans=[inference.true_span_by_group[g] for g in sorted(trained) if g in inference.true_span_by_group],
+            completion_tokens=inference.completion_tokens,
         )  # fmt: skip
         if self.critic is not None:
             result.score_calls = self.critic.score_calls

@@ -3,7 +3,12 @@ a virtual clock. A small run of benchmarks/scale.py (so the benchmark cannot rot
 gives the same events at the same simulated times; at 1,024 rollouts a step the orchestrator's
 ordering invariants hold (one score call per group with every branch, critic grid and critic
 trained before the policy grid, the staleness bound, the lead gate, every data rank with the
-same micro-steps); the virtual clock and the models' inputs."""
+same micro-steps); the virtual clock and the models' inputs. Weight updates on the inference
+stand-in: one request's re-prefill after an update, timed exactly and not counted busy, under
+keep and interrupt; under interrupt every token's version was live while it was sampled and the
+samples carry exactly those versions; finish order with oversample keeps the staleness bound and
+counts what it drops; same seed, same events in either update mode; section 4 of the benchmark
+small."""
 
 from __future__ import annotations
 
@@ -15,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rl.inference.rollout import SamplingParams
 from megatron_rl.sim.cluster import SimCluster, cluster_config
+from megatron_rl.sim.inference import SimInference
 from megatron_rl.sim.models import ClusterModel, active_parameters, forward_flops
 from megatron_rl.sim.virtual_clock import SimulationDeadlock, run_virtual
 
@@ -24,19 +31,24 @@ SAO = ROOT / "examples/configs/qwen3_30b_a3b_sao.yaml"
 SHORT = dict(prompt_tokens=16, completion_median_tokens=24, completion_min_tokens=4, completion_sigma=0.8)
 
 
-def small_run(tmp_path, seed=0, model=None, **orchestrator):
-    settings = dict(batch_size=8, group_size=2, num_steps=3, max_completion_tokens=64, max_prompt_tokens=32)
-    resolved = cluster_config(SAO, tmp_path, **(settings | orchestrator))
+def small_run(tmp_path, seed=0, model=None, settings=None, **orchestrator):
+    defaults = dict(batch_size=8, group_size=2, num_steps=3, max_completion_tokens=64, max_prompt_tokens=32)
+    resolved = cluster_config(SAO, tmp_path, None, settings, **(defaults | orchestrator))
     return SimCluster(resolved, model or ClusterModel(**SHORT), seed=seed, run_dir=tmp_path).run()
 
 
-def test_the_scale_benchmark_runs_small(tmp_path, monkeypatch):
+def benchmark_module(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("bench_scale", ROOT / "benchmarks/scale.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_the_scale_benchmark_runs_small(tmp_path, monkeypatch):
+    module = benchmark_module(monkeypatch)
     out = tmp_path / "scale.json"
-    argv = ["--sizes", "4,8", "--steps", "2", "--async-steps", "3", "--prompt-tokens", "16",
+    argv = ["--sections", "1,2,3", "--sizes", "4,8", "--steps", "2", "--async-steps", "3", "--prompt-tokens", "16",
             "--completion-median-tokens", "24", "--completion-min-tokens", "4", "--out", str(out)]  # fmt: skip
     assert module.main(argv) == 0
     record = json.loads(out.read_text())
@@ -54,6 +66,27 @@ def test_the_scale_benchmark_runs_small(tmp_path, monkeypatch):
     assert record["routing_replay"]["bytes_per_token"] == record["routing_replay"]["expected_bytes_per_token"] == 385
     with pytest.raises(SystemExit):
         module.main(["--decode-tokens-per-s", "0", "--out", str(out)])  # a model parameter out of range
+    with pytest.raises(SystemExit):
+        module.main(["--sections", "5", "--out", str(out)])
+
+
+def test_the_long_tail_section_runs_small(tmp_path, monkeypatch):
+    module = benchmark_module(monkeypatch)
+    out = tmp_path / "scale.json"
+    argv = ["--sections", "4", "--tail-steps", "3", "--tail-rollouts", "8", "--tail-budget", "64", "--tail-seq-len", "2048",
+            "--tail-median-tokens", "24", "--tail-levels", "1,2", "--tail-bounds", "1", "--tail-oversample", "4",
+            "--tail-oversample-sweep", "", "--tail-what-if-broadcast", "5", "--prompt-tokens", "16", "--completion-min-tokens", "4", "--out", str(out)]  # fmt: skip
+    assert module.main(argv) == 0 and not out.exists()  # section 4 alone writes its own file
+    record = json.loads((tmp_path / "scale_tail.json").read_text())
+    assert record["sync"]["ratio"] == 1.0 and record["context_parallel"] == 1  # 2,048 tokens fit without CP
+    rows = {(r["batch_order"], r["update_mode"], r["max_async_level"], r["max_off_policy_steps"]) for r in record["rows"]}
+    assert rows == {(order, mode, 1, 1) for order, mode in module.TAIL_ROWS}
+    assert record["skipped"] == [{"max_async_level": 2, "max_off_policy_steps": 1}]
+    assert all(r["oversample"] == (4 if r["batch_order"] == "finish" else 0) for r in record["rows"])
+    what_if = record["what_if_broadcast"]  # the level-1 partial-rollout row again, against its own baseline
+    assert what_if["sync"]["ratio"] == 1.0 and [r["oversample"] for r in what_if["rows"]] == [4]
+    assert what_if["sync"]["step_s"] < record["sync"]["step_s"]  # a 5 s broadcast instead of 48.7 s
+    assert all(0 < r["server_busy_whole_run"] <= 1 and 0 <= r["server_busy"] <= 1 and r["step_s"] > 0 for r in record["rows"])
 
 
 def test_same_seed_same_events_and_step_times(tmp_path):
@@ -72,7 +105,7 @@ def test_ordering_invariants_hold_at_1024_rollouts_a_step(tmp_path):
                        max_async_level=lead, max_off_policy_steps=stale_bound)  # fmt: skip
     assert result.steps == 3 and all(r["samples"] == 1024 for r in result.records)
     shipped_groups = {}
-    for step, group, _, version in result.shipped:
+    for step, group, _, version, _ in result.shipped:
         shipped_groups.setdefault(step, set()).add(group)
         assert step - version <= stale_bound  # the staleness bound, queue time included
         assert version >= step - lead  # the lead gate at generation
@@ -125,6 +158,97 @@ def test_each_broadcast_delays_the_next_version_on_policy(tmp_path):
     slow = small_run(tmp_path / "slow", model=ClusterModel(**SHORT, broadcast_s=500.0), max_async_level=0)
     # steps 1 and 2 wait for versions 1 and 2, each live one broadcast after its training
     assert slow.step_end_s[-1] - quick.step_end_s[-1] == pytest.approx(2 * 500, abs=1.0)
+
+
+# Partial rollouts and finish order: completions of ~10 s at 100 tokens/s against 3 s broadcasts,
+# so updates land in the middle of requests.
+LONG = dict(prompt_tokens=16, completion_median_tokens=1000, completion_min_tokens=200, completion_sigma=0.8,
+            broadcast_s=3.0)  # fmt: skip
+FINISH = dict(batch_size=8, group_size=1, num_steps=5, max_completion_tokens=4000, max_async_level=1,
+              max_off_policy_steps=1, batch_order="finish", oversample=8)  # fmt: skip
+
+
+def one_request(tmp_path, mode: str, pause_at: float, pause_s: float, prompt: int, tokens: int):
+    """One request of `prompt` + `tokens` tokens on one server, an update (to version 1) pausing it
+    at `pause_at` for `pause_s`: (the completion, its end time, the server, the SimInference)."""
+    model = ClusterModel(completion_median_tokens=tokens + 0.5, completion_sigma=0.0, completion_min_tokens=1)
+    cluster = SimCluster(cluster_config(SAO, tmp_path), model, seed=0, run_dir=tmp_path)
+    inference = SimInference(cluster, 1, mode)
+
+    async def main():
+        request = asyncio.ensure_future(
+            inference.complete([0, 0, 5] + [7] * (prompt - 3), SamplingParams(max_tokens=4 * tokens), "group5-branch0")
+        )
+        await asyncio.sleep(pause_at)
+        inference.pause(pause_at, pause_s, 1)
+        completion = await request
+        inference.servers[0].account()
+        return completion, asyncio.get_running_loop().time()
+
+    completion, end = run_virtual(main())
+    return completion, end, inference.servers[0], inference
+
+
+@pytest.mark.parametrize("mode", ["keep", "interrupt"])
+def test_an_update_costs_a_reprefill_that_is_not_busy_time(tmp_path, mode):
+    prompt, tokens, prefill, decode = 800, 500, 8000.0, 100.0  # the cluster model's default rates
+    completion, end, server, inference = one_request(tmp_path, mode, pause_at=1.0, pause_s=2.0, prompt=prompt, tokens=tokens)
+    before = int((1.0 - prompt / prefill) * decode)  # decoded when the update came: 90
+    again = prompt + before
+    assert end == pytest.approx(prompt / prefill + tokens / decode + 2.0 + again / prefill)
+    assert server.busy_s == pytest.approx(prompt / prefill + tokens / decode)  # neither pause nor re-prefill
+    assert server.reprefill_s == pytest.approx(again / prefill)
+    assert inference.reprefilled_tokens == {1: pytest.approx(again)}
+    assert len(completion.token_ids) == tokens and completion.finish_reason == "stop"
+    if mode == "keep":  # one version: the one it was sent under
+        assert completion.token_versions is None and completion.policy_version == 0 and completion.interruptions == 0
+    else:  # each token the version that sampled it, as RolloutClient joins the parts
+        assert completion.token_versions == [0] * before + [1] * (tokens - before)
+        assert completion.interruptions == 1 and completion.reprefilled_tokens == again
+        assert completion.policy_version == 0
+
+
+def test_under_interrupt_every_token_was_sampled_while_its_version_was_live(tmp_path):
+    result = small_run(tmp_path, model=ClusterModel(**LONG), settings={"inference.update_mode": "interrupt"}, **FINISH)
+    assert result.steps == FINISH["num_steps"] and result.updates
+    spanning = [(g, old, new) for _, g, _, old, new in result.shipped if new > old]
+    assert spanning and sum(r["samples_spanning_versions"] for r in result.records) == len(spanning)
+    assert sum(r["interruptions"] for r in result.records) > 0
+    live = [(0, float("-inf"), float("inf"))]  # (version, from, until): between the updates' pauses
+    for update in result.updates:
+        live[-1] = (live[-1][0], live[-1][1], update.start)
+        live.append((update.version, update.end, float("inf")))
+    versions_of = {}
+    for group, version, start, end, tokens in result.parts:
+        assert tokens > 0 and any(v == version and a <= start and end <= b for v, a, b in live), (version, start, end)
+        versions_of.setdefault(group, set()).add(version)
+    for _, group, _, oldest, newest in result.shipped:  # what the samples carry is what the servers did
+        if group in versions_of:
+            assert (oldest, newest) == (min(versions_of[group]), max(versions_of[group]))
+        else:  # never interrupted
+            assert oldest == newest
+
+
+def test_finish_order_with_oversample_keeps_the_staleness_bound_and_counts_the_waste(tmp_path):
+    result = small_run(tmp_path, model=ClusterModel(**LONG), **FINISH)
+    assert result.steps == FINISH["num_steps"] and all(r["samples"] == 8 for r in result.records)
+    assert all(step - oldest <= FINISH["max_off_policy_steps"] for step, _, _, oldest, _ in result.shipped)
+    stale = sum(r["stale_dropped"] for r in result.records)
+    assert stale > 0 and len(result.wasted_groups) == stale  # the bound did bite: what was dropped is the waste
+    assert result.wasted_tokens > 0 and result.reprefilled_tokens  # keep mode re-prefills after each update
+    assert all(r["version_span_max"] == 0 for r in result.records)  # keep: one version a completion
+    assert max(result.true_version_spans) > 0  # ... though an update came in the middle of some
+    groups = [g for r in result.records for g in r["group_ids"]]
+    assert groups != sorted(groups)  # batches in the order groups finished
+
+
+@pytest.mark.parametrize("mode", ["keep", "interrupt"])
+def test_same_seed_same_events_under_either_update_mode(tmp_path, mode):
+    settings = {"inference.update_mode": mode}
+    first = small_run(tmp_path / "a", seed=2, model=ClusterModel(**LONG), settings=settings, **FINISH)
+    second = small_run(tmp_path / "b", seed=2, model=ClusterModel(**LONG), settings=settings, **FINISH)
+    assert first.events == second.events and first.shipped == second.shipped and first.parts == second.parts
+    assert first.reprefilled_tokens == second.reprefilled_tokens and first.step_end_s == second.step_end_s
 
 
 def test_virtual_clock_jumps_sleeps_runs_threads_inline_and_names_a_deadlock():
