@@ -251,7 +251,7 @@ class RolloutClient:
                     f"({self.max_interruptions})"
                 )
             await self._wait_for_newer(part.policy_version)
-        return parts[0] if len(parts) == 1 else _joined(parts, len(prompt_ids))
+        return parts[0] if len(parts) == 1 else joined_parts(parts, len(prompt_ids))
 
     async def _wait_for_update(self) -> None:
         while self.update_in_progress():
@@ -338,7 +338,7 @@ class RolloutClient:
         )
 
 
-def _joined(parts: list[Completion], prompt_tokens: int) -> Completion:
+def joined_parts(parts: list[Completion], prompt_tokens: int) -> Completion:
     """The parts of one interrupted completion as one: tokens, log-probabilities, each token's
     version and routes in order; the last part's finish reason and worker; the prompt's
     log-probabilities of the first part (the later parts' prompts hold sampled tokens)."""

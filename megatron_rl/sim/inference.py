@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_rl.data.types import padding_routes, route_dtype
-from megatron_rl.inference.rollout import Completion, _joined
+from megatron_rl.inference.rollout import Completion, joined_parts
 from megatron_rl.sim.models import group_of
 
 GENERATE, REPREFILL = "generate", "reprefill"
@@ -247,7 +247,7 @@ class SimInference:
                                          policy_version=version, worker=worker))  # fmt: skip
                 start += count
             pieces[-1].finish_reason = finish
-            joined = _joined(pieces, len(prompt_ids))
+            joined = joined_parts(pieces, len(prompt_ids))
             joined.routes = routes
             return joined
 
