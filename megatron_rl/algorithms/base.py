@@ -60,6 +60,10 @@ class Algorithm(ABC):
         if self.distillation is not None:
             await self.distillation.score([s for group in groups for s in group])
 
+    def dense_reward(self, sample: TrainingSample) -> float:
+        """The teacher's dense reward summed over the sample (0 without distillation)."""
+        return 0.0 if self.distillation is None else float(self.distillation.rewards(sample).sum())
+
     @abstractmethod
     async def prepare_batch(self, groups: list[list[TrainingSample]], version: int | None = None) -> None:
         """Annotates `advantages` (and for critic algorithms `values`, `returns`) in place, for
@@ -81,8 +85,7 @@ class OutcomeAlgorithm(Algorithm):
 
     async def prepare_batch(self, groups: list[list[TrainingSample]], version: int | None = None) -> None:
         await self.score_teacher(groups)
-        dense = (lambda s: float(self.distillation.rewards(s).sum())) if self.distillation else (lambda s: 0.0)
-        rewards = [torch.tensor([s.reward + dense(s) for s in group], dtype=torch.float64) for group in groups]
+        rewards = [torch.tensor([s.reward + self.dense_reward(s) for s in group], dtype=torch.float64) for group in groups]
         action_tokens = [torch.tensor([s.num_action_tokens for s in group], dtype=torch.int64) for group in groups]
         scalars = self.estimator(rewards, action_tokens)
         name = f"algorithm.advantage {self.config.advantage!r}"
