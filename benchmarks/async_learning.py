@@ -27,16 +27,16 @@ policy is checked, not assumed).
 
 It prints, per variant over the seeds: the `windows` statistic (learning_check's: the mean reward
 of the last w of the first N steps minus the first w, w = min(5, N // 2)) at the chosen N and at
-`--steps`, the reward of the last 5 steps, the explained variance over the last 10 steps, the
-fraction of samples spanning versions, the mean off-policy lag and the seconds a step; then the
-ratios async / sync48 (and async / sync) of the rise and of the seconds a step, and async-gae's
-figures against async's. The suite's N and margin for the async run are chosen exactly as
-learning_check chooses them (learning_check.table / choose: `async` against `async-noise`, the
-smallest N from which on every N separates clearly, the margin halfway), and for that N it
-reports at every seed whether the first N steps already had a sample of off-policy lag >= 1 and a
-sample spanning versions (what the test asserts). Writes benchmarks/results/async_learning.json
-with every run's per-step records, so the choice can be re-derived. Run directories
-`OUT/VARIANT-sS` are reused when finished (a sweep that was cut short continues).
+`--steps`, the reward and completion tokens of the last 5 steps, the explained variance over the
+last 10 steps, the fraction of samples spanning versions, the mean off-policy lag and the seconds a
+step; then the ratios async / sync48 (and async / sync) of the rise and of the seconds a step, and
+async-gae's figures against async's. The suite's N and margin for the async run are chosen exactly
+as learning_check chooses them (learning_check.table / choose: `async` against `async-noise`, the
+smallest N from which on every N separates clearly, the margin halfway), and for that N it reports
+at every seed whether the first N steps already had a sample of off-policy lag >= 1 and a sample
+spanning versions (what the test asserts). Writes benchmarks/results/async_learning.json with every
+run's per-step records, so the choice can be re-derived. Run directories `OUT/VARIANT-sS` are
+reused when finished (a sweep that was cut short continues).
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ from learning_check import (
 NAMES = ("async", "async-gae", "async-noise", "sync48", "sync")
 # The per-step fields of orchestrator_metrics.jsonl each run keeps (besides reward and seconds).
 STEP_FIELDS = ("explained_variance", "samples", "version_span_max", "samples_spanning_versions", "interruptions",
-               "reprefilled_tokens", "off_policy_lag", "token_lag", "stale_dropped", "live_version")  # fmt: skip
+               "reprefilled_tokens", "off_policy_lag", "token_lag", "stale_dropped", "live_version",
+               "completion_tokens_mean")  # fmt: skip
 EV_STEPS = 10  # explained variance: the mean over the last 10 steps
 LAST = 5  # reward: the mean of the last 5 steps
 
@@ -102,7 +103,8 @@ def first_step(flags: list[bool]) -> int | None:
 
 
 def run_summary(run: dict, n: int, steps: int) -> dict:
-    """One run's figures: the windows rise at N = `n` and at `steps`, the last 5 steps' reward, the
+    """One run's figures: the windows rise at N = `n` and at `steps`, the last 5 steps' reward and
+    completion tokens (a sample's mean; the empty answer is 1 token, its expected reward 1 - 3.5 / 6), the
     explained variance over the last 10 steps, the fraction of samples spanning versions, the first
     steps with a sample of lag >= 1 and with one spanning versions, lags, drops and seconds a step."""
     ev = [x for x in run["explained_variance"][max(0, steps - EV_STEPS) : steps] if x is not None]
@@ -111,6 +113,7 @@ def run_summary(run: dict, n: int, steps: int) -> dict:
         "rise_n": round(windows_statistic(run["rewards"], n), 4),
         "rise_steps": round(windows_statistic(run["rewards"], steps), 4),
         "last5": round(sum(run["rewards"][steps - LAST : steps]) / LAST, 4),
+        "tokens_last5": round(sum(run["completion_tokens_mean"][steps - LAST : steps]) / LAST, 2),
         "ev_last10": round(sum(ev) / len(ev), 4) if ev else None,
         "spanning_fraction": round(
             sum(run["samples_spanning_versions"][:steps]) / sum(run["samples"][:steps]), 4
@@ -143,13 +146,13 @@ def print_summaries(by_variant: dict[str, list[dict]], n: int, steps: int) -> No
     w, w_steps = count_window(n), count_window(steps)
     print(f"\n[async-learning] per variant over the seeds (per seed, then the mean); rise: the last w of the first N "
           f"steps minus the first w (N {n}: w {w}; N {steps}: w {w_steps})")  # fmt: skip
-    print(f"{'variant':<12} {'seed':>4} {f'rise@{n}':>8} {f'rise@{steps}':>8} {'last 5':>7} {'EV last10':>9} "
+    print(f"{'variant':<12} {'seed':>4} {f'rise@{n}':>8} {f'rise@{steps}':>8} {'last 5':>7} {'tokens':>6} {'EV last10':>9} "
           f"{'spanning':>8} {'span max':>8} {'1st lag':>7} {'1st span':>8} {'lag':>5} {'interr':>6} {'reprefill':>9} "
           f"{'stale':>5} {'s/step':>6}")  # fmt: skip
     for variant, summaries in by_variant.items():
         for s in [*summaries, {**variant_summary(summaries), "seed": "mean"}]:
             ev = "-" if s["ev_last10"] is None else f"{s['ev_last10']:+.3f}"
-            print(f"{variant:<12} {s['seed']:>4} {s['rise_n']:>+8.3f} {s['rise_steps']:>+8.3f} {s['last5']:>7.3f} "
+            print(f"{variant:<12} {s['seed']:>4} {s['rise_n']:>+8.3f} {s['rise_steps']:>+8.3f} {s['last5']:>7.3f} {s['tokens_last5']:>6.1f} "
                   f"{ev:>9} {s['spanning_fraction']:>8.3%} {s['version_span_max']:>8} "
                   f"{str(s.get('first_lagged_step', '')):>7} {str(s.get('first_spanning_step', '')):>8} "
                   f"{s['mean_lag']:>5.2f} {s['interruptions']:>6.0f} {s['reprefilled_tokens']:>9.0f} "
