@@ -62,7 +62,8 @@ TOOL = {"steps": 40, "sft_steps": 300, "sft_target_loss": 0.1, "lr": 5.0e-4, "ma
 TASKS = ("count", "copy", "reverse", "tool")
 # `--async`: the run config's asynchrony (docs/concepts/async.md), before any `--set`. Completions
 # of up to 48 tokens so that generation overlaps the weight updates (at the demo's 12 every batch
-# is generated before its update and no sample spans versions).
+# is generated before its update and no sample spans versions). Measured against the synchronous
+# demo over seeds: docs/getting-started/demo.md, "The asynchronous demo" (benchmarks/async_learning.py).
 ASYNC = {"orchestrator.max_async_level": 2, "orchestrator.max_off_policy_steps": 4,
          "orchestrator.batch_order": "finish", "orchestrator.oversample": 32,
          "orchestrator.max_completion_tokens": 48, "inference.update_mode": "interrupt",
