@@ -266,14 +266,14 @@ def test_a_keep_mode_update_moves_requests_in_flight_to_the_new_weights_at_one_b
 
 
 def test_partial_rollouts_stamp_every_token_with_the_version_that_sampled_it(vllm_pool):
-    """`update_mode: interrupt`: two updates land while requests generate; each interrupted
+    """`update_mode: interrupt`: three updates land while requests generate; each interrupted
     request is resumed with its tokens as the prompt, and every token's version is the one whose
     weights give its log-probability (transformers on each version's weights); some requests are
     interrupted twice."""
     pool, _, tmp = vllm_pool
     v1, w1 = install(pool, tmp, seed=31)
-    weights = {v1: w1, v1 + 1: perturbed_weights(pool.servers[0].model_dir, tmp / "w-a", seed=32),
-               v1 + 2: perturbed_weights(pool.servers[0].model_dir, tmp / "w-b", seed=33)}  # fmt: skip
+    weights = {v1: w1, **{v1 + k: perturbed_weights(pool.servers[0].model_dir, tmp / f"w-{k}", seed=31 + k)
+                          for k in (1, 2, 3)}}  # fmt: skip
 
     def gated(pool):
         return RolloutClient(pool.router_url, pool.model_name, pool.worker_urls, version_source=lambda: pool.sync.version,
@@ -282,7 +282,7 @@ def test_partial_rollouts_stamp_every_token_with_the_version_that_sampled_it(vll
     prompts = [[80 + i, 81, 82] for i in range(12)]
     pool.sync.update_mode = "interrupt"
     try:
-        updates = [(v1 + 1, weights[v1 + 1]), (v1 + 2, weights[v1 + 2])]
+        updates = [(v1 + k, weights[v1 + k]) for k in (1, 2, 3)]  # three, so that some request sees two
         results = in_flight(pool, gated, prompts, updates, SamplingParams(temperature=1.0, max_tokens=200, seed=9))
     finally:
         pool.sync.update_mode = "keep"

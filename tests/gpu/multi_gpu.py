@@ -256,7 +256,7 @@ def receiver_worker(hf_dir: str, http_port: int, out_path: str, gpu: int | None)
 
         def do_POST(self):
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            result = None
+            result = {"success": True} if self.path == "/reset_prefix_cache" else None  # vLLM's reply
             if self.path == "/collective_rpc":
                 request = json.loads(body)
                 result = {"results": [getattr(worker, request["method"])(**request["kwargs"])]}
