@@ -41,7 +41,7 @@ class JudgeUnavailable(RuntimeError):
 
 class Judge:
     def __init__(self, config, transport: httpx.AsyncBaseTransport | None = None, backoff_s: float = 0.5):
-        """`config`: an `orchestrator.judge` JudgeConfig; `transport` (tests): httpx's;
+        """`config`: an `orchestrator.judge` JudgeConfig; `transport`: an httpx transport (an in-process server) in place of the network;
         `backoff_s`: the first retry's wait (doubling, at most 5 s)."""
         self.config, self.backoff_s = config, backoff_s
         self.url = config.url.rstrip("/")
