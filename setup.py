@@ -75,6 +75,13 @@ setup(
         # (torch.utils.tensorboard's SummaryWriter needs the tensorboard package).
         # wandb < 0.32: the tests read offline runs with `wandb leet inspect` (0.31).
         "tracking": ["wandb>=0.31,<0.32", "tensorboard>=2.21"],
+        # Environments written for a hub (orchestrator.environment: {hub: ...}; envs/hubs/):
+        # - verifiers 0.4.0 (its v1 API: Taskset, Toolset, Env.run, vf.Client); it needs Python >= 3.11
+        #   (this package allows 3.10, hence the marker). Not its `openenv` extra: that installs a second
+        #   distribution of the same `openenv` package as openenv-core. 0.3.x does not resolve with vLLM 0.32.
+        # - openenv-core 0.3.0: EnvClient / GenericEnvClient over the server's /ws session.
+        # Both resolve with the cpu and gpu extras' pins (openai 2.x and mcp 2.0 under vLLM 0.32).
+        "hubs": ["verifiers==0.4.0; python_version >= '3.11'", "openenv-core==0.3.0"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.launch.cli:main"]},
 )

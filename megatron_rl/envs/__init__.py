@@ -17,6 +17,7 @@ resumed run sees the same prompts from the same cursor.
     make_environment("arithmetic", seed=0)                      # the python tool, Hermes calls
     make_environment("my_pkg.tasks:Sudoku", dataset=..., seed=0)  # a plug-in: called with
                                                                   # dataset=, seed=; an Environment
+    make_environment(VerifiersHub(hub="verifiers", id="my-env"))  # a hub's (envs/hubs/)
 
 `args` (`orchestrator.environment_args`) are more keyword arguments of the constructor; a
 keyword it does not take is an error naming the key and the constructor's signature.
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from megatron_rl.config.plugins import PluginError, check_call, is_plugin, load_plugin
 from megatron_rl.envs.arithmetic import ArithmeticEnvironment
-from megatron_rl.envs.base import Environment, Turn
+from megatron_rl.envs.base import ChatModel, ConversationError, DrivenEnvironment, Environment, Reply, Turn
 from megatron_rl.envs.calculator import CalculatorEnvironment
 from megatron_rl.envs.math import MathEnvironment
 from megatron_rl.envs.procedural import ProceduralTask
@@ -46,13 +47,19 @@ ENVIRONMENTS = {
 
 
 def make_environment(
-    name: str, dataset: str | None = None, seed: int = 0, key: str = "orchestrator.environment",
+    name, dataset: str | None = None, seed: int = 0, key: str = "orchestrator.environment",
     args: dict | None = None,
 ) -> Environment:  # fmt: skip
-    """The built-in environment `name`, or the plug-in "package.module:name" called with
-    `dataset=`, `seed=` and `args` (a class or a factory; it must return an `Environment`)."""
+    """The built-in environment `name`, the plug-in "package.module:name" called with
+    `dataset=`, `seed=` and `args` (a class or a factory; it must return an `Environment`), or a
+    hub's environment (`name` a config/hubs.py block; envs/hubs/)."""
     args = dict(args or {})
-    if is_plugin(name):
+    if not isinstance(name, str):  # a hub's block (config/hubs.py)
+        from megatron_rl.envs.hubs import make_hub_environment
+
+        environment = make_hub_environment(name, dataset, seed, key, args)
+        factory = None
+    elif is_plugin(name):
         factory = load_plugin("environment", name, key, tuple(args))
     elif name in ENVIRONMENTS:
         factory = ENVIRONMENTS[name]
@@ -61,7 +68,8 @@ def make_environment(
         raise ValueError(
             f"{key}: unknown environment {name!r} (known: {sorted(ENVIRONMENTS)})"
         )
-    environment = factory(dataset=dataset, seed=seed, **args)
+    if factory is not None:
+        environment = factory(dataset=dataset, seed=seed, **args)
     if not isinstance(environment, Environment):
         raise PluginError(
             f"{key}: {name!r} returned a {type(environment).__name__}, not a megatron_rl.envs.Environment"
@@ -70,6 +78,7 @@ def make_environment(
 
 
 __all__ = [
-    "ENVIRONMENTS", "TOOLS", "TOOL_PARSERS", "Environment", "ParsedCompletion", "Tool", "ToolCall",
+    "ENVIRONMENTS", "TOOLS", "TOOL_PARSERS", "ChatModel", "ConversationError", "DrivenEnvironment", "Environment",
+    "Reply", "ParsedCompletion", "Tool", "ToolCall",
     "ToolEnvironment", "ToolParser", "ToolResult", "Turn", "make_environment", "make_tool_parser", "make_tools",
 ]  # fmt: skip

@@ -63,3 +63,57 @@ class Environment(ABC):
         show (math from a JSONL of answers, most plug-ins) is trained by RL alone, so the
         default names the environment instead of guessing a demonstration."""
         raise NotImplementedError(f"{type(self).__name__} has no demonstrations for a supervised warm start")
+
+
+@dataclass
+class Reply:
+    """One sampled turn as an environment that drives its own turns sees it (`ChatModel.chat`)."""
+
+    text: str  # decoded from the sampled token ids, reasoning included
+    content: str  # `text` without its reasoning (what `Environment.step` is given)
+    prompt_ids: list[int]  # the whole token sequence before this turn (the request's prompt)
+    token_ids: list[int]  # the sampled tokens
+    logprobs: list[float]  # the sampler's log-probability of each sampled token
+    finish_reason: str  # "stop" or "length" (the turn's limit or the rollout's token budget)
+
+
+class ChatModel(ABC):
+    """The policy as an environment that drives its own turns reaches it: `chat` takes the whole
+    conversation so far (OpenAI-style messages, as an OpenAI client sends it every turn) and the
+    tools, and samples the next assistant turn. The first call's messages are the prompt, rendered
+    once with the chat template; every later call must repeat the conversation it was given, then
+    the assistant turn it got back, then new messages (tool results, user turns): those are
+    rendered after the exact sampled tokens and masked. Anything else is a `ConversationError`."""
+
+    @abstractmethod
+    async def chat(self, messages: list[dict], tools: list[dict] | None = None) -> Reply: ...
+
+    @property
+    @abstractmethod
+    def remaining_tokens(self) -> int:
+        """The rollout's token budget left (completions and observations): 0 ends the rollout."""
+
+
+class ConversationError(ValueError):
+    """A conversation handed to `ChatModel.chat` that does not extend the rollout so far."""
+
+
+class DrivenEnvironment(Environment):
+    """An environment that drives its own turns (the hub adapters, envs/hubs/): `run` converses
+    with the policy through `model.chat(...)` and returns the rollout's `Turn` (reward, passed,
+    tool counts; `done` False when it ended unfinished). The tokens trained on are the sampled
+    ones; the environment's messages are rendered by our chat template between them (masked).
+
+    `max_turns` bounds the number of `chat` calls (None: only the token budget bounds them)."""
+
+    max_turns: int | None = None
+
+    def prompt(self, row: dict) -> str | list[dict]:
+        raise TypeError(f"{type(self).__name__} drives its own turns: the rollout calls run(), not prompt()")
+
+    def step(self, row: dict, completions: list[str]) -> Turn:
+        raise TypeError(f"{type(self).__name__} drives its own turns: the rollout calls run(), not step()")
+
+    @abstractmethod
+    async def run(self, row: dict, model: ChatModel) -> Turn:
+        """One rollout of `row`: its turns through `model.chat`, its reward in the returned Turn."""

@@ -50,7 +50,8 @@ def declared_requirement_lines() -> tuple[list[str], str]:
                 if k.arg in ("install_requires", "extras_require", "python_requires")}  # fmt: skip
     lines = list(keywords.get("install_requires", []))
     for extra, requirements in keywords.get("extras_require", {}).items():
-        lines += [f'{line}; extra == "{extra}"' for line in requirements]
+        lines += [f'{line} and extra == "{extra}"' if ";" in line else f'{line}; extra == "{extra}"'
+                  for line in requirements]  # fmt: skip
     return lines, keywords.get("python_requires", "")
 
 

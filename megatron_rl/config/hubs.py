@@ -1,0 +1,35 @@
+"""`orchestrator.environment` as an environment written for a hub (envs/hubs/): a block with
+`hub: verifiers` or `hub: openenv` instead of a built-in's name or a plug-in's import path.
+`orchestrator.environment_args` are then the environment's own arguments (verifiers: its
+environment config's fields; OpenEnv: the adapter's mapping of text to actions and observations
+to text, and the keyword arguments of each episode's reset)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from megatron_rl.config.base import Strict
+
+
+class HubEnvironment(Strict):
+    """An environment written for verifiers 0.4 (`import verifiers.v1 as vf`, loaded as
+    `vf.load_environment` loads it) or for OpenEnv (openenv-core 0.3, a server reached over its
+    /ws session)."""
+
+    hub: Literal["verifiers", "openenv"] = Field(description="Which hub's library the environment is written with.")
+    id: str | None = Field(default=None, min_length=1, description="verifiers (required): the environment's id as vf.load_environment takes it (an installed module or package; 'owner/name@version' names the module 'name'). openenv: a name for logs and metrics (default: the URL).")
+    url: str | None = Field(default=None, min_length=1, description="openenv (required): the environment server's base URL (http://host:port).")
+    max_concurrent: int | None = Field(default=None, ge=1, description="Rollouts of this environment running at once; null: verifiers no bound beyond the orchestrator's own, openenv 1 (the server's max_concurrent_envs default).")
+    timeout_s: float = Field(default=120.0, gt=0, description="verifiers: one rollout's time limit (its turns and scoring); openenv: one reset or step reply's. Past it the rollout fails, counted.")
+    retries: int = Field(default=2, ge=0, description="openenv: retries of a session's connection before the rollout fails, counted.")
+
+    @model_validator(mode="after")
+    def _hub_needs(self) -> HubEnvironment:
+        """verifiers needs `id` (and takes no `url`); openenv needs `url`."""
+        if self.hub == "verifiers" and (self.id is None or self.url is not None):
+            raise ValueError("hub verifiers: give `id` (the environment's id), not `url`")
+        if self.hub == "openenv" and self.url is None:
+            raise ValueError("hub openenv: give `url` (the environment server's base URL)")
+        return self
