@@ -4,8 +4,11 @@ correction, loss aggregation and the sampling temperature, on real Megatron mode
 - N mini-batches x E epochs make N x E optimizer steps; with `recompute` the first update's ratio
   is exactly 1 even when the sampler's log-probs are perturbed, the perturbation shows in the
   mismatch metrics, later updates move the ratio and the clip acts;
-- every option, together, gives the same metrics and weights at DP = 2, CP = 2 and TP = 2 as in
-  one process (sequences split over CP ranks, mini-batches packed per layout);
+- every option, together, gives the same metrics and weights at DP = 2, CP = 2, TP = 2 and
+  PP = 2 as in one process (sequences split over CP ranks, mini-batches packed per layout),
+  distillation's kl_penalty among them (the teacher's log-probabilities split with the sequences;
+  its term compared at the test's T = 0.8, which a run's config refuses: the layouts' arithmetic
+  is what is compared);
 - N = E = 1 with `sampler` is train_step exactly;
 - log-probs are of softmax(logits / T): samples whose sampler log-probs are the policy's own at
   T = 0.7 give ratio 1 at T = 0.7 and not at T = 1;
@@ -43,6 +46,9 @@ EVERYTHING = dict(
         "rollout_rs_threshold": "0.6_1.6,0.3",
     },
 )
+
+
+TEACHER_COEF = 0.5  # distillation kl_penalty in the layout comparison
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +111,7 @@ def test_distillation_kl_penalty_adds_coef_times_the_teachers_kl_to_the_loss(wei
 
 @pytest.fixture(scope="module")
 def everything_one_process(weights):
-    return run_ranks(policy_step, 1, ARCH, weights, 1, 1, EVERYTHING, 0.3, 0.8)[0]
+    return run_ranks(policy_step, 1, ARCH, weights, 1, 1, EVERYTHING, 0.3, 0.8, 1e-3, None, 1, TEACHER_COEF)[0]
 
 
 @pytest.mark.parametrize("tp, cp, pp, world", [(1, 1, 1, 2), (1, 2, 1, 2), (2, 1, 1, 2), (1, 1, 2, 2)])
@@ -113,9 +119,10 @@ def test_every_option_at_dp2_cp2_tp2_pp2_equals_one_process(weights, everything_
     reference, reference_params, _ = everything_one_process
     assert reference["optimizer_steps"] == 4
     assert 0 < reference["rollout_rs_masked_fraction"] < 1 and reference["rollout_is_flagged_fraction"] > 0
-    assert abs(reference["rollout_is_batch_norm_factor"] - 1.0) > 1e-3
+    assert abs(reference["rollout_is_batch_norm_factor"] - 1.0) > 1e-3 and reference["teacher_kl"] > 1e-3
     seen = set()
-    for record, params, _ in run_ranks(policy_step, world, ARCH, weights, tp, cp, EVERYTHING, 0.3, 0.8, 1e-3, None, pp):
+    for record, params, _ in run_ranks(policy_step, world, ARCH, weights, tp, cp, EVERYTHING, 0.3, 0.8, 1e-3, None, pp,
+                                       TEACHER_COEF):  # fmt: skip
         for key, value in reference.items():
             if isinstance(value, float) and key != "lr":
                 assert record[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (tp, cp, pp, key)
@@ -199,10 +206,11 @@ def _samples_with_policy_logprobs(model, temperature, perturbation_scale, seed=1
 
 
 def policy_step(rank, world_size, arch, full, tp, cp, algorithm, perturbation_scale, temperature, lr=1e-3,
-                sampler_temperature=None, pp=1):  # fmt: skip
+                sampler_temperature=None, pp=1, teacher_coef=0.0):  # fmt: skip
     """One policy RL step (policy_update) on samples whose sampler log-probs are the policy's own
-    at `sampler_temperature` (default `temperature`) plus a perturbation; returns (record, full
-    parameters after the step, the perturbation's k1 / k3)."""
+    at `sampler_temperature` (default `temperature`) plus a perturbation (and, with `teacher_coef`,
+    teacher log-probabilities: the sampler's minus a seeded delta, and distillation's kl_penalty);
+    returns (record, full parameters after the step, the perturbation's k1 / k3)."""
     from megatron.core import parallel_state
 
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
@@ -217,6 +225,11 @@ def policy_step(rank, world_size, arch, full, tp, cp, algorithm, perturbation_sc
     load_full_state_dict(probe, full)
     samples, perturbation = _samples_with_policy_logprobs(probe, sampler_temperature or temperature, perturbation_scale)
     del probe
+    if teacher_coef > 0:
+        rng = np.random.default_rng(7)
+        for sample in samples:
+            delta = rng.normal(scale=0.3, size=len(sample))
+            sample.teacher_logprobs = np.where(sample.loss_mask, sample.inference_logprobs - delta, 0.0).astype(np.float32)
     parallel.initialize_model_parallel(tp=tp, cp=cp, pp=pp)
     model = build_gpt_model(arch, tp=tp, cp=cp, pp=pp)
     load_full_state_dict(model, full)
@@ -224,8 +237,8 @@ def policy_step(rank, world_size, arch, full, tp, cp, algorithm, perturbation_sc
     trainable = build_trainable(model, OptimizerConfig(lr=lr, grad_clip=1.0, adam_eps=1e-6), total_steps=20)
     config = AlgorithmConfig(**algorithm)
     dp = parallel_state.get_data_parallel_world_size()
-    grid = pack_minibatches(samples, config.policy_minibatches, (1, 0), SEQ_LEN, dp, cp)
-    settings = UpdateSettings(config, temperature, loss_scale_factor=16)
+    grid = pack_minibatches(samples, config.policy_minibatches, (1, 0), SEQ_LEN, dp, cp, teacher=teacher_coef > 0)
+    settings = UpdateSettings(config, temperature, loss_scale_factor=16, teacher_coef=teacher_coef)
     record = policy_update(trainable, grid[parallel_state.get_data_parallel_rank()], settings)
     record["scheduler_steps"] = trainable.scheduler.num_steps
     return record, gather_full_parameters(model), perturbation
