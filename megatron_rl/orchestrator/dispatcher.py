@@ -65,6 +65,7 @@ class StepCounts:
     rejected: Counter = field(default_factory=Counter)  # by rule
     stale: int = 0
     members_dropped: Counter = field(default_factory=Counter)  # by reason, over every consumed group
+    member_errors: Counter = field(default_factory=Counter)  # failed members by their error's kind, likewise
     limit_hit: bool = False  # more than max_extra_groups consumed groups were not admitted
     partial: bool = False  # shipped fewer than batch_size groups
     restarted: int = 0  # groups in flight cancelled and rewound after a smaller batch (the gate)
@@ -247,6 +248,9 @@ class Dispatcher:
         self.started_at.pop(group_id, None)
         counts.generated += 1
         counts.members_dropped.update(verdict.dropped)
+        if group is not None:  # "OpenEnvTimeout: ..." -> OpenEnvTimeout (the exception's name)
+            counts.member_errors.update((m.error or "unknown").split(":", 1)[0] for m in group.members
+                                        if m.status == "failed")  # fmt: skip
         samples = verdict.samples
         if samples is None:
             counts.rejected[verdict.rule] += 1

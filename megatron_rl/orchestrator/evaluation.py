@@ -12,6 +12,7 @@ not stop training.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import numpy as np
 
@@ -71,11 +72,11 @@ class Evaluator:
         ]
         members = await asyncio.gather(*tasks, return_exceptions=True)
         passed = np.zeros((config.num_examples, k), dtype=bool)
-        rewards, errors = [], 0
+        rewards, errors = [], Counter()  # failed rollouts by their error's kind (the exception's name)
         for index, member in enumerate(members):
             example, branch = divmod(index, k)
             if isinstance(member, BaseException):
-                errors += 1
+                errors[type(member).__name__] += 1
                 continue
             rewards.append(member.reward)
             passed[example, branch] = bool(member.passed)
@@ -84,5 +85,6 @@ class Evaluator:
             f"{name}/pass@{k}": float(passed.any(axis=1).mean()),
             f"{name}/mean@{k}": float(passed.mean()),
             f"{name}/reward_mean": float(np.mean(rewards)) if rewards else None,
-            f"{name}/errors": errors,
+            f"{name}/errors": sum(errors.values()),
+            **({f"{name}/error_kinds": dict(errors)} if errors else {}),
         }

@@ -123,6 +123,7 @@ def step_metrics(
         "samples": len(samples),
         "groups_rejected": dict(counts.rejected),
         "members_dropped": dict(counts.members_dropped),
+        **({"member_errors": dict(counts.member_errors)} if counts.member_errors else {}),
         **({"judge_unparsable": unparsable} if unparsable else {}),
         "stale_dropped": counts.stale,
         "extra_generation": max(0, counts.generated - batch_size) / batch_size,

@@ -1,0 +1,156 @@
+"""A small OpenEnv environment server written with openenv-core's own classes (`Action`,
+`Observation`, `Environment`, `create_app` with a `ConcurrencyConfig`), for the OpenEnv adapter's
+tests and benchmark (megatron_rl/envs/hubs/openenv.py). Offline: nothing is downloaded.
+
+`CountEnvironment` is the procedural `count` task (envs/procedural.py: "count: N" -> N x's, the
+same prompt and reward) as an OpenEnv episode of `turns` steps: the reset's observation is the
+row's prompt, each step is rewarded by the count reward of the message and answered with the next
+row's prompt (`feedback` says the last reward); done after `turns` steps. The row of a reset is
+`ProceduralTask("count", seed=0).row(seed)`. Reset keywords make a step fail on purpose:
+`fail: raise` (the step raises: an EXECUTION_ERROR frame), `hangup` (the session ends abruptly:
+the socket is closed), `hang` (the step never answers until `CountEnvironment.release` is set),
+at step `fail_at` (default 1), in the episodes whose seed is a multiple of `fail_every` (default 1:
+all). Class counters say how many sessions (environments) are open now
+and were open at once at most.
+
+    serve_in_thread(max_concurrent_envs=4)   # a context manager: the base URL, in this process
+    python -m tests.support.openenv_server --port P [--max-concurrent-envs N]   # a process
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from openenv.core.env_server.http_server import create_app
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, ConcurrencyConfig, Observation, State
+
+from megatron_rl.envs.procedural import ProceduralTask
+
+COUNT = ProceduralTask("count", seed=0)
+
+
+class TextAction(Action):
+    message: str
+
+
+class CountObservation(Observation):
+    prompt: str = ""
+    feedback: str = ""
+
+
+class Hangup(BaseException):
+    """Raised by a step to end its session abruptly: not an Exception, so the server's handler
+    does not turn it into an error frame; the socket is closed under the client."""
+
+
+class CountEnvironment(Environment):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+    lock = threading.Lock()
+    open_sessions = 0  # environments created and not yet closed (one per session)
+    peak_sessions = 0  # the most open at once since the last reset_counters()
+    release = threading.Event()  # ends every `hang`ing step
+
+    def __init__(self):
+        super().__init__()
+        with CountEnvironment.lock:
+            CountEnvironment.open_sessions += 1
+            CountEnvironment.peak_sessions = max(CountEnvironment.peak_sessions, CountEnvironment.open_sessions)
+        self._closed = False
+        self._state = State(episode_id=None, step_count=0)
+        self.rows: list[dict] = []
+        self.turns, self.fail, self.fail_at, self.delay_s = 1, None, 1, 0.0
+
+    @classmethod
+    def reset_counters(cls) -> None:
+        with cls.lock:
+            cls.peak_sessions = cls.open_sessions
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None, turns: int = 1, fail: str | None = None,
+              fail_at: int = 1, fail_every: int = 1, delay_s: float = 0.0, **kwargs: Any) -> CountObservation:  # fmt: skip
+        self.turns, self.fail_at, self.delay_s = turns, fail_at, delay_s
+        self.fail = fail if (seed or 0) % fail_every == 0 else None
+        self.rows = [COUNT.row((seed or 0) + turn) for turn in range(turns)]
+        self._state = State(episode_id=episode_id, step_count=0)
+        return CountObservation(prompt=COUNT.prompt(self.rows[0]))
+
+    def step(self, action: TextAction, timeout_s: float | None = None, **kwargs: Any) -> CountObservation:
+        turn = self._state.step_count = self._state.step_count + 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.fail and turn == self.fail_at:
+            if self.fail == "raise":
+                raise RuntimeError(f"the environment failed at step {turn}")
+            if self.fail == "hangup":
+                raise Hangup()
+            if self.fail == "hang":
+                CountEnvironment.release.wait(60)
+        reward = COUNT.reward(self.rows[turn - 1], action.message)
+        done = turn >= self.turns
+        prompt = "" if done else COUNT.prompt(self.rows[turn])
+        return CountObservation(prompt=prompt, feedback=f"reward {reward:.2f}", reward=reward, done=done)
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    def close(self) -> None:
+        with CountEnvironment.lock:
+            if not self._closed:
+                self._closed = True
+                CountEnvironment.open_sessions -= 1
+
+
+def count_app(max_concurrent_envs: int = 4):
+    return create_app(
+        CountEnvironment, TextAction, CountObservation,
+        concurrency_config=ConcurrencyConfig(max_concurrent_envs=max_concurrent_envs, session_timeout=None),
+    )  # fmt: skip
+
+
+def wait_for_port(port: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"no OpenEnv server on 127.0.0.1:{port} after {timeout_s} s")
+
+
+@contextlib.contextmanager
+def serve_in_thread(port: int, max_concurrent_envs: int = 4) -> Iterator[str]:
+    """The count server on 127.0.0.1:`port` in a thread of this process; yields its base URL."""
+    server = uvicorn.Server(uvicorn.Config(count_app(max_concurrent_envs), host="127.0.0.1", port=port,
+                                          log_level="critical", lifespan="on"))  # fmt: skip
+    thread = threading.Thread(target=server.run, name="openenv-server", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the OpenEnv test server did not start on port {port}")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        CountEnvironment.release.set()
+        server.should_exit = True
+        thread.join(15)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--max-concurrent-envs", type=int, default=64)
+    args = parser.parse_args(argv)
+    uvicorn.run(count_app(args.max_concurrent_envs), host="127.0.0.1", port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
