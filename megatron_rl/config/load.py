@@ -26,6 +26,7 @@ from megatron_rl.config.layout import (
 from megatron_rl.config.memory_plan import check_fits, memory_plan
 from megatron_rl.config.parts import builtin_parts
 from megatron_rl.config.run import Config
+from megatron_rl.config.services import service_layouts
 from megatron_rl.config.validators import RULES, Context
 
 
@@ -46,6 +47,7 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
     urls = inference_urls(config, inference_ports, errors)
     policy_lora = lora_plan(config.lora, "lora", policy_arch, config.inference.backend, errors)
     critic_lora = lora_plan(config.value.lora if config.value else None, "value.lora", critic_arch, None, errors)
+    services = service_layouts(config, base_dir, errors)
     if errors:
         raise ConfigError(source, errors)
     data = config.model_dump()
@@ -63,6 +65,8 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
     data["inference"]["model_dir"] = absolute(data["inference"]["model_dir"])
     if data["distillation"]:
         data["distillation"]["teacher"]["model_dir"] = absolute(data["distillation"]["teacher"]["model_dir"])
+    if data["orchestrator"]["judge"]:
+        data["orchestrator"]["judge"]["model_dir"] = absolute(data["orchestrator"]["judge"]["model_dir"])
     template = data["orchestrator"]["chat_template"]
     if isinstance(template, str):  # a template file, like the model files relative to the config
         data["orchestrator"]["chat_template"] = template = absolute(template)
@@ -85,6 +89,7 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
         policy_lora=policy_lora,
         critic_lora=critic_lora,
         sampler_routes=config.algorithm.routing_replay != "off",
+        services=services,
     )
     resolved = ResolvedConfig(**data, layout=layout)
     errors = check_fits(resolved, memory_plan(resolved))

@@ -6,8 +6,11 @@ expert-DP for expert parameters and an expert's LoRA adapters, as megatron shard
 what `optimizer.cpu_offload` keeps on the host), activations of one micro-batch (one packed row
 of `seq_len` tokens, split by CP, and by TP under sequence parallelism) with the configured
 recomputation, the logits, and a fixed allowance for the CUDA context, NCCL buffers and
-allocator fragmentation; and per inference GPU the weights and the KV cache vLLM gets at
-`inference.gpu_memory_utilization`.
+allocator fragmentation; per inference GPU the weights and the KV cache vLLM gets at
+`inference.gpu_memory_utilization`; and the same for each GPU of a model the run serves beside
+the policy (a distillation teacher, an LLM judge: config/services.py), from that model's own
+architecture, `serve.tp` and `serve.gpu_memory_utilization`, whose KV cache must hold one
+sequence of its `max_model_len`. `gpu_totals` counts every role's GPUs against the nodes.
 `check_fits` turns a plan over `deployment.gpu_memory_gib` into errors that say by how much and
 which option would fix it; `check-config` prints the plan.
 
@@ -103,12 +106,13 @@ from megatron_rl.config.model_memory import (  # the per-rank counts, imported f
     rank_parameters,
     rank_tensors,
 )
+from megatron_rl.config.services import served_models
 
 __all__ = [
     "BYTES", "CUDA_CONTEXT_GIB", "FRAGMENTATION_GIB", "GIB", "HOST_OFFLOAD_BYTES", "LOGITS_PER_LOGIT",
     "LOGPROB_CHUNK_BYTES", "LOGPROB_CHUNK_BYTES_PER_ELEMENT", "LOGPROB_CHUNK_ELEMENTS", "NCCL_GIB_PER_COMMUNICATOR",
     "GpuMemory", "Peak", "RankParameters", "activation_bytes", "adam_tensor_elements", "adam_tensors",
-    "adapter_bytes_per_token", "check_fits", "format_plan", "layer_parameters", "layer_tensors", "lora_parameters",
+    "adapter_bytes_per_token", "check_fits", "format_plan", "gpu_totals", "layer_parameters", "layer_tensors", "lora_parameters",
     "lora_tensors", "memory_plan", "node_host_memory", "optimizer_bytes", "published_lora_elements",
     "rank_parameters", "rank_tensors", "route_bytes_per_token", "routes_bytes", "weight_update_gib",
 ]  # fmt: skip
@@ -311,6 +315,27 @@ def _inference_gpu(resolved: ResolvedConfig) -> GpuMemory:
     return GpuMemory("inference", "inference", parts, peaks=peaks)
 
 
+def _served_gpu(resolved: ResolvedConfig, name: str) -> GpuMemory:
+    """One GPU of served model `name` (teacher, judge): 16-bit weights split by its tp, the KV
+    cache vLLM gets at its gpu_memory_utilization, vLLM's reserve; its weights never change."""
+    service = resolved.layout.services[name]
+    serve = served_models(resolved)[name][1]
+    single = rank_parameters(service.architecture, ModelLayout(world_size=1, tp=1, cp=1, pp=1, ep=1, dp=1, expert_dp=1))
+    budget = resolved.deployment.gpu_memory_gib * serve.gpu_memory_utilization
+    weights = single.total * 2 / service.tp / GIB
+    parts = {"weights": weights, "kv_cache": max(budget - weights - VLLM_RESERVE_GIB, 0.0), "reserve": VLLM_RESERVE_GIB}
+    peaks = [Peak("start-up", "vLLM starts (within gpu_memory_utilization)", parts)]
+    return GpuMemory(name, service.key, parts, peaks=peaks)
+
+
+def gpu_totals(resolved: ResolvedConfig) -> dict[str, int]:
+    """GPUs of every role (policy inference, critic, policy, and each served model) by name."""
+    deployment, layout = resolved.deployment, resolved.layout
+    totals = {"inference": deployment.inference_gpus, "critic": layout.value_gpus, "policy": deployment.policy_gpus}
+    totals.update({name: service.gpus for name, service in layout.services.items()})
+    return {name: gpus for name, gpus in totals.items() if gpus}
+
+
 def kv_bytes_per_token(arch: Architecture, tp: int) -> float:
     """K and V of every layer for one token on one GPU (16-bit; KV heads split by TP, or
     replicated when there are fewer than TP of them)."""
@@ -324,6 +349,7 @@ def memory_plan(resolved: ResolvedConfig) -> list[GpuMemory]:
         plan.append(_training_gpu(resolved, "critic"))
     if resolved.deployment.inference_gpus:
         plan.append(_inference_gpu(resolved))
+    plan += [_served_gpu(resolved, name) for name in resolved.layout.services]
     return plan
 
 
@@ -377,6 +403,9 @@ def check_fits(resolved: ResolvedConfig, plan: list[GpuMemory]) -> list[str]:
                     f"inference.gpu_memory_utilization ({resolved.inference.gpu_memory_utilization})"
                 )
             continue
+        if gpu.role in resolved.layout.services:
+            errors += _served_errors(resolved, gpu, budget)
+            continue
         peak = gpu.largest()
         if peak.total <= budget:
             continue
@@ -414,6 +443,25 @@ def check_fits(resolved: ResolvedConfig, plan: list[GpuMemory]) -> list[str]:
     return errors
 
 
+def _served_errors(resolved: ResolvedConfig, gpu: GpuMemory, budget: float) -> list[str]:
+    """A served model's GPU: the KV cache holds one sequence of its max_model_len, and the whole fits."""
+    service = resolved.layout.services[gpu.role]
+    serve = served_models(resolved)[gpu.role][1]
+    need = service.max_model_len * kv_bytes_per_token(service.architecture, service.tp) / GIB
+    errors = []
+    if gpu.parts["kv_cache"] < need:
+        errors.append(
+            f"{service.key}: the {gpu.role}'s weights ({gpu.parts['weights']:.1f} GiB per GPU at {service.key}.serve.tp "
+            f"{service.tp}) leave {gpu.parts['kv_cache']:.1f} GiB of KV cache at serve.gpu_memory_utilization "
+            f"{serve.gpu_memory_utilization} of {budget:g} GiB; one {service.max_model_len}-token sequence needs "
+            f"{need:.2f} GiB: raise {service.key}.serve.tp"
+        )
+    if gpu.total > budget:
+        errors.append(f"{service.key}: the {gpu.role} needs about {gpu.total:.1f} GiB per GPU, more than "
+                      f"deployment.gpu_memory_gib = {budget:g}: lower {service.key}.serve.gpu_memory_utilization")  # fmt: skip
+    return errors
+
+
 COLUMNS = ["weights", "reference", "routes", "gradients", "optimizer", "activations", "logprob_chunk",
            "cuda_context", "fragmentation", "nccl", "kv_cache", "reserve"]  # fmt: skip
 
@@ -447,6 +495,11 @@ def format_plan(resolved: ResolvedConfig, plan: list[GpuMemory]) -> str:
     for gpu in plan:
         cells = "".join(f"{gpu.parts[c]:>14.2f}" if c in gpu.parts else f"{'-':>14}" for c in COLUMNS)
         lines.append(f"{gpu.role:<10}{cells}{gpu.total:>10.2f}{gpu.host_gib:>8.1f}")
+    totals = gpu_totals(resolved)
+    deployment = resolved.deployment
+    lines.append("GPUs: " + " + ".join(f"{name} {gpus}" for name, gpus in totals.items())
+                 + f" = {sum(totals.values())} of {deployment.nodes} node(s) x {deployment.gpus_per_node} = "
+                 f"{deployment.nodes * deployment.gpus_per_node}")  # fmt: skip
     lines.append(f"peaks (GiB per GPU; the largest must fit in {budget:g})")
     lines.append(f"{'role':<10}{'steady':>10}{'start-up':>10}{'resume':>10}  largest (GiB)")
     for gpu in plan:

@@ -9,7 +9,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, model_validator
 
 from megatron_rl.config.base import Strict, secret_from_env
+from megatron_rl.config.distillation import serve_unless_url
 from megatron_rl.config.hubs import HubEnvironment
+from megatron_rl.config.inference import ServeConfig
 
 # Keywords the rollout passes the chat template itself: chat_template_kwargs may not set them.
 RESERVED_TEMPLATE_KEYWORDS = frozenset(
@@ -95,13 +97,24 @@ class EvalConfig(Strict):
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="Keyword arguments of the chat template for this set (e.g. enable_thinking); null: orchestrator.chat_template_kwargs.")
 
 
+class JudgeServeConfig(ServeConfig):
+    """The judge's own vLLM servers and router, started by the run from `judge.model_dir`."""
+
+    base_port: int = Field(default=8400, gt=0, lt=65536, description="Port of the judge's server 0; server i listens on base_port + i.")
+    router_port: int = Field(default=8450, gt=0, lt=65536, description="Port of the vllm-router in front of the judge's servers (the orchestrator's requests go there).")
+
+
 class JudgeConfig(Strict):
     """An LLM judge whose verdict is the reward (envs/judge.py): an OpenAI-compatible chat
-    endpoint (a vLLM server or router of the user's), a prompt template with the rubric, and how
-    its verdict is read."""
+    endpoint, a prompt template with the rubric, and how its verdict is read. Without `url` the
+    run serves the judge itself (`serve`: its own vLLM servers and vllm-router on GPUs of their
+    own, from `model_dir`); with `url` it is a server of the user's (vLLM, a router, any
+    OpenAI-compatible service)."""
 
-    url: str = Field(description="Base URL of the judge's OpenAI-compatible server (http://host:port); requests go to /v1/chat/completions.")
-    model: str = Field(description="The model name the judge's server serves.")
+    url: str | None = Field(default=None, description="Base URL of a judge the user serves, an OpenAI-compatible server (http://host:port); requests go to /v1/chat/completions. null: the run serves the judge from model_dir (serve).")
+    serve: JudgeServeConfig | None = Field(default=None, description="The judge's vLLM servers and router that the run starts (its GPUs: num_servers x tp, beside every other role's); the default block when url is null; not with url.")
+    model_dir: str | None = Field(default=None, description="The judge's HF directory (relative to the config file), which a served judge starts from; needed without url.")
+    model: str = Field(description="The model name the judge's server serves (a served judge is served under it).")
     template: str = Field(description="The user message: the rubric, with {answer} (the completion, reasoning removed) and optionally {prompt} and {reference} (the row's answer).")
     system: str | None = Field(default=None, description="A system message before the template; null: none.")
     verdict: Literal["score", "choice"] = Field(default="score", description="'score': the first group of pattern as a number, clipped to score_range and mapped to [0, 1]; 'choice': the reply must be one of choices.")
@@ -120,6 +133,12 @@ class JudgeConfig(Strict):
 
     def api_key(self) -> str | None:
         return secret_from_env(self.api_key_env, "orchestrator.judge.api_key_env")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served_without_url(cls, data: Any) -> Any:
+        """Without url the run serves the model: serve defaults to its block."""
+        return serve_unless_url(data)
 
     @model_validator(mode="after")
     def _readable(self) -> JudgeConfig:
@@ -141,6 +160,12 @@ class JudgeConfig(Strict):
                 problems.append(f"orchestrator.judge.score_range {list(self.score_range)}: low < high")
         elif not self.choices:
             problems.append("orchestrator.judge.choices: verdict 'choice' needs the verdicts and their rewards")
+        if self.url is not None and self.serve is not None:
+            problems.append(f"orchestrator.judge: url ({self.url}: a judge you serve) and serve (the run serves the "
+                            "judge) exclude each other; remove one")  # fmt: skip
+        if self.url is None and self.model_dir is None:
+            problems.append("orchestrator.judge.model_dir: a judge the run serves (no url) starts from its HF "
+                            "directory; set model_dir, or url for a judge you serve")  # fmt: skip
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -15,6 +15,7 @@ from megatron_rl.config.orchestrator import BUILTIN_ENVIRONMENTS
 from megatron_rl.config.parts import BuiltinParts
 from megatron_rl.config.plugins import PluginError, check_call, is_plugin, load_object, load_plugin
 from megatron_rl.config.run import Config
+from megatron_rl.config.services import served_gpus
 
 
 @dataclass(frozen=True)
@@ -201,14 +202,18 @@ def offload_and_recompute_are_possible(ctx: Context) -> list[str]:
 
 
 def roles_fit_on_the_nodes(ctx: Context) -> list[str]:
-    """deployment.inference_gpus + policy_gpus + the critic's GPUs fit in nodes x gpus_per_node."""
+    """deployment.inference_gpus + policy_gpus + the critic's GPUs + the GPUs of a teacher and a
+    judge the run serves (serve.num_servers x serve.tp) fit in nodes x gpus_per_node."""
     deployment = ctx.config.deployment
     capacity = deployment.nodes * deployment.gpus_per_node
-    needed = deployment.inference_gpus + deployment.policy_gpus + ctx.value_gpus
+    roles = {"inference_gpus": deployment.inference_gpus, "policy_gpus": deployment.policy_gpus,
+             "critic GPUs": ctx.value_gpus}  # fmt: skip
+    roles.update({f"{name} GPUs": gpus for name, gpus in served_gpus(ctx.config).items()})
+    needed = sum(roles.values())
     if needed > capacity:
         return [
-            f"deployment: inference_gpus + policy_gpus + critic GPUs = {deployment.inference_gpus} + "
-            f"{deployment.policy_gpus} + {ctx.value_gpus} = {needed} exceeds nodes*gpus_per_node = {capacity}"
+            f"deployment: {' + '.join(roles)} = {' + '.join(str(g) for g in roles.values())} = {needed} "
+            f"exceeds nodes*gpus_per_node = {capacity}"
         ]
     return []
 

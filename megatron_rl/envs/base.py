@@ -18,6 +18,9 @@ class Turn:
     tool_errors: int = 0  # of which failed (metric `tool_errors`)
     tool_malformed: int = 0  # of the failed, those the parser could not read (metric `tool_malformed`)
     judge_score: float | None = None  # an LLM judge's verdict in [0, 1] (orchestrator.judge; envs/judge.py)
+    # A hub environment's named signals: "reward/NAME" (a reward's unweighted score) and "metric/NAME"
+    # (per-step metrics `env/reward/NAME_mean`, `env/metric/NAME_mean`; envs/hubs/).
+    scores: dict[str, float] | None = None
 
 
 class Environment(ABC):

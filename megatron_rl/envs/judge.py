@@ -40,11 +40,15 @@ class JudgeUnavailable(RuntimeError):
 
 
 class Judge:
-    def __init__(self, config, transport: httpx.AsyncBaseTransport | None = None, backoff_s: float = 0.5):
+    def __init__(self, config, transport: httpx.AsyncBaseTransport | None = None, backoff_s: float = 0.5,
+                 url: str | None = None):  # fmt: skip
         """`config`: an `orchestrator.judge` JudgeConfig; `transport`: an httpx transport (an in-process server) in place of the network;
-        `backoff_s`: the first retry's wait (doubling, at most 5 s)."""
+        `backoff_s`: the first retry's wait (doubling, at most 5 s); `url`: where the judge is
+        served when the run serves it (its router, from the layout), else `config.url`."""
         self.config, self.backoff_s = config, backoff_s
-        self.url = config.url.rstrip("/")
+        if (url or config.url) is None:
+            raise ValueError("orchestrator.judge: no url, and no served judge's address was given")
+        self.url = (url or config.url).rstrip("/")
         key = config.api_key()
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s, connect=30.0), transport=transport,
                                        headers={"Authorization": f"Bearer {key}"} if key else {})  # fmt: skip

@@ -58,10 +58,10 @@ class VllmTeacher:
             reply = await self.client._http.get(f"{self.url}/v1/models", timeout=timeout_s)
             names = [entry["id"] for entry in reply.json().get("data", [])] if reply.status_code == 200 else None
         except (httpx.HTTPError, ValueError) as exc:
-            raise TeacherError(f"distillation.teacher.url {self.url}: {type(exc).__name__}: {exc}") from None
+            raise TeacherError(f"the teacher at {self.url} (distillation.teacher): {type(exc).__name__}: {exc}") from None
         if names is None or self.model not in names:
             raise TeacherError(
-                f"distillation.teacher.url {self.url} does not serve {self.model!r} "
+                f"the teacher at {self.url} (distillation.teacher) does not serve {self.model!r} "
                 f"(distillation.teacher.served_model_name); it answered {names if names is not None else reply.status_code}"
             )
 

@@ -297,9 +297,9 @@ def _job_step(args: argparse.Namespace) -> int:
         return 2
     configure_logging(resolved.logging)
     if args.command == "inference-server":
-        job_steps.exec_inference_server(resolved, args.index)
+        job_steps.exec_inference_server(resolved, args.index, args.service)
     elif args.command == "router":
-        job_steps.exec_router(resolved)
+        job_steps.exec_router(resolved, args.service)
     return job_steps.wait_inference(resolved)
 
 
@@ -448,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
         step.add_argument("--config", required=True, help="resolved config JSON")
         if name == "inference-server":
             step.add_argument("--index", type=int, required=True)
+        if name in ("inference-server", "router"):
+            step.add_argument("--service", choices=["teacher", "judge"], default=None,
+                              help="a model the run serves beside the policy (default: the policy's inference)")  # fmt: skip
         step.set_defaults(func=_job_step)
     return parser
 

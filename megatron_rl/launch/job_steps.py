@@ -2,8 +2,9 @@
 
     megatron-rl check-config CONFIG --set KEY=VALUE ... --out JOB.json   # node addresses in
     megatron-rl inference-server --config JOB.json --index I           # becomes vLLM (exec)
+    megatron-rl inference-server --config JOB.json --service teacher --index I   # a served model's
     megatron-rl wait-inference --config JOB.json                         # every server ready?
-    megatron-rl router --config JOB.json                                 # becomes vllm-router
+    megatron-rl router --config JOB.json [--service teacher]             # becomes vllm-router
     python -m megatron_rl.launch.ports --count N --hosts ADDR 127.0.0.1 --exclude P ...
 
 `inference-server` and `router` replace their own process with the server's (os.execve), so
@@ -19,16 +20,21 @@ import time
 from megatron_rl.config import ResolvedConfig
 from megatron_rl.inference.pool import InferencePool, router_settings
 from megatron_rl.inference.router import _free_loopback_port, router_command
+from megatron_rl.inference.services import service_api_key, service_router_settings, service_servers
 from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
 
 
-def exec_inference_server(resolved: ResolvedConfig, index: int) -> None:
-    """Becomes server `index`; its devices are the ones SLURM gave this step."""
-
-    placeholder = [["0"] * resolved.inference.tp for _ in range(resolved.inference.num_servers)]
-    server = InferencePool.from_config(resolved, placeholder, f"{resolved.logging.dir}/logs", launch=False)[
-        index
-    ]
+def exec_inference_server(resolved: ResolvedConfig, index: int, service: str | None = None) -> None:
+    """Becomes server `index` of the policy's inference, or of served model `service` (teacher,
+    judge); its devices are the ones SLURM gave this step."""
+    log_dir = f"{resolved.logging.dir}/logs"
+    if service is not None:
+        served = _service(resolved, service)
+        placeholder = [["0"] * served.tp for _ in range(served.num_servers)]
+        server = service_servers(resolved, service, placeholder, log_dir)[index]
+    else:
+        placeholder = [["0"] * resolved.inference.tp for _ in range(resolved.inference.num_servers)]
+        server = InferencePool.from_config(resolved, placeholder, log_dir, launch=False)[index]
     env = {k: v for k, v in server.env.items() if k != "CUDA_VISIBLE_DEVICES"}
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
@@ -36,23 +42,42 @@ def exec_inference_server(resolved: ResolvedConfig, index: int) -> None:
     os.execve(server.command[0], server.command, env)
 
 
-def exec_router(resolved: ResolvedConfig) -> None:
-    command = router_command(resolved.layout.inference_urls, resolved.inference.host, resolved.inference.router_port,
-                             _free_loopback_port(), router_settings(resolved))  # fmt: skip
+def _service(resolved: ResolvedConfig, name: str):
+    if name not in resolved.layout.services:
+        raise SystemExit(f"--service {name}: the config serves {sorted(resolved.layout.services) or 'no model'} "
+                         "beside the policy")  # fmt: skip
+    return resolved.layout.services[name]
+
+
+def exec_router(resolved: ResolvedConfig, service: str | None = None) -> None:
+    """Becomes the policy's vllm-router, or served model `service`'s."""
+    if service is not None:
+        served = _service(resolved, service)
+        host, port = served.url.removeprefix("http://").rsplit(":", 1)
+        command = router_command(served.server_urls, host, int(port), _free_loopback_port(),
+                                 service_router_settings(resolved, service))  # fmt: skip
+    else:
+        command = router_command(resolved.layout.inference_urls, resolved.inference.host,
+                                 resolved.inference.router_port, _free_loopback_port(), router_settings(resolved))  # fmt: skip
     print(f"router: {' '.join(command)}", flush=True)
     os.execv(command[0], command)
 
 
 def wait_inference(resolved: ResolvedConfig) -> int:
+    """0 once every server (the policy's, and each served model's) answers /v1/models with its
+    model; 1 after inference.startup_timeout_s, naming those that do not."""
     inference = resolved.inference
-    api_key = inference.api_key()
+    expected = {url: (inference.served_model_name, inference.api_key()) for url in resolved.layout.inference_urls}
+    for name, service in resolved.layout.services.items():
+        expected.update({url: (service.served_model_name, service_api_key(resolved, name)) for url in service.server_urls})
     deadline = time.monotonic() + inference.startup_timeout_s
-    pending = list(resolved.layout.inference_urls)
+    pending = list(expected)
     while pending:
         still = []
         for url in pending:
+            model, api_key = expected[url]
             try:
-                if inference.served_model_name not in VllmControl(url, api_key=api_key).models(timeout_s=2):
+                if model not in VllmControl(url, api_key=api_key).models(timeout_s=2):
                     still.append(url)
             except VllmControlError:
                 still.append(url)
@@ -65,7 +90,6 @@ def wait_inference(resolved: ResolvedConfig) -> int:
             return 1
         if pending:
             time.sleep(1.0)
-    print(
-        f"all {len(resolved.layout.inference_urls)} inference servers serve {inference.served_model_name!r}"
-    )
+    served = "".join(f", {s.num_servers} {name} server(s) {s.served_model_name!r}" for name, s in resolved.layout.services.items())
+    print(f"all {len(resolved.layout.inference_urls)} inference servers serve {inference.served_model_name!r}{served}")
     return 0

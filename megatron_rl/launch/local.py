@@ -7,9 +7,10 @@ rendezvous ports of both torchrun groups together (free on the host address and 
 none of the configured ports), then starts, in dependency order, each with its own log under
 `logging.dir/logs/`:
 
-1. the vLLM servers (one process group each); the launcher waits until every one serves the
-   expected model;
-2. vllm-router over them;
+1. the vLLM servers (one process group each): the policy's, then those of a teacher and a judge
+   the run serves (`distillation.teacher` / `orchestrator.judge` without `url`: config/services.py,
+   on devices of their own); the launcher waits until every one serves its model;
+2. vllm-router over the policy's servers, and one over each served model's;
 3. the critic's torchrun group (when there is a `value` section);
 4. the policy's torchrun group;
 5. the orchestrator (`megatron-rl orchestrate`, attached to the servers and router above).
@@ -37,6 +38,7 @@ from pathlib import Path
 from megatron_rl.config import ResolvedConfig, load_config
 from megatron_rl.inference.pool import InferencePool, router_settings, served_model_dir
 from megatron_rl.inference.router import router_command
+from megatron_rl.inference.services import service_router_settings, service_servers
 from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
 from megatron_rl.inference.vllm_server import log_tail, signal_group
 from megatron_rl.launch.ports import lost_port, probe_ports
@@ -62,6 +64,7 @@ class Component:
     may_finish: bool = False  # exit 0 is normal (the policy after its last step)
     url: str | None = None  # an inference server's address (readiness: GET /v1/models)
     api_key: str | None = None  # an inference server's API key (inference.api_key_env)
+    model: str | None = None  # the model an inference server must serve to be ready (None: the policy's)
     torchrun: bool = False  # a torchrun agent whose ranks each lead a process session of their own
     process: subprocess.Popen | None = None
     restarts: int = 0
@@ -121,7 +124,7 @@ def visible_devices(resolved: ResolvedConfig) -> list[str]:
     """The devices this launch may use: CUDA_VISIBLE_DEVICES as given, else every GPU; on CPU
     one pseudo-device per process."""
     deployment = resolved.deployment
-    needed = deployment.inference_gpus + deployment.policy_gpus + resolved.layout.value_gpus
+    needed = deployment.inference_gpus + deployment.policy_gpus + resolved.layout.value_gpus + _served_gpus(resolved)
     if deployment.device == "cpu":
         return [f"cpu{i}" for i in range(needed)]
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -134,19 +137,29 @@ def visible_devices(resolved: ResolvedConfig) -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU")]
 
 
+def _served_gpus(resolved: ResolvedConfig) -> int:
+    return sum(service.gpus for service in resolved.layout.services.values())
+
+
 def assign_devices(resolved: ResolvedConfig, visible: list[str]) -> dict[str, list[str]]:
-    """Disjoint device lists: `inference_{i}` (inference.tp each), `critic`, `policy`."""
-    deployment, inference = resolved.deployment, resolved.inference
-    needed = deployment.inference_gpus + deployment.policy_gpus + resolved.layout.value_gpus
+    """Disjoint device lists: `inference_{i}` (inference.tp each), then `teacher_{i}` and
+    `judge_{i}` of served models (their serve.tp each), `critic`, `policy`."""
+    deployment, inference, services = resolved.deployment, resolved.inference, resolved.layout.services
+    needed = deployment.inference_gpus + deployment.policy_gpus + resolved.layout.value_gpus + _served_gpus(resolved)
     if len(visible) < needed:
+        served = "".join(f", {name} {service.gpus}" for name, service in services.items())
         raise LaunchError(
-            f"the config needs {needed} devices (inference {deployment.inference_gpus}, critic "
+            f"the config needs {needed} devices (inference {deployment.inference_gpus}{served}, critic "
             f"{resolved.layout.value_gpus}, policy {deployment.policy_gpus}) but {len(visible)} are visible: {visible}"
         )
     out, cursor = {}, 0
     for i in range(inference.num_servers):
         out[f"inference_{i}"] = visible[cursor : cursor + inference.tp]
         cursor += inference.tp
+    for name, service in services.items():
+        for i in range(service.num_servers):
+            out[f"{name}_{i}"] = visible[cursor : cursor + service.tp]
+            cursor += service.tp
     if resolved.value is not None:
         out["critic"] = visible[cursor : cursor + resolved.layout.value_gpus]
         cursor += resolved.layout.value_gpus
@@ -204,6 +217,7 @@ def plan_local(
                              router_settings(resolved))  # fmt: skip
     components.append(Component("router", command, logs / "router.log",
                                 ports={"http": router_port, "metrics": ports["router_metrics"]}))  # fmt: skip
+    components += served_components(resolved, devices, ports, logs)
     config = ["--config", str(resolved_path)]
     if resolved.value is not None:
         components.append(Component(
@@ -224,13 +238,35 @@ def plan_local(
     return components
 
 
+def served_components(resolved: ResolvedConfig, devices: dict[str, list[str]], ports: dict[str, int],
+                      logs: Path) -> list[Component]:  # fmt: skip
+    """The servers and the router of each model the run serves (teacher, judge): `NAME_{i}` on
+    devices `NAME_{i}`, and `NAME_router` on its serve.router_port (metrics: `NAME_router_metrics`)."""
+    components = []
+    for name, service in resolved.layout.services.items():
+        servers = service_servers(resolved, name, [devices[f"{name}_{i}"] for i in range(service.num_servers)], logs)
+        for i, server in enumerate(servers):
+            extra = {k: v for k, v in server.env.items() if os.environ.get(k) != v}
+            components.append(Component(f"{name}_{i}", server.command, logs / f"{name}_{i}.log", extra,
+                                        devices[f"{name}_{i}"], {"http": server.port}, url=server.url,
+                                        api_key=server.api_key, model=service.served_model_name))  # fmt: skip
+        router_port = int(service.url.rsplit(":", 1)[1])
+        host = service.url.removeprefix("http://").rsplit(":", 1)[0]
+        command = router_command(service.server_urls, host, router_port, ports[f"{name}_router_metrics"],
+                                 service_router_settings(resolved, name))  # fmt: skip
+        components.append(Component(f"{name}_router", command, logs / f"{name}_router.log",
+                                    ports={"http": router_port, "metrics": ports[f"{name}_router_metrics"]}))  # fmt: skip
+    return components
+
+
 def probe_launch_ports(resolved: ResolvedConfig) -> dict[str, int]:
-    """Both groups' rendezvous ports and the router's metrics port, chosen together, free on
-    the host address and loopback, none of the configured ports."""
+    """Both groups' rendezvous ports and the routers' metrics ports (the policy's, and each served
+    model's), chosen together, free on the host address and loopback, none of the configured ports."""
     names = ["policy_rendezvous", "router_metrics"] + (
         ["critic_rendezvous"] if resolved.value is not None else []
-    )
+    ) + [f"{name}_router_metrics" for name in resolved.layout.services]
     hosts = {"127.0.0.1", resolved.transport.host, resolved.inference.host}
+    hosts |= {s.url.removeprefix("http://").rsplit(":", 1)[0] for s in resolved.layout.services.values()}
     found = probe_ports(len(names), hosts, exclude=set(resolved.layout.ports.values()))
     return dict(zip(names, found, strict=True))
 
@@ -294,7 +330,7 @@ class Supervisor:
             still = []
             for server in pending:
                 try:
-                    if model_name not in VllmControl(server.url, api_key=server.api_key).models(timeout_s=2):
+                    if (server.model or model_name) not in VllmControl(server.url, api_key=server.api_key).models(timeout_s=2):
                         still.append(server)
                 except VllmControlError:
                     still.append(server)
@@ -326,13 +362,13 @@ class Supervisor:
         previous_term = signal.signal(signal.SIGTERM, self._interrupt)
         running: list[Component] = []
         try:
-            servers = [c for c in self.components if c.name.startswith("inference_")]
+            servers = [c for c in self.components if c.url is not None]  # every vLLM server, started together
             for server in servers:
                 self.start(server)
                 running.append(server)
             problem = self.wait_ready(servers, model_name, running, startup_timeout_s)
             if problem is None:
-                for component in self.components[len(servers) :]:
+                for component in [c for c in self.components if c.url is None]:
                     self.start(component)
                     running.append(component)
                 while problem is None and not self.interrupted:

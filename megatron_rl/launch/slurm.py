@@ -2,7 +2,8 @@
 
 Placement (`place`), per node of the allocation:
 
-- inference servers first, `inference.tp` GPUs each, filling nodes in order;
+- inference servers first, `inference.tp` GPUs each, filling nodes in order; then the servers
+  of a teacher and a judge the run serves (config/services.py), `serve.tp` GPUs each, the same way;
 - **shared** (`deployment.num_value_gpus_per_train_node` = c): every training node gives c GPUs
   to the critic (its own torchrun group) and the rest, up to what the policy still needs, to the
   policy; the policy must get the same GPU count on each of its nodes (torchrun);
@@ -15,8 +16,9 @@ component is its own `srun --exact --kill-on-bad-exit=1` step with explicit `--g
 (steps on disjoint GPUs of a node run concurrently; SLURM sets each step's
 CUDA_VISIBLE_DEVICES; the training steps get what megatron needs on top, `srun --export`:
 `launch.local.training_env`); hosts are the nodes' own addresses (never `localhost` across nodes), put
-into the job's resolved config with `check-config --set`; inference steps first, vllm-router on
-the first inference node only after every server answers `/v1/models`; rendezvous ports probed
+into the job's resolved config with `check-config --set`; inference steps first (the policy's and
+each served model's), vllm-router on the first inference node only after every server answers
+`/v1/models` (each served model's router on its own first server's node); rendezvous ports probed
 on each group's first node (both groups together on a shared node). Then `wait -n`: the
 orchestrator finishing ends the job with 0; any other step ending first (the policy's exit 0
 excepted) ends the job with its code, naming the step. Stopping sends SIGTERM to the job's own
@@ -61,6 +63,16 @@ def place(resolved: ResolvedConfig) -> dict[str, StepPlacement | list[StepPlacem
             )
         free[node] -= inference.tp
         servers.append(StepPlacement(f"inference_{i}", [node], inference.tp))
+    services: dict[str, list[StepPlacement]] = {}
+    for name, service in layout.services.items():
+        services[name] = []
+        for i in range(service.num_servers):
+            node = next((n for n in range(nodes) if free[n] >= service.tp), None)
+            if node is None:
+                raise SlurmError(f"{name} server {i} ({service.key}.serve.tp {service.tp}) does not fit on any of "
+                                 f"{nodes} nodes of {g} GPUs after the inference servers")  # fmt: skip
+            free[node] -= service.tp
+            services[name].append(StepPlacement(f"{name}_{i}", [node], service.tp))
     critic_nodes: list[int] = []
     style = layout.deployment_style
     if style == "dedicated":
@@ -88,7 +100,8 @@ def place(resolved: ResolvedConfig) -> dict[str, StepPlacement | list[StepPlacem
     if len(set(per_node)) > 1:
         raise SlurmError(f"deployment: the policy would get {per_node} GPUs on nodes {policy_nodes}; torchrun needs "
                          "the same count on every node (change policy_gpus or inference_gpus)")  # fmt: skip
-    out: dict = {"inference": servers, "policy": StepPlacement("policy", policy_nodes, per_node[0])}
+    out: dict = {"inference": servers, "services": services,
+                 "policy": StepPlacement("policy", policy_nodes, per_node[0])}  # fmt: skip
     if style == "shared":
         out["critic"] = StepPlacement("critic", policy_nodes, reserve)
     elif style == "dedicated":
@@ -106,6 +119,7 @@ def gpu_use_per_node(placement) -> list[dict[str, int]]:
     """For each node, GPUs per step (the rendered script asks SLURM for exactly these)."""
     steps = [
         *placement["inference"],
+        *(step for servers in placement.get("services", {}).values() for step in servers),
         placement["policy"],
         *([placement["critic"]] if "critic" in placement else []),
     ]
@@ -141,7 +155,11 @@ def render(resolved: ResolvedConfig, config_path: Path, partition: str | None = 
            time_limit: str | None = None, python: str | None = None) -> str:  # fmt: skip
     placement = place(resolved)
     run_dir = Path(resolved.logging.dir).resolve()
-    steps_per_node = 2 + len(placement["inference"]) + 3  # every step of a node, plus probes and the router
+    served = placement["services"]
+    # every step of a node, plus probes and the routers
+    steps_per_node = 2 + len(placement["inference"]) + 3 + sum(len(servers) + 1 for servers in served.values())
+    services = [{"name": name, "key": resolved.layout.services[name].key, "servers": servers}
+                for name, servers in served.items()]  # fmt: skip
     return template("job.sbatch.j2").render(
         job_name=f"megatron-rl-{resolved.algorithm.type}",
         nodes=resolved.deployment.nodes,
@@ -153,6 +171,7 @@ def render(resolved: ResolvedConfig, config_path: Path, partition: str | None = 
         config=str(config_path.resolve()),
         run_dir=str(run_dir),
         inference=placement["inference"],
+        services=services,
         policy=placement["policy"],
         critic=placement.get("critic"),
         orchestrator=placement["orchestrator"],

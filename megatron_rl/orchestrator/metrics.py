@@ -59,11 +59,16 @@ def turn_metrics(members) -> dict:
     environment appended, loss mask 0), `budget_exhausted_rate` (rollouts cut by the token budget
     before their episode ended: bootstrapped by the critic's value), `template_rewrites` (tool
     messages the chat template could not render as an extension of the rollout: rendered after a
-    reference conversation instead, orchestrator/chat.py)."""
+    reference conversation instead, orchestrator/chat.py), and a hub environment's named rewards and
+    metrics (`env/reward/NAME_mean`, `env/metric/NAME_mean`: means over the members that have them)."""
     if not members:
         return {"turns_mean": None, "tool_calls": 0, "tool_errors": 0, "tool_malformed": 0, "observation_tokens_mean": None,
                 "budget_exhausted_rate": None, "template_rewrites": 0}  # fmt: skip
     judged = [m.judge_score for m in members if m.judge_score is not None]
+    named: dict[str, list[float]] = {}
+    for member in members:
+        for name, value in (member.scores or {}).items():
+            named.setdefault(name, []).append(value)
     return {
         **({"judge_score_mean": float(np.mean(judged))} if judged else {}),
         "turns_mean": float(np.mean([m.turns for m in members])),
@@ -73,6 +78,7 @@ def turn_metrics(members) -> dict:
         "observation_tokens_mean": float(np.mean([m.observation_tokens for m in members])),
         "budget_exhausted_rate": float(np.mean([m.budget_exhausted for m in members])),
         "template_rewrites": int(sum(m.template_rewrites for m in members)),
+        **{f"env/{name}_mean": float(np.mean(values)) for name, values in sorted(named.items())},
     }
 
 

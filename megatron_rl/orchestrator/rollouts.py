@@ -47,6 +47,7 @@ class Member:
     interruptions: int = 0  # completions' parts ended by a weight update and resumed
     judge_score: float | None = None  # an LLM judge's verdict (orchestrator.judge)
     reprefilled_tokens: int = 0  # tokens the resumed parts sent again as their prompt
+    scores: dict[str, float] | None = None  # a hub environment's named rewards and metrics (envs/base.py Turn)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -217,6 +218,7 @@ async def run_member(
         observation_tokens=session.observation_tokens, template_rewrites=session.template_rewrites,
         interruptions=session.interruptions, reprefilled_tokens=session.reprefilled_tokens,
         judge_score=turn_result.judge_score if turn_result is not None else None,
+        scores=turn_result.scores if turn_result is not None else None,
         budget_exhausted=session.exhausted or (not done and session.remaining_tokens <= 0),
     )  # fmt: skip
 

@@ -12,8 +12,11 @@ resolved config with the real collaborators:
 - `CriticLink`: the critic's HTTP service (`HttpValueScorer`: one `/score` per group, `/status`
   polled until the step is trained) and its ZMQ GridSender;
 - the policy's GridSender;
-- with `distillation`, the teacher (`VllmTeacher` at `distillation.teacher.url`), its tokenizer
-  checked to be the student's before anything starts.
+- with `distillation`, the teacher (`VllmTeacher` at `distillation.teacher.url`, or, for a
+  teacher the run serves, at its router: `layout.services["teacher"].url`), its tokenizer checked
+  to be the student's before anything starts;
+- with `orchestrator.judge`, the judge at its `url` or, served by the run, at its router
+  (`layout.services["judge"].url`).
 """
 
 from __future__ import annotations
@@ -170,7 +173,7 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
                            api_key=resolved.inference.api_key(),
                            on_worker_failure=lambda url: log.warning("inference server %s failed a request", url))  # fmt: skip
     environment = make_environment(o.environment, o.dataset, o.seed, args=o.environment_args)
-    judge = Judge(o.judge) if o.judge is not None else None
+    judge = Judge(o.judge, url=service_url(resolved, "judge")) if o.judge is not None else None
     if judge is not None:  # the verdict is the reward (orchestrator.judge)
         environment = JudgedEnvironment(environment, judge)
     encoder.check_environment(environment)
@@ -178,8 +181,8 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
     if resolved.distillation is not None:  # the same token ids, then a teacher that answers
         settings = resolved.distillation.teacher
         check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(settings.model_dir), settings.model_dir)
-        teacher = VllmTeacher(settings.url, settings.served_model_name, settings.api_key(), settings.timeout_s,
-                              settings.max_concurrent)  # fmt: skip
+        teacher = VllmTeacher(settings.url or service_url(resolved, "teacher"), settings.served_model_name,
+                              settings.api_key(), settings.timeout_s, settings.max_concurrent)  # fmt: skip
     orchestrator = Orchestrator(resolved, environment, encoder, client, follower, critic, send_policy, state, metrics,
                                 timeouts, teacher=teacher)  # fmt: skip
     follower.start()
@@ -206,6 +209,13 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
         if critic is not None:
             await critic.close()
         await asyncio.to_thread(policy_sender.close)
+
+
+def service_url(resolved: ResolvedConfig, name: str) -> str | None:
+    """The router URL of a model the run serves (teacher, judge), as the launcher started it;
+    None when the user serves it (its section's url)."""
+    service = resolved.layout.services.get(name)
+    return service.url if service is not None else None
 
 
 def prompt_encoder(o, tokenizer) -> PromptEncoder:

@@ -1,11 +1,14 @@
 """The rendered sbatch scripts on a real SLURM (two pseudo-nodes on loopback, fake GPUs through
 gres; tests/support/slurm_cluster.py), with a tiny CPU config for two steps: the shared and
-the dedicated layout succeed with every component on the node and device set the layout says;
+the dedicated layout succeed with every component on the node and device set the layout says
+(the shared one with a distillation teacher the job serves itself, on n1's free GPU);
 a step killed mid-job fails the job with that step named; `megatron-rl preflight --slurm` checks
 every node and a policy's collectives across the two nodes it spans, and fails naming a held port."""
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import socket
 import subprocess
@@ -40,8 +43,8 @@ def model(tmp_path_factory):
     return make_tiny_model("qwen3", tmp_path_factory.mktemp("model") / "qwen3", seed=3, hidden_size=128)
 
 
-def write_config(tmp_path, model, style: str, num_steps: int = 2):
-    ports = [free_port() for _ in range(6)]
+def write_config(tmp_path, model, style: str, num_steps: int = 2, teacher: bool = False):
+    ports = [free_port() for _ in range(8)]
     deployment = {"device": "cpu", "nodes": 2, "gpus_per_node": 2, "inference_gpus": 1, "policy_gpus": 1}
     config = {
         "model": {"hf_config": str(model), "checkpoint": str(model), "seq_len": 128, "dtype": "float32"},
@@ -66,6 +69,9 @@ def write_config(tmp_path, model, style: str, num_steps: int = 2):
         "checkpoint": {"dir": str(tmp_path / "checkpoints")},
         "logging": {"dir": str(tmp_path / "run"), "console": False},
     }
+    if teacher:  # served by the job from the model itself (the same tokenizer as the student's)
+        config["distillation"] = {"coef": 0.1, "teacher": {"model_dir": str(model),
+                                                           "serve": {"base_port": ports[6], "router_port": ports[7]}}}  # fmt: skip
     if style != "none":
         config["value"] = {"model": {"hf_config": str(model), "checkpoint": str(model), "seq_len": 128,
                                      "dtype": "float32"}, "service": {"port": ports[5]}}  # fmt: skip
@@ -94,7 +100,7 @@ def job_output(tmp_path, job_id) -> str:
 
 @pytest.mark.parametrize("style", ["shared", "dedicated"])
 def test_rendered_job_runs_two_steps_with_components_where_the_layout_says(slurm, model, tmp_path, style):
-    script = write_config(tmp_path, model, style)
+    script = write_config(tmp_path, model, style, teacher=style == "shared")
     code, job_id = slurm.sbatch_wait(script)
     output = job_output(tmp_path, job_id)
     assert code == 0, output + "\n".join(
@@ -102,12 +108,19 @@ def test_rendered_job_runs_two_steps_with_components_where_the_layout_says(slurm
     )
     assert "the orchestrator finished its steps" in output
     places = step_places(tmp_path / "run" / "logs")
-    assert places["inference_0"] == [("n1", "0")] and places["router"] == [("n1", "none")]
-    if style == "shared":  # policy and critic share n2 on disjoint GPUs
+    assert [p[0] for p in places["inference_0"]] == ["n1"] and places["router"] == [("n1", "none")]
+    if style == "shared":  # policy and critic share n2 on disjoint GPUs; the teacher has n1's other GPU
         assert [p[0] for p in places["policy"]] == ["n2"] and [p[0] for p in places["critic"]] == ["n2"]
         assert places["policy"][0][1] != places["critic"][0][1]
         assert places["orchestrator"] == [("n2", "none")]
+        assert [p[0] for p in places["teacher_0"]] == ["n1"] and places["teacher_router"] == [("n1", "none")]
+        assert {places["teacher_0"][0][1], places["inference_0"][0][1]} == {"0", "1"}  # n1's two GPUs, one each
+        records = [json.loads(line) for line in (tmp_path / "run" / "orchestrator_metrics.jsonl").read_text().splitlines()]
+        # the orchestrator on n2 reached the teacher's router on n1's address (a step fails otherwise):
+        # every step reports the teacher's signal
+        assert all(math.isfinite(r["teacher_kl_mean"]) and math.isfinite(r["distill_reward_mean"]) for r in records)
     else:  # the policy beside inference on n1, the critic alone on n2 with both its GPUs
+        assert places["inference_0"] == [("n1", "0")]
         assert places["policy"] == [("n1", "1")] and places["critic"] == [("n2", "0,1")]
         assert places["orchestrator"] == [("n1", "none")]
     metrics = (tmp_path / "run" / "orchestrator_metrics.jsonl").read_text().splitlines()

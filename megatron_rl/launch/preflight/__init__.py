@@ -6,6 +6,7 @@ CUDA, its gloo twin on the CPU (`--cpu`, or a machine without CUDA), so that eve
 in the CPU tests. tests/gpu/checks.py takes the same entries into the GPU script's table.
 
     host_checks.py   versions against their declared ranges, TE's torch extension, ports, memory
+    services.py      a teacher and a judge: reachable (the user's) or loadable (the run's), the tokenizer
     rank_checks.py   collectives over every group of each role's layout, one forward/backward of
                      the configured layer spec, a weight update into one vLLM server (spawned ranks)
     sbatch.py        the sbatch script that runs preflight on every node of the config's allocation

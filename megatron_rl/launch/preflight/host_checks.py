@@ -164,6 +164,10 @@ def listening_ports(context: Context) -> dict[str, tuple[str, int]]:
     servers = resolved.inference.server_hosts or [resolved.inference.host] * resolved.inference.num_servers
     for i, host in enumerate(servers):
         hosts[f"inference.base_port+{i}"] = host
+    for service in resolved.layout.services.values():  # a served teacher's and judge's servers and router
+        hosts[f"{service.key}.serve.router_port"] = service.url.removeprefix("http://").rsplit(":", 1)[0]
+        for i, url in enumerate(service.server_urls):
+            hosts[f"{service.key}.serve.base_port+{i}"] = url.removeprefix("http://").rsplit(":", 1)[0]
     return {key: (hosts[key], port) for key, port in resolved.layout.ports.items()}
 
 

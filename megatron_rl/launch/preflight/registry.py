@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from megatron_rl.config import ResolvedConfig
-from megatron_rl.launch.preflight import host_checks, rank_checks
+from megatron_rl.launch.preflight import host_checks, rank_checks, services
 from megatron_rl.launch.preflight.base import Check, CheckFailed, Context, NotRun, Result
 
 REGISTRY = [
@@ -37,6 +37,14 @@ REGISTRY = [
         "free host memory against the plan's offloaded optimizer state, and (CUDA) every GPU's free "
         "memory against each role's planned total",
         host_checks.check_memory,
+    ),  # fmt: skip
+    Check(
+        "served_models",
+        30,
+        "a teacher and a judge: one the user serves answers /v1/models with its model; one the run serves "
+        "loads from its model_dir; the teacher's tokenizer is the student's; (CUDA, one node) the GPUs visible "
+        "cover every role's, the served models' included (NOT RUN without either)",
+        services.check_served_models,
     ),  # fmt: skip
     Check(
         "collectives",
