@@ -9,10 +9,16 @@ from pydantic import Field, field_validator, model_validator
 
 from megatron_rl.config.base import Strict
 
-Family = Literal["qwen3", "qwen3_moe", "llama"]
+Family = Literal["qwen3", "qwen3_moe", "llama", "glm4_moe"]
 
 # HF `model_type` -> our family name. A family is supported when its builder mapping exists.
-HF_MODEL_TYPES: dict[str, Family] = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "llama": "llama"}
+HF_MODEL_TYPES: dict[str, Family] = {
+    "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "llama": "llama", "glm4_moe": "glm4_moe",
+}  # fmt: skip
+# Families whose router scores experts with a sigmoid and routes on score + a per-expert bias
+# (HF `e_score_correction_bias`, megatron's `expert_bias`), with shared experts beside the routed
+# ones (DeepSeek-V3's MoE; GLM-4.5's).
+SIGMOID_ROUTER_FAMILIES = ("glm4_moe",)
 
 
 class Architecture(Strict):
@@ -35,6 +41,16 @@ class Architecture(Strict):
     tie_word_embeddings: bool = Field(default=False, description="Share the input embedding's weights with the output layer.")
     qk_norm: bool = Field(default=False, description="RMSNorm on queries and keys per head (Qwen3).")
     moe_norm_topk_prob: bool = Field(default=True, description="Renormalise the top-k router probabilities (Qwen3-MoE).")
+    moe_score_function: Literal["softmax", "sigmoid"] = Field(default="softmax", description="The router's score: softmax over the experts (Qwen3-MoE) or a sigmoid per expert (GLM-4.5, DeepSeek-V3).")
+    moe_expert_bias: bool = Field(default=False, description="A per-expert bias added to the sigmoid scores to choose the experts, not to weight them (HF e_score_correction_bias). Loaded and frozen: megatron's aux-loss-free balancing would move it every step, while vLLM serves the bias it loaded.")
+    moe_num_groups: int = Field(default=0, ge=0, description="Group-limited routing: the experts form this many groups and each token chooses among the experts of moe_group_topk groups (HF n_group); 0: no groups.")
+    moe_group_topk: int = Field(default=0, ge=0, description="Groups each token's experts come from (HF topk_group); with groups, num_experts_per_tok must be 2 x moe_group_topk (transformers scores a group by its top-2 experts, megatron by its top num_experts_per_tok / moe_group_topk).")
+    moe_routed_scaling_factor: float = Field(default=1.0, gt=0, description="Factor on the routed experts' weights (HF routed_scaling_factor).")
+    shared_expert_intermediate_size: int = Field(default=0, ge=0, description="Hidden width of the shared experts' MLP, which every token goes through beside its routed experts (HF n_shared_experts x moe_intermediate_size); 0: none.")
+    first_k_dense_layers: int = Field(default=0, ge=0, description="The first layers of an MoE model with a dense MLP of intermediate_size instead of experts (HF first_k_dense_replace).")
+    partial_rotary_factor: float = Field(default=1.0, gt=0, le=1, description="The fraction of each head's channels that RoPE rotates (the first ones; GLM-4.5: 0.5).")
+    attention_bias: bool = Field(default=False, description="Biases on the query, key and value projections (not on the output projection: GLM-4.5's attention_bias).")
+    mtp_layers: int = Field(default=0, ge=0, description="Multi-token-prediction layers a released checkpoint holds after the decoder layers (HF num_nextn_predict_layers): their tensors are dropped on conversion and load (neither trained nor written back).")
 
     @model_validator(mode="after")
     def _check(self) -> Architecture:
@@ -51,7 +67,66 @@ class Architecture(Strict):
             )
         if self.num_experts and not self.moe_intermediate_size:
             raise ValueError("moe_intermediate_size is required when num_experts > 0")
+        self._check_router()
+        if self.first_k_dense_layers and not (self.num_experts and self.first_k_dense_layers < self.num_layers):
+            raise ValueError(
+                f"first_k_dense_layers ({self.first_k_dense_layers}) needs an MoE model (num_experts > 0) with more "
+                f"layers (num_layers {self.num_layers})"
+            )
+        if self.shared_expert_intermediate_size and not self.num_experts:
+            raise ValueError("shared_expert_intermediate_size needs an MoE model (num_experts > 0)")
+        if self.partial_rotary_factor != 1.0 and self.rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor ({self.partial_rotary_factor}) x head dim ({self.kv_channels}) gives "
+                f"{self.rotary_dim} rotated channels; RoPE needs an even number"
+            )
         return self
+
+    def _check_router(self) -> None:
+        """The router settings megatron computes as transformers does (moe_utils.topk_routing_with_score_function
+        against the HF routers), refused otherwise, naming the HF fields."""
+        if self.moe_expert_bias and self.moe_score_function != "sigmoid":
+            raise ValueError("moe_expert_bias needs moe_score_function sigmoid (megatron adds the bias to sigmoid scores)")
+        if self.moe_score_function == "sigmoid" and self.num_experts:
+            # megatron renormalises the top-k sigmoid scores exactly when num_experts_per_tok > 1
+            if self.moe_norm_topk_prob != (self.num_experts_per_tok > 1):
+                raise ValueError(
+                    f"norm_topk_prob={self.moe_norm_topk_prob} with num_experts_per_tok={self.num_experts_per_tok} "
+                    "and sigmoid routing: megatron renormalises the chosen experts' sigmoid scores when it routes "
+                    "to more than one expert and only then; a model that does otherwise is not supported"
+                )
+        if bool(self.moe_num_groups) != bool(self.moe_group_topk):
+            raise ValueError(
+                f"moe_num_groups ({self.moe_num_groups}) and moe_group_topk ({self.moe_group_topk}) are set together"
+            )
+        if not self.moe_num_groups:
+            return
+        if self.num_experts % self.moe_num_groups or self.moe_group_topk >= self.moe_num_groups:
+            raise ValueError(
+                f"group-limited routing needs n_group ({self.moe_num_groups}) to divide the experts "
+                f"({self.num_experts}) and topk_group ({self.moe_group_topk}) below n_group"
+            )
+        if self.num_experts_per_tok != 2 * self.moe_group_topk:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be 2 x topk_group ({self.moe_group_topk}) "
+                "with group-limited routing (n_group > 1): transformers scores a group by the sum of its top-2 "
+                "experts, megatron by its top num_experts_per_tok / topk_group; they agree only then"
+            )
+        if self.num_experts // self.moe_num_groups < 2:
+            raise ValueError(
+                f"group-limited routing needs at least 2 experts a group (n_group {self.moe_num_groups}, "
+                f"{self.num_experts} experts): a group is scored by its top-2"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of each head that RoPE rotates (the first ones)."""
+        return int(self.kv_channels * self.partial_rotary_factor)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The indices of the layers with experts."""
+        return list(range(self.first_k_dense_layers, self.num_layers)) if self.num_experts else []
 
     @property
     def kv_channels(self) -> int:
@@ -72,19 +147,41 @@ class Architecture(Strict):
         # use rope_theta / rope_scaling / num_experts.
         rope = config.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        glm = family == "glm4_moe"
+        partial_rotary = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
         unsupported = {
             "rope_scaling": config.get("rope_scaling"),
             "rope_parameters.rope_type": None if rope_type == "default" else rope_type,
-            "attention_bias": config.get("attention_bias"),
+            # GLM biases q/k/v only; the others' attention_bias biases the output projection too
+            "attention_bias": None if glm else config.get("attention_bias"),
+            "partial_rotary_factor": None if glm or partial_rotary in (None, 1, 1.0) else partial_rotary,
             "mlp_bias": config.get("mlp_bias"),
             "mlp_only_layers": config.get("mlp_only_layers") or None,
             "decoder_sparse_step": None
             if config.get("decoder_sparse_step", 1) == 1
             else config["decoder_sparse_step"],
+            "hidden_act": None if config.get("hidden_act", "silu") == "silu" else config["hidden_act"],
         }
         for key, value in unsupported.items():
             if value:
                 raise ValueError(f"{source}: {key}={value!r} is not supported by the {family} builder yet")
+        num_experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0
+        moe = dict(moe_norm_topk_prob=config.get("norm_topk_prob", True))
+        if family in SIGMOID_ROUTER_FAMILIES:
+            groups, group_topk = config.get("n_group") or 1, config.get("topk_group") or 1
+            # one group, or every group chosen, is plain top-k
+            limited = 1 < groups and group_topk < groups
+            moe.update(
+                moe_score_function="sigmoid",
+                moe_expert_bias=True,
+                moe_num_groups=groups if limited else 0,
+                moe_group_topk=group_topk if limited else 0,
+                moe_routed_scaling_factor=config.get("routed_scaling_factor") or 1.0,
+                shared_expert_intermediate_size=(config.get("n_shared_experts") or 0)
+                * (config.get("moe_intermediate_size") or 0),
+                first_k_dense_layers=config.get("first_k_dense_replace") or 0,
+                mtp_layers=config.get("num_nextn_predict_layers") or config.get("num_mtp_layers") or 0,
+            )
         return cls(
             family=family,
             hidden_size=config["hidden_size"],
@@ -94,15 +191,17 @@ class Architecture(Strict):
             head_dim=config.get("head_dim"),
             intermediate_size=config["intermediate_size"],
             vocab_size=config["vocab_size"],
-            num_experts=config.get("num_experts") or config.get("num_local_experts") or 0,
+            num_experts=num_experts,
             num_experts_per_tok=config.get("num_experts_per_tok", 0) or 0,
             moe_intermediate_size=config.get("moe_intermediate_size", 0) or 0,
             rope_theta=config.get("rope_theta") or rope.get("rope_theta") or 10000.0,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=config.get("tie_word_embeddings", False),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
-            moe_norm_topk_prob=config.get("norm_topk_prob", True),
+            qk_norm=bool(config.get("use_qk_norm")) if glm else family in ("qwen3", "qwen3_moe"),
+            partial_rotary_factor=partial_rotary or 1.0,
+            attention_bias=bool(glm and config.get("attention_bias")),
+            **moe,
         )
 
 

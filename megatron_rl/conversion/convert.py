@@ -40,6 +40,7 @@ from megatron_rl.conversion.hf_mapping import (
 )
 from megatron_rl.conversion.spec_keys import checkpoint_keys, plan_load
 from megatron_rl.models.builder import build_gpt_model
+from megatron_rl.models.sharding import named_weights
 from megatron_rl.models.value_model import build_value_model, initial_value_head
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -59,7 +60,7 @@ def single_process_group() -> None:
 
 def checkpoint_structure(arch: Architecture, value_model: bool) -> tuple[dict, dict[str, tuple[int, ...]]]:
     """(The sharded state dict of the local-spec model at TP = PP = EP = 1 on the meta device,
-    each parameter's shape by name). Collective-free; needs megatron's parallel state."""
+    each parameter's and weight buffer's (a router's expert bias) shape by name). Collective-free; needs megatron's parallel state."""
     builder = build_value_model if value_model else build_gpt_model
     with torch.device("meta"):
         model = builder(
@@ -69,7 +70,7 @@ def checkpoint_structure(arch: Architecture, value_model: bool) -> tuple[dict, d
             use_cpu_initialization=True,
             perform_initialization=False,
         )
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    shapes = {name: tuple(p.shape) for name, p in named_weights(model)}
     return model.sharded_state_dict(), shapes
 
 

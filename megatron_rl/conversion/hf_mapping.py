@@ -35,6 +35,13 @@ QK_NORM_RENAMES = {
 }
 DENSE_MLP_RENAMES = {"model.layers.{L}.mlp.down_proj.weight": "decoder.layers.{L}.mlp.linear_fc2.weight"}
 ROUTER_RENAMES = {"model.layers.{L}.mlp.gate.weight": "decoder.layers.{L}.mlp.router.weight"}
+# The sigmoid router's per-expert bias: a buffer on both sides (a walk over parameters misses it).
+EXPERT_BIAS_RENAMES = {
+    "model.layers.{L}.mlp.gate.e_score_correction_bias": "decoder.layers.{L}.mlp.router.expert_bias"
+}
+SHARED_EXPERT_RENAMES = {
+    "model.layers.{L}.mlp.shared_experts.down_proj.weight": "decoder.layers.{L}.mlp.shared_experts.linear_fc2.weight"
+}
 EXPERT_RENAMES = {
     "model.layers.{L}.mlp.experts.{E}.down_proj.weight": "decoder.layers.{L}.mlp.experts.local_experts.{E}.linear_fc2.weight",
 }
@@ -52,9 +59,21 @@ QKV = (
         "model.layers.{L}.self_attn.v_proj.weight",
     ),
 )
+QKV_BIAS = (
+    "decoder.layers.{L}.self_attention.linear_qkv.bias",
+    (
+        "model.layers.{L}.self_attn.q_proj.bias",
+        "model.layers.{L}.self_attn.k_proj.bias",
+        "model.layers.{L}.self_attn.v_proj.bias",
+    ),
+)
 DENSE_FC1 = (
     "decoder.layers.{L}.mlp.linear_fc1.weight",
     ("model.layers.{L}.mlp.gate_proj.weight", "model.layers.{L}.mlp.up_proj.weight"),
+)
+SHARED_EXPERT_FC1 = (
+    "decoder.layers.{L}.mlp.shared_experts.linear_fc1.weight",
+    ("model.layers.{L}.mlp.shared_experts.gate_proj.weight", "model.layers.{L}.mlp.shared_experts.up_proj.weight"),
 )
 EXPERT_FC1 = (
     "decoder.layers.{L}.mlp.experts.local_experts.{E}.linear_fc1.weight",
@@ -63,7 +82,10 @@ EXPERT_FC1 = (
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Architecture) -> torch.Tensor:
-    """[q heads of group g; k_g; v_g] for each query group g -> [(H + 2G) * d, hidden]."""
+    """[q heads of group g; k_g; v_g] for each query group g -> [(H + 2G) * d, hidden] (weights),
+    [(H + 2G) * d] (biases)."""
+    if q.dim() == 1:
+        return fuse_qkv(q[:, None], k[:, None], v[:, None], arch)[:, 0]
     groups, d = arch.num_key_value_heads, arch.kv_channels
     per_group = arch.num_attention_heads // groups
     hidden = q.shape[-1]
@@ -79,6 +101,8 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Architectu
 
 
 def split_qkv(qkv: torch.Tensor, arch: Architecture) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if qkv.dim() == 1:
+        return tuple(part[:, 0] for part in split_qkv(qkv[:, None], arch))
     groups, d = arch.num_key_value_heads, arch.kv_channels
     per_group = arch.num_attention_heads // groups
     hidden = qkv.shape[-1]
@@ -110,25 +134,31 @@ def _renamed(table: dict[str, str]) -> list[MappedTensor]:
     return [MappedTensor(mg, (hf,)) for hf, mg in table.items()]
 
 
-def layer_templates(arch: Architecture) -> tuple[list[MappedTensor], list[MappedTensor]]:
-    """(one decoder layer's tensors except experts, one expert's tensors) with `{L}` and `{E}`
+def layer_templates(arch: Architecture, layer: int) -> tuple[list[MappedTensor], list[MappedTensor]]:
+    """(decoder layer `layer`'s tensors except experts, one expert's tensors) with `{L}` and `{E}`
     unfilled, in the order a layer is published: a module of vLLM's processes its tensors only
     once it has all of them (q/k/v, gate/up, and every expert of a fused MoE layer), so each
-    module's tensors travel together and each expert's gate, up and down together."""
-    layer = [
+    module's tensors travel together and each expert's gate, up and down together. An MoE
+    model's first `first_k_dense_layers` layers are dense."""
+    attention = [
         *_renamed(INPUT_NORM_RENAMES),
         MappedTensor(*QKV, fuse_qkv, split_qkv),
+        *([MappedTensor(*QKV_BIAS, fuse_qkv, split_qkv)] if arch.attention_bias else []),
         *(_renamed(QK_NORM_RENAMES) if arch.qk_norm else []),
         *_renamed(ATTENTION_OUTPUT_RENAMES),
     ]
-    if not arch.num_experts:
+    if layer not in arch.moe_layers:
         return [
-            *layer,
+            *attention,
             MappedTensor(*DENSE_FC1, fuse_gate_up, split_gate_up),
             *_renamed(DENSE_MLP_RENAMES),
         ], []
+    router = [*_renamed(ROUTER_RENAMES), *(_renamed(EXPERT_BIAS_RENAMES) if arch.moe_expert_bias else [])]
+    shared = []
+    if arch.shared_expert_intermediate_size:
+        shared = [MappedTensor(*SHARED_EXPERT_FC1, fuse_gate_up, split_gate_up), *_renamed(SHARED_EXPERT_RENAMES)]
     expert = [MappedTensor(*EXPERT_FC1, fuse_gate_up, split_gate_up), *_renamed(EXPERT_RENAMES)]
-    return [*layer, *_renamed(ROUTER_RENAMES)], expert
+    return [*attention, *router, *shared], expert
 
 
 @dataclass(frozen=True)
@@ -153,10 +183,10 @@ class FamilyMapping:
 def family_mapping(arch: Architecture, value_model: bool = False) -> FamilyMapping:
     """The name table for `arch` with every {L} and {E} filled in, in publishing order."""
     tensors = _renamed(EMBEDDING_RENAMES)
-    per_layer, per_expert = layer_templates(arch)
     for layer in range(arch.num_layers):
+        per_layer, per_expert = layer_templates(arch, layer)
         tensors += [_filled(t, layer, None) for t in per_layer]
-        for expert in range(arch.num_experts or 0):
+        for expert in range(arch.num_experts if per_expert else 0):
             tensors += [_filled(t, layer, expert) for t in per_expert]
     tensors += _renamed(FINAL_NORM_RENAMES)
     if value_model:
@@ -211,6 +241,9 @@ class MegatronStateFromHF(Mapping):
             self._sources[tensor.megatron] = (tensor.hf, tensor.fuse)
         used = {name for names, _ in self._sources.values() for name in names}
         ignorable = {"lm_head.weight"} if value_model or arch.tie_word_embeddings else set()
+        # multi-token-prediction layers after the decoder's (released GLM-4.5 checkpoints) are dropped
+        mtp = range(arch.num_layers, arch.num_layers + arch.mtp_layers)
+        ignorable |= {name for name in hf if decoder_layer_of(name) in mtp}
         unused = sorted(set(hf) - used - ignorable)
         if unused:
             raise ConversionError(

@@ -15,12 +15,15 @@ The two specs save the same weights under the same dist_checkpointing keys, exce
 
 Dense layers need no rename: the local key map gives `self_attention.linear_qkv.layer_norm_weight`
 and `mlp.linear_fc1.layer_norm_weight`, the names of TE's fused parameters. Keys are the
-layer-stacked ones (`decoder.layers.` without an index, the layer number being an offset).
+layer-stacked ones (`decoder.layers.` without an index, the layer number being an offset), or
+per layer (`decoder.layers.{L}.`) in a model whose layers differ (dense first layers of an MoE
+model: megatron's non-homogeneous layers).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches first)
@@ -38,6 +41,17 @@ OTHER_SPEC_KEY: dict[str, str] = {
     **{te: local for local, te in LOCAL_AND_TE_KEYS},
 }
 EXTRA_STATE = "_extra_state"
+_LAYER_INDEX = re.compile(r"^(decoder\.layers\.)(\d+\.)(.*)$")
+
+
+def other_spec_key(key: str) -> str | None:
+    """The other spec's checkpoint key for `key`, stacked or per layer; None when both specs
+    name the tensor alike."""
+    match = _LAYER_INDEX.match(key)
+    if match is None:
+        return OTHER_SPEC_KEY.get(key)
+    other = OTHER_SPEC_KEY.get(match[1] + match[3])
+    return None if other is None else other.replace(match[1], match[1] + match[2], 1)
 
 
 def checkpoint_keys(dist_dir: str | Path) -> set[str]:
@@ -64,9 +78,9 @@ def plan_load(sharded_state_dict: dict, saved_keys: set[str]) -> LoadPlan:
         key = getattr(entry, "key", None)
         if key is None or key in saved_keys:
             state[name] = entry
-        elif OTHER_SPEC_KEY.get(key) in saved_keys:
-            state[name] = dataclasses.replace(entry, key=OTHER_SPEC_KEY[key])
-            renamed[name] = OTHER_SPEC_KEY[key]
+        elif other_spec_key(key) in saved_keys:
+            state[name] = dataclasses.replace(entry, key=other_spec_key(key))
+            renamed[name] = other_spec_key(key)
         elif isinstance(entry, ShardedObject) and key.endswith(EXTRA_STATE):
             left_out.append(name)
         else:

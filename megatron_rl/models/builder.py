@@ -22,6 +22,12 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel, gpt_layer_specs
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    LayerNormImpl,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_rl.config import Architecture
 from megatron_rl.models.attention import PackedDotProductAttention, UlyssesAttention
@@ -109,7 +115,7 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=arch.attention_bias,
         qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -146,7 +152,21 @@ def transformer_config(
             # softmax over the top-k logits == softmax over all, then renormalised top-k.
             moe_router_pre_softmax=not arch.moe_norm_topk_prob,
             moe_aux_loss_coeff=0.0,
+            moe_router_score_function=arch.moe_score_function,
+            moe_router_topk_scaling_factor=arch.moe_routed_scaling_factor
+            if arch.moe_routed_scaling_factor != 1.0
+            else None,
+            moe_router_num_groups=arch.moe_num_groups or None,
+            moe_router_group_topk=arch.moe_group_topk or None,
+            moe_shared_expert_intermediate_size=arch.shared_expert_intermediate_size or None,
         )
+        if arch.first_k_dense_layers:
+            # dense first layers (0) then experts (1); megatron then saves per-layer checkpoint keys
+            fields.update(moe_layer_freq=[int(layer in arch.moe_layers) for layer in range(arch.num_layers)])
+        if arch.moe_expert_bias:
+            # The bias is loaded and frozen: megatron's aux-loss-free balancing would move it by
+            # rate x sign(load error) each step, while vLLM keeps routing with the bias it loaded.
+            fields.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
     fields.update(overrides)
     return TransformerConfig(**fields)
 
@@ -178,9 +198,35 @@ def layer_spec(
     # The stock local core attention refuses packed (THD) sequences and CP > 1.
     core = PackedDotProductAttention
     if context_parallel_size > 1:
+        if arch.partial_rotary_factor != 1.0:
+            raise ValueError(
+                f"context parallelism (cp {context_parallel_size}) with partial_rotary_factor "
+                f"{arch.partial_rotary_factor}: the Ulysses core attention rotates whole heads; use cp 1"
+            )
         core = ModuleSpec(module=UlyssesAttention, params={"rotary_base": arch.rope_theta})
     spec.submodules.self_attention.submodules.core_attention = core
     return spec
+
+
+def block_spec(
+    arch: Architecture,
+    config: TransformerConfig,
+    transformer_engine: bool | None = None,
+):
+    """The decoder's spec for this pipeline stage: `layer_spec` for every layer, or, for an MoE
+    model whose first layers are dense (`first_k_dense_layers`), a block of this stage's layers,
+    each dense or MoE (megatron's `moe_layer_freq` pattern)."""
+    args = (config.context_parallel_size, transformer_engine, config.moe_grouped_gemm)
+    moe_spec = layer_spec(arch, *args)
+    if not arch.first_k_dense_layers:
+        return moe_spec
+    dense_spec = layer_spec(arch.model_copy(update=dict(num_experts=0)), *args)
+    specs = [moe_spec if layer in arch.moe_layers else dense_spec for layer in range(arch.num_layers)]
+    offset = get_transformer_layer_offset(config)
+    # the final norm megatron's block gives a single layer spec
+    return TransformerBlockSubmodules(
+        layer_specs=specs[offset : offset + get_num_layers_to_build(config)], layer_norm=LayerNormImpl
+    )
 
 
 def position_embedding_type(context_parallel_size: int) -> str:
@@ -207,7 +253,7 @@ def build_gpt_model(
     config = config or transformer_config(arch, transformer_engine=transformer_engine, **config_kwargs)
     model = model_class(
         config,
-        layer_spec(arch, config.context_parallel_size, transformer_engine, config.moe_grouped_gemm),
+        block_spec(arch, config, transformer_engine),
         vocab_size=arch.vocab_size,
         max_sequence_length=seq_len or arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -215,6 +261,7 @@ def build_gpt_model(
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type=position_embedding_type(config.context_parallel_size),
         rotary_base=int(arch.rope_theta),
+        rotary_percent=arch.partial_rotary_factor,
     )
     if config.recompute_granularity is not None and parallel_state.is_pipeline_first_stage():
         model.embedding.register_forward_hook(functools.partial(_embedding_output_requires_grad, model.decoder))

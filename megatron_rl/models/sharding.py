@@ -41,6 +41,20 @@ COLUMN_PARALLEL_KINDS = ("linear_qkv", "linear_fc1", "word_embeddings", "output_
 ROW_PARALLEL_KINDS = ("linear_proj", "linear_fc2")
 
 
+# Buffers that are weights: a sigmoid router's per-expert bias (HF `e_score_correction_bias`),
+# which chooses experts, is converted, loaded and published like a parameter but never trained.
+WEIGHT_BUFFERS = (".router.expert_bias",)
+
+
+def named_weights(model):
+    """(name, tensor) of the model's parameters, then of its buffers that are weights
+    (WEIGHT_BUFFERS): what a checkpoint conversion, a load or a publish must move."""
+    yield from model.named_parameters()
+    for name, buffer in model.named_buffers():
+        if name.endswith(WEIGHT_BUFFERS):
+            yield name, buffer
+
+
 def canonical_name(name: str) -> str:
     """The local-spec name of a parameter: a LoRA-wrapped layer's own tensors under the layer's
     name (its adapters `lora_a`, `lora_b` beside them), TE's fused-norm names map to separate
@@ -99,9 +113,7 @@ def _offsets(model) -> tuple[int, int]:
 def global_parameter_names(model) -> dict[str, str]:
     """Each of this rank's parameter names -> its (local-spec) name in the full model."""
     layer_offset, expert_offset = _offsets(model)
-    return {
-        name: local_to_global_name(name, layer_offset, expert_offset) for name, _ in model.named_parameters()
-    }
+    return {name: local_to_global_name(name, layer_offset, expert_offset) for name, _ in named_weights(model)}
 
 
 def _tp_rank_and_size(name: str) -> tuple[int, int]:
@@ -136,7 +148,7 @@ def shard_full_state_dict(model, full: Mapping[str, torch.Tensor]) -> dict[str, 
     layer_offset, expert_offset = _offsets(model)
     gated = model.config.gated_linear_unit
     local: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
+    for name, param in named_weights(model):
         local[name] = _checked_shard(name, param, full, layer_offset, expert_offset, gated)
     return local
 
@@ -154,21 +166,21 @@ def _checked_shard(name, param, full, layer_offset, expert_offset, gated) -> tor
 
 
 def load_full_state_dict(model, full: Mapping[str, torch.Tensor], keep: frozenset[str] = frozenset()) -> None:
-    """Copies this rank's slices of `full` into the model's parameters, one parameter at a time
-    (no full-model copy); parameters whose global name is in `keep` (a value head that an HF
-    checkpoint does not hold) keep their values."""
+    """Copies this rank's slices of `full` into the model's parameters (and weight buffers: a
+    router's expert bias), one at a time (no full-model copy); those whose global name is in
+    `keep` (a value head that an HF checkpoint does not hold) keep their values."""
     layer_offset, expert_offset = _offsets(model)
     gated = model.config.gated_linear_unit
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in named_weights(model):
             if local_to_global_name(name, layer_offset, expert_offset) in keep:
                 continue
             param.copy_(_checked_shard(name, param, full, layer_offset, expert_offset, gated))
 
 
 def full_parameters(model) -> dict[str, torch.Tensor]:
-    """Parameters of a model built at TP=EP=PP=1, by name (detached clones)."""
-    return {canonical_name(name): p.detach().clone() for name, p in model.named_parameters()}
+    """Parameters (and weight buffers) of a model built at TP=EP=PP=1, by name (detached clones)."""
+    return {canonical_name(name): p.detach().clone() for name, p in named_weights(model)}
 
 
 def gather_full_parameters(model, copy: bool = True, select=None) -> dict[str, torch.Tensor]:
@@ -178,8 +190,9 @@ def gather_full_parameters(model, copy: bool = True, select=None) -> dict[str, t
     experts (experts are not gathered over EP). With `copy=False` a tensor that needs no gather
     is the detached parameter itself (no copy: read it before the next optimizer step); gathered
     tensors are always new. `select(name)`: only the parameters it accepts (by local name; the
-    same on every rank of a TP group), e.g. a LoRA model's adapters alone."""
-    named = None if select is None else [(n, p) for n, p in model.named_parameters() if select(n)]
+    same on every rank of a TP group), e.g. a LoRA model's adapters alone. Weight buffers (a
+    router's expert bias) come with the parameters (never gathered: they are replicated)."""
+    named = [(n, p) for n, p in named_weights(model) if select is None or select(n)]
     return _gather_full(model, lambda param: param.detach(), copy, named)
 
 

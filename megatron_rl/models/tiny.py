@@ -1,6 +1,6 @@
 """Build a tiny random Hugging Face model and a local tokenizer (no download).
 
-    python tools/make_tiny_model.py --family qwen3|qwen3_moe|llama --out DIR [--seed 0]
+    python tools/make_tiny_model.py --family qwen3|qwen3_moe|llama|glm4_moe --out DIR [--seed 0]
         [--hidden-size 64] [--layers 2] [--vocab-size 512] [--tokenizer bpe|bpe-tools|char|char-tool] [--tied]
 
 The tokenizer is either a byte-level BPE trained here on generated arithmetic and word text
@@ -25,6 +25,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Glm4MoeConfig,
     LlamaConfig,
     PreTrainedTokenizerFast,
     Qwen3Config,
@@ -173,7 +174,31 @@ def hf_config(family: str, args, eos_token_id: int, pad_token_id: int):
         )
     if family == "llama":
         return LlamaConfig(**common, rope_theta=10_000.0)
-    raise SystemExit(f"--family: unknown family {family!r} (qwen3, qwen3_moe, llama)")
+    if family == "glm4_moe":
+        # GLM-4.5's layout at odd sizes: a dense first layer, 6 routed experts in 3 groups of which
+        # each token takes 2 (its 4 experts: 2 x topk_group, where transformers' and megatron's group
+        # scores agree), a shared expert, sigmoid routing with a bias, half-rotary heads, q/k/v bias
+        # and q/k-norm.
+        return Glm4MoeConfig(
+            **{**common, "intermediate_size": args.hidden_size * 2 - 22, "head_dim": 2 * (args.hidden_size // 6),
+               "num_attention_heads": 6},
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
+            n_routed_experts=6,
+            num_experts_per_tok=4,
+            n_group=3,
+            topk_group=2,
+            n_shared_experts=1,
+            moe_intermediate_size=args.hidden_size // 2 - 4,  # transformers' grouped_mm: rows of 16 bytes
+            routed_scaling_factor=1.7,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            attention_bias=True,
+            use_qk_norm=True,
+        )
+    raise SystemExit(f"--family: unknown family {family!r} ({', '.join(FAMILIES)})")
+
+
+FAMILIES = ("qwen3", "qwen3_moe", "llama", "glm4_moe")
 
 
 def make_tiny_model(
@@ -199,11 +224,17 @@ def make_tiny_model(
     config = hf_config(family, args, tokenizer.eos_token_id, tokenizer.pad_token_id)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # transformers initialises norms to 1; perturb them so tests see every weight matter.
+    # transformers initialises norms to 1, biases and the router's expert bias to 0; perturb them
+    # so tests see every weight matter.
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.add_(0.1 * torch.randn_like(param))
+            if name.endswith("proj.bias"):
+                param.normal_(0.0, 0.02)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.05)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -215,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--family", required=True, choices=["qwen3", "qwen3_moe", "llama"])
+    parser.add_argument("--family", required=True, choices=FAMILIES)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden-size", type=int, default=64)

@@ -49,12 +49,39 @@ def assert_bit_exact(original: dict, restored: dict):
         assert restored[name].dtype == tensor.dtype and torch.equal(restored[name], tensor), name
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "glm4_moe"])
 def test_round_trip_is_bit_exact(family, tiny_models, tmp_path):
     original, restored, to_mg = convert_both_ways(tiny_models[family], tmp_path)
     assert_bit_exact(original, restored)
     assert "GPT model" in to_mg.stdout and "wrote" in to_mg.stdout
     assert (tmp_path / "hf" / "tokenizer.json").is_file() and (tmp_path / "hf" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("tp,ep,pp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)])
+def test_glm_checkpoint_at_a_layout_gives_back_every_hf_tensor_and_transformers_logits(tiny_models, tmp_path, tp, ep, pp):
+    """A converted GLM-4.5-style checkpoint (q/k/v bias, a dense first layer, shared experts, the
+    router's expert bias: a buffer) loaded at TP=2, EP=2 or PP=2: the ranks' tensors written back
+    as HF are the original ones bit for bit (the expert bias among them), and the last stage's
+    logits are transformers' (and one process's)."""
+    hf_dir = tiny_models["glm4_moe"]
+    (converted,) = run_tools(("convert_hf_to_megatron.py", "--hf", hf_dir, "--out", tmp_path / "mg"))
+    assert converted.returncode == 0, converted.stderr
+    original = load_file(hf_dir / "model.safetensors")
+    assert original["model.layers.1.mlp.gate.e_score_correction_bias"].abs().min() > 0
+    input_ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(4))
+    reference = hf_logits(hf_dir, input_ids)
+    ranks = run_ranks(load_at_layout, tp * ep * pp, str(tmp_path / "mg"), tp, ep, pp, input_ids)
+    written = {}
+    for hf_tensors, logits in ranks:
+        for name, tensor in hf_tensors.items():
+            assert torch.equal(written.setdefault(name, tensor), tensor), name  # replicas agree
+        if logits is not None:
+            torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
+    assert sum(logits is not None for _, logits in ranks) == tp * ep
+    assert_bit_exact(original, written)
+    if (tp, ep, pp) == (1, 1, 2):
+        (alone,) = run_ranks(load_at_layout, 1, str(tmp_path / "mg"), 1, 1, 1, input_ids)
+        torch.testing.assert_close(ranks[-1][1], alone[1], atol=1e-5, rtol=0)
 
 
 def test_tied_embeddings_round_trip(tmp_path):
@@ -221,6 +248,38 @@ def test_conversion_holds_no_copy_of_the_model(tmp_path):
     assert_bit_exact(
         load_file(hf_dir / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     )
+
+
+def load_at_layout(rank, world_size, checkpoint, tp, ep, pp, input_ids):
+    """(The HF tensors of what this rank holds, the full-vocabulary logits on the last pipeline
+    stage else None) of a converted checkpoint loaded at (tp, ep, pp); the stages hand the hidden
+    states on by send/recv."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from megatron_rl import parallel
+    from megatron_rl.conversion.hf_mapping import megatron_to_hf
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.sharding import gather_full_parameters
+
+    arch = Architecture(**json.loads((Path(checkpoint) / "megatron_rl.json").read_text())["architecture"])
+    parallel.initialize_model_parallel(tp=tp, ep=ep, pp=pp)
+    model = build_gpt_model(arch, tp=tp, ep=ep, pp=pp)
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(Path(checkpoint) / "model")))
+    model.eval()
+    hf = megatron_to_hf(gather_full_parameters(model), arch, partial=True)
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    hidden_shape = (input_ids.shape[1], input_ids.shape[0], arch.hidden_size)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    with torch.no_grad():
+        if stage > 0:
+            received = torch.empty(hidden_shape)
+            torch.distributed.recv(received, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(received)
+        out = model(input_ids, positions, attention_mask=None)
+        if not parallel_state.is_pipeline_last_stage():
+            torch.distributed.send(out, dst=parallel_state.get_pipeline_model_parallel_next_rank())
+            return hf, None
+    return hf, gather_vocab(out)
 
 
 def checkpoint_dtypes(rank, world_size, dist_dir):

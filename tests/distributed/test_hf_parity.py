@@ -16,10 +16,13 @@ from megatron_rl.models.sharding import load_full_state_dict
 from tests.support.ranks import gather_vocab, hf_logits, model_logits
 from tests.support.spawn import run_ranks
 
-LAYOUTS = {"qwen3": [(1, 1), (2, 1)], "llama": [(1, 1), (2, 1)], "qwen3_moe": [(1, 1), (2, 1), (1, 2)]}
+LAYOUTS = {
+    "qwen3": [(1, 1), (2, 1)], "llama": [(1, 1), (2, 1)], "qwen3_moe": [(1, 1), (2, 1), (1, 2)],
+    "glm4_moe": [(1, 1), (2, 1), (1, 2)],
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "glm4_moe"])
 def test_logits_match_transformers(family, tiny_models):
     """A right-padded batch: row 0 is full, row 1 has 14 tokens then padding; each row's real
     tokens match transformers run on that row alone."""
@@ -37,9 +40,13 @@ def test_logits_match_transformers(family, tiny_models):
             torch.testing.assert_close(
                 logits[1, :14], row1, atol=1e-4, rtol=0, msg=f"{family} tp={tp} ep={ep}"
             )
+    if arch.moe_expert_bias:  # the comparison sees the router's bias (a buffer): without it, other experts
+        unbiased = {k: torch.zeros_like(v) if k.endswith("expert_bias") else v for k, v in full.items()}
+        (logits,) = run_ranks(model_logits, 1, arch, unbiased, 1, 1, input_ids)
+        assert (logits[0] - row0).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "glm4_moe"])
 def test_packed_thd_logits_match_transformers_per_sequence(family, tiny_models):
     """Sequences of different lengths packed in one row (with CP-style tail padding) give each
     sequence's own transformers logits."""
