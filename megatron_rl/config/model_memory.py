@@ -41,27 +41,44 @@ class RankParameters:
         return self.dense_trainable + self.expert_trainable
 
 
-def layer_parameters(arch: Architecture, tp: int, ep: int) -> dict[str, tuple[int, bool]]:
-    """One transformer layer's parameters on one rank: name -> (count, is_expert)."""
+def layer_parameters(arch: Architecture, tp: int, ep: int, dense: bool = False) -> dict[str, tuple[int, bool]]:
+    """One transformer layer's parameters on one rank: name -> (count, is_expert). An MoE model's
+    layers have experts (and its shared experts, TP-split like a dense MLP) unless `dense` (its
+    first `first_k_dense_layers`: `layer_is_dense`). The router's expert bias, a buffer of
+    num_experts floats, is not a parameter and is left out."""
     h, d = arch.hidden_size, arch.kv_channels
     nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
     parts = {
         "input_layernorm": (h, False),
-        "self_attention.linear_qkv": (h * (nq + 2 * nkv) * d // tp, False),
+        "self_attention.linear_qkv": ((h + arch.attention_bias) * (nq + 2 * nkv) * d // tp, False),
         "self_attention.linear_proj": (nq * d * h // tp, False),
         "pre_mlp_layernorm": (h, False),
     }
     if arch.qk_norm:
         parts["self_attention.q_layernorm"] = (d, False)
         parts["self_attention.k_layernorm"] = (d, False)
-    if arch.num_experts:
-        f = arch.moe_intermediate_size
+    if arch.num_experts and not dense:
+        f, s = arch.moe_intermediate_size, arch.shared_expert_intermediate_size
         parts["mlp.router"] = (arch.num_experts * h, False)
         parts["mlp.experts"] = ((arch.num_experts // ep) * 3 * h * f // tp, True)
+        if s:
+            parts["mlp.shared_experts"] = (3 * h * s // tp, False)
     else:
         parts["mlp.linear_fc1"] = (h * 2 * arch.intermediate_size // tp, False)
         parts["mlp.linear_fc2"] = (arch.intermediate_size * h // tp, False)
     return parts
+
+
+def layer_is_dense(arch: Architecture, layer: int) -> bool:
+    """Whether decoder layer `layer` has a dense MLP (a dense model's, or an MoE model's first
+    `first_k_dense_layers`)."""
+    return layer not in arch.moe_layers
+
+
+def stage_layer_indices(arch: Architecture, pp: int, stage: int) -> range:
+    """The decoder layers of pipeline stage `stage` (`stage_layers` of them, in order)."""
+    start = sum(stage_layers(arch, pp, s) for s in range(stage))
+    return range(start, start + stage_layers(arch, pp, stage))
 
 
 def rank_parameters(
@@ -80,16 +97,16 @@ def rank_parameters(
     expert-DP)."""
     tp, pp, ep = layout.tp, layout.pp, layout.ep
     first, last = stage == 0, stage == pp - 1
-    layers = stage_layers(arch, pp, stage)
     dense = expert = dense_frozen = expert_frozen = 0
-    for name, (count, is_expert) in layer_parameters(arch, tp, ep).items():
-        frozen = freeze_attention and name.startswith("self_attention.")
-        if is_expert:
-            expert += count * layers
-            expert_frozen += count * layers if frozen else 0
-        else:
-            dense += count * layers
-            dense_frozen += count * layers if frozen else 0
+    for layer in stage_layer_indices(arch, pp, stage):
+        for name, (count, is_expert) in layer_parameters(arch, tp, ep, layer_is_dense(arch, layer)).items():
+            frozen = freeze_attention and name.startswith("self_attention.")
+            if is_expert:
+                expert += count
+                expert_frozen += count if frozen else 0
+            else:
+                dense += count
+                dense_frozen += count if frozen else 0
     embedding = arch.vocab_size // tp * arch.hidden_size
     if first:
         dense += embedding
@@ -101,9 +118,10 @@ def rank_parameters(
             dense += embedding  # output_layer
     if lora_rank is not None:  # adapters train, the backbone does not (the value head does)
         head = arch.hidden_size + 1 if value_model and last else 0
-        adapters = lora_tensors(arch, tp, ep, lora_rank, lora_targets)
-        dense_adapters = sum(n for _, n, is_expert in adapters if not is_expert) * layers
-        expert_adapters = sum(n for _, n, is_expert in adapters if is_expert) * layers
+        adapters = [t for layer in stage_layer_indices(arch, pp, stage)
+                    for t in lora_tensors(arch, tp, ep, lora_rank, lora_targets, layer_is_dense(arch, layer))]  # fmt: skip
+        dense_adapters = sum(n for _, n, is_expert in adapters if not is_expert)
+        expert_adapters = sum(n for _, n, is_expert in adapters if is_expert)
         return RankParameters(
             dense + dense_adapters, expert + expert_adapters, dense_adapters + head, expert_adapters
         )
@@ -115,18 +133,24 @@ def stage_layers(arch: Architecture, pp: int, stage: int) -> int:
     return arch.num_layers // pp + (1 if stage < arch.num_layers % pp else 0)
 
 
-def _adapted_linears(arch: Architecture) -> list[tuple[str, int, int, bool]]:
+def _adapted_linears(arch: Architecture, dense: bool = False) -> list[tuple[str, int, int, bool]]:
     """One layer's linears that LoRA can wrap, as megatron builds them: (target, in, out,
-    is_expert); an MoE model's linear_fc1/linear_fc2 stand for each of its experts'."""
+    is_expert); an MoE layer's linear_fc1/linear_fc2 stand for each of its experts' (`dense`:
+    a dense layer of an MoE model), then its shared experts' (not experts: TP-split, DP-sharded)."""
     h, d = arch.hidden_size, arch.kv_channels
     nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
-    f, moe = (arch.moe_intermediate_size, True) if arch.num_experts else (arch.intermediate_size, False)
-    return [("linear_qkv", h, (nq + 2 * nkv) * d, False), ("linear_proj", nq * d, h, False),
-            ("linear_fc1", h, 2 * f, moe), ("linear_fc2", f, h, moe)]  # fmt: skip
+    moe = bool(arch.num_experts) and not dense
+    f = arch.moe_intermediate_size if moe else arch.intermediate_size
+    linears = [("linear_qkv", h, (nq + 2 * nkv) * d, False), ("linear_proj", nq * d, h, False),
+               ("linear_fc1", h, 2 * f, moe), ("linear_fc2", f, h, moe)]  # fmt: skip
+    if moe and arch.shared_expert_intermediate_size:
+        shared = arch.shared_expert_intermediate_size
+        linears += [("linear_fc1", h, 2 * shared, False), ("linear_fc2", shared, h, False)]
+    return linears
 
 
 def lora_tensors(arch: Architecture, tp: int, ep: int, rank: int,
-                 targets: tuple[str, ...] | list[str] = LORA_TARGETS) -> list[tuple[str, int, bool]]:  # fmt: skip
+                 targets: tuple[str, ...] | list[str] = LORA_TARGETS, dense: bool = False) -> list[tuple[str, int, bool]]:  # fmt: skip
     """One layer's adapter tensors on one rank as the trainer holds them (transforms/lora.py):
     (name, elements, is_expert) of A [rank, in] and B [out, rank] for each wrapped linear in
     `targets`. A column-parallel linear (linear_qkv, linear_fc1) keeps A whole and splits B's
@@ -135,7 +159,7 @@ def lora_tensors(arch: Architecture, tp: int, ep: int, rank: int,
     model's linear_fc1/linear_fc2 are its experts', one pair per local expert (num_experts / ep),
     split by expert-TP (= TP)."""
     out = []
-    for target, fan_in, fan_out, is_expert in _adapted_linears(arch):
+    for target, fan_in, fan_out, is_expert in _adapted_linears(arch, dense):
         if target not in targets:
             continue
         column = target in ("linear_qkv", "linear_fc1")
@@ -163,17 +187,16 @@ def published_lora_elements(
     linear_fc1 gate_proj and up_proj, and each part gets its own copy of the layer's A
     (safetensors stores no shared memory): three A where the trainer holds one, and two."""
     d, nq, nkv = arch.kv_channels, arch.num_attention_heads, arch.num_key_value_heads
-    per_layer = 0
-    for target, fan_in, fan_out, is_expert in _adapted_linears(arch):
-        if target not in targets:
-            continue
-        parts = {"linear_qkv": [nq * d, nkv * d, nkv * d], "linear_fc1": [fan_out // 2] * 2}.get(
-            target, [fan_out]
-        )
-        per_layer += sum(rank * fan_in + rows * rank for rows in parts) * (
-            arch.num_experts if is_expert else 1
-        )
-    return per_layer * arch.num_layers
+    total = 0
+    for layer in range(arch.num_layers):
+        for target, fan_in, fan_out, is_expert in _adapted_linears(arch, layer_is_dense(arch, layer)):
+            if target not in targets:
+                continue
+            parts = {"linear_qkv": [nq * d, nkv * d, nkv * d], "linear_fc1": [fan_out // 2] * 2}.get(
+                target, [fan_out]
+            )
+            total += sum(rank * fan_in + rows * rank for rows in parts) * (arch.num_experts if is_expert else 1)
+    return total
 
 
 def adam_tensor_elements(params: RankParameters, layout: ModelLayout, distributed: bool = True) -> float:
@@ -226,6 +249,9 @@ def activation_bytes(
     if moe:
         k, f = arch.num_experts_per_tok, arch.moe_intermediate_size
         mlp = h + k * (h + 3 * f) + 2 * arch.num_experts  # router in, routed copies, gate/up/product, logits
+        # shared experts' gate/up/product; dense first layers are counted as MoE layers (an upper
+        # bound where, as in GLM-4.5 and DeepSeek-V3, the routed copies outweigh the dense MLP)
+        mlp += 3 * arch.shared_expert_intermediate_size
     else:
         mlp = h + 3 * arch.intermediate_size
     core_attention = 2 * nq * d  # what selective recomputation drops
@@ -280,12 +306,13 @@ def adapter_bytes_per_token(arch: Architecture, layout: ModelLayout, dtype: str,
     return total
 
 
-def layer_tensors(arch: Architecture, tp: int, ep: int) -> list[tuple[str, int, bool]]:
+def layer_tensors(arch: Architecture, tp: int, ep: int, dense: bool = False) -> list[tuple[str, int, bool]]:
     """One transformer layer's parameter tensors on one rank, (name, elements, is_expert), the
-    experts' one tensor per expert and linear (megatron's SequentialMLP and TEGroupedMLP)."""
-    parts = layer_parameters(arch, tp, ep)
+    experts' one tensor per expert and linear (megatron's SequentialMLP and TEGroupedMLP);
+    `dense`: a dense layer of an MoE model."""
+    parts = layer_parameters(arch, tp, ep, dense)
     tensors = [(name, count, False) for name, (count, is_expert) in parts.items() if not is_expert]
-    if arch.num_experts:
+    if arch.num_experts and not dense:
         h, f = arch.hidden_size, arch.moe_intermediate_size
         tensors += [("mlp.experts.linear_fc1", 2 * f * h // tp, True), ("mlp.experts.linear_fc2", f * h // tp, True)] * (arch.num_experts // ep)  # fmt: skip
     return tensors
@@ -299,18 +326,20 @@ def rank_tensors(arch: Architecture, layout: ModelLayout, value_model: bool, fre
     1 without it)."""
     dense_shards = layout.dp * layout.cp if distributed else 1
     expert_shards = layout.expert_dp if distributed else 1
-    layers = stage_layers(arch, layout.pp, stage)
+    layers = stage_layer_indices(arch, layout.pp, stage)
     h, tp = arch.hidden_size, layout.tp
     last = stage == layout.pp - 1
     if lora_rank is not None:  # adapters A (rank x in) and B (out x rank) of the wrapped linears
-        adapters = lora_tensors(arch, tp, layout.ep, lora_rank, lora_targets) * layers
+        adapters = [t for layer in layers
+                    for t in lora_tensors(arch, tp, layout.ep, lora_rank, lora_targets, layer_is_dense(arch, layer))]  # fmt: skip
         head = [ShardTensor(n, dense_shards) for n in ([h, 1] if value_model and last else [])]
         return [
             ShardTensor(n, expert_shards if is_expert else dense_shards) for _, n, is_expert in adapters
         ] + head
     out = [
         ShardTensor(elements, expert_shards if is_expert else dense_shards)
-        for name, elements, is_expert in layer_tensors(arch, tp, layout.ep) * layers
+        for layer in layers
+        for name, elements, is_expert in layer_tensors(arch, tp, layout.ep, layer_is_dense(arch, layer))
         if not (freeze_attention and name.startswith("self_attention."))  # as rank_parameters freezes
     ]
     embedding = arch.vocab_size // tp * h

@@ -37,6 +37,8 @@ LAYOUTS = [
     ("qwen3", 1, 1, 1, True, True),
     ("qwen3_moe", 1, 1, 2, False, False),
     ("qwen3", 1, 2, 1, False, False),
+    ("glm4_moe", 1, 1, 2, False, False),  # shared experts, q/k/v bias
+    ("glm4_moe", 1, 2, 1, True, False),  # stage 0 the dense first layer, stage 1 an MoE layer
 ]
 
 
@@ -99,7 +101,7 @@ def measured(tiny_models):
         family: Architecture.from_hf_config(
             json.loads((tiny_models[family] / "config.json").read_text()), family
         ).model_dump()
-        for family in ("qwen3", "qwen3_moe")
+        for family in ("qwen3", "qwen3_moe", "glm4_moe")
     }
     return architectures, run_ranks(measure, 2, architectures)
 
