@@ -111,16 +111,6 @@ def test_single_turn_rewards_equal_the_library_scoring_and_the_prompt_is_our_ren
         assert branch.token_ids == t.token_ids and sum(branch.sampled_mask) == len(completion(qwen, "4"))
 
 
-def test_pass_signal_and_threshold_decide_passed(qwen, math_data):
-    encoder = PromptEncoder(qwen)
-    environment = make_environment(hub("mrl-vf-math", pass_signal="brief", pass_threshold=0.5),
-                                   args={"taskset": {"data_path": math_data}})  # fmt: skip
-    wrong = [environment.tasks[i].data.answer for i in range(3)].index("6")
-    client = FakeClient(FakeWeights(), script=[completion(qwen, "4")])
-    (member,) = asyncio.run(roll_rows(environment, [wrong], client, encoder))
-    assert member.reward == 0.25 and member.passed  # brief (1.0) >= 0.5, though the answer is wrong
-
-
 def test_multi_turn_sequence_is_the_render_of_the_whole_conversation(qwen):
     encoder = PromptEncoder(qwen)
     environment = make_environment(hub("mrl-vf-guess"), args={"rounds": 3})
@@ -178,19 +168,19 @@ def test_a_reward_that_raises_and_an_env_run_that_raises_fail_their_rollout_name
 
     async def group(env, row):
         try:
-            return await run_group(env, env.row(row), row, 2, client, encoder, SAMPLING, 256)
+            return await run_group(env, env.row(row), row, 1, client, encoder, SAMPLING, 256)
         finally:
             await env.aclose()
 
     members = asyncio.run(group(environment, boom)).members
-    assert [m.status for m in members] == ["failed", "failed"]  # the group completes, its members counted
+    assert [m.status for m in members] == ["failed"]  # the group completes, its member counted
     assert all(m.error.startswith("VerifiersScoringError:") and "ZeroDivisionError: the grader divided by zero"
                in m.error for m in members)  # fmt: skip
 
     guess = make_environment(hub("mrl-vf-guess"))
     lost = [guess.tasks[i].data.secret for i in range(len(guess))].index(-1)
     members = asyncio.run(group(guess, lost)).members
-    assert [m.status for m in members] == ["failed", "failed"]
+    assert [m.status for m in members] == ["failed"]
     assert all(m.error.startswith("VerifiersRolloutError:") and "GuessEnv.run()" in m.error
                and "the game master lost track of the secret" in m.error for m in members)  # fmt: skip
 
@@ -209,8 +199,11 @@ def test_a_rollout_past_timeout_s_fails_named(qwen, math_data):
     assert isinstance(member, Exception) and "ran past timeout_s (0.5 s)" in str(member)
 
 
-def test_evaluation_sets_count_passed(qwen, math_data):
-    config = EvalConfig(name="vf", environment=hub("mrl-vf-math"), environment_args={"taskset": {"data_path": math_data}},
+def test_evaluation_sets_count_passed_by_the_pass_signal(qwen, math_data):
+    """pass@k counts `passed`: here the `brief` reward's score at least 0.5 (the default, the total
+    weighted reward at least 1, is in the single-turn test)."""
+    spec = hub("mrl-vf-math", pass_signal="brief", pass_threshold=0.5)
+    config = EvalConfig(name="vf", environment=spec, environment_args={"taskset": {"data_path": math_data}},
                         num_examples=3, samples_per_example=1, seed=0)  # fmt: skip
     client = FakeClient(FakeWeights(), script=[completion(qwen, "4")])
     evaluator = Evaluator([config], client, PromptEncoder(qwen), 64, seed=0)
@@ -222,8 +215,9 @@ def test_evaluation_sets_count_passed(qwen, math_data):
             await evaluator.sets[0][1].aclose()
 
     results = asyncio.run(evaluate())
-    # rows: 2 + 2 (passes), 3 + 3 (does not), the raising reward (an error, counted)
-    assert results["eval/vf/pass@1"] == pytest.approx(1 / 3) and results["eval/vf/errors"] == 1
+    # rows: 2 + 2 and 3 + 3 (both brief: they pass, though one is wrong), the raising reward (an error, counted)
+    assert results["eval/vf/pass@1"] == pytest.approx(2 / 3) and results["eval/vf/errors"] == 1
+    assert results["eval/vf/error_kinds"] == {"VerifiersScoringError": 1}
     assert results["eval/vf/reward_mean"] == pytest.approx((1.25 + 0.25) / 2)
 
 
@@ -246,3 +240,22 @@ def test_the_dataset_key_is_refused_and_the_hub_block_is_checked():
         make_environment(hub("mrl-vf-guess"), dataset="rows.jsonl")
     with pytest.raises(ValueError, match="pass_threshold belong to hub verifiers"):
         HubEnvironment(hub="openenv", url="http://127.0.0.1:1", pass_threshold=0.5)
+
+
+def test_max_concurrent_bounds_the_rollouts_in_flight(qwen, math_data):
+    environment = make_environment(hub("mrl-vf-math", max_concurrent=1), args={"taskset": {"data_path": math_data}})
+    original, in_flight, most = environment.env.run_episode, [0], [0]
+
+    async def counting(task, context, **kwargs):  # the episodes the environment runs at once
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        try:
+            return await original(task, context, **kwargs)
+        finally:
+            in_flight[0] -= 1
+
+    environment.env.run_episode = counting
+    client = FakeClient(FakeWeights(), script=[completion(qwen, "4")])
+    answers = [environment.tasks[i].data.answer for i in range(3)]
+    members = asyncio.run(roll_rows(environment, [answers.index("4"), answers.index("6")], client, PromptEncoder(qwen)))
+    assert [m.status for m in members] == ["finished", "finished"] and most[0] == 1

@@ -248,8 +248,9 @@ class VerifiersEnvironment(DrivenEnvironment):
             self.client.rollouts[trace.id] = rollout
 
         try:
-            async with self._bound or contextlib.nullcontext(), asyncio.timeout(self.spec.timeout_s):
-                episode = await self.env.run_episode(task, self.context, on_trace=minted)
+            async with self._bound or contextlib.nullcontext():  # the time limit starts with the rollout
+                async with asyncio.timeout(self.spec.timeout_s):
+                    episode = await self.env.run_episode(task, self.context, on_trace=minted)
         except TimeoutError:
             raise VerifiersRolloutError(
                 f"{self.key}: task {task.data.idx} ran past timeout_s ({self.spec.timeout_s:g} s)"
