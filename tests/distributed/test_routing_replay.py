@@ -1,7 +1,9 @@
-"""Routing replay (transforms/routing.py) on a tiny Qwen3-MoE, against transformers.
+"""Routing replay (transforms/routing.py) on a tiny Qwen3-MoE and a tiny GLM-4.5-style model
+(glm4_moe: sigmoid router with an expert bias and group-limited top-k, a dense first layer),
+against transformers.
 
-The sampler is transformers' Qwen3-MoE whose routers choose their experts from a perturbed copy
-of the router weights (tests/support/hf_routes.py): its routes are what vLLM would return and its
+The sampler is transformers' model whose routers choose their experts from a perturbed copy
+of the router weights (and glm4_moe's expert bias; tests/support/hf_routes.py): its routes are what vLLM would return and its
 log-probabilities are those of the unperturbed network with those routes forced. The trainer is
 the unperturbed network in megatron, on the policy trainer's own path (packing with routes, the
 policy batch, the forward-only log-probs):
@@ -12,10 +14,14 @@ policy batch, the forward-only log-probs):
   log-probs are measurably off (the negative control) and the measured agreement is the
   perturbation's, counted by transformers;
 - the padding's routes do not change any real token's log-prob;
-- TP = 2 with sequence parallel, EP = 2, CP = 2 and PP = 2 give what one process gives;
+- TP = 2 with sequence parallel, EP = 2, CP = 2 and PP = 2 give what one process gives (glm4_moe:
+  EP = 2);
 - a policy update with `old_logprobs: recompute`, two mini-batches and a KL reference gives the
   same weights with full activation recomputation as without (the recomputation in the backward
-  replays the same routes), and megatron's process-wide replay list stays empty;
+  replays the same routes), and megatron's process-wide replay list stays empty; after the
+  update every token still goes to exactly the experts it replays, and glm4_moe's expert bias is
+  bit for bit the loaded one (moe_router_bias_update_rate 0; at a nonzero rate megatron moves it:
+  the control);
 - the fused router (TransformerEngine's, which bypasses RouterReplay) is off in our models, and
   replay refuses a model built with it.
 """
@@ -62,11 +68,12 @@ def _sampled(directory, perturb: float, seed: int = 7):
     return samples, own_on_sampler, own_network
 
 
-def _agreement(routes: list[np.ndarray], own: list[np.ndarray]) -> tuple[float, float, int]:
+def _agreement(routes: list[np.ndarray], own: list[np.ndarray], layers: list[int]) -> tuple[float, float, int]:
     """(fraction of (token, layer, k) choices in both, fraction of tokens differing in a layer,
-    tokens), counted in numpy."""
+    tokens) over the MoE `layers`, counted in numpy."""
     agree = choices = differing = tokens = 0
     for r, o in zip(routes, own):
+        r, o = r[:, layers], o[:, layers]
         same = (o[:, :, :, None] == r[:, :, None, :]).any(-1).sum(-1)  # [T, layers]
         agree += int(same.sum())
         choices += same.size * r.shape[-1]
@@ -75,9 +82,12 @@ def _agreement(routes: list[np.ndarray], own: list[np.ndarray]) -> tuple[float, 
     return agree / choices, differing / tokens, tokens
 
 
+FAMILIES = ["qwen3_moe", "glm4_moe"]
+
+
 @pytest.fixture(scope="module")
-def moe(tiny_models):
-    directory = tiny_models["qwen3_moe"]
+def moe(tiny_models, request):
+    directory = tiny_models[request.param]
     arch = Architecture.from_hf_config(json.loads((directory / "config.json").read_text()), str(directory))
     full = hf_to_megatron(load_file(directory / "model.safetensors"), arch)
     return directory, arch, full
@@ -92,6 +102,7 @@ def _expected_logprobs(samples):
     return {(i, q): float(s.inference_logprobs[q]) for i, s in enumerate(samples) for q in np.flatnonzero(s.loss_mask)}
 
 
+@pytest.mark.parametrize("moe", FAMILIES, indirect=True)
 def test_the_trainers_router_agrees_with_an_unperturbed_sampler_on_every_route(moe):
     directory, arch, full = moe
     samples, own_on_sampler, _ = _sampled(directory, 0.0)
@@ -99,18 +110,20 @@ def test_the_trainers_router_agrees_with_an_unperturbed_sampler_on_every_route(m
     for mode in ("measure", "replay"):
         logprobs, stats, _ = run_ranks(replayed_logprobs, 1, arch, full, samples, mode)[0]
         assert stats["router_agreement"] == 1.0 and stats["router_token_mismatch"] == 0.0
-        assert stats["router_agreement_layer"] == [1.0] * arch.num_layers
+        # a dense layer (glm4_moe's first) has no router: nothing counted there
+        assert stats["router_agreement_layer"] == [1.0 if i in arch.moe_layers else None for i in range(arch.num_layers)]
         assert stats["router_tokens"] == sum(n - 1 for n in LENGTHS)
         for key, value in _expected_logprobs(samples).items():
             assert logprobs[key] == pytest.approx(value, abs=2e-5), (mode, key)
 
 
+@pytest.mark.parametrize("moe", FAMILIES, indirect=True)
 def test_replay_gives_the_samplers_logprobs_and_measure_the_perturbation(moe, perturbed):
     directory, arch, full = moe
     samples, own_on_sampler, own_network = perturbed
     routes = [s.routes for s in samples]
-    replay_agreement, replay_mismatch, tokens = _agreement(routes, own_on_sampler)
-    measure_agreement, measure_mismatch, _ = _agreement(routes, own_network)
+    replay_agreement, replay_mismatch, tokens = _agreement(routes, own_on_sampler, arch.moe_layers)
+    measure_agreement, measure_mismatch, _ = _agreement(routes, own_network, arch.moe_layers)
     assert 0.5 < measure_agreement < 0.95 and measure_mismatch > 0.1  # the perturbation moved routes
     expected = _expected_logprobs(samples)
 
@@ -129,7 +142,12 @@ def test_replay_gives_the_samplers_logprobs_and_measure_the_perturbation(moe, pe
     assert stats["router_token_mismatch"] == pytest.approx(measure_mismatch, abs=1e-12)
 
 
-@pytest.mark.parametrize("tp,cp,pp,ep", [(2, 1, 1, 1), (1, 1, 1, 2), (1, 2, 1, 1), (1, 1, 2, 1)])
+@pytest.mark.parametrize(
+    "moe,tp,cp,pp,ep",
+    [("qwen3_moe", 2, 1, 1, 1), ("qwen3_moe", 1, 1, 1, 2), ("qwen3_moe", 1, 2, 1, 1), ("qwen3_moe", 1, 1, 2, 1),
+     ("glm4_moe", 1, 1, 1, 2)],
+    indirect=["moe"],
+)  # fmt: skip
 def test_replay_at_tp2_sp_ep2_cp2_pp2_equals_one_process(moe, perturbed, tp, cp, pp, ep):
     directory, arch, full = moe
     samples = perturbed[0]
@@ -146,11 +164,14 @@ def test_replay_at_tp2_sp_ep2_cp2_pp2_equals_one_process(moe, perturbed, tp, cp,
         assert rank_stats["router_agreement_layer"] == pytest.approx(single_stats["router_agreement_layer"], abs=1e-12)
 
 
+@pytest.mark.parametrize("moe", FAMILIES, indirect=True)
 def test_recomputation_in_the_backward_replays_the_same_routes(moe, perturbed):
     directory, arch, full = moe
     samples = perturbed[0]
     plain, plain_weights, plain_list = run_ranks(replayed_update, 1, arch, full, samples, "none")[0]
     recomputed, weights, recomputed_list = run_ranks(replayed_update, 1, arch, full, samples, "full")[0]
+    # after the step every token goes to exactly the experts it replays (bias and groups aside)
+    assert plain["experts_used_are_the_replayed"] == recomputed["experts_used_are_the_replayed"] == len(arch.moe_layers)
     assert plain["optimizer_steps"] == recomputed["optimizer_steps"] == 2
     assert plain["kl_ref"] > 0 and plain["router_agreement"] < 1.0
     assert plain["ratio_mean_first"] == pytest.approx(1.0, abs=1e-6)  # pi_old recomputed with replay
@@ -160,8 +181,17 @@ def test_recomputation_in_the_backward_replays_the_same_routes(moe, perturbed):
         torch.testing.assert_close(weights[name], value, atol=1e-6, rtol=1e-5, msg=name)
     moved = max(float((plain_weights[n] - full[n]).abs().max()) for n in full if n in plain_weights)
     assert moved > 1e-4
+    biases = [n for n in full if n.endswith("router.expert_bias")]
+    assert len(biases) == (len(arch.moe_layers) if arch.moe_expert_bias else 0)
+    for name in biases:  # frozen: vLLM serves the bias it loaded
+        assert full[name].abs().min() > 0 and torch.equal(plain_weights[name], full[name]), name
+        assert torch.equal(weights[name], full[name]), name
+    if biases:  # the control: megatron's aux-loss-free balancing at a nonzero rate moves it
+        _, balanced, _ = run_ranks(replayed_update, 1, arch, full, samples, "none", 1e-3)[0]
+        assert all(not torch.equal(balanced[name], full[name]) for name in biases)
 
 
+@pytest.mark.parametrize("moe", ["qwen3_moe"], indirect=True)
 def test_the_fused_router_which_bypasses_replay_stays_off(moe):
     _, arch, _ = moe
     default, refusal = run_ranks(fused_router, 1, arch)[0]
@@ -241,10 +271,13 @@ def replayed_logprobs(rank, world_size, arch, full, samples, mode, tp=1, cp=1, p
     return out, stats, padded
 
 
-def replayed_update(rank, world_size, arch, full, samples, granularity):
+def replayed_update(rank, world_size, arch, full, samples, granularity, bias_update_rate=None):
     """One policy_update with replay, `old_logprobs: recompute`, 2 mini-batches and a KL
-    reference, with activation recomputation `granularity` ("none" or "full"); (record, full
-    weights after it, the length of megatron's process-wide RouterReplay list)."""
+    reference, with activation recomputation `granularity` ("none" or "full") (and megatron's
+    expert-bias update rate, if given); (record, full weights after it with the routers' expert
+    bias, the length of megatron's process-wide RouterReplay list). The record's
+    `experts_used_are_the_replayed`: the MoE layers whose every token's experts (the router's
+    routing map) in a replayed forward after the update are its routes."""
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
@@ -256,8 +289,14 @@ def replayed_update(rank, world_size, arch, full, samples, granularity):
     from megatron_rl.transforms.routing import attach_routing
 
     parallel.initialize_model_parallel()
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_rl.policy.loss import forward_logprobs, policy_batch
+
     recompute = {} if granularity == "none" else dict(recompute_granularity="full", recompute_method="uniform",
                                                       recompute_num_layers=1)  # fmt: skip
+    if bias_update_rate is not None:
+        recompute["moe_router_bias_update_rate"] = bias_update_rate
     model = build_gpt_model(arch, **recompute)
     load_full_state_dict(model, full)
     routing = attach_routing(model, "replay", arch.num_layers, arch.num_experts_per_tok)
@@ -270,4 +309,22 @@ def replayed_update(rank, world_size, arch, full, samples, granularity):
                              routing_replay="replay")  # fmt: skip
     grid = pack_minibatches(samples, 2, (1, 0), SEQ_LEN, 1, routes=True)
     record = policy_update(trainable, grid[0], UpdateSettings(config), reference=reference)
+    used = {}  # layer -> [tokens, experts] bool: the routing map of the last forward
+
+    def keep_routing_map(module, args, output):
+        used[module.layer_number - 1] = output[1].detach().clone()
+
+    handles = [m.register_forward_hook(keep_routing_map) for m in model.modules() if isinstance(m, TopKRouter)]
+    model.eval()
+    differing = set()
+    for mb in grid[0]:
+        forward_logprobs(model, [policy_batch(mb)], hooks=[routing])
+        routes = torch.as_tensor(np.asarray(mb.routes, dtype=np.int64))  # [tokens, layers, k]
+        for layer, routing_map in used.items():
+            replayed = torch.zeros_like(routing_map).scatter_(1, routes[:, layer], True)
+            if not torch.equal(routing_map, replayed):
+                differing.add(layer)
+    for handle in handles:
+        handle.remove()
+    record["experts_used_are_the_replayed"] = len(set(used) - differing)
     return record, gather_full_parameters(model), len(RouterReplay.global_router_replay_instances)
