@@ -64,6 +64,32 @@ def test_packed_thd_logits_match_transformers_per_sequence(family, tiny_models):
                     torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("family,tp,ep", [("qwen3", 1, 1), ("glm4_moe", 1, 2)])
+def test_value_model_scores_as_transformers_and_a_head(family, tiny_models, tp, ep):
+    """The critic on each backbone: the value model (the HF backbone converted, a random head)
+    gives, for each real token of a right-padded batch, transformers' final hidden state (after
+    the last norm) times the head plus its bias; glm4_moe at EP = 2 (each rank half the experts)."""
+    from transformers import AutoModelForCausalLM
+
+    directory = tiny_models[family]
+    arch = Architecture.from_hf_config(json.loads((directory / "config.json").read_text()), str(directory))
+    backbone = {k: v for k, v in hf_to_megatron(load_file(directory / "model.safetensors"), arch).items()
+                if not k.startswith("output_layer.")}  # fmt: skip
+    generator = torch.Generator().manual_seed(8)
+    head = {"value_head.weight": torch.randn(1, arch.hidden_size, generator=generator) * 0.3,
+            "value_head.bias": torch.randn(1, generator=generator)}  # fmt: skip
+    input_ids = torch.randint(1, arch.vocab_size, (2, 24), generator=generator)
+    input_ids[1, 14:] = 0
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        rows = [hf.model(input_ids[:1]).last_hidden_state[0], hf.model(input_ids[1:, :14]).last_hidden_state[0]]
+    expected = [row @ head["value_head.weight"][0] + head["value_head.bias"] for row in rows]
+    assert expected[0].std() > 0.1
+    for values in run_ranks(model_values, tp * ep, arch, {**backbone, **head}, tp, ep, input_ids):
+        torch.testing.assert_close(values[0], expected[0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(values[1, :14], expected[1], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("tp,cp", [(1, 1), (2, 2)])
 def test_trainer_path_logprobs_match_transformers_per_token(tiny_models, tp, cp):
     """The policy trainer's per-token log-probabilities for a packed, CP-sliced grid (the shift in
@@ -130,6 +156,18 @@ def packed_logits(rank, world_size, arch, full, lengths, tp=1, ep=1, pad=0, seed
             for s in sequences
         ]
     return [out[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], separate, sequences
+
+def model_values(rank, world_size, arch, full, tp, ep, input_ids):
+    """Values [batch, seq] of the value model (models/value_model.py) at (tp, ep), eval mode."""
+    from megatron_rl.models.value_model import build_value_model
+
+    parallel.initialize_model_parallel(tp=tp, ep=ep)
+    model = build_value_model(arch, tp=tp, ep=ep)
+    load_full_state_dict(model, full)
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids, torch.arange(input_ids.shape[1]).expand_as(input_ids), attention_mask=None)
+
 
 def trainer_path_logprobs(rank, world_size, arch, full, samples, seq_len, tp=1, cp=1):
     """The policy trainer's own path: pack_into_grid -> policy_batch (shift, CP slice) -> forward ->
