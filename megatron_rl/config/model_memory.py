@@ -69,6 +69,13 @@ def layer_parameters(arch: Architecture, tp: int, ep: int, dense: bool = False) 
     return parts
 
 
+def weight_buffer_bytes(arch: Architecture) -> int:
+    """Bytes of the weights that are buffers, not parameters, as a published version holds them:
+    the routers' expert bias (HF `e_score_correction_bias`), num_experts float32 per MoE layer
+    (float32 whatever the model's dtype, as transformers keeps it)."""
+    return 4 * arch.num_experts * len(arch.moe_layers) if arch.moe_expert_bias else 0
+
+
 def layer_is_dense(arch: Architecture, layer: int) -> bool:
     """Whether decoder layer `layer` has a dense MLP (a dense model's, or an MoE model's first
     `first_k_dense_layers`)."""

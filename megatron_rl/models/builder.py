@@ -20,13 +20,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel, gpt_layer_specs
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import TransformerConfig, transformer_block
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import (
-    LayerNormImpl,
-    TransformerBlockSubmodules,
-    get_num_layers_to_build,
-)
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_rl.config import Architecture
@@ -217,15 +213,23 @@ def block_spec(
     model whose first layers are dense (`first_k_dense_layers`), a block of this stage's layers,
     each dense or MoE (megatron's `moe_layer_freq` pattern)."""
     args = (config.context_parallel_size, transformer_engine, config.moe_grouped_gemm)
-    moe_spec = layer_spec(arch, *args)
+    return layered_block_spec(arch, config, lambda layer_arch: layer_spec(layer_arch, *args))
+
+
+def layered_block_spec(arch: Architecture, config: TransformerConfig, spec_of):
+    """`spec_of(arch)` for an MoE model whose layers are all alike, else the block of this
+    pipeline stage's layers: `spec_of` of the dense copy of `arch` (no experts) for its dense
+    first layers, of `arch` for the others."""
+    moe_spec = spec_of(arch)
     if not arch.first_k_dense_layers:
         return moe_spec
-    dense_spec = layer_spec(arch.model_copy(update=dict(num_experts=0)), *args)
+    dense_spec = spec_of(arch.model_copy(update=dict(num_experts=0)))
     specs = [moe_spec if layer in arch.moe_layers else dense_spec for layer in range(arch.num_layers)]
     offset = get_transformer_layer_offset(config)
     # the final norm megatron's block gives a single layer spec
     return TransformerBlockSubmodules(
-        layer_specs=specs[offset : offset + get_num_layers_to_build(config)], layer_norm=LayerNormImpl
+        layer_specs=specs[offset : offset + get_num_layers_to_build(config)],
+        layer_norm=transformer_block.LayerNormImpl,  # read now, as megatron's block reads it for one spec
     )
 
 

@@ -37,7 +37,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from megatron_rl.config import Architecture
 from megatron_rl.models.attention import PackedDotProductAttention
-from megatron_rl.models.builder import position_embedding_type, transformer_config
+from megatron_rl.models.builder import layered_block_spec, position_embedding_type, transformer_config
 
 
 def rms_norm(
@@ -161,10 +161,11 @@ def te_layer_spec(arch: Architecture):
 
 
 def build_te_style_model(arch: Architecture, model_class=None, **config_kwargs):
-    """A GPTModel (or `model_class`) with megatron's TE spec and the stand-in modules."""
+    """A GPTModel (or `model_class`) with megatron's TE spec and the stand-in modules; an MoE
+    model's dense first layers dense (the builder's `layered_block_spec`)."""
     config = transformer_config(arch, **config_kwargs)
-    spec = te_layer_spec(arch)
     with _standin_te_modules():
+        spec = layered_block_spec(arch, config, te_layer_spec)
         return (model_class or GPTModel)(
             config,
             spec,
@@ -175,4 +176,5 @@ def build_te_style_model(arch: Architecture, model_class=None, **config_kwargs):
             share_embeddings_and_output_weights=arch.tie_word_embeddings,
             position_embedding_type=position_embedding_type(config.context_parallel_size),
             rotary_base=int(arch.rope_theta),
+            rotary_percent=arch.partial_rotary_factor,
         )
