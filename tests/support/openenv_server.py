@@ -13,8 +13,11 @@ at step `fail_at` (default 1), in the episodes whose seed is a multiple of `fail
 all). Class counters say how many sessions (environments) are open now
 and were open at once at most.
 
-    serve_in_thread(max_concurrent_envs=4)   # a context manager: the base URL, in this process
-    python -m tests.support.openenv_server --port P [--max-concurrent-envs N]   # a process
+    serve_in_thread(port, max_concurrent_envs=4)   # a context manager: the base URL, in this process
+    serve_in_process(port, log_path)               # the same as a process of its own
+    python -m tests.support.openenv_server --port P [--max-concurrent-envs N]
+
+`learning_config` is the SAO run on it that the end-to-end test and the benchmark train.
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -142,6 +148,67 @@ def serve_in_thread(port: int, max_concurrent_envs: int = 4) -> Iterator[str]:
         CountEnvironment.release.set()
         server.should_exit = True
         thread.join(15)
+
+
+@contextlib.contextmanager
+def serve_in_process(port: int, log_path, max_concurrent_envs: int = 64) -> Iterator[str]:
+    """The count server on 127.0.0.1:`port` as a process of its own (`python -m
+    tests.support.openenv_server`, its output in `log_path`); yields its base URL, stops it after."""
+    root = Path(__file__).resolve().parents[2]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, "-m", "tests.support.openenv_server", "--port", str(port),
+                                    "--max-concurrent-envs", str(max_concurrent_envs)],
+                                   cwd=root, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            wait_for_port(port)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+# The learning run (tests/e2e/test_openenv_stack.py, benchmarks/openenv_learning.py): the SAO demo's
+# settings (megatron_rl/demo/run.py: group 1, 64 rollouts a step, completions of up to 12 tokens,
+# policy lr 3e-3, gamma = lambda = 1, 2 critic epochs, a head-only first critic step, frozen critic
+# attention) on the count task served by this server, one step a rollout; on the shared vLLM pool's
+# architecture (tests/e2e/conftest.py: qwen3, hidden 128, 2 layers, 512 ids) with the demo's
+# character tokenizer (51 characters and specials: the other ids decode to nothing, so a random
+# model's answers are mostly empty), warm-started for a few steps on count's format
+# (megatron_rl/demo/warm_start.py) so that it writes characters; without it the reward stayed flat
+# near 0.35 (empty answers) for 10 steps.
+LEARNING = {"rollouts": 64, "lr": 3.0e-3, "max_completion_tokens": 12, "max_prompt_tokens": 48, "sft_steps": 10}
+
+
+def learning_model(out: Path, seed: int, sft_steps: int = LEARNING["sft_steps"]) -> Path:
+    """A random tiny qwen3 of the pool's shape with the character tokenizer, warm-started on the
+    count task for `sft_steps` steps (none: 0)."""
+    from megatron_rl.demo.warm_start import warm_start
+    from megatron_rl.models.tiny import make_tiny_model
+
+    random = make_tiny_model("qwen3", out / "random", seed=seed, hidden_size=128, vocab_size=512, tokenizer="char")
+    if sft_steps == 0:
+        return random
+    warm_start(random, out / "warm", task="count", steps=sft_steps, log=lambda line: None)
+    return out / "warm"
+
+
+def learning_config(tmp_path: Path, model: Path, pool, url: str, steps: int, seed: int, lr: float = LEARNING["lr"]):
+    """(resolved, resolved_path) of the SAO learning run on the count server at `url`."""
+    from tests.support.stack import stack_config
+
+    environment = {"hub": "openenv", "url": url, "id": "count", "max_concurrent": LEARNING["rollouts"],
+                   "timeout_s": 60}  # fmt: skip
+    overrides = [f"optimizer.lr={lr}", "algorithm.gamma=1.0", "algorithm.value_lambda=1.0",
+                 "value.head_only_warmup_steps=1", "value.freeze_attention=true"]  # fmt: skip
+    return stack_config(
+        tmp_path, model, "sao", steps, pool, overrides=overrides, batch_size=LEARNING["rollouts"], seed=seed,
+        max_completion_tokens=LEARNING["max_completion_tokens"], max_prompt_tokens=LEARNING["max_prompt_tokens"],
+        environment=environment, dataset=None, environment_args={"observation_template": "{prompt}"},
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

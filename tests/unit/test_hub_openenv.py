@@ -116,6 +116,15 @@ def test_max_turns_ends_an_unfinished_episode_without_reward(server, qwen):
     assert member.reward == 0.0 and member.truncated
 
 
+def test_the_token_budget_ends_an_episode_unfinished(server, qwen):
+    first = completion(qwen, "xx")
+    env = openenv(server, reset_args={"turns": 3})
+    (member,) = roll_group(env, PromptEncoder(qwen), script=[first] * 3, budget=len(first) + 3).members
+    assert member.status == "finished" and member.turns == 1 and member.budget_exhausted and not member.episode_done
+    t = member.trajectory
+    assert member.reward == 0.0 and len(t.token_ids) - len(t.prompt_ids) == len(first) + 3  # the observation cut
+
+
 def test_plug_ins_map_text_to_actions_and_observations_to_messages(server, qwen):
     env = openenv(server, observation_template=None, action_fn=f"{__name__}:shout_action",
                   observation_fn=f"{__name__}:prompt_as_tool_result", reset_args={"turns": 2})  # fmt: skip
