@@ -49,7 +49,9 @@ def assert_bit_exact(original: dict, restored: dict):
         assert restored[name].dtype == tensor.dtype and torch.equal(restored[name], tensor), name
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "glm4_moe"])
+# glm4_moe's round trip is test_glm_checkpoint_at_a_layout_*: converted, loaded at each layout
+# and written back as HF (megatron_to_hf, the MG -> HF tool's function), bit-exact
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
 def test_round_trip_is_bit_exact(family, tiny_models, tmp_path):
     original, restored, to_mg = convert_both_ways(tiny_models[family], tmp_path)
     assert_bit_exact(original, restored)
