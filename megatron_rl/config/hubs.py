@@ -26,17 +26,19 @@ class HubEnvironment(Strict):
     retries: int = Field(default=2, ge=0, description="openenv: retries of a session's connection before the rollout fails, counted.")
     tool_parser: str = Field(default="hermes", min_length=1, description="verifiers: how tool calls are read from the policy's completions for the environment's harness (a parser of envs/tool_parsers.py: hermes, qwen3_coder, or a plug-in 'package.module:name').")
     pass_signal: str | None = Field(default=None, min_length=1, description="verifiers: the reward or metric (by name) whose value decides `passed` (orchestrator.eval pass@k / mean@k, the pass rate); null: the total weighted reward.")
-    pass_threshold: float = Field(default=1.0, description="verifiers: a rollout passes when its pass_signal (or total weighted reward) is at least this.")
+    pass_threshold: float = Field(default=1.0, description="What passes (orchestrator.eval pass@k / mean@k, the pass rate): verifiers: a rollout whose pass_signal (or total weighted reward) is at least this; openenv: a finished episode whose reward is at least this.")
 
     @model_validator(mode="after")
     def _hub_needs(self) -> HubEnvironment:
         """verifiers needs `id` (and takes no `url`); openenv needs `url` and takes none of the
-        verifiers adapter's settings."""
+        verifiers adapter's settings (tool_parser, pass_signal) away from their defaults."""
         if self.hub == "verifiers" and (self.id is None or self.url is not None):
             raise ValueError("hub verifiers: give `id` (the environment's id), not `url`")
         if self.hub == "openenv" and self.url is None:
             raise ValueError("hub openenv: give `url` (the environment server's base URL)")
-        verifiers_only = sorted(self.model_fields_set & {"tool_parser", "pass_signal", "pass_threshold"})
+        # by value, not model_fields_set: a resolved config is validated again from its dump
+        verifiers_only = [name for name in ("pass_signal", "tool_parser")
+                          if getattr(self, name) != type(self).model_fields[name].default]  # fmt: skip
         if self.hub == "openenv" and verifiers_only:
             raise ValueError(f"hub openenv: {', '.join(verifiers_only)} belong to hub verifiers")
         return self

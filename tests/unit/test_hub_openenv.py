@@ -64,9 +64,10 @@ def wait_until(condition, timeout_s: float = 5.0) -> bool:
     return True
 
 
-def openenv(url, seed=0, key=KEY, max_concurrent=None, timeout_s=5.0, retries=1, **args) -> OpenEnvEnvironment:
+def openenv(url, seed=0, key=KEY, max_concurrent=None, timeout_s=5.0, retries=1, pass_threshold=1.0,
+            **args) -> OpenEnvEnvironment:  # fmt: skip
     spec = HubEnvironment(hub="openenv", url=url, id="count", max_concurrent=max_concurrent, timeout_s=timeout_s,
-                          retries=retries)  # fmt: skip
+                          retries=retries, pass_threshold=pass_threshold)  # fmt: skip
     return make_environment(spec, None, seed, key=key, args={"observation_template": "{prompt}", **args})
 
 
@@ -194,8 +195,9 @@ def test_failed_rollouts_are_counted_by_kind_in_the_step_metrics_and_the_run_goe
 def test_an_evaluation_set_counts_what_passes_and_names_its_errors(server, qwen):
     """pass@k and mean@k of `orchestrator.eval` count `passed` (a finished episode whose reward
     reaches pass_threshold); a failed rollout is counted by kind, never fatal."""
-    config = EvalConfig(name="count", environment=HubEnvironment(hub="openenv", url=server, max_concurrent=4),
-                        environment_args={"observation_template": "{prompt}", "pass_threshold": 1.0,
+    config = EvalConfig(name="count", environment=HubEnvironment(hub="openenv", url=server, max_concurrent=4,
+                                                                 pass_threshold=1.0),
+                        environment_args={"observation_template": "{prompt}",
                                           "reset_args": {"fail": "raise", "fail_every": 3}},
                         num_examples=12, samples_per_example=2, seed=5)  # fmt: skip
     fake = FakeClient(FakeWeights(), script=[completion(qwen, "xxx")])  # every answer: three x's

@@ -238,8 +238,11 @@ def test_bad_arguments_are_errors_naming_the_key(settings, args, message):
 def test_the_dataset_key_is_refused_and_the_hub_block_is_checked():
     with pytest.raises(ValueError, match=r"orchestrator.dataset: a verifiers environment loads its own rows"):
         make_environment(hub("mrl-vf-guess"), dataset="rows.jsonl")
-    with pytest.raises(ValueError, match="pass_threshold belong to hub verifiers"):
-        HubEnvironment(hub="openenv", url="http://127.0.0.1:1", pass_threshold=0.5)
+    with pytest.raises(ValueError, match="pass_signal belong to hub verifiers"):
+        HubEnvironment(hub="openenv", url="http://127.0.0.1:1", pass_signal="correct")
+    # a resolved config is validated again from its dump: defaults never count as given
+    spec = HubEnvironment(hub="openenv", url="http://127.0.0.1:1", pass_threshold=0.5)
+    assert HubEnvironment(**spec.model_dump()).pass_threshold == 0.5
 
 
 def test_max_concurrent_bounds_the_rollouts_in_flight(qwen, math_data):

@@ -10,7 +10,7 @@ call): reset (with the row's seed and `reset_args`), then turns of the policy th
 each reply as the assistant's, each step's observation as the next message, masked) and steps
 with the reply as the Action, until the server says `done`, `max_turns` pass or the token budget
 is spent. The rollout's reward is the episode's step rewards combined (`reward`: their sum or the
-last); it passes when done with a reward of at least `pass_threshold`.
+last); it passes when done with a reward of at least the hub block's `pass_threshold`.
 
 At most `max_concurrent` sessions of one environment are open at once (the server's
 `max_concurrent_envs`; 1 by default, as the server's). Before the episode starts (up to the
@@ -62,7 +62,6 @@ class OpenEnvArgs(Strict):
     num_rows: int | None = Field(default=None, ge=1, description="Distinct rows (episode seeds) before they repeat, shuffled each epoch; null: endless.")
     max_turns: int | None = Field(default=None, ge=1, description="Steps of an episode at most; past it the rollout ends unfinished (no reward). null: only the token budget bounds it.")
     reward: Literal["sum", "last"] = Field(default="sum", description="The rollout's reward from its steps' rewards (a step without one counts 0): their sum or the last.")
-    pass_threshold: float = Field(default=1.0, description="A finished episode whose reward is at least this passes (pass@k, mean@k of orchestrator.eval).")
 
     @model_validator(mode="after")
     def _one_mapping_each(self) -> OpenEnvArgs:
@@ -148,9 +147,10 @@ class OpenEnvEnvironment(DrivenEnvironment):
     """One OpenEnv environment server as an environment of ours (module docstring)."""
 
     def __init__(self, url: str, name: str, args: OpenEnvArgs, seed: int, key: str, max_concurrent: int = 1,
-                 timeout_s: float = 120.0, retries: int = 2) -> None:  # fmt: skip
+                 timeout_s: float = 120.0, retries: int = 2, pass_threshold: float = 1.0) -> None:  # fmt: skip
         self.url, self.name, self.args, self.seed, self.key = url, name, args, seed, key
         self.max_concurrent, self.timeout_s, self.retries = max_concurrent, timeout_s, retries
+        self.pass_threshold = pass_threshold
         self.max_turns = args.max_turns
         self._action_fn = load_object(args.action_fn, f"{key}_args.action_fn") if args.action_fn else None
         self._observation_fn = (
@@ -195,7 +195,7 @@ class OpenEnvEnvironment(DrivenEnvironment):
             rewards.append(float(result.reward or 0.0))
             if result.done:
                 reward = sum(rewards) if self.args.reward == "sum" else rewards[-1]
-                return Turn(reward=reward, passed=reward >= self.args.pass_threshold, done=True)
+                return Turn(reward=reward, passed=reward >= self.pass_threshold, done=True)
             if turn == self.args.max_turns:
                 break
             messages = [*messages, {"role": "assistant", "content": reply.content},
@@ -350,5 +350,5 @@ def make_openenv_environment(spec, dataset: str | None, seed: int, key: str, arg
         raise ValueError(f"{key}.url: {spec.url!r} is not an http(s):// or ws(s):// URL of an OpenEnv server")
     return OpenEnvEnvironment(
         spec.url.rstrip("/"), spec.id or spec.url, parsed, seed, key, max_concurrent=spec.max_concurrent or 1,
-        timeout_s=spec.timeout_s, retries=spec.retries,
+        timeout_s=spec.timeout_s, retries=spec.retries, pass_threshold=spec.pass_threshold,
     )  # fmt: skip (a plug-in that cannot be loaded: PluginError, a ValueError naming the key)
