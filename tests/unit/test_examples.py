@@ -4,14 +4,20 @@ one: `megatron-rl slurm` renders its job) after it:
 
 - tiny CPU examples: the command (building the tiny random model under runs/tiny_model) is run
   here as written, from the repository root; the dry run then plans every component;
-- Qwen3-30B-A3B examples: the command converts the user's HF checkpoint (not run here: it is the
-  user's 60 GB); the test checks that it converts exactly the config's `inference.model_dir` into
-  its `model.checkpoint` (and `value.model.checkpoint`), and dry-runs the config as the 8-GPU
-  node would see it (CUDA_VISIBLE_DEVICES=0..7)."""
+- real-scale examples (Qwen3-30B-A3B, GLM-4.5-Air): the command converts the user's HF checkpoint
+  (not run here: it is the user's 60 GB, 220 GB for GLM-4.5-Air); the test checks that it converts
+  exactly the config's `inference.model_dir` into its `model.checkpoint` (and
+  `value.model.checkpoint`), and dry-runs the config as the 8-GPU node would see it
+  (CUDA_VISIBLE_DEVICES=0..7), or renders the multi-node ones' SLURM job.
+
+Every launch script (`launch/*.sh`) passes `bash -n` and shellcheck; each example launcher
+renders its config's job with `--dry-run --out`."""
 
 from __future__ import annotations
 
+import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +90,30 @@ def test_every_example_says_what_makes_it_runnable_and_dry_runs_after_it(path, t
             visible = ",".join(str(i) for i in range(resolved.deployment.gpus_per_node))
             done = run_cli("run", str(path), "--dry-run", env={"CUDA_VISIBLE_DEVICES": visible})
     assert done.returncode == 0, f"{path.name}:\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}"
+
+
+LAUNCHERS = sorted((ROOT / "launch").glob("*.sh"))
+EXAMPLE_LAUNCHERS = [p for p in LAUNCHERS if p.name not in ("_submit.sh", "demo.sh")]
+
+
+@pytest.mark.parametrize("script", LAUNCHERS, ids=lambda p: p.name)
+def test_every_launch_script_passes_bash_n_and_shellcheck(script):
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True).returncode == 0
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed")
+    lint = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout
+
+
+@pytest.mark.parametrize("script", EXAMPLE_LAUNCHERS, ids=lambda p: p.name)
+def test_every_example_launcher_renders_its_examples_job(script, tmp_path):
+    """`bash launch/X.sh --dry-run --out FILE` renders the SLURM job of the example it names (an
+    existing one: the script's config path) without submitting it."""
+    config = next(line for line in script.read_text().splitlines() if line.startswith("config="))
+    name = config.split("/examples/configs/", 1)[1].rstrip('"')
+    assert (ROOT / "examples" / "configs" / name).is_file(), name
+    out = tmp_path / "job.sbatch"
+    done = subprocess.run(["bash", str(script), "--dry-run", "--out", str(out)], capture_output=True, text=True,
+                          env={**os.environ, "MEGATRON_RL_PYTHON": sys.executable}, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"CONFIG={ROOT / 'examples' / 'configs' / name}" in out.read_text()

@@ -23,9 +23,11 @@ from megatron_rl.config.memory_plan import (
     adam_tensor_elements,
     format_plan,
     memory_plan,
+    node_host_memory,
     rank_parameters,
     route_bytes_per_token,
 )
+from megatron_rl.config.model import Architecture
 from tests.support.cli import run_cli
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("*.yaml"))
@@ -322,3 +324,57 @@ def test_lora_adapters_activations_are_counted_under_full_recomputation_once(tp,
     local = load_config(LORA_30B, [f"model.tp={tp}", f"model.ep={ep}", "model.transformer_engine='off'"])
     products = memory_plan(local)[0].parts["activations"] * GIB + LOGPROB_CHUNK_BYTES - without
     assert products == pytest.approx(16384 * 16 * 2 * (1 + share + 8 + 8))
+
+
+GLM45_AIR = next(p for p in EXAMPLES if p.name == "glm45_air_sao_4nodes.yaml")
+# GLM-4.5-Air's published config.json (zai-org/GLM-4.5-Air), the fields the glm4_moe mapping reads
+GLM45_AIR_HF_CONFIG = {
+    "model_type": "glm4_moe", "hidden_size": 4096, "num_hidden_layers": 46, "num_attention_heads": 96,
+    "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "n_routed_experts": 128, "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1,
+    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+    "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": False, "rope_theta": 1000000,
+    "max_position_embeddings": 131072, "vocab_size": 151552, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "hidden_act": "silu", "num_nextn_predict_layers": 1, "rope_scaling": None,
+}  # fmt: skip
+
+
+def test_glm45_air_example_is_the_published_model_and_its_parameter_count():
+    """The example's inline architecture is what the builder reads from GLM-4.5-Air's config.json,
+    and its parameters are the published 106B in total (the MTP layer, dropped, not counted) and
+    12B active (the 8 routed experts of 128, the shared expert, attention and the dense layer,
+    without the embedding and output layers: 13.4B with them)."""
+    resolved = load_config(GLM45_AIR)
+    arch = resolved.layout.policy_architecture
+    assert arch == Architecture.from_hf_config(GLM45_AIR_HF_CONFIG, "GLM-4.5-Air")
+    assert resolved.value.model.architecture == arch
+    single = ModelLayout(world_size=1, tp=1, cp=1, pp=1, ep=1, dp=1, expert_dp=1)
+    params = rank_parameters(arch, single)
+    assert params.total == pytest.approx(106.85e9, rel=1e-3)
+    embeddings = 2 * arch.vocab_size * arch.hidden_size
+    active = params.dense + params.expert * arch.num_experts_per_tok / arch.num_experts
+    assert active - embeddings == pytest.approx(12.2e9, rel=0.01)
+
+
+def test_glm45_air_example_fits_on_four_h200_nodes_and_not_on_three():
+    """The layout its header explains, as check-config plans it: 2 vLLM servers at TP=4 on node 0,
+    the policy at EP=16 on nodes 1-2, the critic at EP=8 on node 3 with a tenth of its Adam state
+    on the GPUs; the policy on one node (EP=8) is refused: 1810 GiB of host memory."""
+    resolved = load_config(GLM45_AIR)
+    assert resolved.layout.deployment_style == "dedicated" and resolved.deployment.nodes == 4
+    assert (resolved.layout.policy.ep, resolved.layout.policy.dp, resolved.layout.policy.expert_dp) == (16, 16, 1)
+    assert (resolved.layout.critic.world_size, resolved.layout.critic.ep) == (8, 8)
+    result = run_cli("check-config", str(GLM45_AIR))
+    assert result.returncode == 0, result.stderr
+    peaks = peak_rows(result.stderr)
+    assert peaks["policy"] == (100.24, 92.61, 81.01)
+    assert peaks["critic"] == (116.40, 115.86, 109.11)
+    assert peaks["inference"][:2] == (119.34, 119.34) and "weight update 121.43" in result.stderr
+    assert "GPUs: inference 8 + critic 8 + policy 16 = 32 of 4 node(s) x 8 = 32" in result.stderr
+    hosts = {name: round(gib) for name, gib, _ in node_host_memory(resolved, memory_plan(resolved))}
+    assert hosts == {"policy node": 924, "critic node": 1552}
+    full_offload = load_config(GLM45_AIR, ["value.optimizer.offload_fraction=1.0"])
+    assert {n: round(g) for n, g, _ in node_host_memory(full_offload, memory_plan(full_offload))}["critic node"] == 1720
+    with pytest.raises(ConfigError, match=r"a policy node needs about 1810 GiB of host memory .* more than "
+                                          r"deployment.host_memory_gib = 1800"):  # fmt: skip
+        load_config(GLM45_AIR, ["model.ep=8", "deployment.policy_gpus=8", "deployment.nodes=3"])
