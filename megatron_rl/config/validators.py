@@ -7,6 +7,7 @@ every rule in `RULES` and reports all problems at once.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,7 +63,8 @@ def group_baselines_have_two_samples(ctx: Context) -> list[str]:
 
 
 def plugins_import_and_fit(ctx: Context) -> list[str]:
-    """Every "package.module:name" of the config imports here and accepts its protocol's call."""
+    """Every "package.module:name" of the config imports here and accepts its protocol's call;
+    a hub environment's library is installed."""
     algorithm, orchestrator, errors = ctx.config.algorithm, ctx.config.orchestrator, []
     named = [
         ("policy_loss", "algorithm.policy_loss", algorithm.policy_loss, tuple(algorithm.policy_loss_args)),
@@ -74,6 +76,10 @@ def plugins_import_and_fit(ctx: Context) -> list[str]:
     for kind, key, name, keywords in named:
         try:
             if name is not None and not isinstance(name, str):  # a hub's block: its adapter checks its args
+                module = {"verifiers": "verifiers", "openenv": "openenv"}[name.hub]
+                if importlib.util.find_spec(module) is None:
+                    errors.append(f"{key}: hub {name.hub!r} needs the {module} package, which is not installed here: "
+                                  "pip install -e '.[hubs]' (bash scripts/ensure_venv.sh installs it)")
                 continue
             if name is not None and is_plugin(name):
                 load_plugin(kind, name, key, keywords)

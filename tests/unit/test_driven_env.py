@@ -114,3 +114,17 @@ def test_an_environment_that_never_samples_is_an_error(qwen):
         roll(Idle(), PromptEncoder(qwen), [])
     with pytest.raises(TypeError, match="drives its own turns"):
         Idle().prompt({})
+
+
+def test_a_hub_whose_library_is_missing_is_a_config_error_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    from megatron_rl.config import ConfigError, parse_config
+    from tests.support.configs import base
+
+    config = base()
+    config["orchestrator"].update(environment={"hub": "openenv", "url": "http://127.0.0.1:1"}, dataset=None)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openenv" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"orchestrator.environment: hub 'openenv' needs the openenv package.*\[hubs\]"):
+        parse_config(config)
