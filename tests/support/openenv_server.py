@@ -172,20 +172,26 @@ def serve_in_process(port: int, log_path, max_concurrent_envs: int = 64) -> Iter
 
 
 # The learning run (tests/e2e/test_openenv_stack.py, benchmarks/openenv_learning.py): the SAO demo's
-# settings (megatron_rl/demo/run.py: group 1, 64 rollouts a step, completions of up to 12 tokens,
-# policy lr 3e-3, gamma = lambda = 1, 2 critic epochs, a head-only first critic step, frozen critic
-# attention) on the count task served by this server, one step a rollout; on the shared vLLM pool's
-# architecture (tests/e2e/conftest.py: qwen3, hidden 128, 2 layers, 512 ids) with the demo's
-# character tokenizer (51 characters and specials: the other ids decode to nothing, so a random
-# model's answers are mostly empty), warm-started for a few steps on count's format
-# (megatron_rl/demo/warm_start.py) so that it writes characters; without it the reward stayed flat
-# near 0.35 (empty answers) for 10 steps.
-LEARNING = {"rollouts": 64, "lr": 3.0e-3, "max_completion_tokens": 12, "max_prompt_tokens": 48, "sft_steps": 10}
+# recipe (megatron_rl/demo/run.py `_demo_config`, DEFAULTS: group 1, 64 rollouts a step, prompts of
+# up to 48 and completions of up to 12 tokens, policy lr 3e-3 with grad clip 1, gamma = lambda = 1,
+# critic lr 1e-3, 2 critic epochs, a head-only first critic step, frozen critic attention, a value
+# head initialised to zero) on the count task served by this server, one step a rollout, on the
+# shared vLLM pool's architecture (tests/e2e/conftest.py: qwen3, hidden 128, 2 layers, 512 ids) with
+# the demo's character tokenizer. The demo's vocabulary has 64 ids; this one 512, whose 461 ids past
+# the characters decode to nothing, so a random model answers mostly empty text (~0.35 on count)
+# and the reward stays flat from the random initialisation; hence the demo's warm start
+# (megatron_rl/demo/warm_start.py: cross-entropy on correct count answers, rendered as the
+# orchestrator renders "count: N", which is what this server asks), short: after 3 steps the model
+# writes some x's among other characters and ids that decode to nothing (sampled reward ~0.45),
+# the regime the demo's random 64-id model learns from, and SAO raises the reward within 10 steps;
+# after 20 steps (~0.6: x's of a length unrelated to N) 8 steps of SAO did not beat a frozen policy
+# (benchmarks/openenv_learning.py).
+LEARNING = {"rollouts": 64, "lr": 3.0e-3, "max_completion_tokens": 12, "max_prompt_tokens": 48, "sft_steps": 3}
 
 
 def learning_model(out: Path, seed: int, sft_steps: int = LEARNING["sft_steps"]) -> Path:
     """A random tiny qwen3 of the pool's shape with the character tokenizer, warm-started on the
-    count task for `sft_steps` steps (none: 0)."""
+    count task for `sft_steps` steps (none: 0); the HF directory."""
     from megatron_rl.demo.warm_start import warm_start
     from megatron_rl.models.tiny import make_tiny_model
 
@@ -196,18 +202,25 @@ def learning_model(out: Path, seed: int, sft_steps: int = LEARNING["sft_steps"])
     return out / "warm"
 
 
-def learning_config(tmp_path: Path, model: Path, pool, url: str, steps: int, seed: int, lr: float = LEARNING["lr"]):
-    """(resolved, resolved_path) of the SAO learning run on the count server at `url`."""
+def learning_config(tmp_path: Path, model: Path, pool, url: str, steps: int, seed: int, lr: float = LEARNING["lr"],
+                    environment: dict | None = None):  # fmt: skip
+    """(resolved, resolved_path) of the SAO learning run on the count server at `url` (or on
+    `environment`, e.g. the procedural count task, with the same settings). Both models load the
+    HF directory: the critic's value head is then initialised as value.head_init_std says, zero,
+    as in the demo's converted value model (`prepare`: --head-init-std 0.0)."""
     from tests.support.stack import stack_config
 
-    environment = {"hub": "openenv", "url": url, "id": "count", "max_concurrent": LEARNING["rollouts"],
-                   "timeout_s": 60}  # fmt: skip
-    overrides = [f"optimizer.lr={lr}", "algorithm.gamma=1.0", "algorithm.value_lambda=1.0",
-                 "value.head_only_warmup_steps=1", "value.freeze_attention=true"]  # fmt: skip
+    orchestrator = {"environment": {"hub": "openenv", "url": url, "id": "count", "max_concurrent": LEARNING["rollouts"],
+                                    "timeout_s": 60}, "dataset": None,
+                    "environment_args": {"observation_template": "{prompt}"}}  # fmt: skip
+    if environment is not None:
+        orchestrator = environment
+    overrides = [f"optimizer.lr={lr}", "algorithm.gamma=1.0", "algorithm.value_lambda=1.0", "value.head_init_std=0.0",
+                 "value.head_only_warmup_steps=1", "value.freeze_attention=true", "checkpoint.save_interval=10"]  # fmt: skip
     return stack_config(
         tmp_path, model, "sao", steps, pool, overrides=overrides, batch_size=LEARNING["rollouts"], seed=seed,
         max_completion_tokens=LEARNING["max_completion_tokens"], max_prompt_tokens=LEARNING["max_prompt_tokens"],
-        environment=environment, dataset=None, environment_args={"observation_template": "{prompt}"},
+        **orchestrator,
     )  # fmt: skip
 
 
