@@ -332,6 +332,18 @@ def lora_adapters_can_be_served(ctx: Context) -> list[str]:
     return []
 
 
+def judge_rewards_our_own_environments(ctx: Context) -> list[str]:
+    """orchestrator.judge rewards a built-in or plug-in environment's rollouts; a hub's
+    environment drives its own turns and scores its own rollouts (its judges are its rewards)."""
+    orchestrator = ctx.config.orchestrator
+    if orchestrator.judge is not None and not isinstance(orchestrator.environment, str):
+        return [
+            f"orchestrator.judge: the environment is hub {orchestrator.environment.hub!r}'s, which scores its own "
+            "rollouts; put the judge in its own rewards (verifiers: a judge in the taskset's rubric)"
+        ]
+    return []
+
+
 RULES: tuple[Callable[[Context], list[str]], ...] = (
     algorithm_parts_are_registered,
     algorithm_has_its_critic,
@@ -349,4 +361,5 @@ RULES: tuple[Callable[[Context], list[str]], ...] = (
     update_options_fit_together,
     routing_replay_has_experts,
     lora_adapters_can_be_served,
+    judge_rewards_our_own_environments,
 )

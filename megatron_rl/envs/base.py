@@ -56,6 +56,11 @@ class Environment(ABC):
         """The tools the chat template renders in the prompt (OpenAI function schemas), or None."""
         return None
 
+    async def aclose(self) -> None:
+        """Releases what the environment holds open (a hub adapter's servers and sessions); the
+        run calls it once, at its end, on the event loop that ran the rollouts."""
+        return None
+
     def demonstration(self, row: dict) -> list[tuple[str | list[dict], bool]]:
         """A correct rollout of `row` for a supervised warm start (`demo/warm_start.py`): its
         segments after the prompt in order, each (text, True) for the model's own turns or

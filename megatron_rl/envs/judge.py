@@ -28,7 +28,7 @@ import re
 
 import httpx
 
-from megatron_rl.envs.base import Environment, Turn
+from megatron_rl.envs.base import DrivenEnvironment, Environment, Turn
 
 
 class JudgeVerdictError(RuntimeError):
@@ -142,8 +142,16 @@ class JudgedEnvironment(Environment):
     """`inner`'s rollouts, rewarded by `judge` when done (see the module docstring)."""
 
     def __init__(self, inner: Environment, judge: Judge):
+        if isinstance(inner, DrivenEnvironment):
+            raise ValueError(
+                f"orchestrator.judge: {type(inner).__name__} drives its own turns and scores its own rollouts; "
+                "a hub environment's judge belongs in its own rewards (verifiers: a judge in the taskset's rubric)"
+            )
         self.inner, self.judge = inner, judge
         self.max_turns, self.stop = inner.max_turns, inner.stop
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
     def row(self, index: int) -> dict:
         return self.inner.row(index)

@@ -91,11 +91,14 @@ async def evaluate(resolved: ResolvedConfig, router_url: str, model_name: str, w
     o = resolved.orchestrator
     client = RolloutClient(router_url, model_name, worker_urls, timeout_s=resolved.inference.request_timeout_s,
                            api_key=resolved.inference.api_key())  # fmt: skip
+    evaluator = None
     try:
         evaluator = Evaluator(o.eval, client, prompt_encoder(o, tokenizer), o.max_completion_tokens, o.seed)
         return await evaluator.run(0, every_set=True)
     finally:
         await client.close()
+        if evaluator is not None:
+            await evaluator.aclose()
 
 
 def write_metrics(logging_config: LoggingConfig, model: str, results: dict, seconds: float) -> Path:

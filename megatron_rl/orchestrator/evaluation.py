@@ -37,6 +37,11 @@ class Evaluator:
             self.sets.append((config, env, sampling, set_encoder))
         self.client = client
 
+    async def aclose(self) -> None:
+        """Releases what the sets' environments hold open (Environment.aclose)."""
+        for _, env, *_ in self.sets:
+            await env.aclose()
+
     def due(self, step: int) -> bool:
         return any(step == 0 or step % config.interval == 0 for config, *_ in self.sets)
 

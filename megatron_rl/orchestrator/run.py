@@ -202,6 +202,9 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
         if tracker is not None:  # after a full run: the trainers' last metrics lines first
             await asyncio.to_thread(tracker.close, o.num_steps - 1 if finished else None)
         await client.close()
+        await environment.aclose()
+        if orchestrator.evaluator is not None:
+            await orchestrator.evaluator.aclose()
         if judge is not None:
             await judge.close()
         if teacher is not None:

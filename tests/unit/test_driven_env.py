@@ -128,3 +128,19 @@ def test_a_hub_whose_library_is_missing_is_a_config_error_naming_the_extra(monke
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openenv" else real(name, *a))
     with pytest.raises(ConfigError, match=r"orchestrator.environment: hub 'openenv' needs the openenv package.*\[hubs\]"):
         parse_config(config)
+
+
+def test_a_judge_on_a_hub_environment_is_refused_by_name():
+    from megatron_rl.config import ConfigError, parse_config
+    from megatron_rl.config.orchestrator import JudgeConfig
+    from megatron_rl.envs.judge import Judge, JudgedEnvironment
+    from tests.support.configs import base
+
+    config = base()
+    judge = {"url": "http://127.0.0.1:1", "model": "judge", "template": "{prompt} {answer}"}
+    config["orchestrator"].update(environment={"hub": "openenv", "url": "http://127.0.0.1:1"}, dataset=None,
+                                  judge=judge)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"orchestrator.judge: the environment is hub 'openenv'"):
+        parse_config(config)
+    with pytest.raises(ValueError, match="drives its own turns and scores its own rollouts"):
+        JudgedEnvironment(Agent(), Judge(JudgeConfig(**judge)))
