@@ -105,6 +105,7 @@ from megatron_rl.config.model_memory import (  # the per-rank counts, imported f
     published_lora_elements,
     rank_parameters,
     rank_tensors,
+    weight_buffer_bytes,
 )
 from megatron_rl.config.services import served_models
 
@@ -471,11 +472,13 @@ def weight_update_gib(resolved: ResolvedConfig) -> tuple[float, float | None]:
     send the trainer's tensors as they are): (the whole model, as merged or full weights travel;
     the adapters alone when a LoRA policy is served as adapters (the layout's `policy_lora.serve`), else None). The
     adapters are counted as they are sent (`published_lora_elements`: PEFT's tensors for
-    `lora.target_modules`, one A per Hugging Face module), not as the trainer holds them."""
+    `lora.target_modules`, one A per Hugging Face module), not as the trainer holds them. The
+    whole model includes the buffers a version carries (the routers' float32 expert bias)."""
     arch = resolved.layout.policy_architecture
     single = rank_parameters(arch, ModelLayout(world_size=1, tp=1, cp=1, pp=1, ep=1, dp=1, expert_dp=1))
     element = BYTES[resolved.model.dtype]
-    full = single.total * element / GIB
+    # + the weights that are buffers (the routers' expert bias, float32), which a version carries too
+    full = (single.total * element + weight_buffer_bytes(arch)) / GIB
     lora = resolved.layout.policy_lora
     if lora is None or lora.serve != "adapter":
         return full, None

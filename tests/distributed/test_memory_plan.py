@@ -447,10 +447,10 @@ def test_check_config_update_bytes_are_a_published_versions(lora_measured, index
     assert ranks[0][index]["published"] == (round(adapters * GIB), [torch_dtype])
     assert sum(rank[index]["streamed_bytes"] for rank in ranks) == round(adapters * GIB)
     assert {d for rank in ranks for d in rank[index]["streamed_dtypes"]} == {torch_dtype}
-    # the routers' expert bias (a buffer) is published too, in float32 (weight_update_gib leaves it out)
+    # the routers' expert bias (a buffer) is published too, in float32, and weight_update_gib counts it
     bias = weight_buffer_bytes(arch)
     assert bias == (4 * 6 if family == "glm4_moe" else 0)
-    assert ranks[0][index]["merged"] == (round(whole * GIB) + bias, sorted({torch_dtype} | ({"torch.float32"} if bias else set())))
+    assert ranks[0][index]["merged"] == (round(whole * GIB), sorted({torch_dtype} | ({"torch.float32"} if bias else set())))
     # more than the trainer holds (one rank's count at EP = 1, checked above): a fused layer's A is
     # sent once per part
     trainer = rank_parameters(arch, layout_of(1, 1, 1, world=1), lora_rank=LORA_RANK, lora_targets=targets)
