@@ -47,7 +47,8 @@ def test_router_job_step_hands_the_resolved_config_to_the_router(tmp_path):
 
     with mock.patch.object(job_steps, "exec_router", side_effect=Exec) as exec_router, pytest.raises(Exec):
         run_cli("router", "--config", str(path))
-    (config,), _ = exec_router.call_args
+    (config, service), _ = exec_router.call_args
+    assert service is None  # the policy's router (--service names a served model's)
     assert config.inference.router_port == resolved.inference.router_port
     assert config.layout.inference_urls == resolved.layout.inference_urls
     bad = run_cli("router", "--config", str(tmp_path / "missing.json"))
