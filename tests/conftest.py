@@ -87,5 +87,5 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_models")
     return {
         family: make_tiny_model(family, root / family, seed=3)
-        for family in ("qwen3", "qwen3_moe", "llama", "glm4_moe")
+        for family in ("qwen3", "qwen3_moe", "llama", "glm4_moe", "deepseek_v3")
     }

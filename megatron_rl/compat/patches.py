@@ -133,6 +133,10 @@ def _patch_te_general_gemm() -> None:
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    # Multi-latent attention asks isinstance(linear_proj, TELinear) when its HAVE_TE is set, and
+    # without TE megatron's extensions module leaves TELinear a MagicMock (not a type): say no TE.
+    multi_latent_attention = importlib.import_module("megatron.core.transformer.multi_latent_attention")
+    multi_latent_attention.HAVE_TE = False
 
 
 def _split_sizes_as_list(sizes):

@@ -150,6 +150,8 @@ def model_layout(
             errors.append(
                 f"{where}: num_key_value_heads ({arch.num_key_value_heads}) must be divisible by tp ({model.tp})"
             )
+        if arch.context_parallel_refusal(model.cp):
+            errors.append(f"{where}.cp: {arch.context_parallel_refusal(model.cp)}")
         if arch.num_layers % model.pp:
             errors.append(f"{where}: num_layers ({arch.num_layers}) must be divisible by pp ({model.pp})")
         if model.ep > 1 and not arch.num_experts:

@@ -9,16 +9,34 @@ from pydantic import Field, field_validator, model_validator
 
 from megatron_rl.config.base import Strict
 
-Family = Literal["qwen3", "qwen3_moe", "llama", "glm4_moe"]
+Family = Literal["qwen3", "qwen3_moe", "llama", "glm4_moe", "deepseek_v3"]
 
 # HF `model_type` -> our family name. A family is supported when its builder mapping exists.
 HF_MODEL_TYPES: dict[str, Family] = {
     "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "llama": "llama", "glm4_moe": "glm4_moe",
+    "deepseek_v3": "deepseek_v3",
 }  # fmt: skip
 # Families whose router scores experts with a sigmoid and routes on score + a per-expert bias
 # (HF `e_score_correction_bias`, megatron's `expert_bias`), with shared experts beside the routed
 # ones (DeepSeek-V3's MoE; GLM-4.5's).
-SIGMOID_ROUTER_FAMILIES = ("glm4_moe",)
+SIGMOID_ROUTER_FAMILIES = ("glm4_moe", "deepseek_v3")
+# Families with multi-latent attention (DeepSeek-V3's MLA: low-rank q and kv projections, a rotary
+# part of each q/k head beside a non-rotary one, a v head of its own size).
+MLA_FAMILIES = ("deepseek_v3",)
+
+
+class YarnRope(Strict):
+    """YaRN's rotary scaling (DeepSeek-V3's rope_scaling, type yarn), in HF's names: the
+    frequencies interpolated between beta_fast and beta_slow rotations, cos/sin multiplied by
+    yarn(factor, mscale) / yarn(factor, mscale_all_dim) and the softmax scale by
+    yarn(factor, mscale_all_dim)^2, where yarn(f, m) = 0.1 m ln f + 1 (1 for f <= 1)."""
+
+    factor: float = Field(gt=1, description="How many times the original context the positions are stretched to (HF factor).")
+    original_max_position_embeddings: int = Field(gt=0, description="The context length the model was pretrained with (HF original_max_position_embeddings).")
+    beta_fast: float = Field(default=32.0, gt=0, description="Rotations above which a frequency is kept (extrapolated).")
+    beta_slow: float = Field(default=1.0, gt=0, description="Rotations below which a frequency is interpolated by factor.")
+    mscale: float = Field(default=1.0, gt=0, description="The numerator's m of the cos/sin factor yarn(factor, mscale) / yarn(factor, mscale_all_dim).")
+    mscale_all_dim: float = Field(default=0.0, ge=0, description="The denominator's m of the cos/sin factor, and the softmax scale's factor yarn(factor, mscale_all_dim)^2; 0: neither.")
 
 
 class Architecture(Strict):
@@ -51,6 +69,13 @@ class Architecture(Strict):
     partial_rotary_factor: float = Field(default=1.0, gt=0, le=1, description="The fraction of each head's channels that RoPE rotates (the first ones; GLM-4.5: 0.5).")
     attention_bias: bool = Field(default=False, description="Biases on the query, key and value projections (not on the output projection: GLM-4.5's attention_bias).")
     mtp_layers: int = Field(default=0, ge=0, description="Multi-token-prediction layers a released checkpoint holds after the decoder layers (HF num_nextn_predict_layers): their tensors are dropped on conversion and load (neither trained nor written back).")
+    kv_lora_rank: int = Field(default=0, ge=0, description="Multi-latent attention (DeepSeek-V3): the rank of the shared key/value latent each token is projected to (HF kv_lora_rank); 0: ordinary attention.")
+    q_lora_rank: int | None = Field(default=None, gt=0, description="With multi-latent attention: the rank of the query's low-rank projection (HF q_lora_rank); null: one full query projection (Moonlight).")
+    qk_nope_head_dim: int = Field(default=0, ge=0, description="With multi-latent attention: each query/key head's channels without RoPE.")
+    qk_rope_head_dim: int = Field(default=0, ge=0, description="With multi-latent attention: each query/key head's channels with RoPE (after the others; the key's are shared by all heads).")
+    v_head_dim: int = Field(default=0, ge=0, description="With multi-latent attention: each value head's channels.")
+    rope_interleaved: bool = Field(default=False, description="With multi-latent attention: the checkpoint's rotated channels of each head are interleaved pairs (HF rope_interleave, DeepSeek's layout and megatron's); false: two halves (transformers' rotate_half), which conversion interleaves on the way in and takes apart on the way out.")
+    rope_yarn: YarnRope | None = Field(default=None, description="YaRN rotary scaling (multi-latent attention only); null: plain RoPE.")
 
     @model_validator(mode="after")
     def _check(self) -> Architecture:
@@ -80,7 +105,27 @@ class Architecture(Strict):
                 f"partial_rotary_factor ({self.partial_rotary_factor}) x head dim ({self.kv_channels}) gives "
                 f"{self.rotary_dim} rotated channels; RoPE needs an even number"
             )
+        self._check_latent_attention()
         return self
+
+    def _check_latent_attention(self) -> None:
+        """Multi-latent attention has its head sizes (an even rotary part) and one key/value head
+        per query head; YaRN and interleaved rotary channels are for it only."""
+        if not self.multi_latent_attention:
+            if self.rope_yarn is not None or self.rope_interleaved or self.q_lora_rank is not None:
+                raise ValueError("rope_yarn, rope_interleaved and q_lora_rank need multi-latent attention (kv_lora_rank > 0)")
+            return
+        dims = dict(qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
+                    v_head_dim=self.v_head_dim)  # fmt: skip
+        if not all(dims.values()) or self.qk_rope_head_dim % 2:
+            raise ValueError(f"multi-latent attention needs head sizes > 0 and an even qk_rope_head_dim: {dims}")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(
+                f"multi-latent attention expands the latent to every head: num_key_value_heads "
+                f"({self.num_key_value_heads}) must equal num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.qk_norm or self.attention_bias or self.partial_rotary_factor != 1.0:
+            raise ValueError("multi-latent attention takes no qk_norm, attention_bias or partial_rotary_factor")
 
     def _check_router(self) -> None:
         """The router settings megatron computes as transformers does (moe_utils.topk_routing_with_score_function
@@ -123,6 +168,24 @@ class Architecture(Strict):
         """The channels of each head that RoPE rotates (the first ones)."""
         return int(self.kv_channels * self.partial_rotary_factor)
 
+    def context_parallel_refusal(self, cp: int) -> str | None:
+        """Why this model cannot run at context-parallel degree `cp`, or None: the Ulysses core
+        attention (CP > 1) rotates whole heads of one size for q, k and v."""
+        if cp == 1:
+            return None
+        if self.multi_latent_attention:
+            return (f"context parallelism (cp {cp}) with multi-latent attention ({self.family}): the Ulysses core "
+                    "attention assumes one head size for q, k and v and rotates whole heads; use cp 1")  # fmt: skip
+        if self.partial_rotary_factor != 1.0:
+            return (f"context parallelism (cp {cp}) with partial_rotary_factor {self.partial_rotary_factor}: the "
+                    "Ulysses core attention rotates whole heads; use cp 1")  # fmt: skip
+        return None
+
+    @property
+    def multi_latent_attention(self) -> bool:
+        """Whether attention is DeepSeek-V3's multi-latent attention (MLA)."""
+        return self.kv_lora_rank > 0
+
     @property
     def moe_layers(self) -> list[int]:
         """The indices of the layers with experts."""
@@ -130,6 +193,9 @@ class Architecture(Strict):
 
     @property
     def kv_channels(self) -> int:
+        """Channels of a query/key head (with multi-latent attention: its non-rotary and rotary parts)."""
+        if self.multi_latent_attention:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @classmethod
@@ -147,11 +213,16 @@ class Architecture(Strict):
         # use rope_theta / rope_scaling / num_experts.
         rope = config.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        glm = family == "glm4_moe"
+        glm, mla = family == "glm4_moe", family in MLA_FAMILIES
         partial_rotary = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+        yarn = _yarn_rope(config, rope, source) if mla else None
         unsupported = {
-            "rope_scaling": config.get("rope_scaling"),
-            "rope_parameters.rope_type": None if rope_type == "default" else rope_type,
+            "rope_scaling": None if mla else config.get("rope_scaling"),
+            "rope_parameters.rope_type": None if rope_type == "default" or mla else rope_type,
+            # transformers' deepseek_v3 makes every layer after the first_k_dense_replace an MoE layer
+            "moe_layer_freq": config.get("moe_layer_freq") if mla and config.get("moe_layer_freq", 1) != 1 else None,
+            "scoring_func": config.get("scoring_func") if config.get("scoring_func", "sigmoid") != "sigmoid" else None,
+            "topk_method": config.get("topk_method") if config.get("topk_method", "noaux_tc") != "noaux_tc" else None,
             # GLM biases q/k/v only; the others' attention_bias biases the output projection too
             "attention_bias": None if glm else config.get("attention_bias"),
             "partial_rotary_factor": None if glm or partial_rotary in (None, 1, 1.0) else partial_rotary,
@@ -182,13 +253,23 @@ class Architecture(Strict):
                 first_k_dense_layers=config.get("first_k_dense_replace") or 0,
                 mtp_layers=config.get("num_nextn_predict_layers") or config.get("num_mtp_layers") or 0,
             )
+        if mla:
+            moe.update(
+                kv_lora_rank=config["kv_lora_rank"],
+                q_lora_rank=config.get("q_lora_rank"),
+                qk_nope_head_dim=config["qk_nope_head_dim"],
+                qk_rope_head_dim=config["qk_rope_head_dim"],
+                v_head_dim=config["v_head_dim"],
+                rope_interleaved=bool(config.get("rope_interleave", True)),  # transformers' default
+                rope_yarn=yarn,
+            )
         return cls(
             family=family,
             hidden_size=config["hidden_size"],
             num_layers=config["num_hidden_layers"],
             num_attention_heads=config["num_attention_heads"],
             num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-            head_dim=config.get("head_dim"),
+            head_dim=None if mla else config.get("head_dim"),  # transformers writes qk_rope_head_dim there
             intermediate_size=config["intermediate_size"],
             vocab_size=config["vocab_size"],
             num_experts=num_experts,
@@ -203,6 +284,39 @@ class Architecture(Strict):
             attention_bias=bool(glm and config.get("attention_bias")),
             **moe,
         )
+
+
+def _yarn_rope(config: dict[str, Any], rope: dict[str, Any], source: str) -> YarnRope | None:
+    """DeepSeek-V3's YaRN scaling from `rope_scaling` (released checkpoints) or `rope_parameters`
+    (transformers >= 5); None for plain RoPE. Settings where megatron's YaRN (MLATransformerConfig)
+    would compute other cos/sin or softmax scales than transformers' are refused by name."""
+    scaling = config.get("rope_scaling") or rope
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "yarn":
+        raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported by the deepseek_v3 builder (yarn is)")
+    refused = {
+        "factor": None if scaling.get("factor") else "null (transformers then derives it; give it)",
+        "attention_factor": scaling.get("attention_factor"),
+        "truncate": None if scaling.get("truncate", True) else False,
+        # transformers then scales cos/sin by yarn(factor, 1) but the softmax by yarn(factor, mscale_all_dim)^2;
+        # megatron divides cos/sin by yarn(factor, mscale_all_dim) too
+        "mscale": None if scaling.get("mscale") or not scaling.get("mscale_all_dim") else "null with mscale_all_dim",
+    }
+    all_dim = scaling.get("mscale_all_dim") or 0.0
+    for key, value in refused.items():
+        if value is not None:
+            raise ValueError(f"{source}: rope_scaling.{key}={value!r} is not supported by the deepseek_v3 builder")
+    return YarnRope(
+        factor=scaling["factor"],
+        original_max_position_embeddings=scaling["original_max_position_embeddings"],
+        beta_fast=scaling.get("beta_fast") or 32.0,
+        beta_slow=scaling.get("beta_slow") or 1.0,
+        # without mscale_all_dim transformers' cos/sin factor is yarn(factor, 1), whatever mscale says
+        mscale=scaling["mscale"] if all_dim else 1.0,
+        mscale_all_dim=all_dim,
+    )
 
 
 class RecomputeConfig(Strict):

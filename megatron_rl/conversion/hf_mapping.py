@@ -33,6 +33,23 @@ QK_NORM_RENAMES = {
     "model.layers.{L}.self_attn.q_norm.weight": "decoder.layers.{L}.self_attention.q_layernorm.weight",
     "model.layers.{L}.self_attn.k_norm.weight": "decoder.layers.{L}.self_attention.k_layernorm.weight",
 }
+# Multi-latent attention (DeepSeek-V3): the low-rank query (q_a/q_b, or one q_proj without
+# q_lora_rank) and key/value projections and their latents' norms. The q projections' and kv_a's
+# rows hold RoPE channels (`ROPE_ROWS`), reordered when the checkpoint interleaves them.
+LATENT_QUERY_RENAMES = {
+    "model.layers.{L}.self_attn.q_a_proj.weight": "decoder.layers.{L}.self_attention.linear_q_down_proj.weight",
+    "model.layers.{L}.self_attn.q_a_layernorm.weight": "decoder.layers.{L}.self_attention.q_layernorm.weight",
+}
+LATENT_KV_RENAMES = {
+    "model.layers.{L}.self_attn.kv_a_layernorm.weight": "decoder.layers.{L}.self_attention.kv_layernorm.weight",
+    "model.layers.{L}.self_attn.kv_b_proj.weight": "decoder.layers.{L}.self_attention.linear_kv_up_proj.weight",
+}
+LATENT_Q_UP = ("model.layers.{L}.self_attn.q_b_proj.weight", "decoder.layers.{L}.self_attention.linear_q_up_proj.weight")
+LATENT_Q = ("model.layers.{L}.self_attn.q_proj.weight", "decoder.layers.{L}.self_attention.linear_q_proj.weight")
+LATENT_KV_DOWN = (
+    "model.layers.{L}.self_attn.kv_a_proj_with_mqa.weight",
+    "decoder.layers.{L}.self_attention.linear_kv_down_proj.weight",
+)
 DENSE_MLP_RENAMES = {"model.layers.{L}.mlp.down_proj.weight": "decoder.layers.{L}.mlp.linear_fc2.weight"}
 ROUTER_RENAMES = {"model.layers.{L}.mlp.gate.weight": "decoder.layers.{L}.mlp.router.weight"}
 # The sigmoid router's per-expert bias: a buffer on both sides (a walk over parameters misses it).
@@ -119,6 +136,44 @@ def split_gate_up(fc1: torch.Tensor, arch: Architecture | None = None) -> tuple[
     return gate, up
 
 
+def _pairs_to_halves(rows: int, arch: Architecture, per_head: bool) -> torch.Tensor:
+    """Row indices that put each head's RoPE channels (the last qk_rope_head_dim of a query head,
+    or of kv_a's rows when not `per_head`) from interleaved pairs (x0, x1), (x2, x3), ... into
+    halves (x0, x2, ... | x1, x3, ...)."""
+    rope = arch.qk_rope_head_dim
+    block = arch.kv_channels if per_head else rows
+    order = torch.arange(rows).reshape(-1, block)
+    tail = order[:, block - rope :]
+    order[:, block - rope :] = torch.cat([tail[:, 0::2], tail[:, 1::2]], dim=1)
+    return order.reshape(-1)
+
+
+# megatron's MLA rotates RoPE channels stored as interleaved pairs (it takes x[0::2] and x[1::2]
+# as the halves it rotates: rope_utils._apply_rotary_pos_emb_bshd), as DeepSeek's checkpoints
+# store them (HF rope_interleave). A checkpoint whose RoPE channels are halves (rope_interleave
+# false, transformers' rotate_half) has them interleaved on the way in and taken apart on the way out.
+def rope_halves_to_pairs_per_head(weight: torch.Tensor, arch: Architecture) -> torch.Tensor:
+    """A query projection's rows [heads * (nope + rope), in] with each head's RoPE channels
+    reordered from halves to interleaved pairs (an HF q_b_proj / q_proj -> megatron)."""
+    return weight[torch.argsort(_pairs_to_halves(weight.shape[0], arch, per_head=True))]
+
+
+def rope_pairs_to_halves_per_head(weight: torch.Tensor, arch: Architecture) -> tuple[torch.Tensor]:
+    """The inverse of `rope_halves_to_pairs_per_head`."""
+    return (weight[_pairs_to_halves(weight.shape[0], arch, per_head=True)],)
+
+
+def rope_halves_to_pairs_in_latent(weight: torch.Tensor, arch: Architecture) -> torch.Tensor:
+    """kv_a_proj_with_mqa's rows [kv_lora_rank + rope, in] with the shared key's RoPE channels
+    (the last ones) reordered from halves to interleaved pairs."""
+    return weight[torch.argsort(_pairs_to_halves(weight.shape[0], arch, per_head=False))]
+
+
+def rope_pairs_to_halves_in_latent(weight: torch.Tensor, arch: Architecture) -> tuple[torch.Tensor]:
+    """The inverse of `rope_halves_to_pairs_in_latent`."""
+    return (weight[_pairs_to_halves(weight.shape[0], arch, per_head=False)],)
+
+
 @dataclass(frozen=True)
 class MappedTensor:
     """One megatron tensor and the HF tensors it is made of: one (a rename), or several joined
@@ -142,11 +197,13 @@ def layer_templates(arch: Architecture, layer: int) -> tuple[list[MappedTensor],
     model's first `first_k_dense_layers` layers are dense."""
     attention = [
         *_renamed(INPUT_NORM_RENAMES),
-        MappedTensor(*QKV, fuse_qkv, split_qkv),
-        *([MappedTensor(*QKV_BIAS, fuse_qkv, split_qkv)] if arch.attention_bias else []),
-        *(_renamed(QK_NORM_RENAMES) if arch.qk_norm else []),
+        *(latent_attention_templates(arch) if arch.multi_latent_attention else [
+            MappedTensor(*QKV, fuse_qkv, split_qkv),
+            *([MappedTensor(*QKV_BIAS, fuse_qkv, split_qkv)] if arch.attention_bias else []),
+            *(_renamed(QK_NORM_RENAMES) if arch.qk_norm else []),
+        ]),
         *_renamed(ATTENTION_OUTPUT_RENAMES),
-    ]
+    ]  # fmt: skip
     if layer not in arch.moe_layers:
         return [
             *attention,
@@ -159,6 +216,23 @@ def layer_templates(arch: Architecture, layer: int) -> tuple[list[MappedTensor],
         shared = [MappedTensor(*SHARED_EXPERT_FC1, fuse_gate_up, split_gate_up), *_renamed(SHARED_EXPERT_RENAMES)]
     expert = [MappedTensor(*EXPERT_FC1, fuse_gate_up, split_gate_up), *_renamed(EXPERT_RENAMES)]
     return [*attention, *router, *shared], expert
+
+
+def latent_attention_templates(arch: Architecture) -> list[MappedTensor]:
+    """Multi-latent attention's tensors of a layer (`{L}` unfilled): renames, except the
+    projections holding RoPE rows when the checkpoint stores them as halves (not `rope_interleaved`)."""
+
+    def rows(hf_and_megatron: tuple[str, str], to_pairs, to_halves) -> MappedTensor:
+        hf, megatron = hf_and_megatron
+        return MappedTensor(megatron, (hf,)) if arch.rope_interleaved else MappedTensor(megatron, (hf,), to_pairs, to_halves)
+
+    query_up = (rope_halves_to_pairs_per_head, rope_pairs_to_halves_per_head)
+    if arch.q_lora_rank is None:
+        query = [rows(LATENT_Q, *query_up)]
+    else:
+        query = [*_renamed(LATENT_QUERY_RENAMES), rows(LATENT_Q_UP, *query_up)]
+    kv_down = rows(LATENT_KV_DOWN, rope_halves_to_pairs_in_latent, rope_pairs_to_halves_in_latent)
+    return [*query, kv_down, *_renamed(LATENT_KV_RENAMES)]
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,9 @@ def packed_seq_params(cu_seqlens: torch.Tensor, total_tokens: int | None = None)
 
 
 class PackedDotProductAttention(MegatronModule):
-    """Causal attention over [seq, batch, heads, dim] or packed [tokens, heads, dim] input."""
+    """Causal attention over [seq, batch, heads, dim] or packed [tokens, heads, dim] input; the
+    value heads may have another size than the query/key heads (multi-latent attention), the
+    output then has the value's."""
 
     def __init__(
         self,
@@ -76,7 +78,8 @@ class PackedDotProductAttention(MegatronModule):
             s, b = query.shape[0], query.shape[1]
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)
         cu = packed_seq_params.cu_seqlens_q.tolist()
-        out = query.new_empty(query.shape)
+        # [tokens, heads, v head dim]: multi-latent attention's v heads differ from its q/k heads
+        out = query.new_empty((*query.shape[:-1], value.shape[-1]))
         for start, end in zip(cu[:-1], cu[1:]):  # one causal block per packed sequence
             seg = slice(start, end)
             out[seg] = self._attend(

@@ -23,6 +23,7 @@ from megatron.core.models.gpt import GPTModel, gpt_layer_specs
 from megatron.core.transformer import TransformerConfig, transformer_block
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_rl.config import Architecture
@@ -163,8 +164,34 @@ def transformer_config(
             # The bias is loaded and frozen: megatron's aux-loss-free balancing would move it by
             # rate x sign(load error) each step, while vLLM keeps routing with the bias it loaded.
             fields.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0)
+    if arch.multi_latent_attention:
+        fields.update(latent_attention_fields(arch))
     fields.update(overrides)
-    return TransformerConfig(**fields)
+    return (MLATransformerConfig if arch.multi_latent_attention else TransformerConfig)(**fields)
+
+
+def latent_attention_fields(arch: Architecture) -> dict:
+    """MLATransformerConfig's fields for `arch`'s multi-latent attention: head sizes, ranks and
+    RoPE (plain or YaRN). megatron's softmax scale is yarn(rotary_scaling_factor,
+    mscale_all_dim)^2 / sqrt(q/k head dim) whatever the RoPE; with plain RoPE mscale_all_dim 0
+    makes the factor 1, as transformers' 1 / sqrt(q/k head dim)."""
+    yarn = arch.rope_yarn
+    fields = dict(
+        q_lora_rank=arch.q_lora_rank,
+        kv_lora_rank=arch.kv_lora_rank,
+        qk_head_dim=arch.qk_nope_head_dim,
+        qk_pos_emb_head_dim=arch.qk_rope_head_dim,
+        v_head_dim=arch.v_head_dim,
+        rotary_base=arch.rope_theta,
+        rope_type="yarn" if yarn else "rope",
+        rotary_scaling_factor=yarn.factor if yarn else 1.0,
+        mscale=yarn.mscale if yarn else 1.0,
+        mscale_all_dim=yarn.mscale_all_dim if yarn else 0.0,
+    )
+    if yarn:
+        fields.update(original_max_position_embeddings=yarn.original_max_position_embeddings,
+                      beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow)  # fmt: skip
+    return fields
 
 
 def layer_spec(
@@ -184,21 +211,22 @@ def layer_spec(
             "moe_grouped_gemm needs the TransformerEngine spec with TE's grouped linear (TE >= 1.9); "
             "this model is built with the local spec"
         )
+    mla = arch.multi_latent_attention
+    # MLA's spec builds the q/kv latents' norms (TE: fused into the up-projections) under qk_layernorm
+    norms = dict(qk_layernorm=arch.qk_norm or mla, multi_latent_attention=mla)
     if transformer_engine:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=arch.qk_norm
+            num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, **norms
         )
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
+        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm", **norms
     )
     # The stock local core attention refuses packed (THD) sequences and CP > 1.
     core = PackedDotProductAttention
+    refusal = arch.context_parallel_refusal(context_parallel_size)
+    if refusal:
+        raise ValueError(refusal)
     if context_parallel_size > 1:
-        if arch.partial_rotary_factor != 1.0:
-            raise ValueError(
-                f"context parallelism (cp {context_parallel_size}) with partial_rotary_factor "
-                f"{arch.partial_rotary_factor}: the Ulysses core attention rotates whole heads; use cp 1"
-            )
         core = ModuleSpec(module=UlyssesAttention, params={"rotary_base": arch.rope_theta})
     spec.submodules.self_attention.submodules.core_attention = core
     return spec

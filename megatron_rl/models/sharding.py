@@ -27,6 +27,9 @@ _LAYER = re.compile(r"^(.*?decoder\.layers\.)(\d+)(\..*)$")
 _TE_FUSED_NORMS = {
     ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
     ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
+    # multi-latent attention: the q and kv latents' norms, fused into their up-projections
+    ".self_attention.linear_q_up_proj.layer_norm_weight": ".self_attention.q_layernorm.weight",
+    ".self_attention.linear_kv_up_proj.layer_norm_weight": ".self_attention.kv_layernorm.weight",
 }
 # TE's grouped experts (moe_grouped_gemm) hold expert e's weight as `experts.linear_fc1.weight{e}`.
 # A layer wrapped by LoRA (transforms/lora.py) holds its own tensors under `base.`, beside its adapters.
@@ -37,7 +40,10 @@ _EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
 # Tensor-parallel module kinds: column-parallel ones split their output rows (axis 0),
 # row-parallel ones their input columns (axis 1). LoRA adapters follow the layer they adapt
 # (a column layer's B [out / tp, rank], a row layer's A [rank, in / tp]).
-COLUMN_PARALLEL_KINDS = ("linear_qkv", "linear_fc1", "word_embeddings", "output_layer")
+COLUMN_PARALLEL_KINDS = ("linear_qkv", "linear_fc1", "word_embeddings", "output_layer",
+                         # multi-latent attention's (the local spec splits the down-projections too)
+                         "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+                         "linear_kv_up_proj")  # fmt: skip
 ROW_PARALLEL_KINDS = ("linear_proj", "linear_fc2")
 
 

@@ -1,6 +1,6 @@
 """Build a tiny random Hugging Face model and a local tokenizer (no download).
 
-    python tools/make_tiny_model.py --family qwen3|qwen3_moe|llama|glm4_moe --out DIR [--seed 0]
+    python tools/make_tiny_model.py --family qwen3|qwen3_moe|llama|glm4_moe|deepseek_v3 --out DIR [--seed 0]
         [--hidden-size 64] [--layers 2] [--vocab-size 512] [--tokenizer bpe|bpe-tools|char|char-tool] [--tied]
 
 The tokenizer is either a byte-level BPE trained here on generated arithmetic and word text
@@ -25,6 +25,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     Glm4MoeConfig,
     LlamaConfig,
     PreTrainedTokenizerFast,
@@ -195,10 +196,39 @@ def hf_config(family: str, args, eos_token_id: int, pad_token_id: int):
             attention_bias=True,
             use_qk_norm=True,
         )
+    if family == "deepseek_v3":
+        # DeepSeek-V3's layout at odd sizes: multi-latent attention (a q latent of 22, a kv latent of 18,
+        # per head 10 channels without RoPE, 6 with, interleaved as DeepSeek stores them, values of 14),
+        # YaRN RoPE stretched past a 16-token original context (mscale and mscale_all_dim both set: cos/sin
+        # and the softmax scale change), a dense first layer, 6 routed experts in 3 groups of which each
+        # token takes 2 (4 experts: 2 x topk_group), two shared experts, sigmoid routing with a bias.
+        return DeepseekV3Config(
+            **{**common, "intermediate_size": args.hidden_size * 2 - 22, "num_attention_heads": 6,
+               "num_key_value_heads": 6, "head_dim": 6,  # transformers sets head_dim to qk_rope_head_dim
+               "max_position_embeddings": 64},  # YaRN's factor x original_max_position_embeddings
+            q_lora_rank=22,
+            kv_lora_rank=18,
+            qk_nope_head_dim=10,
+            qk_rope_head_dim=6,
+            v_head_dim=14,
+            rope_interleave=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 16, "beta_fast": 8.0, "beta_slow": 1.0,
+                             "mscale": 0.9, "mscale_all_dim": 0.7},
+            n_routed_experts=6,
+            num_experts_per_tok=4,
+            n_group=3,
+            topk_group=2,
+            n_shared_experts=2,
+            moe_intermediate_size=args.hidden_size // 2 - 4,  # transformers' grouped_mm: rows of 16 bytes
+            routed_scaling_factor=2.3,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+        )  # fmt: skip
     raise SystemExit(f"--family: unknown family {family!r} ({', '.join(FAMILIES)})")
 
 
-FAMILIES = ("qwen3", "qwen3_moe", "llama", "glm4_moe")
+FAMILIES = ("qwen3", "qwen3_moe", "llama", "glm4_moe", "deepseek_v3")
 
 
 def make_tiny_model(
@@ -210,7 +240,10 @@ def make_tiny_model(
     vocab_size: int = 512,
     tied: bool = False,
     tokenizer: str = "bpe",
+    config_overrides: dict | None = None,
 ) -> Path:
+    """A random model of `family` (its transformers config with `config_overrides` set) and a
+    tokenizer, saved in `out`."""
 
     args = argparse.Namespace(hidden_size=hidden_size, layers=layers, vocab_size=vocab_size, tied=tied)
     if tokenizer not in TOKENIZERS:
@@ -222,6 +255,8 @@ def make_tiny_model(
     else:
         tokenizer = build_char_tokenizer(vocab_size, tool_characters=tokenizer == "char-tool")
     config = hf_config(family, args, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    for key, value in (config_overrides or {}).items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # transformers initialises norms to 1, biases and the router's expert bias to 0; perturb them

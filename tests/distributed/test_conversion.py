@@ -49,7 +49,7 @@ def assert_bit_exact(original: dict, restored: dict):
         assert restored[name].dtype == tensor.dtype and torch.equal(restored[name], tensor), name
 
 
-# glm4_moe's round trip is test_glm_checkpoint_at_a_layout_*: converted, loaded at each layout
+# glm4_moe's and deepseek_v3's round trip is test_sigmoid_router_checkpoint_at_a_layout_*: converted, loaded at each layout
 # and written back as HF (megatron_to_hf, the MG -> HF tool's function), bit-exact
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
 def test_round_trip_is_bit_exact(family, tiny_models, tmp_path):
@@ -59,20 +59,21 @@ def test_round_trip_is_bit_exact(family, tiny_models, tmp_path):
     assert (tmp_path / "hf" / "tokenizer.json").is_file() and (tmp_path / "hf" / "config.json").is_file()
 
 
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
 @pytest.mark.parametrize("tp,ep,pp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)])
-def test_glm_checkpoint_at_a_layout_gives_back_every_hf_tensor_and_transformers_logits(tiny_models, tmp_path, tp, ep, pp):
+def test_sigmoid_router_checkpoint_at_a_layout_gives_back_every_hf_tensor_and_transformers_logits(
+    family, tiny_models, tmp_path_factory, tp, ep, pp
+):
     """A converted GLM-4.5-style checkpoint (q/k/v bias, a dense first layer, shared experts, the
-    router's expert bias: a buffer) loaded at TP=2, EP=2 or PP=2: the ranks' tensors written back
-    as HF are the original ones bit for bit (the expert bias among them), and the last stage's
-    logits are transformers' (and one process's)."""
-    hf_dir = tiny_models["glm4_moe"]
-    (converted,) = run_tools(("convert_hf_to_megatron.py", "--hf", hf_dir, "--out", tmp_path / "mg"))
-    assert converted.returncode == 0, converted.stderr
+    router's expert bias: a buffer) or DeepSeek-V3-style one (multi-latent attention's
+    projections and latent norms, YaRN, likewise routed) loaded at TP=2, EP=2 or PP=2: the ranks'
+    tensors written back as HF are the original ones bit for bit (the expert bias among them), and
+    the last stage's logits are transformers' (and one process's)."""
+    hf_dir = tiny_models[family]
+    checkpoint, input_ids, reference = converted_with_reference(hf_dir, tmp_path_factory)
     original = load_file(hf_dir / "model.safetensors")
     assert original["model.layers.1.mlp.gate.e_score_correction_bias"].abs().min() > 0
-    input_ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(4))
-    reference = hf_logits(hf_dir, input_ids)
-    ranks = run_ranks(load_at_layout, tp * ep * pp, str(tmp_path / "mg"), tp, ep, pp, input_ids)
+    ranks = run_ranks(load_at_layout, tp * ep * pp, str(checkpoint), tp, ep, pp, input_ids)
     written = {}
     for hf_tensors, logits in ranks:
         for name, tensor in hf_tensors.items():
@@ -82,8 +83,23 @@ def test_glm_checkpoint_at_a_layout_gives_back_every_hf_tensor_and_transformers_
     assert sum(logits is not None for _, logits in ranks) == tp * ep
     assert_bit_exact(original, written)
     if (tp, ep, pp) == (1, 1, 2):
-        (alone,) = run_ranks(load_at_layout, 1, str(tmp_path / "mg"), 1, 1, 1, input_ids)
+        (alone,) = run_ranks(load_at_layout, 1, str(checkpoint), 1, 1, 1, input_ids)
         torch.testing.assert_close(ranks[-1][1], alone[1], atol=1e-5, rtol=0)
+
+
+_CONVERTED: dict[Path, tuple[Path, torch.Tensor, torch.Tensor]] = {}
+
+
+def converted_with_reference(hf_dir: Path, tmp_path_factory) -> tuple[Path, torch.Tensor, torch.Tensor]:
+    """(The converted checkpoint of `hf_dir`, input ids [2, 20], transformers' logits of them),
+    converted by the tool once per process and model (read only by the tests that share it)."""
+    if hf_dir not in _CONVERTED:
+        out = tmp_path_factory.mktemp("converted") / "mg"
+        (converted,) = run_tools(("convert_hf_to_megatron.py", "--hf", hf_dir, "--out", out))
+        assert converted.returncode == 0, converted.stderr
+        input_ids = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(4))
+        _CONVERTED[hf_dir] = (out, input_ids, hf_logits(hf_dir, input_ids))
+    return _CONVERTED[hf_dir]
 
 
 def test_tied_embeddings_round_trip(tmp_path):

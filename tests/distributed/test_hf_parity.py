@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from megatron_rl import parallel
 from megatron_rl.config import Architecture
@@ -18,15 +19,33 @@ from tests.support.spawn import run_ranks
 
 LAYOUTS = {
     "qwen3": [(1, 1), (2, 1)], "llama": [(1, 1), (2, 1)], "qwen3_moe": [(1, 1), (2, 1), (1, 2)],
-    "glm4_moe": [(1, 1), (2, 1), (1, 2)],
+    "glm4_moe": [(1, 1), (2, 1), (1, 2)], "deepseek_v3": [(1, 1), (2, 1)],
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3"])
 def test_logits_match_transformers(family, tiny_models):
     """A right-padded batch: row 0 is full, row 1 has 14 tokens then padding; each row's real
     tokens match transformers run on that row alone."""
-    directory = tiny_models[family]
+    assert_padded_logits_match_transformers(tiny_models[family], LAYOUTS[family])
+
+
+def test_latent_attention_without_q_lora_or_yarn_with_rope_halves_matches_transformers(tmp_path):
+    """DeepSeek-V3's other attention settings (Moonlight's): one full query projection
+    (q_lora_rank null), plain RoPE, and RoPE channels stored as halves (rope_interleave false,
+    which conversion interleaves for megatron); one process, a right-padded batch."""
+    from megatron_rl.models.tiny import make_tiny_model
+
+    overrides = dict(q_lora_rank=None, rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 5e4})
+    directory = make_tiny_model("deepseek_v3", tmp_path / "plain_q", seed=5, tokenizer="char", config_overrides=overrides)
+    arch = assert_padded_logits_match_transformers(directory, [(1, 1)], bias_control=False)
+    assert arch.q_lora_rank is None and not arch.rope_interleaved and arch.rope_yarn is None
+
+
+def assert_padded_logits_match_transformers(directory, layouts, bias_control: bool = True) -> Architecture:
+    """test_logits_match_transformers for the HF model in `directory` at each (tp, ep) of `layouts`
+    (and, with `bias_control`, that a zeroed expert bias changes them); its architecture."""
+    family = json.loads((directory / "config.json").read_text())["model_type"]
     arch = Architecture.from_hf_config(json.loads((directory / "config.json").read_text()), str(directory))
     full = hf_to_megatron(load_file(directory / "model.safetensors"), arch)
     input_ids = torch.randint(1, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -34,19 +53,20 @@ def test_logits_match_transformers(family, tiny_models):
     row0 = hf_logits(directory, input_ids[:1])[0]
     row1 = hf_logits(directory, input_ids[1:, :14])[0]
     assert row0.abs().mean() > 1e-2
-    for tp, ep in LAYOUTS[family]:
+    for tp, ep in layouts:
         for logits in run_ranks(model_logits, tp * ep, arch, full, tp, ep, input_ids):
             torch.testing.assert_close(logits[0], row0, atol=1e-4, rtol=0, msg=f"{family} tp={tp} ep={ep}")
             torch.testing.assert_close(
                 logits[1, :14], row1, atol=1e-4, rtol=0, msg=f"{family} tp={tp} ep={ep}"
             )
-    if arch.moe_expert_bias:  # the comparison sees the router's bias (a buffer): without it, other experts
+    if arch.moe_expert_bias and bias_control:  # the comparison sees the router's bias (a buffer): without it, other experts
         unbiased = {k: torch.zeros_like(v) if k.endswith("expert_bias") else v for k, v in full.items()}
         (logits,) = run_ranks(model_logits, 1, arch, unbiased, 1, 1, input_ids)
         assert (logits[0] - row0).abs().max() > 1e-3
+    return arch
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe", "glm4_moe", "deepseek_v3"])
 def test_packed_thd_logits_match_transformers_per_sequence(family, tiny_models):
     """Sequences of different lengths packed in one row (with CP-style tail padding) give each
     sequence's own transformers logits."""
@@ -54,12 +74,14 @@ def test_packed_thd_logits_match_transformers_per_sequence(family, tiny_models):
     arch = Architecture.from_hf_config(json.loads((directory / "config.json").read_text()), str(directory))
     full = hf_to_megatron(load_file(directory / "model.safetensors"), arch)
     lengths = [7, 19, 1, 12, 8]
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()  # loaded once
     for tp, ep in LAYOUTS[family]:
         for packed, separate, sequences in run_ranks(
             packed_logits, tp * ep, arch, full, lengths, tp, ep, 3
         ):
             for got, alone, ids in zip(packed, separate, sequences):
-                torch.testing.assert_close(got, hf_logits(directory, ids[None])[0], atol=1e-4, rtol=0)
+                with torch.no_grad():
+                    torch.testing.assert_close(got, hf(ids[None]).logits[0], atol=1e-4, rtol=0)
                 if alone is not None:
                     torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
 
@@ -69,8 +91,6 @@ def test_value_model_scores_as_transformers_and_a_head(family, tiny_models, tp, 
     """The critic on each backbone: the value model (the HF backbone converted, a random head)
     gives, for each real token of a right-padded batch, transformers' final hidden state (after
     the last norm) times the head plus its bias; glm4_moe at EP = 2 (each rank half the experts)."""
-    from transformers import AutoModelForCausalLM
-
     directory = tiny_models[family]
     arch = Architecture.from_hf_config(json.loads((directory / "config.json").read_text()), str(directory))
     backbone = {k: v for k, v in hf_to_megatron(load_file(directory / "model.safetensors"), arch).items()

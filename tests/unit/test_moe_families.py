@@ -138,3 +138,156 @@ def test_mapping_round_trips_qkv_biases_expert_bias_shared_experts_and_drops_mtp
         assert torch.equal(tensor, state[name]), name
     with pytest.raises(ConversionError, match="does not use"):
         hf_to_megatron(state, arch.model_copy(update=dict(mtp_layers=0)))
+
+
+# DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3), the fields we read
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "intermediate_size": 18432, "vocab_size": 129280, "n_routed_experts": 256,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
+    "routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "moe_layer_freq": 1, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "attention_bias": False,
+    "rope_theta": 10000, "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+    "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, "rms_norm_eps": 1e-06,
+    "max_position_embeddings": 163840, "num_nextn_predict_layers": 1, "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}  # fmt: skip
+# Moonlight-16B-A3B's (moonshotai/Moonlight-16B-A3B): a full query projection, one expert group, no YaRN
+MOONLIGHT = {
+    **DEEPSEEK_V3, "hidden_size": 2048, "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "intermediate_size": 11264, "vocab_size": 163840, "n_routed_experts": 64, "num_experts_per_tok": 6,
+    "moe_intermediate_size": 1408, "n_shared_experts": 2, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.446,
+    "first_k_dense_replace": 1, "q_lora_rank": None, "rope_theta": 50000.0, "rope_scaling": None,
+    "max_position_embeddings": 8192, "num_nextn_predict_layers": 0, "rms_norm_eps": 1e-05,
+}  # fmt: skip
+TINY_DEEPSEEK = {
+    **DEEPSEEK_V3, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 6,
+    "intermediate_size": 106, "vocab_size": 96, "n_routed_experts": 6, "num_experts_per_tok": 4,
+    "moe_intermediate_size": 28, "n_shared_experts": 2, "n_group": 3, "topk_group": 2, "first_k_dense_replace": 1,
+    "q_lora_rank": 22, "kv_lora_rank": 18, "qk_nope_head_dim": 10, "qk_rope_head_dim": 6, "v_head_dim": 14,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 8.0,
+                     "beta_slow": 1.0, "mscale": 0.9, "mscale_all_dim": 0.7},
+}  # fmt: skip
+
+
+def test_deepseek_v3_and_moonlight_map_latent_attention_routing_and_yarn():
+    arch = arch_of(DEEPSEEK_V3)
+    assert (arch.family, arch.num_experts, arch.num_experts_per_tok) == ("deepseek_v3", 256, 8)
+    assert arch.moe_score_function == "sigmoid" and arch.moe_expert_bias and arch.moe_routed_scaling_factor == 2.5
+    assert (arch.moe_num_groups, arch.moe_group_topk) == (8, 4)  # topk 8 = 2 x topk_group: megatron's groups agree
+    assert arch.shared_expert_intermediate_size == 2048 and arch.moe_layers == list(range(3, 61))
+    assert arch.multi_latent_attention and (arch.q_lora_rank, arch.kv_lora_rank) == (1536, 512)
+    assert (arch.qk_nope_head_dim, arch.qk_rope_head_dim, arch.v_head_dim, arch.kv_channels) == (128, 64, 128, 192)
+    assert arch.rope_interleaved and arch.mtp_layers == 1  # transformers' default rope_interleave
+    assert arch.rope_yarn.model_dump() == {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                           "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    moonlight = arch_of(MOONLIGHT)
+    assert moonlight.q_lora_rank is None and moonlight.rope_yarn is None and moonlight.rope_theta == 50000.0
+    # one group with topk_group 1 is plain top-k (6 experts of 64), not refused as 6 != 2 x 1
+    assert (moonlight.moe_num_groups, moonlight.moe_group_topk, moonlight.num_experts_per_tok) == (0, 0, 6)
+    assert moonlight.shared_expert_intermediate_size == 2 * 1408 and moonlight.mtp_layers == 0
+
+
+def test_megatron_latent_attention_settings_give_transformers_softmax_and_rope_scales():
+    import math
+
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    config = builder.transformer_config(arch_of(TINY_DEEPSEEK))
+    assert isinstance(config, MLATransformerConfig) and config.multi_latent_attention
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim,
+            config.v_head_dim) == (22, 18, 10, 6, 14)  # fmt: skip
+    assert (config.rope_type, config.rotary_scaling_factor, config.original_max_position_embeddings) == ("yarn", 4.0, 16)
+    assert (config.beta_fast, config.beta_slow, config.mscale, config.mscale_all_dim) == (8.0, 1.0, 0.9, 0.7)
+    assert config.moe_shared_expert_intermediate_size == 56 and config.moe_layer_freq == [0, 1, 1]
+    assert config.moe_router_topk_scaling_factor == 2.5 and config.moe_router_bias_update_rate == 0.0
+    plain = builder.transformer_config(arch_of(MOONLIGHT))
+    assert (plain.rope_type, plain.q_lora_rank, plain.rotary_base) == ("rope", None, 50000.0)
+    # megatron's softmax scale is yarn(rotary_scaling_factor, mscale_all_dim)^2 / sqrt(q head dim): 1 / sqrt(192)
+    # for plain RoPE (mscale_all_dim 0), as transformers' DeepseekV3Attention.scaling
+    from megatron.core.models.common.embeddings import _yarn_get_mscale
+
+    assert _yarn_get_mscale(plain.rotary_scaling_factor, plain.mscale_all_dim) == 1.0
+    yarn = 0.1 * 0.7 * math.log(4.0) + 1.0
+    assert _yarn_get_mscale(config.rotary_scaling_factor, config.mscale_all_dim) == pytest.approx(yarn)
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"moe_layer_freq": 2}, "moe_layer_freq=2 is not supported"),
+        ({"scoring_func": "softmax"}, "scoring_func='softmax' is not supported"),
+        ({"topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy'"),
+        ({"attention_bias": True}, "attention_bias=True is not supported by the deepseek_v3 builder"),
+        ({"num_experts_per_tok": 6}, r"num_experts_per_tok \(6\) must be 2 x topk_group \(2\)"),
+        ({"num_key_value_heads": 2}, r"num_key_value_heads \(2\) must equal num_attention_heads \(6\)"),
+        ({"qk_rope_head_dim": 5}, "an even qk_rope_head_dim"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling type 'dynamic'"),
+        ({"rope_scaling": {**TINY_DEEPSEEK["rope_scaling"], "attention_factor": 1.2}}, r"rope_scaling.attention_factor=1.2"),
+        ({"rope_scaling": {**TINY_DEEPSEEK["rope_scaling"], "mscale": None}}, r"rope_scaling.mscale="),
+        ({"rope_scaling": {**TINY_DEEPSEEK["rope_scaling"], "factor": None}}, r"rope_scaling.factor="),
+    ],
+)
+def test_deepseek_settings_megatron_would_compute_otherwise_are_refused(change, named):
+    with pytest.raises(ValueError, match=named):
+        arch_of({**TINY_DEEPSEEK, **change})
+
+
+def test_yarn_without_mscale_all_dim_takes_transformers_cos_sin_factor():
+    """transformers scales cos/sin by yarn(factor, 1) unless both mscale and mscale_all_dim are set."""
+    arch = arch_of({**TINY_DEEPSEEK, "rope_scaling": {**TINY_DEEPSEEK["rope_scaling"], "mscale_all_dim": 0}})
+    assert (arch.rope_yarn.mscale, arch.rope_yarn.mscale_all_dim) == (1.0, 0.0)
+
+
+def test_latent_attention_with_context_parallelism_is_refused_by_the_config_and_the_builder():
+    from megatron_rl.config.layout import model_layout
+    from megatron_rl.config.model import ModelConfig
+
+    arch = arch_of(TINY_DEEPSEEK)
+    errors: list[str] = []
+    model_layout(ModelConfig(architecture=arch, seq_len=64, cp=2), arch, 2, "model", errors)
+    assert any("model.cp: context parallelism (cp 2) with multi-latent attention" in e for e in errors), errors
+    with pytest.raises(ValueError, match=r"multi-latent attention \(deepseek_v3\): the Ulysses core attention"):
+        builder.layer_spec(arch, context_parallel_size=2, transformer_engine=False)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("q_lora_rank", [22, None])
+def test_latent_attention_mapping_round_trips_and_interleaves_rope_rows_stored_as_halves(interleaved, q_lora_rank):
+    """megatron's MLA rotates RoPE channels stored as interleaved pairs (DeepSeek's layout): such a
+    checkpoint is renamed; one whose channels are halves (rope_interleave false) has each head's
+    RoPE rows interleaved (q) and the shared key's (kv_a), and taken apart again on the way back."""
+    arch = arch_of({**TINY_DEEPSEEK, "rope_interleave": interleaved, "q_lora_rank": q_lora_rank})
+    heads, nope, rope, latent = 6, 10, 6, 18
+    q_name = "q_b_proj" if q_lora_rank else "q_proj"
+    q_in = q_lora_rank or arch.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    state = {}
+    from megatron_rl.conversion.hf_mapping import family_mapping
+
+    shapes = {q_name: (heads * (nope + rope), q_in), "kv_a_proj_with_mqa": (latent + rope, arch.hidden_size)}
+    for mapped in family_mapping(arch).tensors:
+        for name in mapped.hf:
+            module = name.split(".")[-2]
+            state[name] = torch.randn(shapes.get(module, (5, 3) if name.endswith("weight") else (6,)), generator=generator)
+    megatron = hf_to_megatron(state, arch)
+    attention = "decoder.layers.1.self_attention."
+    q = megatron[attention + ("linear_q_up_proj.weight" if q_lora_rank else "linear_q_proj.weight")]
+    hf_q = state[f"model.layers.1.self_attn.{q_name}.weight"]
+    assert (attention + "linear_q_down_proj.weight" in megatron) == bool(q_lora_rank)
+    kv = megatron[attention + "linear_kv_down_proj.weight"]
+    hf_kv = state["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"]
+    assert torch.equal(kv[:latent], hf_kv[:latent])
+    head = slice(nope + rope, 2 * (nope + rope))  # the second head
+    assert torch.equal(q[head][:nope], hf_q[head][:nope])
+    if interleaved:
+        assert torch.equal(q, hf_q) and torch.equal(kv, hf_kv)
+    else:  # halves (a0 a1 a2 | b0 b1 b2) -> pairs (a0 b0 a1 b1 a2 b2)
+        pairs = [0, 3, 1, 4, 2, 5]
+        assert torch.equal(q[head][nope:], hf_q[head][nope:][pairs])
+        assert torch.equal(kv[latent:], hf_kv[latent:][pairs])
+    back = megatron_to_hf(megatron, arch)
+    assert set(back) == set(state)
+    for name, tensor in back.items():
+        assert torch.equal(tensor, state[name]), name
