@@ -15,6 +15,10 @@ venv_args=()
 bash "$root/scripts/ensure_venv.sh" "${venv_args[@]}" || { echo "tests/run.sh: environment setup failed" >&2; exit 1; }
 cd "$root"
 export PYTHONHASHSEED=0 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Bytecode caches on (__pycache__/, ignored by git): with PYTHONDONTWRITEBYTECODE set, as some
+# machines set it, every process the suite starts (each worker's collection, every rank, role and
+# server) compiles the package's and the tests' sources again.
+unset PYTHONDONTWRITEBYTECODE
 if [ "$#" -eq 0 ]; then
   workers=(-n "${MEGATRON_RL_TEST_WORKERS:-2}" --dist loadgroup)
   # Fast groups first, then the slow group on its own, so a failure shows early.

@@ -17,7 +17,6 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl.parallel import free_port
-from tests.support.openenv_server import LEARNING, learning_config, learning_model, serve_in_process
 from tests.support.stack import policy_records, reset_pool, run_stack
 
 pytestmark = pytest.mark.slow
@@ -36,6 +35,8 @@ def rise(rewards: list[float], window: int) -> float:
 
 
 def test_sao_trains_on_an_openenv_environment_through_the_stack(vllm_pool, tmp_path):
+    from tests.support.openenv_server import LEARNING, learning_config, learning_model, serve_in_process
+
     pool, _, _ = vllm_pool
     model = learning_model(tmp_path / "model", seed=0)
     reset_pool(pool, model)

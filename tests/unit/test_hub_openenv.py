@@ -27,11 +27,13 @@ from megatron_rl.orchestrator.chat import PromptEncoder
 from megatron_rl.orchestrator.evaluation import Evaluator
 from megatron_rl.orchestrator.rollouts import run_group, run_member
 from megatron_rl.parallel import free_port
-from tests.support.openenv_server import COUNT, CountEnvironment, serve_in_thread
+from tests.support.lazy import lazy_module
 from tests.support.orchestrator import FakeClient, FakeWeights, build_orchestrator, orchestrator_config
 from tests.support.qwen_tokenizer import qwen_tokenizer
 from tests.unit.test_chat import completion
 
+# openenv-core's server classes, imported by the first test that reads them (tests/support/lazy.py)
+count_server = lazy_module("tests.support.openenv_server")
 KEY = "orchestrator.environment"
 
 
@@ -42,17 +44,17 @@ def qwen():
 
 @pytest.fixture(scope="module")
 def server():
-    with serve_in_thread(free_port(), max_concurrent_envs=4) as url:
+    with count_server.serve_in_thread(free_port(), max_concurrent_envs=4) as url:
         yield url
 
 
 @pytest.fixture(autouse=True)
 def sessions_closed():
     """Every test leaves no session open on the server (the close ran on every path)."""
-    CountEnvironment.release.clear()
+    count_server.CountEnvironment.release.clear()
     yield
-    CountEnvironment.release.set()
-    assert wait_until(lambda: CountEnvironment.open_sessions == 0), f"{CountEnvironment.open_sessions} sessions open"
+    count_server.CountEnvironment.release.set()
+    assert wait_until(lambda: count_server.CountEnvironment.open_sessions == 0), f"{count_server.CountEnvironment.open_sessions} sessions open"
 
 
 def wait_until(condition, timeout_s: float = 5.0) -> bool:
@@ -85,22 +87,22 @@ def test_a_multi_turn_episode_is_the_render_of_its_conversation_and_its_rewards_
     env = openenv(server, seed=3, reset_args={"turns": 3}, system_prompt="Write x's.", reward=combine,
                   pass_threshold=1.5)  # fmt: skip
     row = env.row(0)
-    rows = [COUNT.row(row["seed"] + turn) for turn in range(3)]  # what the server asks, turn by turn
+    rows = [count_server.COUNT.row(row["seed"] + turn) for turn in range(3)]  # what the server asks, turn by turn
     script = [completion(qwen, text) for text in texts]
     client = FakeClient(FakeWeights(), script=script)
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=64, seed=0)
     member = asyncio.run(run_member(env, row, client, encoder, sampling, 0, 0, 512))
 
-    rewards = [COUNT.reward(r, text) for r, text in zip(rows, texts, strict=True)]
+    rewards = [count_server.COUNT.reward(r, text) for r, text in zip(rows, texts, strict=True)]
     expected = sum(rewards) if combine == "sum" else rewards[-1]
     assert member.status == "finished" and member.episode_done and member.turns == 3
     assert member.reward == pytest.approx(expected) and len(set(rewards)) > 1
     assert member.passed == (expected >= 1.5)
     t = member.trajectory
-    conversation = [{"role": "system", "content": "Write x's."}, {"role": "user", "content": COUNT.prompt(rows[0])}]
+    conversation = [{"role": "system", "content": "Write x's."}, {"role": "user", "content": count_server.COUNT.prompt(rows[0])}]
     assert t.prompt_ids == qwen.encode(encoder.render(conversation, None, generation=True), add_special_tokens=False)
-    whole = [*conversation, {"role": "assistant", "content": texts[0]}, {"role": "user", "content": COUNT.prompt(rows[1])},
-             {"role": "assistant", "content": texts[1]}, {"role": "user", "content": COUNT.prompt(rows[2])},
+    whole = [*conversation, {"role": "assistant", "content": texts[0]}, {"role": "user", "content": count_server.COUNT.prompt(rows[1])},
+             {"role": "assistant", "content": texts[1]}, {"role": "user", "content": count_server.COUNT.prompt(rows[2])},
              {"role": "assistant", "content": texts[2]}]  # fmt: skip
     assert qwen.decode(t.token_ids) == encoder.render(whole, None).removesuffix("\n")
     assert [i for i, m in zip(t.token_ids, t.loss_mask, strict=True) if m] == [i for s in script for i in s]
@@ -132,11 +134,11 @@ def test_plug_ins_map_text_to_actions_and_observations_to_messages(server, qwen)
     encoder = PromptEncoder(qwen)
     (member,) = roll_group(env, encoder, script=[completion(qwen, "xy"), completion(qwen, "XX")]).members
     row = env.row(0)
-    rows = [COUNT.row(row["seed"] + turn) for turn in range(2)]
+    rows = [count_server.COUNT.row(row["seed"] + turn) for turn in range(2)]
     assert member.status == "finished", member.error
-    assert member.reward == pytest.approx(COUNT.reward(rows[0], "xx") + COUNT.reward(rows[1], "xx"))
+    assert member.reward == pytest.approx(count_server.COUNT.reward(rows[0], "xx") + count_server.COUNT.reward(rows[1], "xx"))
     text = qwen.decode(member.trajectory.token_ids)
-    assert f"<tool_response>\n{COUNT.prompt(rows[1])}\n</tool_response>" in text  # rendered as a tool message
+    assert f"<tool_response>\n{count_server.COUNT.prompt(rows[1])}\n</tool_response>" in text  # rendered as a tool message
 
 
 def shout_action(text: str, observation: dict) -> dict:
@@ -206,7 +208,7 @@ def test_an_evaluation_set_counts_what_passes_and_names_its_errors(server, qwen)
     env = evaluator.sets[0][1]
     seeds = [env.row(i)["seed"] for i in range(12)]
     failing = [seed % 3 == 0 for seed in seeds]
-    passing = [not f and COUNT.row(seed)["n"] == 3 for seed, f in zip(seeds, failing, strict=True)]
+    passing = [not f and count_server.COUNT.row(seed)["n"] == 3 for seed, f in zip(seeds, failing, strict=True)]
     assert 0 < sum(failing) < 12 and 0 < sum(passing)
     assert metrics["eval/count/pass@2"] == metrics["eval/count/mean@2"] == pytest.approx(sum(passing) / 12)
     assert metrics["eval/count/errors"] == 2 * sum(failing)
@@ -223,21 +225,21 @@ def test_a_cancelled_rollout_closes_its_session(server, qwen):
         task = asyncio.ensure_future(run_member(env, env.row(0), fake, PromptEncoder(qwen), sampling, 0, 0, 64))
         while not fake.calls:  # reset answered, the model's turn begun: the session is open
             await asyncio.sleep(0.01)
-        assert CountEnvironment.open_sessions == 1
+        assert count_server.CountEnvironment.open_sessions == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
     asyncio.run(cancel_mid_episode())
-    assert wait_until(lambda: CountEnvironment.open_sessions == 0)
+    assert wait_until(lambda: count_server.CountEnvironment.open_sessions == 0)
 
 
 def test_at_most_max_concurrent_sessions_are_open_at_once(server, qwen):
     env = openenv(server, max_concurrent=2, reset_args={"delay_s": 0.05})
-    CountEnvironment.reset_counters()
+    count_server.CountEnvironment.reset_counters()
     group = roll_group(env, PromptEncoder(qwen), size=6)
     assert all(m.status == "finished" for m in group.members)
-    assert CountEnvironment.peak_sessions == 2
+    assert count_server.CountEnvironment.peak_sessions == 2
 
 
 def test_a_full_server_is_waited_for_then_gives_up_after_timeout(server, qwen):
@@ -246,7 +248,7 @@ def test_a_full_server_is_waited_for_then_gives_up_after_timeout(server, qwen):
     first, second = (openenv(server, max_concurrent=3, reset_args={"delay_s": 0.1}) for _ in range(2))
     fake = FakeClient(FakeWeights())
     sampling = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=16, seed=0)
-    CountEnvironment.reset_counters()
+    count_server.CountEnvironment.reset_counters()
 
     async def both():
         return await asyncio.gather(*(run_group(env, env.row(0), g, 3, fake, encoder, sampling, 64)
@@ -254,20 +256,20 @@ def test_a_full_server_is_waited_for_then_gives_up_after_timeout(server, qwen):
 
     groups = asyncio.run(both())
     assert all(m.status == "finished" for g in groups for m in g.members)
-    assert CountEnvironment.peak_sessions == 4
+    assert count_server.CountEnvironment.peak_sessions == 4
     # a server of one session held by a step that never answers: the next rollout waits, then fails
-    with serve_in_thread(free_port(), max_concurrent_envs=1) as small:
+    with count_server.serve_in_thread(free_port(), max_concurrent_envs=1) as small:
         holder = openenv(small, reset_args={"fail": "hang"}, timeout_s=3.0)
         waiting = openenv(small, timeout_s=0.4)
 
         async def full():
             held = asyncio.ensure_future(run_member(holder, holder.row(0), fake, encoder, sampling, 0, 0, 64))
-            while CountEnvironment.open_sessions < 1 or not fake.calls:
+            while count_server.CountEnvironment.open_sessions < 1 or not fake.calls:
                 await asyncio.sleep(0.01)
             try:
                 await run_member(waiting, waiting.row(0), fake, encoder, sampling, 1, 0, 64)
             finally:
-                CountEnvironment.release.set()
+                count_server.CountEnvironment.release.set()
                 await asyncio.gather(held, return_exceptions=True)
 
         with pytest.raises(Exception, match="the server stayed full .*CAPACITY_REACHED.* for timeout_s 0.4 s") as error:

@@ -14,7 +14,6 @@ import gc
 import json
 
 import pytest
-from verifiers.v1.clients.train import tool_to_wire
 
 from megatron_rl.config import EvalConfig
 from megatron_rl.config.hubs import HubEnvironment
@@ -146,6 +145,8 @@ def test_a_toolset_of_two_tools(qwen):
     assert member.status == "finished", member.error
     assert member.turns == 3 and member.tool_calls == 2 and member.tool_errors == 0 and member.reward == 1.0
     assert member.scores == {"reward/correct": 1.0, "metric/tool_results": 2.0}
+    from verifiers.v1.clients.train import tool_to_wire
+
     ((task, episode),) = episodes
     (trace,) = episode.traces
     tools = [tool_to_wire(tool) for tool in trace.tools]
