@@ -21,7 +21,6 @@ import pytest
 from megatron_rl.config import EvalConfig
 from megatron_rl.config.hubs import HubEnvironment
 from megatron_rl.envs import make_environment
-from megatron_rl.envs.hubs.openenv import OpenEnvEnvironment, episode_seed
 from megatron_rl.inference.rollout import SamplingParams
 from megatron_rl.orchestrator.chat import PromptEncoder
 from megatron_rl.orchestrator.evaluation import Evaluator
@@ -34,6 +33,7 @@ from tests.unit.test_chat import completion
 
 # openenv-core's server classes, imported by the first test that reads them (tests/support/lazy.py)
 count_server = lazy_module("tests.support.openenv_server")
+openenv_hub = lazy_module("megatron_rl.envs.hubs.openenv")
 KEY = "orchestrator.environment"
 
 
@@ -67,7 +67,7 @@ def wait_until(condition, timeout_s: float = 5.0) -> bool:
 
 
 def openenv(url, seed=0, key=KEY, max_concurrent=None, timeout_s=5.0, retries=1, pass_threshold=1.0,
-            **args) -> OpenEnvEnvironment:  # fmt: skip
+            **args) -> openenv_hub.OpenEnvEnvironment:  # fmt: skip
     spec = HubEnvironment(hub="openenv", url=url, id="count", max_concurrent=max_concurrent, timeout_s=timeout_s,
                           retries=retries, pass_threshold=pass_threshold)  # fmt: skip
     return make_environment(spec, None, seed, key=key, args={"observation_template": "{prompt}", **args})
@@ -281,7 +281,7 @@ def test_a_full_server_is_waited_for_then_gives_up_after_timeout(server, qwen):
 def test_rows_are_deterministic_seeded_resets(server):
     env, again, other = openenv(server, seed=1), openenv(server, seed=1), openenv(server, seed=2)
     assert [env.row(i) for i in range(5)] == [again.row(i) for i in range(5)]
-    assert env.row(3) == {"index": 3, "episode": 3, "seed": episode_seed(1, 3)}
+    assert env.row(3) == {"index": 3, "episode": 3, "seed": openenv_hub.episode_seed(1, 3)}
     assert env.row(3)["seed"] != other.row(3)["seed"] and env.__len__() is None  # endless
     finite = openenv(server, seed=1, num_rows=4)
     epochs = [sorted(finite.row(i)["episode"] for i in range(e * 4, e * 4 + 4)) for e in range(3)]
