@@ -339,7 +339,11 @@ def gpu_totals(resolved: ResolvedConfig) -> dict[str, int]:
 
 def kv_bytes_per_token(arch: Architecture, tp: int) -> float:
     """K and V of every layer for one token on one GPU (16-bit; KV heads split by TP, or
-    replicated when there are fewer than TP of them)."""
+    replicated when there are fewer than TP of them). With multi-latent attention vLLM caches the
+    kv latent and the shared rotary key instead, kv_lora_rank + qk_rope_head_dim a layer, whole on
+    every TP rank."""
+    if arch.multi_latent_attention:
+        return arch.num_layers * (arch.kv_lora_rank + arch.qk_rope_head_dim) * 2
     heads = max(arch.num_key_value_heads / tp, 1)
     return 2 * arch.num_layers * heads * arch.kv_channels * 2
 

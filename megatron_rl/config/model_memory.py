@@ -48,12 +48,13 @@ def layer_parameters(arch: Architecture, tp: int, ep: int, dense: bool = False) 
     num_experts floats, is not a parameter and is left out."""
     h, d = arch.hidden_size, arch.kv_channels
     nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
-    parts = {
-        "input_layernorm": (h, False),
-        "self_attention.linear_qkv": ((h + arch.attention_bias) * (nq + 2 * nkv) * d // tp, False),
-        "self_attention.linear_proj": (nq * d * h // tp, False),
-        "pre_mlp_layernorm": (h, False),
-    }
+    parts = {"input_layernorm": (h, False)}
+    if arch.multi_latent_attention:
+        parts.update({name: (count, False) for name, count in latent_attention_parameters(arch, tp).items()})
+    else:
+        parts["self_attention.linear_qkv"] = ((h + arch.attention_bias) * (nq + 2 * nkv) * d // tp, False)
+        parts["self_attention.linear_proj"] = (nq * d * h // tp, False)
+    parts["pre_mlp_layernorm"] = (h, False)
     if arch.qk_norm:
         parts["self_attention.q_layernorm"] = (d, False)
         parts["self_attention.k_layernorm"] = (d, False)
@@ -66,6 +67,27 @@ def layer_parameters(arch: Architecture, tp: int, ep: int, dense: bool = False) 
     else:
         parts["mlp.linear_fc1"] = (h * 2 * arch.intermediate_size // tp, False)
         parts["mlp.linear_fc2"] = (arch.intermediate_size * h // tp, False)
+    return parts
+
+
+def latent_attention_parameters(arch: Architecture, tp: int) -> dict[str, int]:
+    """Multi-latent attention's parameters on one rank, by module: the down-projections to the q
+    and kv latents and the latents' norms whole (TransformerEngine's spec runs the down-projections
+    duplicated on every TP rank; megatron's local spec, used on CPU, splits them over TP), the
+    up-projections (or the one q projection without q_lora_rank) and linear_proj split over TP."""
+    h, heads, latent = arch.hidden_size, arch.num_attention_heads, arch.kv_lora_rank
+    q_rows = heads * arch.kv_channels  # each head's q: its non-rotary, then its rotary channels
+    parts = {}
+    if arch.q_lora_rank is None:
+        parts["self_attention.linear_q_proj"] = h * q_rows // tp
+    else:
+        parts["self_attention.linear_q_down_proj"] = h * arch.q_lora_rank
+        parts["self_attention.q_layernorm"] = arch.q_lora_rank
+        parts["self_attention.linear_q_up_proj"] = arch.q_lora_rank * q_rows // tp
+    parts["self_attention.linear_kv_down_proj"] = h * (latent + arch.qk_rope_head_dim)
+    parts["self_attention.kv_layernorm"] = latent
+    parts["self_attention.linear_kv_up_proj"] = latent * heads * (arch.qk_nope_head_dim + arch.v_head_dim) // tp
+    parts["self_attention.linear_proj"] = heads * arch.v_head_dim * h // tp
     return parts
 
 
@@ -253,6 +275,14 @@ def activation_bytes(
     nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
     replicated = 2 * h  # the two norms' inputs
     attention = h + (nq + 2 * nkv) * d + 2 * nq * d  # QKV input, q/k/v, attention output and proj input
+    core_attention = 2 * nq * d  # what selective recomputation drops
+    if arch.multi_latent_attention:
+        # the latents (down-projected, normed, up-projection inputs: whole on each TP rank), then per head
+        # q and k (non-rotary and rotary channels), v, the attention output and the proj input
+        dv, q_latent = arch.v_head_dim, arch.q_lora_rank or 0
+        replicated += 2 * q_latent + 2 * (arch.kv_lora_rank + arch.qk_rope_head_dim)
+        attention = h + 2 * nq * d + nq * dv + 2 * nq * dv
+        core_attention = 2 * nq * dv
     if moe:
         k, f = arch.num_experts_per_tok, arch.moe_intermediate_size
         mlp = h + k * (h + 3 * f) + 2 * arch.num_experts  # router in, routed copies, gate/up/product, logits
@@ -261,7 +291,6 @@ def activation_bytes(
         mlp += 3 * arch.shared_expert_intermediate_size
     else:
         mlp = h + 3 * arch.intermediate_size
-    core_attention = 2 * nq * d  # what selective recomputation drops
     per_token = (replicated / (tp if sp else 1) + (attention + mlp) / tp) * b
     if lora_rank is not None:
         per_token += adapter_bytes_per_token(arch, layout, dtype, lora_rank, lora_targets, fused_norms)

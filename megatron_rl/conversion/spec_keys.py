@@ -13,7 +13,14 @@ The two specs save the same weights under the same dist_checkpointing keys, exce
   `final_layernorm` whenever TE is installed) has one where the local norms have none. Linear
   layers save one in both specs (megatron's own linears save None).
 
-Dense layers need no rename: the local key map gives `self_attention.linear_qkv.layer_norm_weight`
+- Multi-latent attention (DeepSeek-V3). megatron's local MLA spec has no key map: its layers
+  save `pre_mlp_layernorm.weight` dense or MoE, and the q/kv latents' norms as
+  `self_attention.q_layernorm.weight` / `kv_layernorm.weight`, which TE fuses into the
+  up-projections (`self_attention.linear_q_up_proj.layer_norm_weight`,
+  `linear_kv_up_proj.layer_norm_weight`); a TE dense layer fuses its pre-MLP norm
+  (`mlp.linear_fc1.layer_norm_weight`). The input norm is `input_layernorm.weight` in both.
+
+Other dense layers need no rename: the local key map gives `self_attention.linear_qkv.layer_norm_weight`
 and `mlp.linear_fc1.layer_norm_weight`, the names of TE's fused parameters. Keys are the
 layer-stacked ones (`decoder.layers.` without an index, the layer number being an offset), or
 per layer (`decoder.layers.{L}.`) in a model whose layers differ (dense first layers of an MoE
@@ -35,6 +42,9 @@ from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 LOCAL_AND_TE_KEYS: tuple[tuple[str, str], ...] = (
     ("decoder.layers.mlp.linear_fc1.layer_norm_weight", "decoder.layers.pre_mlp_layernorm.weight"),
     ("decoder.layers.mlp.linear_fc1.layer_norm_bias", "decoder.layers.pre_mlp_layernorm.bias"),
+    # multi-latent attention: the q/kv latents' norms, fused by TE into the up-projections
+    ("decoder.layers.self_attention.q_layernorm.weight", "decoder.layers.self_attention.linear_q_up_proj.layer_norm_weight"),
+    ("decoder.layers.self_attention.kv_layernorm.weight", "decoder.layers.self_attention.linear_kv_up_proj.layer_norm_weight"),
 )
 OTHER_SPEC_KEY: dict[str, str] = {
     **{local: te for local, te in LOCAL_AND_TE_KEYS},

@@ -19,6 +19,7 @@ import zlib
 from dataclasses import dataclass, field, fields
 
 from megatron_rl.config import Architecture, ModelConfig
+from megatron_rl.config.model_memory import latent_attention_parameters
 from megatron_rl.envs import Environment, Turn
 
 
@@ -82,22 +83,28 @@ class ClusterModel:
 
 
 def active_parameters(arch: Architecture, lm_head: bool) -> float:
-    """Parameters one token passes through (MoE: the routed top-k experts and the router), plus
-    the output layer when `lm_head` (the policy; a critic's value head is one column)."""
+    """Parameters one token passes through (an MoE layer's: the routed top-k experts, the shared
+    experts and the router; an MoE model's dense first layers: their MLP), plus the output layer
+    when `lm_head` (the policy; a critic's value head is one column)."""
     h, d = arch.hidden_size, arch.kv_channels
     attention = h * arch.num_attention_heads * d * 2 + h * arch.num_key_value_heads * d * 2
-    if arch.num_experts:
-        mlp = arch.num_experts_per_tok * 3 * h * arch.moe_intermediate_size + h * arch.num_experts
-    else:
-        mlp = 3 * h * arch.intermediate_size
-    return arch.num_layers * (attention + mlp) + (h * arch.vocab_size if lm_head else h)
+    if arch.multi_latent_attention:
+        attention = sum(latent_attention_parameters(arch, tp=1).values())
+    dense_mlp = 3 * h * arch.intermediate_size
+    moe_mlp = (arch.num_experts_per_tok * 3 * h * arch.moe_intermediate_size + h * arch.num_experts
+               + 3 * h * arch.shared_expert_intermediate_size)  # fmt: skip
+    moe_layers = len(arch.moe_layers)
+    mlp = moe_layers * moe_mlp + (arch.num_layers - moe_layers) * dense_mlp
+    return arch.num_layers * attention + mlp + (h * arch.vocab_size if lm_head else h)
 
 
 def forward_flops(arch: Architecture, lengths, lm_head: bool) -> float:
     """FLOPs of one forward pass over packed sequences of `lengths` tokens: 2 x active parameters
-    per token plus causal attention, 2 x layers x heads x head_dim x n^2 per sequence."""
+    per token plus causal attention, layers x heads x (q/k head dim + v head dim) x n^2 per
+    sequence (2 x head_dim where they are one)."""
     per_token = 2.0 * active_parameters(arch, lm_head)
-    attention = 2.0 * arch.num_layers * arch.num_attention_heads * arch.kv_channels
+    v_channels = arch.v_head_dim if arch.multi_latent_attention else arch.kv_channels
+    attention = float(arch.num_layers * arch.num_attention_heads * (arch.kv_channels + v_channels))
     return sum(per_token * n + attention * n * n for n in lengths)
 
 

@@ -228,10 +228,12 @@ def test_bfloat16_checkpoints_stay_bfloat16_and_load_into_a_float32_model(tiny_m
         assert loaded[name].dtype == torch.float32 and torch.equal(loaded[name], tensor.float()), name
 
 
-def test_a_te_layout_checkpoint_converts_to_hf(tiny_models, tmp_path):
-    """A checkpoint written by a TE-spec MoE model (pre_mlp_layernorm.weight, TENorm extra state)
-    converts back to the HF tensors it was loaded from."""
-    hf_dir = tiny_models["qwen3_moe"]
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_te_layout_checkpoint_converts_to_hf(family, tiny_models, tmp_path):
+    """A checkpoint written by a TE-spec MoE model (pre_mlp_layernorm.weight, TENorm extra state;
+    with multi-latent attention the q/kv latents' norms fused into the up-projections, a dense
+    first layer's pre-MLP norm into linear_fc1) converts back to the HF tensors it was loaded from."""
+    hf_dir = tiny_models[family]
     run_ranks(save_te_layout_checkpoint, 1, str(hf_dir), str(tmp_path / "te"))
     (back,) = run_tools(
         (
@@ -334,7 +336,12 @@ def save_te_layout_checkpoint(rank, world_size, hf_dir, out):
     model = build_te_style_model(arch)
     load_full_state_dict(model, hf_to_megatron(io.read_hf_state_dict(Path(hf_dir)), arch))
     keys = {entry.key for entry in model.sharded_state_dict().values()}
-    assert "decoder.layers.pre_mlp_layernorm.weight" in keys  # the TE MoE layout
+    if arch.multi_latent_attention:  # per-layer keys (a dense first layer)
+        assert {"decoder.layers.1.pre_mlp_layernorm.weight", "decoder.layers.0.mlp.linear_fc1.layer_norm_weight",
+                "decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight",
+                "decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_weight"} <= keys  # fmt: skip
+    else:
+        assert "decoder.layers.pre_mlp_layernorm.weight" in keys  # the TE MoE layout
     (Path(out) / io.MODEL_DIR).mkdir(parents=True)
     dist_checkpointing.save(model.sharded_state_dict(), str(Path(out) / io.MODEL_DIR))
     io.write_meta(Path(out), arch, False, hf_dir)

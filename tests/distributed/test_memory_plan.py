@@ -40,6 +40,8 @@ LAYOUTS = [
     ("qwen3", 1, 2, 1, False, False),
     ("glm4_moe", 1, 1, 2, False, False),  # shared experts, q/k/v bias
     ("glm4_moe", 1, 2, 1, True, False),  # stage 0 the dense first layer, stage 1 an MoE layer
+    ("deepseek_v3", 1, 1, 2, False, False),  # multi-latent attention, two shared experts
+    ("deepseek_v3", 1, 2, 1, True, True),  # the critic on MLA, its attention frozen; stage 0 dense
 ]
 
 
@@ -102,7 +104,7 @@ def measured(tiny_models):
         family: Architecture.from_hf_config(
             json.loads((tiny_models[family] / "config.json").read_text()), family
         ).model_dump()
-        for family in ("qwen3", "qwen3_moe", "glm4_moe")
+        for family in ("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")
     }
     return architectures, run_ranks(measure, 2, architectures)
 
@@ -361,7 +363,7 @@ def lora_measured(tiny_models, tmp_path_factory):
         family: Architecture.from_hf_config(
             json.loads((tiny_models[family] / "config.json").read_text()), family
         )
-        for family in ("qwen3", "qwen3_moe", "glm4_moe")
+        for family in ("qwen3", "qwen3_moe", "glm4_moe", "deepseek_v3")
     }
     ranks = run_ranks(measure_lora, 2, {k: a.model_dump() for k, a in architectures.items()},
                       str(tmp_path_factory.mktemp("published")))  # fmt: skip

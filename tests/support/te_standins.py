@@ -7,7 +7,10 @@ TE's `Linear`/`LayerNormLinear`/`RMSNorm`), and computes what it computes:
 
 - `FusedNormColumnParallelLinear` ~ `TELayerNormColumnParallelLinear`: y = norm(x) W^T, with the
   norm's weight as the parameter `layer_norm_weight` of the linear (TE fuses the input norm of
-  `linear_qkv` and of the dense `linear_fc1` into the linear; the spec's norms are `IdentityOp`);
+  `linear_qkv` and of the dense `linear_fc1` into the linear, and MLA's q/kv latent norms into its
+  up-projections; the spec's norms are `IdentityOp`);
+- megatron's own non-parallel `Linear` (post_training/modelopt) ~ `TELinear` in duplicated mode
+  (MLA's down-projections, whole on every TP rank);
 - `ExtraStateNorm` ~ `TENorm` (te.pytorch.RMSNorm): `weight` plus a `_extra_state` entry;
 - `ColumnParallelLinear` / `TEStyleRowParallelLinear` ~ `TEColumnParallelLinear` /
   `TERowParallelLinear`: for experts built with explicit communication (expert TP > 1 or
@@ -30,6 +33,7 @@ import megatron_rl.compat  # noqa: F401  (megatron-core on CPU needs its patches
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel, gpt_layer_specs
+from megatron.core.post_training.modelopt.layers import Linear as ModelOptLinear
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import transformer_block
 from megatron.core.transformer.mlp import MLPSubmodules
@@ -105,7 +109,9 @@ class StandinTESpecProvider:
     stand-ins in place of TE's modules."""
 
     def linear(self):
-        raise NotImplementedError("TELinear (duplicated mode) is not used by the GPT spec")
+        # TELinear, which MLA's spec uses in duplicated mode (its down-projections whole on every TP
+        # rank): megatron's own non-parallel Linear, which MLA accepts there too
+        return ModelOptLinear
 
     def column_parallel_linear(self):
         return ColumnParallelLinear
@@ -156,8 +162,11 @@ def te_layer_spec(arch: Architecture):
     """megatron's TE layer spec for `arch`, built with the stand-ins."""
     with _standin_te_modules():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=arch.num_experts or None, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm
-        )
+            num_experts=arch.num_experts or None, moe_grouped_gemm=False,
+            # as the builder: MLA's q/kv latent norms fused into its up-projections
+            qk_layernorm=arch.qk_norm or arch.multi_latent_attention,
+            multi_latent_attention=arch.multi_latent_attention,
+        )  # fmt: skip
 
 
 def build_te_style_model(arch: Architecture, model_class=None, **config_kwargs):

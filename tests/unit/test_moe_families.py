@@ -291,3 +291,27 @@ def test_latent_attention_mapping_round_trips_and_interleaves_rope_rows_stored_a
     assert set(back) == set(state)
     for name, tensor in back.items():
         assert torch.equal(tensor, state[name]), name
+
+
+def test_memory_plan_counts_deepseek_v3_and_moonlight_at_their_published_sizes_and_latent_kv():
+    """The plan's parameters (multi-latent attention's projections and latent norms, shared
+    experts, dense first layers) against the published sizes: DeepSeek-V3 671B total without its
+    MTP layer, 37B activated; Moonlight-16B-A3B. vLLM caches MLA's kv latent and shared rotary key,
+    kv_lora_rank + qk_rope_head_dim 16-bit numbers a layer and token, on every TP rank whole."""
+    from megatron_rl.config.layout import ModelLayout
+    from megatron_rl.config.memory_plan import kv_bytes_per_token
+    from megatron_rl.config.model_memory import rank_parameters
+    from megatron_rl.sim.models import active_parameters
+
+    one_gpu = ModelLayout(world_size=1, tp=1, cp=1, pp=1, ep=1, dp=1, expert_dp=1)
+    for config, total, active in ((DEEPSEEK_V3, 671e9, 37e9), (MOONLIGHT, 16e9, 3e9)):
+        arch = arch_of(config)
+        counted = rank_parameters(arch, one_gpu, value_model=False, freeze_attention=False, stage=0).total
+        assert counted == pytest.approx(total, rel=0.003)
+        embedding = arch.hidden_size * arch.vocab_size
+        assert active_parameters(arch, lm_head=True) + embedding == pytest.approx(active, rel=0.03)
+    deepseek = arch_of(DEEPSEEK_V3)
+    assert {kv_bytes_per_token(deepseek, tp) for tp in (1, 8)} == {61 * (512 + 64) * 2}
+    # 128 heads of k (192) and v (128) a token would be 71x more
+    assert kv_bytes_per_token(deepseek.model_copy(update=dict(kv_lora_rank=0, q_lora_rank=None, rope_yarn=None,
+                                                              rope_interleaved=False, head_dim=160)), 1) > 70 * 61 * 576 * 2  # fmt: skip
