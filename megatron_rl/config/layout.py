@@ -20,6 +20,7 @@ from megatron_rl.config.model import (
     LoraBase,
     ModelConfig,
     adapts_experts,
+    lora_refusal,
     lora_serving,
     vllm_max_lora_rank,
 )
@@ -65,6 +66,8 @@ def lora_plan(lora: LoraBase | None, key: str, arch: Architecture | None, backen
     decides how versions are served, None for the critic."""
     if lora is None:
         return None
+    if lora_refusal(lora, arch):
+        errors.append(f"{key}: {lora_refusal(lora, arch)}")
     plan = LoraPlan(key=key, rank=lora.rank, alpha=lora.alpha, target_modules=list(lora.target_modules),
                     adapts_experts=adapts_experts(lora, arch))  # fmt: skip
     if backend is not None:

@@ -426,6 +426,15 @@ class LoraBase(Strict):
         return targets
 
 
+def lora_refusal(lora: LoraBase | None, arch: Architecture | None) -> str | None:
+    """Why `lora` cannot adapt `arch`, or None: LoRA on multi-latent attention is not built yet
+    (its projections are not linear_qkv, which the adapters would silently miss)."""
+    if lora is not None and arch is not None and arch.multi_latent_attention:
+        return (f"LoRA on {arch.family}'s multi-latent attention is not supported yet (its q/kv projections "
+                "are not the fused linear_qkv the adapters wrap); train the full model")  # fmt: skip
+    return None
+
+
 def adapts_experts(lora: LoraBase | None, arch: Architecture | None) -> bool:
     """Whether `lora` wraps an MoE model's expert linears. Such a model is built with one linear
     per expert (megatron's SequentialMLP, `moe_grouped_gemm` off, also under the TE spec): TE's

@@ -86,11 +86,12 @@ def test_packed_thd_logits_match_transformers_per_sequence(family, tiny_models):
                     torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("family,tp,ep", [("qwen3", 1, 1), ("glm4_moe", 1, 2)])
+@pytest.mark.parametrize("family,tp,ep", [("qwen3", 1, 1), ("glm4_moe", 1, 2), ("deepseek_v3", 2, 1)])
 def test_value_model_scores_as_transformers_and_a_head(family, tiny_models, tp, ep):
     """The critic on each backbone: the value model (the HF backbone converted, a random head)
     gives, for each real token of a right-padded batch, transformers' final hidden state (after
-    the last norm) times the head plus its bias; glm4_moe at EP = 2 (each rank half the experts)."""
+    the last norm) times the head plus its bias; glm4_moe at EP = 2 (each rank half the experts),
+    deepseek_v3 (multi-latent attention) at TP = 2."""
     directory = tiny_models[family]
     arch = Architecture.from_hf_config(json.loads((directory / "config.json").read_text()), str(directory))
     backbone = {k: v for k, v in hf_to_megatron(load_file(directory / "model.safetensors"), arch).items()

@@ -315,3 +315,17 @@ def test_memory_plan_counts_deepseek_v3_and_moonlight_at_their_published_sizes_a
     # 128 heads of k (192) and v (128) a token would be 71x more
     assert kv_bytes_per_token(deepseek.model_copy(update=dict(kv_lora_rank=0, q_lora_rank=None, rope_yarn=None,
                                                               rope_interleaved=False, head_dim=160)), 1) > 70 * 61 * 576 * 2  # fmt: skip
+
+
+def test_lora_on_latent_attention_is_refused_by_the_config():
+    """LoRA wraps linear_qkv, linear_proj and the MLPs' linears; MLA has no linear_qkv, so its q/kv
+    projections would silently go without adapters: refused until LoRA on MLA is built."""
+    from megatron_rl.config.layout import lora_plan
+    from megatron_rl.config.model import LoraConfig
+
+    errors: list[str] = []
+    lora_plan(LoraConfig(rank=4), "value.lora", arch_of(TINY_DEEPSEEK), None, errors)
+    assert errors == ["value.lora: LoRA on deepseek_v3's multi-latent attention is not supported yet (its q/kv "
+                      "projections are not the fused linear_qkv the adapters wrap); train the full model"]  # fmt: skip
+    lora_plan(LoraConfig(rank=4), "value.lora", arch_of(TINY_GLM), None, errors)
+    assert len(errors) == 1
