@@ -1,4 +1,4 @@
-"""The routes of a Qwen3-MoE or GLM-4.5-style (glm4_moe) sampler, from transformers alone (never
+"""The routes of a Qwen3-MoE, GLM-4.5-style (glm4_moe) or DeepSeek-V3-style (deepseek_v3) sampler, from transformers alone (never
 from megatron_rl code): the reference routing-replay tests compare the trainer against.
 
 `RoutedSampler(directory, perturb, seed)` loads the HF model (float32, eval) and replaces each
@@ -7,7 +7,8 @@ the router (`perturb`: the noise's standard deviation relative to the weights'; 
 itself), while the chosen experts' weights still come from the unperturbed router, renormalised
 (and scaled) as the model does. Qwen3-MoE's router chooses by softmax; glm4_moe's by sigmoid
 scores plus its expert bias (`e_score_correction_bias`, perturbed too), within the topk_group
-groups scored by their top-2 (transformers' Glm4MoeTopkRouter, written out here). So the sampler
+groups scored by their top-2 (transformers' Glm4MoeTopkRouter, written out here; deepseek_v3's
+DeepseekV3TopkRouter is the same rule with the same attribute names). So the sampler
 is the unperturbed network with its routes forced to the perturbed router's choice, which is
 what a trainer replaying those routes computes. `forward(token_ids)` returns (logits [T, vocab],
 routes [T, layers, k] uint8: the experts every token went to in every layer, zeros in a dense
@@ -29,7 +30,7 @@ class RoutedSampler:
         self.model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
         config = self.model.config
         self.topk, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
-        self.sigmoid = config.model_type == "glm4_moe"
+        self.sigmoid = config.model_type in ("glm4_moe", "deepseek_v3")
         generator = torch.Generator().manual_seed(seed)
         self.chosen: list[torch.Tensor | None] = []  # per layer: the experts the sampler took
         self.own: list[torch.Tensor | None] = []  # per layer: the unperturbed router's top-k
