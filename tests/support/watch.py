@@ -48,9 +48,9 @@ def run_watched(argv: list[str], cwd: Path, output: Path, timeout_s: float) -> t
     return process.returncode, output.read_text(), seen
 
 
-def assert_local_listeners(seen: set, configured: set[int], torchrun_groups: int) -> None:
+def assert_local_listeners(seen: set, configured: set[int], torchrun_groups: int, routers: int = 1) -> None:
     """No listener on all interfaces; the `configured` ports, torchrun's rendezvous stores (one a
-    group) and vllm-router's HTTP and metrics ports each listen on 127.0.0.1 only."""
+    group) and each of the `routers` vllm-routers' HTTP and metrics ports listen on 127.0.0.1 only."""
     wildcard = sorted(s for s in seen if s[0] in WILDCARDS)
     assert wildcard == [], f"listening on all interfaces: {wildcard}"
     addresses: dict[int, set[str]] = {}
@@ -58,7 +58,7 @@ def assert_local_listeners(seen: set, configured: set[int], torchrun_groups: int
         addresses.setdefault(port, set()).add(address)
     rendezvous = {port for _, port, name in seen if name == "pt_elastic"}  # torchrun's agents
     router = {port for _, port, name in seen if name == "vllm::router"}  # its HTTP and metrics ports
-    assert len(rendezvous) == torchrun_groups and len(router) == 2, sorted(seen)
+    assert len(rendezvous) == torchrun_groups and len(router) == 2 * routers, sorted(seen)
     assert configured <= set(addresses), (configured - set(addresses), sorted(seen))
     for port in configured | rendezvous | router:
         assert addresses.get(port) == {"127.0.0.1"}, (port, sorted(seen))
