@@ -221,8 +221,12 @@ class Architecture(Strict):
             "rope_parameters.rope_type": None if rope_type == "default" or mla else rope_type,
             # transformers' deepseek_v3 makes every layer after the first_k_dense_replace an MoE layer
             "moe_layer_freq": config.get("moe_layer_freq") if mla and config.get("moe_layer_freq", 1) != 1 else None,
-            "scoring_func": config.get("scoring_func") if config.get("scoring_func", "sigmoid") != "sigmoid" else None,
-            "topk_method": config.get("topk_method") if config.get("topk_method", "noaux_tc") != "noaux_tc" else None,
+            # transformers' deepseek_v3 routes by sigmoid + expert bias (noaux_tc) whatever these say; vLLM
+            # reads them, its defaults softmax and no bias: a config must say what transformers does
+            "scoring_func": None if config.get("scoring_func", "sigmoid" if not mla else None) == "sigmoid"
+            else config.get("scoring_func", "absent (vLLM then routes by softmax)"),
+            "topk_method": None if config.get("topk_method", "noaux_tc" if not mla else None) == "noaux_tc"
+            else config.get("topk_method", "absent (vLLM then drops the expert bias)"),
             # GLM biases q/k/v only; the others' attention_bias biases the output projection too
             "attention_bias": None if glm else config.get("attention_bias"),
             "partial_rotary_factor": None if glm or partial_rotary in (None, 1, 1.0) else partial_rotary,

@@ -224,6 +224,9 @@ def hf_config(family: str, args, eos_token_id: int, pad_token_id: int):
             routed_scaling_factor=2.3,
             first_k_dense_replace=1,
             norm_topk_prob=True,
+            # transformers' deepseek_v3 always routes so; vLLM reads these (its defaults: softmax, no bias)
+            scoring_func="sigmoid",
+            topk_method="noaux_tc",
         )  # fmt: skip
     raise SystemExit(f"--family: unknown family {family!r} ({', '.join(FAMILIES)})")
 

@@ -329,3 +329,11 @@ def test_lora_on_latent_attention_is_refused_by_the_config():
                       "projections are not the fused linear_qkv the adapters wrap); train the full model"]  # fmt: skip
     lora_plan(LoraConfig(rank=4), "value.lora", arch_of(TINY_GLM), None, errors)
     assert len(errors) == 1
+
+
+@pytest.mark.parametrize("key", ["scoring_func", "topk_method"])
+def test_a_deepseek_config_must_name_the_routing_vllm_reads(key):
+    """transformers' deepseek_v3 routes by sigmoid scores plus the expert bias whatever the config
+    says; vLLM reads scoring_func (default softmax) and topk_method (default: no expert bias)."""
+    with pytest.raises(ValueError, match=f"{key}='absent"):
+        arch_of({k: v for k, v in TINY_DEEPSEEK.items() if k != key})
