@@ -95,6 +95,7 @@ class EvalConfig(Strict):
     interval: int = Field(default=10, ge=1, description="Evaluate at step 0 and every this many steps.")
     seed: int = Field(default=1_000_003, description="Rows come from this seed (procedural tasks: a seed other than orchestrator.seed is held out).")
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="Keyword arguments of the chat template for this set (e.g. enable_thinking); null: orchestrator.chat_template_kwargs.")
+    judged: bool = Field(default=False, description="Grade the set with orchestrator.judge (its verdict weighed with the environment's own reward as in training: weight, rule_weight, pass_threshold) instead of the environment's reward alone; needs orchestrator.judge and a built-in or plug-in environment.")
 
 
 class JudgeServeConfig(ServeConfig):
@@ -124,6 +125,7 @@ class JudgeConfig(Strict):
     structured: bool = Field(default=True, description="Ask the server for structured outputs (vLLM: regex for a score, choice for choices), so the judge can only emit a verdict the parser reads.")
     weight: float = Field(default=1.0, ge=0, description="The verdict's weight in the reward.")
     rule_weight: float = Field(default=0.0, ge=0, description="The environment's own reward's weight beside the verdict (0: the judge alone).")
+    train: bool = Field(default=True, description="The judge grades the training rollouts (the reward); false: only the evaluation sets marked judged.")
     pass_threshold: float = Field(default=0.5, description="A rollout passes (pass rate, pass@k) when its verdict is at least this.")
     max_tokens: int = Field(default=16, gt=0, description="The verdict's length limit, in tokens.")
     max_concurrent: int = Field(default=16, gt=0, description="Judge requests in flight at once.")

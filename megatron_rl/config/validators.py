@@ -333,15 +333,29 @@ def lora_adapters_can_be_served(ctx: Context) -> list[str]:
 
 
 def judge_rewards_our_own_environments(ctx: Context) -> list[str]:
-    """orchestrator.judge rewards a built-in or plug-in environment's rollouts; a hub's
-    environment drives its own turns and scores its own rollouts (its judges are its rewards)."""
-    orchestrator = ctx.config.orchestrator
-    if orchestrator.judge is not None and not isinstance(orchestrator.environment, str):
-        return [
+    """orchestrator.judge rewards a built-in or plug-in environment's rollouts (training's unless
+    judge.train is false, and those of the eval sets marked judged); a hub's environment drives its
+    own turns and scores its own rollouts (its judges are its rewards). An eval set marked judged
+    needs orchestrator.judge."""
+    orchestrator, problems = ctx.config.orchestrator, []
+    own_rubric = "put the judge in its own rewards (verifiers: a judge in the taskset's rubric)"
+    judge = orchestrator.judge
+    if judge is not None and judge.train and not isinstance(orchestrator.environment, str):
+        problems.append(
             f"orchestrator.judge: the environment is hub {orchestrator.environment.hub!r}'s, which scores its own "
-            "rollouts; put the judge in its own rewards (verifiers: a judge in the taskset's rubric)"
-        ]
-    return []
+            f"rollouts; {own_rubric}, or set judge.train: false to judge evaluation sets only"
+        )
+    for eval_set in orchestrator.eval:
+        if not eval_set.judged:
+            continue
+        key = f"orchestrator.eval ({eval_set.name}).judged"
+        if judge is None:
+            problems.append(f"{key}: there is no orchestrator.judge to grade the set; configure one (judge.train: "
+                            "false keeps training's rewards the environment's)")  # fmt: skip
+        elif not isinstance(eval_set.environment, str):
+            problems.append(f"{key}: the set's environment is hub {eval_set.environment.hub!r}'s, which scores its "
+                            f"own rollouts; {own_rubric}")  # fmt: skip
+    return problems
 
 
 RULES: tuple[Callable[[Context], list[str]], ...] = (

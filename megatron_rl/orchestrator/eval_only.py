@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from megatron_rl.config import Layout, LoggingConfig, OrchestratorConfig, ResolvedConfig
+from megatron_rl.envs.judge import Judge
 from megatron_rl.inference.pool import served_model_dir
 from megatron_rl.inference.rollout import RolloutClient
 from megatron_rl.orchestrator.evaluation import Evaluator
@@ -91,14 +92,31 @@ async def evaluate(resolved: ResolvedConfig, router_url: str, model_name: str, w
     o = resolved.orchestrator
     client = RolloutClient(router_url, model_name, worker_urls, timeout_s=resolved.inference.request_timeout_s,
                            api_key=resolved.inference.api_key())  # fmt: skip
-    evaluator = None
+    evaluator = judge = None
     try:
-        evaluator = Evaluator(o.eval, client, prompt_encoder(o, tokenizer), o.max_completion_tokens, o.seed)
+        if any(s.judged for s in o.eval):
+            judge = Judge(o.judge, url=judge_url(o))
+        evaluator = Evaluator(o.eval, client, prompt_encoder(o, tokenizer), o.max_completion_tokens, o.seed, judge=judge)
         return await evaluator.run(0, every_set=True)
     finally:
         await client.close()
         if evaluator is not None:
             await evaluator.aclose()
+        if judge is not None:
+            await judge.close()
+
+
+def judge_url(orchestrator: OrchestratorConfig) -> str:
+    """The URL of the judge of judged evaluation sets: `megatron-rl eval` starts the policy's
+    servers only, so the judge is one the user serves (orchestrator.judge.url); an EvalError
+    otherwise."""
+    judged = [s.name for s in orchestrator.eval if s.judged]
+    if orchestrator.judge.url is None:
+        raise EvalError(
+            f"orchestrator.eval {judged}: judged sets need a judge at orchestrator.judge.url under megatron-rl eval, "
+            "which serves the evaluated model only (a judge without url is served by megatron-rl run)"
+        )
+    return orchestrator.judge.url
 
 
 def write_metrics(logging_config: LoggingConfig, model: str, results: dict, seconds: float) -> Path:
@@ -113,6 +131,9 @@ def write_metrics(logging_config: LoggingConfig, model: str, results: dict, seco
 
 
 def check_sets(orchestrator: OrchestratorConfig) -> None:
-    """EvalError when `orchestrator.eval` names no evaluation set."""
+    """EvalError when `orchestrator.eval` names no evaluation set, or judged sets have no judge
+    megatron-rl eval can reach (`judge_url`)."""
     if not orchestrator.eval:
         raise EvalError("orchestrator.eval: the config names no evaluation set to run")
+    if any(s.judged for s in orchestrator.eval):
+        judge_url(orchestrator)

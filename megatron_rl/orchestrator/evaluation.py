@@ -4,7 +4,10 @@ Each set runs `num_examples` rows of its environment (rows from its own seed: ne
 training rows) with its own sampling (`temperature` 0 is greedy; `samples_per_example` k gives
 pass@k: a row counts when any of its k samples passes, and mean@k: the fraction of all samples
 that pass) and its own chat template keywords (`chat_template_kwargs`, e.g. thinking off), at
-step 0 and every `interval` steps. Results are metrics only, never trained on. An
+step 0 and every `interval` steps. A set marked `judged` is graded by the run's LLM judge
+(orchestrator.judge: its verdict weighed with the environment's reward, its pass threshold; the
+set's `judge_score_mean`, and its unreadable verdicts among the errors, `JudgeVerdictError`).
+Results are metrics only, never trained on. An
 error (a failed rollout, or the set itself failing) is counted and reported per set and does
 not stop training.
 """
@@ -18,6 +21,7 @@ import numpy as np
 
 from megatron_rl.config import EvalConfig
 from megatron_rl.envs import Environment, make_environment
+from megatron_rl.envs.judge import Judge, JudgedEnvironment
 from megatron_rl.inference.rollout import SamplingParams
 from megatron_rl.orchestrator.rollouts import run_member
 
@@ -25,11 +29,20 @@ EVAL_GROUP_OFFSET = 1 << 40  # session ids of evaluation rollouts never collide 
 
 
 class Evaluator:
-    def __init__(self, eval_configs: list[EvalConfig], client, encoder, default_max_tokens: int, seed: int):
+    """`judge` (envs/judge.py Judge): grades the sets marked `judged`; a ValueError names such a set
+    when there is none (the config's rules refuse it first)."""
+
+    def __init__(self, eval_configs: list[EvalConfig], client, encoder, default_max_tokens: int, seed: int,
+                 judge: Judge | None = None):  # fmt: skip
         self.sets = []
         for config in eval_configs:
             env = make_environment(config.environment, config.dataset, config.seed,
                                    key=f"orchestrator.eval ({config.name}).environment", args=config.environment_args)
+            if config.judged:
+                if judge is None:
+                    raise ValueError(f"orchestrator.eval ({config.name}).judged: no judge was given to grade the set "
+                                    "(orchestrator.judge)")  # fmt: skip
+                env = JudgedEnvironment(env, judge)
             sampling = SamplingParams(temperature=config.temperature, top_p=1.0,
                                       max_tokens=config.max_completion_tokens or default_max_tokens, seed=seed)  # fmt: skip
             set_encoder = encoder.with_template_kwargs(config.chat_template_kwargs)
@@ -77,19 +90,22 @@ class Evaluator:
         ]
         members = await asyncio.gather(*tasks, return_exceptions=True)
         passed = np.zeros((config.num_examples, k), dtype=bool)
-        rewards, errors = [], Counter()  # failed rollouts by their error's kind (the exception's name)
+        rewards, verdicts, errors = [], [], Counter()  # failed rollouts by their error's kind (the exception's name)
         for index, member in enumerate(members):
             example, branch = divmod(index, k)
             if isinstance(member, BaseException):
                 errors[type(member).__name__] += 1
                 continue
             rewards.append(member.reward)
+            if member.judge_score is not None:
+                verdicts.append(member.judge_score)
             passed[example, branch] = bool(member.passed)
         name = f"eval/{config.name}"
         return {
             f"{name}/pass@{k}": float(passed.any(axis=1).mean()),
             f"{name}/mean@{k}": float(passed.mean()),
             f"{name}/reward_mean": float(np.mean(rewards)) if rewards else None,
+            **({f"{name}/judge_score_mean": float(np.mean(verdicts)) if verdicts else None} if config.judged else {}),
             f"{name}/errors": sum(errors.values()),
             **({f"{name}/error_kinds": dict(errors)} if errors else {}),
         }

@@ -60,7 +60,7 @@ class Timeouts:
 class Orchestrator:
     def __init__(self, resolved: ResolvedConfig, env, encoder: PromptEncoder, client, weights, critic,
                  send_policy, state: OrchestratorState, record_metrics, timeouts: Timeouts | None = None,
-                 teacher=None):  # fmt: skip
+                 teacher=None, judge=None):  # fmt: skip
         self.resolved = resolved
         self.env, self.encoder, self.client = env, encoder, client
         self.weights, self.critic, self.send_policy = weights, critic, send_policy
@@ -82,7 +82,7 @@ class Orchestrator:
         replay = resolved.layout.sampler_routes  # the samples carry the sampler's routes
         self.sampling = SamplingParams.from_config(o, resolved.layout.policy_architecture.num_experts if replay else 0)
         self.evaluator = (
-            Evaluator(o.eval, client, encoder, o.max_completion_tokens, o.seed) if o.eval else None
+            Evaluator(o.eval, client, encoder, o.max_completion_tokens, o.seed, judge=judge) if o.eval else None
         )
         self.dispatcher = Dispatcher(
             self._start_group, self.sink.judge, o.batch_size, o.max_async_level, o.max_off_policy_steps,

@@ -16,7 +16,8 @@ resolved config with the real collaborators:
   teacher the run serves, at its router: `layout.services["teacher"].url`), its tokenizer checked
   to be the student's before anything starts;
 - with `orchestrator.judge`, the judge at its `url` or, served by the run, at its router
-  (`layout.services["judge"].url`).
+  (`layout.services["judge"].url`): the training reward's (unless judge.train is false) and the
+  judged evaluation sets'.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
                            on_worker_failure=lambda url: log.warning("inference server %s failed a request", url))  # fmt: skip
     environment = make_environment(o.environment, o.dataset, o.seed, args=o.environment_args)
     judge = Judge(o.judge, url=service_url(resolved, "judge")) if o.judge is not None else None
-    if judge is not None:  # the verdict is the reward (orchestrator.judge)
+    if judge is not None and o.judge.train:  # the verdict is the reward (orchestrator.judge)
         environment = JudgedEnvironment(environment, judge)
     encoder.check_environment(environment)
     teacher = None
@@ -184,7 +185,7 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
         teacher = VllmTeacher(settings.url or service_url(resolved, "teacher"), settings.served_model_name,
                               settings.api_key(), settings.timeout_s, settings.max_concurrent)  # fmt: skip
     orchestrator = Orchestrator(resolved, environment, encoder, client, follower, critic, send_policy, state, metrics,
-                                timeouts, teacher=teacher)  # fmt: skip
+                                timeouts, teacher=teacher, judge=judge)  # fmt: skip
     follower.start()
     finished = False
     try:

@@ -131,3 +131,44 @@ def test_the_orchestrator_trains_on_verdicts_counts_unreadable_ones_and_stops_wh
     orchestrator, *_ = build_orchestrator(resolved, encoder, environment=env)
     with pytest.raises(JudgeUnavailable, match="judge http://judge:9000/v1/chat/completions failed 2 times"):
         asyncio.run(asyncio.wait_for(orchestrator.run(), 30))
+
+
+def test_judged_eval_sets_are_graded_by_the_judge_and_the_config_names_what_is_missing(tiny_models):
+    """An eval set marked `judged` is graded by the run's judge (its verdict weighed with the
+    environment's reward; unreadable verdicts among the set's errors); a set beside it keeps its
+    environment's reward. A judged set needs orchestrator.judge; judge.train false leaves the
+    training reward the environment's (and allows a hub's environment to train)."""
+    from megatron_rl.orchestrator.eval_only import EvalError, check_sets
+    from megatron_rl.orchestrator.evaluation import Evaluator
+    from tests.support.orchestrator import FakeClient, FakeWeights
+
+    sets = [{"name": "judged", "dataset": "count", "num_examples": 6, "judged": True},
+            {"name": "plain", "dataset": "count", "num_examples": 6}]  # fmt: skip
+    resolved = orchestrator_config("grpo", judge={**SCORE, "train": False}, eval=sets)
+    calls = []
+
+    def verdict(body):
+        calls.append(body)
+        return "no idea" if len(calls) == 3 else "8"
+
+    judge, _ = judge_with(verdict, rule_weight=0.0)
+    encoder = PromptEncoder(AutoTokenizer.from_pretrained(str(tiny_models["qwen3"])))
+    evaluator = Evaluator(resolved.orchestrator.eval, FakeClient(FakeWeights()), encoder, 8, 0, judge=judge)
+    results = asyncio.run(evaluator.run(0))
+    assert len(calls) == 6 and judge.unparsable == 1  # the judged set's rollouts only
+    assert results["eval/judged/reward_mean"] == pytest.approx(0.8) and results["eval/judged/judge_score_mean"] == pytest.approx(0.8)
+    assert results["eval/judged/pass@1"] == pytest.approx(5 / 6)  # 0.8 >= pass_threshold 0.5; the unreadable one fails
+    assert results["eval/judged/error_kinds"] == {"JudgeVerdictError": 1}
+    assert results["eval/plain/reward_mean"] < 0.8 and "eval/plain/judge_score_mean" not in results  # random tokens
+
+    with pytest.raises(ConfigError, match=r"orchestrator.eval \(judged\).judged: there is no orchestrator.judge"):
+        orchestrator_config("grpo", eval=sets)
+    hub = {"hub": "openenv", "url": "http://127.0.0.1:9"}
+    with pytest.raises(ConfigError, match=r"orchestrator.judge: the environment is hub 'openenv'.*judge.train: false"):
+        orchestrator_config("grpo", judge=SCORE, environment=hub)
+    assert orchestrator_config("grpo", judge={**SCORE, "train": False}, environment=hub, eval=sets).orchestrator.judge.train is False
+    check_sets(resolved.orchestrator)  # the judge has a url: megatron-rl eval reaches it
+    served = orchestrator_config("grpo", judge={**{k: v for k, v in SCORE.items() if k != "url"}, "model_dir": str(tiny_models["qwen3"])},
+                                 eval=sets)  # fmt: skip
+    with pytest.raises(EvalError, match=r"orchestrator.eval \['judged'\]: judged sets need a judge at orchestrator.judge.url"):
+        check_sets(served.orchestrator)
