@@ -513,3 +513,19 @@ def trainer_with_lora(rank, world_size, resolved_path):
     publisher.close()
     trainer.close()
     return out
+
+
+def test_glm4_moe_lora_step_at_ep2_equals_one_process(tiny_models, tmp_path):
+    """A LoRA step on the GLM-4.5 family (issue 51): adapters on attention (q/k/v with their
+    biases in the base), the shared experts, the routed experts and the dense first layer's MLP; the
+    sigmoid router with its frozen expert bias. Two steps at EP = 2 (each rank three of the six
+    experts) give one process's metrics, log-probs, merged weights and published tensors."""
+    from megatron_rl.config.model import Architecture
+
+    glm = Architecture.from_hf_config(json.loads((tiny_models["glm4_moe"] / "config.json").read_text()), "glm4_moe")
+    reference = run_ranks(lora_policy, 1, glm, 1, 1, 1, str(tmp_path / "one"))[0]
+    adapted = {n.split(".lora_")[0] for n in reference["adapter_names"]}
+    assert any(".shared_experts." in n for n in adapted) and any(".local_experts.5." in n for n in adapted)
+    assert "decoder.layers.0.mlp.linear_fc1" in adapted  # the dense first layer's MLP
+    ranks = run_ranks(lora_policy, 2, glm, 1, 1, 2, str(tmp_path / "ep2"))
+    compare_with_one_process(reference, ranks, 1)
