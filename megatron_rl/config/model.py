@@ -74,7 +74,7 @@ class Architecture(Strict):
     qk_nope_head_dim: int = Field(default=0, ge=0, description="With multi-latent attention: each query/key head's channels without RoPE.")
     qk_rope_head_dim: int = Field(default=0, ge=0, description="With multi-latent attention: each query/key head's channels with RoPE (after the others; the key's are shared by all heads).")
     v_head_dim: int = Field(default=0, ge=0, description="With multi-latent attention: each value head's channels.")
-    rope_interleaved: bool = Field(default=False, description="With multi-latent attention: the checkpoint's rotated channels of each head are interleaved pairs (HF rope_interleave, DeepSeek's layout and megatron's); false: two halves (transformers' rotate_half), which conversion interleaves on the way in and takes apart on the way out.")
+    rope_halves: bool = Field(default=False, description="With multi-latent attention: the checkpoint stores each head's RoPE channels as two halves (HF rope_interleave: false, transformers' rotate_half), which conversion interleaves for megatron and takes apart on the way out; false: interleaved pairs, DeepSeek's layout (HF rope_interleave true or absent) and megatron's. vLLM 0.32 rotates interleaved pairs whatever the checkpoint says: do not serve a policy with halves.")
     rope_yarn: YarnRope | None = Field(default=None, description="YaRN rotary scaling (multi-latent attention only); null: plain RoPE.")
 
     @model_validator(mode="after")
@@ -112,8 +112,8 @@ class Architecture(Strict):
         """Multi-latent attention has its head sizes (an even rotary part) and one key/value head
         per query head; YaRN and interleaved rotary channels are for it only."""
         if not self.multi_latent_attention:
-            if self.rope_yarn is not None or self.rope_interleaved or self.q_lora_rank is not None:
-                raise ValueError("rope_yarn, rope_interleaved and q_lora_rank need multi-latent attention (kv_lora_rank > 0)")
+            if self.rope_yarn is not None or self.rope_halves or self.q_lora_rank is not None:
+                raise ValueError("rope_yarn, rope_halves and q_lora_rank need multi-latent attention (kv_lora_rank > 0)")
             return
         dims = dict(qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
                     v_head_dim=self.v_head_dim)  # fmt: skip
@@ -264,7 +264,7 @@ class Architecture(Strict):
                 qk_nope_head_dim=config["qk_nope_head_dim"],
                 qk_rope_head_dim=config["qk_rope_head_dim"],
                 v_head_dim=config["v_head_dim"],
-                rope_interleaved=bool(config.get("rope_interleave", True)),  # transformers' default
+                rope_halves=not config.get("rope_interleave", True),  # transformers' default: interleaved
                 rope_yarn=yarn,
             )
         return cls(

@@ -220,11 +220,11 @@ def layer_templates(arch: Architecture, layer: int) -> tuple[list[MappedTensor],
 
 def latent_attention_templates(arch: Architecture) -> list[MappedTensor]:
     """Multi-latent attention's tensors of a layer (`{L}` unfilled): renames, except the
-    projections holding RoPE rows when the checkpoint stores them as halves (not `rope_interleaved`)."""
+    projections holding RoPE rows when the checkpoint stores them as halves (`rope_halves`)."""
 
     def rows(hf_and_megatron: tuple[str, str], to_pairs, to_halves) -> MappedTensor:
         hf, megatron = hf_and_megatron
-        return MappedTensor(megatron, (hf,)) if arch.rope_interleaved else MappedTensor(megatron, (hf,), to_pairs, to_halves)
+        return MappedTensor(megatron, (hf,), to_pairs, to_halves) if arch.rope_halves else MappedTensor(megatron, (hf,))
 
     query_up = (rope_halves_to_pairs_per_head, rope_pairs_to_halves_per_head)
     if arch.q_lora_rank is None:

@@ -39,7 +39,7 @@ def test_latent_attention_without_q_lora_or_yarn_with_rope_halves_matches_transf
     overrides = dict(q_lora_rank=None, rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 5e4})
     directory = make_tiny_model("deepseek_v3", tmp_path / "plain_q", seed=5, tokenizer="char", config_overrides=overrides)
     arch = assert_padded_logits_match_transformers(directory, [(1, 1)], bias_control=False)
-    assert arch.q_lora_rank is None and not arch.rope_interleaved and arch.rope_yarn is None
+    assert arch.q_lora_rank is None and arch.rope_halves and arch.rope_yarn is None
 
 
 def assert_padded_logits_match_transformers(directory, layouts, bias_control: bool = True) -> Architecture:

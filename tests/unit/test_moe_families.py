@@ -179,7 +179,7 @@ def test_deepseek_v3_and_moonlight_map_latent_attention_routing_and_yarn():
     assert arch.shared_expert_intermediate_size == 2048 and arch.moe_layers == list(range(3, 61))
     assert arch.multi_latent_attention and (arch.q_lora_rank, arch.kv_lora_rank) == (1536, 512)
     assert (arch.qk_nope_head_dim, arch.qk_rope_head_dim, arch.v_head_dim, arch.kv_channels) == (128, 64, 128, 192)
-    assert arch.rope_interleaved and arch.mtp_layers == 1  # transformers' default rope_interleave
+    assert not arch.rope_halves and arch.mtp_layers == 1  # transformers' default rope_interleave: pairs
     assert arch.rope_yarn.model_dump() == {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
                                            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
     moonlight = arch_of(MOONLIGHT)
@@ -314,7 +314,7 @@ def test_memory_plan_counts_deepseek_v3_and_moonlight_at_their_published_sizes_a
     assert {kv_bytes_per_token(deepseek, tp) for tp in (1, 8)} == {61 * (512 + 64) * 2}
     # 128 heads of k (192) and v (128) a token would be 71x more
     assert kv_bytes_per_token(deepseek.model_copy(update=dict(kv_lora_rank=0, q_lora_rank=None, rope_yarn=None,
-                                                              rope_interleaved=False, head_dim=160)), 1) > 70 * 61 * 576 * 2  # fmt: skip
+                                                              rope_halves=False, head_dim=160)), 1) > 70 * 61 * 576 * 2  # fmt: skip
 
 
 def test_lora_on_latent_attention_is_refused_by_the_config():
