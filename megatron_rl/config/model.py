@@ -124,8 +124,11 @@ class Architecture(Strict):
                 f"multi-latent attention expands the latent to every head: num_key_value_heads "
                 f"({self.num_key_value_heads}) must equal num_attention_heads ({self.num_attention_heads})"
             )
-        if self.qk_norm or self.attention_bias or self.partial_rotary_factor != 1.0:
-            raise ValueError("multi-latent attention takes no qk_norm, attention_bias or partial_rotary_factor")
+        if self.qk_norm or self.attention_bias or self.partial_rotary_factor != 1.0 or self.head_dim is not None:
+            raise ValueError(
+                "multi-latent attention takes no qk_norm, attention_bias, partial_rotary_factor or head_dim "
+                "(its heads are qk_nope_head_dim + qk_rope_head_dim, and v_head_dim)"
+            )
 
     def _check_router(self) -> None:
         """The router settings megatron computes as transformers does (moe_utils.topk_routing_with_score_function

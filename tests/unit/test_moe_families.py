@@ -234,6 +234,11 @@ def test_deepseek_settings_megatron_would_compute_otherwise_are_refused(change, 
         arch_of({**TINY_DEEPSEEK, **change})
 
 
+def test_an_inline_latent_attention_architecture_refuses_a_head_dim():
+    with pytest.raises(ValueError, match="multi-latent attention takes no .* head_dim"):
+        Architecture(**{**arch_of(TINY_DEEPSEEK).model_dump(), "head_dim": 16})
+
+
 def test_yarn_without_mscale_all_dim_takes_transformers_cos_sin_factor():
     """transformers scales cos/sin by yarn(factor, 1) unless both mscale and mscale_all_dim are set."""
     arch = arch_of({**TINY_DEEPSEEK, "rope_scaling": {**TINY_DEEPSEEK["rope_scaling"], "mscale_all_dim": 0}})
