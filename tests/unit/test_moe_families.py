@@ -276,7 +276,9 @@ def test_latent_attention_mapping_round_trips_and_interleaves_rope_rows_stored_a
         for name in mapped.hf:
             module = name.split(".")[-2]
             state[name] = torch.randn(shapes.get(module, (5, 3) if name.endswith("weight") else (6,)), generator=generator)
-    megatron = hf_to_megatron(state, arch)
+    # DeepSeek-V3's MTP layer (num_nextn_predict_layers 1) after the decoder's 3: dropped
+    mtp = {"model.layers.3.self_attn.kv_a_proj_with_mqa.weight": torch.randn(4, 4), "model.layers.3.eh_proj.weight": torch.randn(4, 4)}
+    megatron = hf_to_megatron({**state, **mtp}, arch)
     attention = "decoder.layers.1.self_attention."
     q = megatron[attention + ("linear_q_up_proj.weight" if q_lora_rank else "linear_q_proj.weight")]
     hf_q = state[f"model.layers.1.self_attn.{q_name}.weight"]
