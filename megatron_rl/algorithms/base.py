@@ -47,8 +47,9 @@ def _pad(rows: Sequence[np.ndarray], dtype: torch.dtype, fill=0) -> torch.Tensor
 
 class Algorithm(ABC):
     """What the orchestrator needs from an algorithm: `prepare_batch` over a step's groups. With
-    `distillation` (algorithms/distillation.py) the teacher scores every sample first and its
-    dense reward joins the task reward (GAE per token; outcome estimators its sum)."""
+    `distillation` (algorithms/distillation.py) the teacher scores every sample first; under its
+    mode "reward" the dense reward joins the task reward (GAE per token; outcome estimators its
+    sum), under "advantage" each action token's advantage gets -coef * k_t after the estimator."""
 
     needs_critic = False
 
@@ -61,14 +62,31 @@ class Algorithm(ABC):
             await self.distillation.score([s for group in groups for s in group])
 
     def dense_reward(self, sample: TrainingSample) -> float:
-        """The teacher's dense reward summed over the sample (0 without distillation)."""
+        """The teacher's dense reward summed over the sample (0 without distillation or unless its
+        mode is "reward")."""
         return 0.0 if self.distillation is None else float(self.distillation.rewards(sample).sum())
 
-    @abstractmethod
     async def prepare_batch(self, groups: list[list[TrainingSample]], version: int | None = None) -> None:
         """Annotates `advantages` (and for critic algorithms `values`, `returns`) in place, for
         every sample of the step's admitted groups; `version`: the policy version the step
-        trains (the step's index; None: the newest version in the samples)."""
+        trains (the step's index; None: the newest version in the samples). The estimator's
+        advantages (`estimate`), then distillation's per-token term (`add_teacher_advantages`)."""
+        await self.estimate(groups, version)
+        self.add_teacher_advantages(groups)
+
+    @abstractmethod
+    async def estimate(self, groups: list[list[TrainingSample]], version: int | None = None) -> None:
+        """The estimator's advantages (and values, returns), the teacher's scores first."""
+
+    def add_teacher_advantages(self, groups: list[list[TrainingSample]]) -> None:
+        """Distillation's mode "advantage": A_t += -coef * k_t on every action token, after the
+        estimator (and its whitening): the token's own reverse KL, a discount of 0 (Tinker's
+        `incorporate_kl_penalty`), the critic's returns untouched."""
+        if self.distillation is None or self.distillation.mode != "advantage":
+            return
+        for sample in (s for group in groups for s in group):
+            added = sample.advantages.astype(np.float64) + self.distillation.token_advantages(sample)
+            sample.advantages = added.astype(np.float32)
 
     async def prepare_group(self, samples: list[TrainingSample], version: int | None = None) -> None:
         """`prepare_batch` of a step made of this one group."""
@@ -83,7 +101,7 @@ class OutcomeAlgorithm(Algorithm):
         super().__init__(config, distillation)
         self.estimator = registry.advantage_for(config)
 
-    async def prepare_batch(self, groups: list[list[TrainingSample]], version: int | None = None) -> None:
+    async def estimate(self, groups: list[list[TrainingSample]], version: int | None = None) -> None:
         await self.score_teacher(groups)
         rewards = [torch.tensor([s.reward + self.dense_reward(s) for s in group], dtype=torch.float64) for group in groups]
         action_tokens = [torch.tensor([s.num_action_tokens for s in group], dtype=torch.int64) for group in groups]
@@ -171,7 +189,7 @@ class CriticAlgorithm(Algorithm):
             sample.advantages = advantages[i, : len(sample)].numpy().astype(np.float32)
             sample.returns = returns[i, : len(sample)].numpy().astype(np.float32)
 
-    async def prepare_batch(self, groups: list[list[TrainingSample]], version: int | None = None) -> None:
+    async def estimate(self, groups: list[list[TrainingSample]], version: int | None = None) -> None:
         await asyncio.gather(self.score_teacher(groups), *[self.score_samples(group) for group in groups])
         for group in groups:
             if group:

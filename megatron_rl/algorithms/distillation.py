@@ -13,14 +13,21 @@ maximising the dense reward moves the student towards the teacher where the stud
 config requires `orchestrator.temperature` 1 (the teacher's are vLLM's prompt_logprobs, which
 are of temperature 1).
 
-With `distillation.mode: kl_penalty` the signal is a term of the policy's loss instead
-(policy/loss.py: coef x the per-token estimator `algorithm.kl_estimator` against the teacher's
-log-probabilities, which the policy's grid carries) and the rewards are the task's alone.
+`distillation.mode` says where the signal enters training:
 
-How the estimators take the reward (`algorithms/base.py`): GAE adds r_t to each action token's reward
-(skip-observation GAE's per-token rewards, the task reward still on the last action token),
-for the policy's advantages and the critic's targets alike; the outcome estimators (GRPO,
-RLOO, REINFORCE++, ...) see one scalar per sample, the task reward plus sum_t r_t.
+- `reward`: beside the task reward. How the estimators take it (`algorithms/base.py`): GAE adds
+  r_t to each action token's reward (skip-observation GAE's per-token rewards, the task reward
+  still on the last action token), for the policy's advantages and the critic's targets alike;
+  the outcome estimators (GRPO, RLOO, REINFORCE++, ...) see one scalar per sample, the task
+  reward plus sum_t r_t.
+- `advantage` (Thinking Machines' recipe, Tinker's `incorporate_kl_penalty` with a discount of
+  0): the estimator sees the task reward alone, then each action token's advantage gets r_t
+  added, A_t + r_t: the token's own reverse KL, not a sum over the sample, not normalised over
+  the group or whitened, never seen by the critic (`token_advantages`, added once for every
+  estimator in `Algorithm.prepare_batch`).
+- `kl_penalty`: a term of the policy's loss (policy/loss.py: coef x the per-token estimator
+  `algorithm.kl_estimator` against the teacher's log-probabilities, which the policy's grid
+  carries); the rewards and advantages are the task's alone.
 """
 
 from __future__ import annotations
@@ -74,10 +81,14 @@ def dense_rewards(sample: TrainingSample, coef: float) -> np.ndarray:
     return -coef * reverse_kl(sample)
 
 
-def distillation_metrics(samples: list[TrainingSample], coef: float) -> dict:
+def distillation_metrics(samples: list[TrainingSample], coef: float, mode: str = "reward") -> dict:
     """`teacher_kl_mean` (k_t over the step's action tokens), `teacher_kl_per_sample` (sum_t k_t,
     mean over samples), `distill_reward_mean` (sum_t r_t, mean over samples) and
-    `distill_reward_share` (sum |sum_t r_t| / (sum |sum_t r_t| + sum |task reward|) over samples)."""
+    `distill_reward_share` (sum |sum_t r_t| / (sum |sum_t r_t| + sum |task reward|) over samples);
+    under `mode` "advantage" also `distill_advantage_mean` (r_t, the term added to each action
+    token's advantage, mean over the step's action tokens) and `distill_advantage_share` (sum |r_t|
+    / (sum |r_t| + sum |A_t - r_t|) over the action tokens: the teacher's part of the advantages
+    beside the estimator's, read from the samples' `advantages`)."""
     scored = [s for s in samples if s.teacher_logprobs is not None]
     if not scored:
         return {}
@@ -87,17 +98,26 @@ def distillation_metrics(samples: list[TrainingSample], coef: float) -> dict:
     dense = -coef * per_sample
     task = np.array([s.reward for s in scored], dtype=np.float64)
     total = np.abs(dense).sum() + np.abs(task).sum()
-    return {
+    record = {
         "teacher_kl_mean": float(tokens.mean()) if tokens.size else None,
         "teacher_kl_per_sample": float(per_sample.mean()),
         "distill_reward_mean": float(dense.mean()),
         "distill_reward_share": float(np.abs(dense).sum() / total) if total > 0 else None,
     }
+    if mode == "advantage" and tokens.size and all(s.advantages is not None for s in scored):
+        teacher = -coef * tokens
+        estimator = np.concatenate([s.advantages[s.loss_mask].astype(np.float64) for s in scored]) - teacher
+        both = np.abs(teacher).sum() + np.abs(estimator).sum()
+        record["distill_advantage_mean"] = float(teacher.mean())
+        record["distill_advantage_share"] = float(np.abs(teacher).sum() / both) if both > 0 else None
+    return record
 
 
 class Distillation:
-    """The teacher and the signal's weight, as the algorithm uses them (`algorithms/base.py`).
-    `mode` "kl_penalty": the samples are scored (the policy's grid carries the teacher's
+    """The teacher and the signal's weight, as the algorithm uses them (`algorithms/base.py`):
+    `rewards` (mode "reward": the dense reward beside the task's) and `token_advantages` (mode
+    "advantage": the term added to each action token's advantage after the estimator). Under
+    "kl_penalty" both are zero: the samples are scored (the policy's grid carries the teacher's
     log-probabilities to its loss) and the rewards are the task's alone."""
 
     def __init__(self, teacher: TeacherScorer, coef: float, mode: str = "reward"):
@@ -109,6 +129,14 @@ class Distillation:
             set_teacher_logprobs(samples, await self.teacher.logprobs([s.token_ids.tolist() for s in samples]))
 
     def rewards(self, sample: TrainingSample) -> np.ndarray:
-        if self.mode == "kl_penalty":
+        """[T] float64: the dense reward the estimator takes beside the task's (0 unless mode "reward")."""
+        if self.mode != "reward":
+            return np.zeros(len(sample))
+        return dense_rewards(sample, self.coef)
+
+    def token_advantages(self, sample: TrainingSample) -> np.ndarray:
+        """[T] float64: what each token's advantage gains after the estimator, -coef * k_t on
+        action tokens (0 elsewhere, and everywhere unless mode "advantage")."""
+        if self.mode != "advantage":
             return np.zeros(len(sample))
         return dense_rewards(sample, self.coef)

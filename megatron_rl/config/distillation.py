@@ -3,8 +3,9 @@
 The student samples; the teacher scores every sampled token (vLLM's `prompt_logprobs` of the
 exact token sequence); the per-token reverse-KL estimate k_t = log pi_student(a_t) - log
 pi_teacher(a_t) on action tokens becomes a dense reward -coef * k_t beside the task reward
-(algorithms/distillation.py, docs/algorithms/distillation.md), or `kl_penalty`: a term of the
-policy's loss."""
+(algorithms/distillation.py, docs/algorithms/distillation.md), or `advantage`: -coef * k_t added
+to each action token's advantage after the estimator, or `kl_penalty`: a term of the policy's
+loss."""
 
 from __future__ import annotations
 
@@ -67,5 +68,5 @@ class DistillationConfig(Strict):
     """On-policy distillation: the teacher's log-probabilities of the student's tokens."""
 
     teacher: TeacherConfig = Field(description="The teacher model and where it is served.")
-    coef: float = Field(default=1.0, gt=0, description="Weight of the reverse-KL estimate: each action token's dense reward is -coef * (log pi_student - log pi_teacher).")
-    mode: Literal["reward", "kl_penalty"] = Field(default="reward", description="How the signal enters training: 'reward': a dense per-token reward beside the task reward (GAE takes it per token; outcome estimators its sum over the sample); 'kl_penalty': coef x the per-token KL estimate algorithm.kl_estimator (k2 or k3) between the student and the teacher, a term of the policy's loss (the teacher's log-probabilities travel in the policy's grid).")
+    coef: float = Field(default=1.0, gt=0, description="Weight of the reverse-KL estimate: each action token's dense reward (mode reward) or advantage term (mode advantage) is -coef * (log pi_student - log pi_teacher); mode kl_penalty: the loss term's weight.")
+    mode: Literal["reward", "advantage", "kl_penalty"] = Field(default="reward", description="How the signal enters training: 'reward': a dense per-token reward beside the task reward (GAE takes it per token; outcome estimators its sum over the sample); 'advantage': the estimator sees the task reward alone, then each action token's advantage gets -coef * k_t added, with k_t of the sampler's log-probability (Thinking Machines' / Tinker's recipe: the token's own reverse KL, not summed over the sample, not normalised over the group or whitened, not in the critic's returns); 'kl_penalty': coef x the per-token KL estimate algorithm.kl_estimator (k2 or k3) between the student and the teacher, a term of the policy's loss (the teacher's log-probabilities travel in the policy's grid).")

