@@ -4,14 +4,17 @@ one: `megatron-rl slurm` renders its job) after it:
 
 - tiny CPU examples: the command (building the tiny random model under runs/tiny_model) is run
   here as written, from the repository root; the dry run then plans every component;
-- real-scale examples (Qwen3-30B-A3B, GLM-4.5-Air): the command converts the user's HF checkpoint
-  (not run here: it is the user's 60 GB, 220 GB for GLM-4.5-Air); the test checks that it converts
+- real-scale examples (Qwen3-30B-A3B, GLM-4.5-Air, Moonlight-16B-A3B): the command converts the
+  user's HF checkpoint (not run here: it is the user's 60 GB, 220 GB for GLM-4.5-Air, 32 GB for
+  Moonlight); the test checks that it converts
   exactly the config's `inference.model_dir` into its `model.checkpoint` (and
   `value.model.checkpoint`), and dry-runs the config as the 8-GPU node would see it
   (CUDA_VISIBLE_DEVICES=0..7), or renders the multi-node ones' SLURM job.
 
 Every launch script (`launch/*.sh`) passes `bash -n` and shellcheck; each example launcher
-renders its config's job with `--dry-run --out`."""
+renders its config's job with `--dry-run --out`. The Moonlight example's architecture is the
+published config.json's and its memory plan the figures its header gives (GLM-4.5-Air's:
+tests/unit/test_memory_plan.py)."""
 
 from __future__ import annotations
 
@@ -23,8 +26,18 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import load_config
+from megatron_rl.config import Architecture, ConfigError, load_config
+from megatron_rl.config.host_memory import GIB
+from megatron_rl.config.layout import ModelLayout
+from megatron_rl.config.memory_plan import (
+    kv_bytes_per_token,
+    memory_plan,
+    node_host_memory,
+    rank_parameters,
+    weight_update_gib,
+)
 from tests.support.cli import run_cli
+from tests.support.hf_configs import MOONLIGHT
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
@@ -115,3 +128,59 @@ def test_every_example_launcher_renders_its_examples_job(script, tmp_path):
                           env={**os.environ, "MEGATRON_RL_PYTHON": sys.executable}, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"CONFIG={ROOT / 'examples' / 'configs' / name}" in out.read_text()
+
+
+MOONLIGHT_EXAMPLE = ROOT / "examples" / "configs" / "moonlight_16b_a3b_sao_1node.yaml"
+
+
+@pytest.fixture(scope="module")
+def moonlight():
+    return load_config(MOONLIGHT_EXAMPLE)
+
+
+def test_moonlight_example_is_the_published_model(moonlight):
+    """The example's inline architecture, the policy's and the critic's, is what the builder reads
+    from Moonlight-16B-A3B's config.json (tests/support/hf_configs.py): 15.96B parameters."""
+    arch = moonlight.layout.policy_architecture
+    assert arch == Architecture.from_hf_config(MOONLIGHT, "Moonlight-16B-A3B")
+    assert moonlight.value.model.architecture == arch
+    single = ModelLayout(world_size=1, tp=1, cp=1, pp=1, ep=1, dp=1, expert_dp=1)
+    assert rank_parameters(arch, single).total == pytest.approx(15.96e9, rel=1e-3)
+
+
+def test_moonlight_example_fits_on_one_h200_node_and_adam_on_its_gpus_is_refused(moonlight):
+    """The layout its header explains, as check-config plans it: 4 vLLM servers at TP=1, the policy
+    and the critic at EP=2 on 2 GPUs each, their Adam state on the host; every figure the header
+    quotes is the plan's. Adam on the policy's or the critic's GPUs is refused, naming the model."""
+    layout = moonlight.layout
+    assert layout.deployment_style == "shared" and moonlight.deployment.nodes == 1
+    assert (layout.policy.ep, layout.policy.dp, layout.policy.expert_dp) == (2, 2, 1)
+    assert (layout.critic.world_size, layout.critic.ep) == (2, 2)
+    assert (moonlight.inference.num_servers, moonlight.inference.tp) == (4, 1)
+    gpus = memory_plan(moonlight)
+    plan = {gpu.role: gpu for gpu in gpus}
+    peaks = {role: {peak.name: round(peak.total, 2) for peak in gpu.all_peaks()} for role, gpu in plan.items()}
+    assert peaks == {"policy": {"steady": 88.29, "start-up": 68.37, "resume": 54.97},
+                     "critic": {"steady": 78.66, "start-up": 64.11, "resume": 50.71},
+                     "inference": {"steady": 119.34, "start-up": 119.34, "weight update": 121.43}}  # fmt: skip
+    hosts = {name: round(gib) for name, gib, _ in node_host_memory(moonlight, gpus)}
+    assert hosts == {"policy node": 530}
+    # vLLM caches MLA's kv latent and shared rotary key, whole on every TP rank: 30.4 KiB a token
+    arch = layout.policy_architecture
+    assert kv_bytes_per_token(arch, 1) == kv_bytes_per_token(arch, 2) == 27 * (512 + 64) * 2 == 31104
+    tokens = plan["inference"].parts["kv_cache"] * GIB / 31104
+    share = moonlight.orchestrator.batch_size // moonlight.inference.num_servers * moonlight.model.seq_len
+    assert (round(tokens / 1e6, 1), int(tokens // share)) == (3.0, 22)
+    update = weight_update_gib(moonlight)[0]
+    header = "".join(line for line in MOONLIGHT_EXAMPLE.read_text().splitlines() if line.startswith("#"))
+    quoted = [peaks["policy"]["steady"], peaks["critic"]["steady"], peaks["inference"]["weight update"],
+              plan["inference"].parts["kv_cache"], update, plan["policy"].host_gib]  # fmt: skip
+    for figure in quoted:
+        assert f"{figure:.1f}" in header, figure
+    assert "30.4 KiB a token" in header and "530 of its 1800" in header
+    with pytest.raises(ConfigError, match=r"- model: the policy needs about 177.5 GiB per GPU .* more than "
+                                          r"deployment.gpu_memory_gib = 140.4; options: optimizer.cpu_offload: true"):  # fmt: skip
+        load_config(MOONLIGHT_EXAMPLE, ["optimizer.cpu_offload=false"])
+    with pytest.raises(ConfigError, match=r"- value.model: the critic needs about 163.9 GiB per GPU"):
+        load_config(MOONLIGHT_EXAMPLE, ["value.optimizer.cpu_offload=false"])
+    assert "177.5" in header and "163.9" in header
