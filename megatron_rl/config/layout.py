@@ -20,8 +20,10 @@ from megatron_rl.config.model import (
     LoraBase,
     ModelConfig,
     adapts_experts,
+    latent_attention_serving_refusal,
     lora_refusal,
     lora_serving,
+    lora_targets,
     vllm_max_lora_rank,
 )
 from megatron_rl.config.run import Config
@@ -63,14 +65,22 @@ class LoraPlan(Strict):
 def lora_plan(lora: LoraBase | None, key: str, arch: Architecture | None, backend: str | None,
               errors: list[str]) -> LoraPlan | None:  # fmt: skip
     """The plan of a LoRA section (None without it); `backend` (the policy's inference backend)
-    decides how versions are served, None for the critic."""
+    decides how versions are served, None for the critic. A section that leaves target_modules
+    unset gets the model's linears written into it (`model_lora_targets`: a multi-latent attention
+    model's differ from the default), so that the resolved config names what is adapted."""
     if lora is None:
         return None
-    if lora_refusal(lora, arch):
-        errors.append(f"{key}: {lora_refusal(lora, arch)}")
-    plan = LoraPlan(key=key, rank=lora.rank, alpha=lora.alpha, target_modules=list(lora.target_modules),
+    refusal = lora_refusal(lora, arch, key)
+    if refusal:
+        errors.append(refusal)
+    targets = lora_targets(lora, arch)
+    if targets != lora.target_modules:
+        lora.target_modules = targets
+    plan = LoraPlan(key=key, rank=lora.rank, alpha=lora.alpha, target_modules=targets,
                     adapts_experts=adapts_experts(lora, arch))  # fmt: skip
     if backend is not None:
+        if latent_attention_serving_refusal(lora, arch):
+            errors.append(latent_attention_serving_refusal(lora, arch))
         plan.serve, plan.serve_reason = lora_serving(lora, arch, backend)
         if plan.serve == "adapter":
             try:
@@ -133,9 +143,10 @@ def read_architecture(model: ModelConfig, where: str, base_dir: Path, errors: li
 
 
 def model_layout(
-    model: ModelConfig, arch: Architecture | None, gpus: int, where: str, errors: list[str]
+    model: ModelConfig, arch: Architecture | None, gpus: int, where: str, errors: list[str], device: str = "cuda"
 ) -> ModelLayout | None:
-    """DP from the model's own GPU count and degrees, plus divisibility checks."""
+    """DP from the model's own GPU count and degrees, plus divisibility checks (`device`:
+    deployment.device, which with model.transformer_engine decides the layer spec)."""
     model_parallel = model.tp * model.cp * model.pp
     if gpus % model_parallel:
         errors.append(
@@ -153,6 +164,7 @@ def model_layout(
             errors.append(
                 f"{where}: num_key_value_heads ({arch.num_key_value_heads}) must be divisible by tp ({model.tp})"
             )
+        errors += latent_attention_local_spec_problems(model, arch, device, where)
         if arch.context_parallel_refusal(model.cp):
             errors.append(f"{where}.cp: {arch.context_parallel_refusal(model.cp)}")
         if arch.num_layers % model.pp:
@@ -185,6 +197,31 @@ def model_layout(
         expert_dp=gpus // (model.tp * model.ep * model.pp),
         sp=sequence_parallel,
     )
+
+
+def latent_attention_local_spec_problems(model: ModelConfig, arch: Architecture, device: str, where: str) -> list[str]:
+    """Multi-latent attention at TP > 1 on megatron's local layer spec (the cpu device, or
+    model.transformer_engine off); TransformerEngine's spec runs the down-projections whole on every
+    rank and is not concerned. The local spec's down-projections are column-parallel: their
+    outputs, the q latent (q_lora_rank) and the kv latent with the shared RoPE key
+    (kv_lora_rank + qk_rope_head_dim), are split over TP, so each must divide by tp. And training
+    there takes a wrong gradient: megatron-core 0.16's MLASelfAttention gathers linear_kv_down_proj's
+    split output (gather_from_tensor_model_parallel_region, whose backward only splits) and uses the
+    shared RoPE key on every rank for that rank's heads, so each rank's gradient for the key's rows
+    holds only its own heads' part (a LoRA step at TP = 2 left kv_a_proj_with_mqa's RoPE rows off
+    one process's while TE's spec matched it, tests/distributed/test_policy_lora.py)."""
+    if not arch.multi_latent_attention or model.tp == 1 or (device != "cpu" and model.transformer_engine != "off"):
+        return []
+    spec = "deployment.device cpu" if device == "cpu" else "model.transformer_engine off"
+    problems = [f"{where}.tp: multi-latent attention at tp {model.tp} on megatron's local layer spec ({spec}) trains "
+                "with a wrong gradient (megatron-core's MLASelfAttention does not sum the shared RoPE key's gradient "
+                "over TP there); use tp 1 (ep to split the experts), or TransformerEngine's spec on cuda"]  # fmt: skip
+    sizes = {"kv_lora_rank + qk_rope_head_dim": arch.kv_lora_rank + arch.qk_rope_head_dim}
+    if arch.q_lora_rank is not None:
+        sizes = {"q_lora_rank": arch.q_lora_rank, **sizes}
+    return problems + [f"{where}.tp: {name} ({size}) must be divisible by tp ({model.tp}): on megatron's local "
+                       f"layer spec ({spec}) multi-latent attention splits its down-projections over TP"
+                       for name, size in sizes.items() if size % model.tp]  # fmt: skip
 
 
 def value_gpus(config: Config, errors: list[str]) -> tuple[int, str]:

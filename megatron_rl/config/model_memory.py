@@ -164,35 +164,55 @@ def stage_layers(arch: Architecture, pp: int, stage: int) -> int:
 
 def _adapted_linears(arch: Architecture, dense: bool = False) -> list[tuple[str, int, int, bool]]:
     """One layer's linears that LoRA can wrap, as megatron builds them: (target, in, out,
-    is_expert); an MoE layer's linear_fc1/linear_fc2 stand for each of its experts' (`dense`:
-    a dense layer of an MoE model), then its shared experts' (not experts: TP-split, DP-sharded)."""
+    is_expert); multi-latent attention's projections in place of linear_qkv; an MoE layer's
+    linear_fc1/linear_fc2 stand for each of its experts' (`dense`: a dense layer of an MoE model),
+    then its shared experts' (not experts: TP-split, DP-sharded)."""
     h, d = arch.hidden_size, arch.kv_channels
     nq, nkv = arch.num_attention_heads, arch.num_key_value_heads
     moe = bool(arch.num_experts) and not dense
     f = arch.moe_intermediate_size if moe else arch.intermediate_size
-    linears = [("linear_qkv", h, (nq + 2 * nkv) * d, False), ("linear_proj", nq * d, h, False),
-               ("linear_fc1", h, 2 * f, moe), ("linear_fc2", f, h, moe)]  # fmt: skip
+    if arch.multi_latent_attention:
+        kv_up = arch.kv_lora_rank, nq * (arch.qk_nope_head_dim + arch.v_head_dim)
+        if arch.q_lora_rank is None:
+            query = [("linear_q_proj", h, nq * d, False)]
+        else:
+            query = [("linear_q_down_proj", h, arch.q_lora_rank, False),
+                     ("linear_q_up_proj", arch.q_lora_rank, nq * d, False)]  # fmt: skip
+        attention = [*query, ("linear_kv_down_proj", h, arch.kv_lora_rank + arch.qk_rope_head_dim, False),
+                     ("linear_kv_up_proj", *kv_up, False), ("linear_proj", nq * arch.v_head_dim, h, False)]  # fmt: skip
+    else:
+        attention = [("linear_qkv", h, (nq + 2 * nkv) * d, False), ("linear_proj", nq * d, h, False)]
+    linears = [*attention, ("linear_fc1", h, 2 * f, moe), ("linear_fc2", f, h, moe)]
     if moe and arch.shared_expert_intermediate_size:
         shared = arch.shared_expert_intermediate_size
         linears += [("linear_fc1", h, 2 * shared, False), ("linear_fc2", shared, h, False)]
     return linears
 
 
+# Column-parallel linears (A whole, B's rows split over TP), and multi-latent attention's
+# down-projections, which TE's spec runs duplicated (A and B whole on every TP rank; the local spec,
+# used on CPU, splits them like column-parallel ones: the plan counts TE's, as
+# `latent_attention_parameters` does their weights).
+COLUMN_PARALLEL_TARGETS = ("linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
+DUPLICATED_TARGETS = ("linear_q_down_proj", "linear_kv_down_proj")
+
+
 def lora_tensors(arch: Architecture, tp: int, ep: int, rank: int,
                  targets: tuple[str, ...] | list[str] = LORA_TARGETS, dense: bool = False) -> list[tuple[str, int, bool]]:  # fmt: skip
     """One layer's adapter tensors on one rank as the trainer holds them (transforms/lora.py):
     (name, elements, is_expert) of A [rank, in] and B [out, rank] for each wrapped linear in
-    `targets`. A column-parallel linear (linear_qkv, linear_fc1) keeps A whole and splits B's
-    rows by TP, a row-parallel one (linear_proj, linear_fc2) splits A's columns; megatron's
-    fused linear_qkv (q, k, v) and gated linear_fc1 ([gate; up]) carry one A each. An MoE
-    model's linear_fc1/linear_fc2 are its experts', one pair per local expert (num_experts / ep),
-    split by expert-TP (= TP)."""
+    `targets`. A column-parallel linear (linear_qkv, linear_fc1, MLA's q and kv up-projections or
+    q_proj) keeps A whole and splits B's rows by TP, a row-parallel one (linear_proj, linear_fc2)
+    splits A's columns, MLA's down-projections keep both whole (TE's duplicated linears);
+    megatron's fused linear_qkv (q, k, v) and gated linear_fc1 ([gate; up]) carry one A each. An
+    MoE model's linear_fc1/linear_fc2 are its experts', one pair per local expert
+    (num_experts / ep), split by expert-TP (= TP)."""
     out = []
     for target, fan_in, fan_out, is_expert in _adapted_linears(arch, dense):
         if target not in targets:
             continue
-        column = target in ("linear_qkv", "linear_fc1")
-        a = rank * (fan_in if column else fan_in // tp)
+        column, duplicated = target in COLUMN_PARALLEL_TARGETS, target in DUPLICATED_TARGETS
+        a = rank * (fan_in if column or duplicated else fan_in // tp)
         b = (fan_out // tp if column else fan_out) * rank
         out += [(f"{target}.lora_a", a, is_expert), (f"{target}.lora_b", b, is_expert)] * (
             arch.num_experts // ep if is_expert else 1
@@ -332,13 +352,20 @@ def adapter_bytes_per_token(arch: Architecture, layout: ModelLayout, dtype: str,
     b = BYTES[dtype]
     moe = bool(arch.num_experts)
     share = 1 / layout.tp if layout.tp > 1 and moe else 1.0  # sequence parallel: this rank's slice
-    copies = {"linear_qkv": 1.0, "linear_proj": share}
+    # z of a column-parallel linear is gathered along the sequence; a duplicated down-projection's
+    # is this rank's slice (TE's spec, as the plan counts it)
+    copies = {"linear_qkv": 1.0, "linear_proj": share, "linear_q_proj": 1.0, "linear_q_up_proj": 1.0,
+              "linear_kv_up_proj": 1.0, "linear_q_down_proj": share, "linear_kv_down_proj": share}  # fmt: skip
     for target in ("linear_fc1", "linear_fc2"):
         copies[target] = float(arch.num_experts_per_tok) if moe else 1.0
     total = sum(copies[t] * rank * b for t in targets)
     if fused_norms:
-        norms = sum(t in targets for t in (("linear_qkv",) if moe else ("linear_qkv", "linear_fc1")))
-        total += norms * share * ((4 * arch.hidden_size if b < 4 else 0) + 4 + b * arch.hidden_size)
+        # the fused input norm of linear_qkv (and a dense model's linear_fc1) normalises the hidden
+        # state; MLA's up-projections fuse their latent's norm (TE's spec)
+        widths = {"linear_qkv": arch.hidden_size, "linear_fc1": arch.hidden_size,
+                  "linear_q_up_proj": arch.q_lora_rank or 0, "linear_kv_up_proj": arch.kv_lora_rank}  # fmt: skip
+        fused = ("linear_qkv", "linear_q_up_proj", "linear_kv_up_proj") + (() if moe else ("linear_fc1",))
+        total += sum(share * ((4 * widths[t] if b < 4 else 0) + 4 + b * widths[t]) for t in fused if t in targets)
     return total
 
 

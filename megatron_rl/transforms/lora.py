@@ -12,6 +12,14 @@ every rank's A stays identical. Row-parallel layers (linear_proj, linear_fc2: W 
 [out, in / tp]) shard A [rank, in / tp] like W and all-reduce A x before the replicated
 B [out, rank]. B starts at zero, so a fresh adapter leaves the model unchanged.
 
+Multi-latent attention's linears are column-parallel (q_proj or q down/up, kv down/up), except
+that TE's spec runs its down-projections duplicated (TELinear, parallel_mode "duplicated": W
+whole on every TP rank, its output this rank's tokens under sequence parallelism); megatron's
+local spec splits them over TP like any column-parallel linear. A duplicated layer's adapter
+(kind "duplicated") keeps A and B whole; under sequence parallelism each rank sees its own
+tokens, so both gradients are summed over TP (as megatron marks the duplicated weight
+`sequence_parallel` for its gradient all-reduce).
+
 The adapter path does the communication its layer does:
 - sequence parallel (an MoE model at TP > 1): a column layer's input is this rank's slice of
   the sequence, so A x is gathered along the sequence (the backward reduce-scatters), and a row
@@ -54,8 +62,12 @@ from torch import nn
 from megatron_rl.models.sharding import global_parameter_names
 from megatron_rl.transforms.base import PLAIN_MODEL
 
-COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
+# Multi-latent attention's linears (megatron's MLASelfAttention) are column-parallel, except its
+# down-projections under TE's spec (TELinear, parallel_mode "duplicated"): `DOWN_PROJECTIONS`.
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+                   "linear_kv_down_proj", "linear_kv_up_proj")  # fmt: skip
 ROW_PARALLEL = ("linear_proj", "linear_fc2")
+DOWN_PROJECTIONS = ("linear_q_down_proj", "linear_kv_down_proj")
 # `sharded_state_dict(metadata={MERGED: True})`: each wrapped layer's weight merged, no adapters
 # (the seam's plain-model request, transforms/base.PLAIN_MODEL).
 MERGED = PLAIN_MODEL
@@ -118,7 +130,7 @@ class LoRALinear(nn.Module):
         config = getattr(base, "config", None)
         self.sequence_parallel = bool(getattr(config, "sequence_parallel", False)) and tp > 1 and not expert
         generator = torch.Generator().manual_seed(seed)
-        if parallel_kind == "column":
+        if parallel_kind in ("column", "duplicated"):
             # A is replicated: draw it identically on every TP rank.
             a = torch.empty(rank, in_local)
             nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
@@ -137,7 +149,9 @@ class LoRALinear(nn.Module):
             adapter.allreduce = not expert_local
         self.fuses_input_norm = hasattr(base, "layer_norm_weight")
         self.enabled = True  # False: the wrapped layer alone (`adapters_disabled`)
-        if parallel_kind == "column":
+        if parallel_kind == "duplicated":
+            pass  # A and B whole on every TP rank, as the weight
+        elif parallel_kind == "column":
             self.lora_b.tensor_model_parallel, self.lora_b.partition_dim, self.lora_b.partition_stride = (
                 True,
                 0,
@@ -162,7 +176,12 @@ class LoRALinear(nn.Module):
         # (experts with explicit communication).
         partial_grad = self.sequence_parallel or self.explicit_expert_comm
         a, b = self.lora_a, self.lora_b
-        if self.parallel_kind == "column":
+        if self.parallel_kind == "duplicated":
+            if self.sequence_parallel:  # this rank's tokens: both factors' gradients summed over TP
+                a = tensor_parallel.copy_to_tensor_model_parallel_region(a, group=group)
+                b = tensor_parallel.copy_to_tensor_model_parallel_region(b, group=group)
+            z = nn.functional.linear(x, a)
+        elif self.parallel_kind == "column":
             if partial_grad:
                 a = tensor_parallel.copy_to_tensor_model_parallel_region(a, group=group)
             z = nn.functional.linear(x, a)
@@ -207,7 +226,7 @@ class LoRALinear(nn.Module):
         if merged:
             return state
         adapters = {"lora_a": self.lora_a, "lora_b": self.lora_b}
-        axis = {"lora_b": 0} if self.parallel_kind == "column" else {"lora_a": 1}
+        axis = {"column": {"lora_b": 0}, "row": {"lora_a": 1}, "duplicated": {}}[self.parallel_kind]
         dp_cp_group = metadata.get("dp_cp_group") or parallel_state.get_data_parallel_group(
             with_context_parallel=True
         )
@@ -228,20 +247,27 @@ class LoRALinear(nn.Module):
 
 
 def apply_lora(
-    model: nn.Module, rank: int, alpha: float, target_modules=COLUMN_PARALLEL + ROW_PARALLEL, seed: int = 0
+    model: nn.Module, rank: int, alpha: float, target_modules: tuple[str, ...] | None = None, seed: int = 0
 ) -> list[str]:
-    """Wraps every target linear, freezes everything but the adapters (and a value head, if any).
-    Each adapter's A is drawn from `seed` and the layer's name in the full model, so it is the
-    same at every TP/EP/PP layout. Returns the wrapped module names."""
-    unknown = set(target_modules) - set(COLUMN_PARALLEL + ROW_PARALLEL)
+    """Wraps every target linear (`target_modules`, megatron's names; None: every linear of the
+    model LoRA can wrap), freezes everything but the adapters (and a value head, if any). Each
+    adapter's A is drawn from `seed` and the layer's name in the full model, so it is the same at
+    every TP/EP/PP layout. A target that names no linear of the model is an error (ValueError
+    naming lora.target_modules), never a silent no-op. Returns the wrapped module names."""
+    known = COLUMN_PARALLEL + ROW_PARALLEL
+    unknown = set(target_modules or ()) - set(known)
     if unknown:
+        raise ValueError(f"lora.target_modules: unknown {sorted(unknown)} (choose from {known})")
+    present = {name.split(".")[-1] for name, _ in model.named_modules()} & set(known)
+    missing = sorted(set(target_modules or ()) - present)
+    if missing:
         raise ValueError(
-            f"lora.target_modules: unknown {sorted(unknown)} (choose from {COLUMN_PARALLEL + ROW_PARALLEL})"
+            f"lora.target_modules: {missing} name no linear of this model (it has {sorted(present)}); "
+            "an adapter on nothing would leave what it names unadapted"
         )
+    targets = set(target_modules) if target_modules is not None else present
     wrapped = []
-    targets = [
-        (name, module) for name, module in model.named_modules() if name.split(".")[-1] in target_modules
-    ]
+    targets = [(name, module) for name, module in model.named_modules() if name.split(".")[-1] in targets]
     grouped = [
         name for name, module in targets if not isinstance(getattr(module, "weight", None), torch.Tensor)
     ]
@@ -255,7 +281,7 @@ def apply_lora(
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        kind = "column" if child in COLUMN_PARALLEL else "row"
+        kind = _parallel_kind(child, module, model.config)
         layer_seed = seed + zlib.crc32(global_names[f"{name}.weight"].encode())
         gated = child == "linear_fc1" and bool(model.config.gated_linear_unit)
         expert = ".experts." in f".{name}."  # SequentialMLP's local_experts (not shared experts)
@@ -264,6 +290,16 @@ def apply_lora(
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name or name.startswith("value_head."))
     return wrapped
+
+
+def _parallel_kind(child: str, module: nn.Module, config) -> str:
+    """"column", "row" or "duplicated" (an MLA down-projection whose weight holds its whole output
+    on this rank: TE's duplicated TELinear, or any at TP = 1, where the kinds compute alike)."""
+    if child in DOWN_PROJECTIONS:
+        whole = config.q_lora_rank if child == "linear_q_down_proj" else config.kv_lora_rank + config.qk_pos_emb_head_dim
+        if module.weight.shape[0] == whole:
+            return "duplicated"
+    return "column" if child in COLUMN_PARALLEL else "row"
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ from megatron_rl.config.memory_plan import (
     rank_parameters,
     weight_update_gib,
 )
-from megatron_rl.config.model_memory import weight_buffer_bytes
+from megatron_rl.config.model_memory import published_lora_elements, weight_buffer_bytes
 from tests.support.configs import base
 from tests.support.spawn import run_ranks
 
@@ -223,9 +223,13 @@ LORA_CASES = [
     ("qwen3", 1, "float32", ["linear_qkv", "linear_fc1", "linear_fc2"]),  # dense, DP 2, no linear_proj
     # a dense first layer, shared experts' adapters (TP-split, DP-sharded) beside the experts'
     ("glm4_moe", 2, "bfloat16", ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]),
+    # multi-latent attention's five linears (TE spec: the down-projections duplicated, the up-projections
+    # fusing the latents' norms), a dense first layer, shared and routed experts
+    ("deepseek_v3", 2, "bfloat16", ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+                                    "linear_proj", "linear_fc1", "linear_fc2"]),  # fmt: skip
 ]
-# the activation plan's per-layer term assumes alike layers: not glm4_moe's dense first layer
-ALIKE_LAYERS = [i for i, case in enumerate(LORA_CASES) if case[0] != "glm4_moe"]
+# the activation plan's per-layer term assumes alike layers: not a dense first layer (glm4_moe, deepseek_v3)
+ALIKE_LAYERS = [i for i, case in enumerate(LORA_CASES) if case[0] not in ("glm4_moe", "deepseek_v3")]
 LORA_RANK, LORA_ALPHA, TOKENS = 4, 8.0, 48
 
 
@@ -370,11 +374,11 @@ def lora_measured(tiny_models, tmp_path_factory):
     return architectures, ranks
 
 
-def lora_config(arch: Architecture, dtype: str, targets: list[str]):
-    """A resolved config of `arch` with a LoRA policy served as adapters (vLLM on CUDA)."""
+def lora_config(arch: Architecture, dtype: str, targets: list[str], serve: str = "adapter"):
+    """A resolved config of `arch` with a LoRA policy served as adapters (vLLM on CUDA), or `serve`."""
     config = base("grpo")
     config["model"].update(architecture=arch.model_dump(exclude_none=True), dtype=dtype)
-    config["lora"] = {"rank": LORA_RANK, "alpha": LORA_ALPHA, "target_modules": targets, "serve": "adapter"}
+    config["lora"] = {"rank": LORA_RANK, "alpha": LORA_ALPHA, "target_modules": targets, "serve": serve}
     return parse_config(config)
 
 
@@ -444,14 +448,19 @@ def test_check_config_update_bytes_are_a_published_versions(lora_measured, index
     architectures, ranks = lora_measured
     family, ep, dtype, targets = LORA_CASES[index]
     arch = architectures[family]
-    whole, adapters = weight_update_gib(lora_config(arch, dtype, targets))
+    if arch.multi_latent_attention:  # served merged (vLLM absorbs kv_b_proj): the adapters' bytes as PEFT's files
+        whole, served = weight_update_gib(lora_config(arch, dtype, targets, serve="auto"))
+        adapters = published_lora_elements(arch, LORA_RANK, targets) * (2 if dtype == "bfloat16" else 4) / GIB
+        assert served is None
+    else:
+        whole, adapters = weight_update_gib(lora_config(arch, dtype, targets))
     torch_dtype = f"torch.{dtype}"
     assert ranks[0][index]["published"] == (round(adapters * GIB), [torch_dtype])
     assert sum(rank[index]["streamed_bytes"] for rank in ranks) == round(adapters * GIB)
     assert {d for rank in ranks for d in rank[index]["streamed_dtypes"]} == {torch_dtype}
     # the routers' expert bias (a buffer) is published too, in float32, and weight_update_gib counts it
     bias = weight_buffer_bytes(arch)
-    assert bias == (4 * 6 if family == "glm4_moe" else 0)
+    assert bias == (4 * 6 if family in ("glm4_moe", "deepseek_v3") else 0)
     assert ranks[0][index]["merged"] == (round(whole * GIB), sorted({torch_dtype} | ({"torch.float32"} if bias else set())))
     # more than the trainer holds (one rank's count at EP = 1, checked above): a fused layer's A is
     # sent once per part

@@ -238,11 +238,12 @@ def _probe_batches(arch, cp: int):
     return [policy_batch(mb, parallel_state.get_context_parallel_rank(), cp) for mb in grid[0]]
 
 
-def lora_policy(rank, world_size, arch, tp, cp, ep, directory, everything=False):
+def lora_policy(rank, world_size, arch, tp, cp, ep, directory, everything=False, te=False):
     """A LoRA policy at (tp, cp, ep) (DP = the rest) on seeded full weights, trained for two RL
     steps with a KL reference that is the model with its adapters off: the metrics, log-probs and
     merged weights after them, and (`everything`, at one process) every other probe the tests
-    read; at TP = 2 a checkpoint round trip and policy snapshots loaded into plain models."""
+    read; at TP = 2 a checkpoint round trip and policy snapshots loaded into plain models. `te`:
+    the policy on megatron's TE layer spec (CPU stand-ins), the full weights the local spec's."""
     from pathlib import Path
 
     from megatron.core import parallel_state
@@ -263,20 +264,30 @@ def lora_policy(rank, world_size, arch, tp, cp, ep, directory, everything=False)
     from megatron_rl.transforms.lora import LoRALinear, apply_lora, merge_adapter_tensors, merge_lora
     from megatron_rl.transforms.lora_transform import AdaptersOff
     from megatron_rl.transforms.routing import attach_routing
+    from tests.support.te_standins import build_te_style_model
 
     out: dict = {}
     parallel.initialize_model_parallel(seed=5)
     torch.manual_seed(5)
     full = full_parameters(build_gpt_model(arch))  # the same full weights on every rank
     parallel.initialize_model_parallel(tp=tp, cp=cp, ep=ep)
-    model = build_gpt_model(arch, tp=tp, cp=cp, ep=ep, seq_len=SEQ_LEN)
+    if te:
+        model = build_te_style_model(arch, tp=tp, cp=cp, ep=ep)
+    else:
+        model = build_gpt_model(arch, tp=tp, cp=cp, ep=ep, seq_len=SEQ_LEN)
     load_full_state_dict(model, full)
     probe = _probe_batches(arch, cp)
     plain_logprobs = forward_logprobs(model, probe)
+    if arch.multi_latent_attention:  # a target the model lacks is an error, before anything is wrapped
+        try:
+            apply_lora(model, RANK, ALPHA, ("linear_qkv", "linear_proj"), seed=SEED)
+        except ValueError as error:
+            out["missing_target"] = str(error)
     apply_lora(model, RANK, ALPHA, seed=SEED)
     names = dict(model.named_parameters())
     adapter_names = sorted(n for n in names if ".lora_" in n)
     out["adapter_names"] = adapter_names
+    out["adapter_shapes"] = {n: tuple(names[n].shape) for n in adapter_names}
     out["lora_layers"] = sum(isinstance(m, LoRALinear) for m in model.modules())
     out["trainable_names"] = sorted(n for n, p in names.items() if p.requires_grad)
     out["adapter_numel"] = sum(names[n].numel() for n in adapter_names)
@@ -340,13 +351,13 @@ def lora_policy(rank, world_size, arch, tp, cp, ep, directory, everything=False)
             out["reference_with_replay"] = forward_logprobs(base, probe)
         out["replayed"] = forward_logprobs(model, probe, hooks=[routing])
     if tp == 2:  # checkpoint (adapters only, the base named): save, step again (the adapters move), resume
-        from megatron_rl.config import LoraConfig
         from megatron_rl.config.layout import LoraPlan
+        from megatron_rl.config.model import model_lora_targets
         from megatron_rl.conversion.spec_keys import checkpoint_keys
         from megatron_rl.transforms.lora_base import base_identity
         from megatron_rl.transforms.lora_transform import LoraTransform
 
-        plan = LoraPlan(key="lora", rank=RANK, alpha=ALPHA, target_modules=list(LoraConfig(rank=RANK).target_modules),
+        plan = LoraPlan(key="lora", rank=RANK, alpha=ALPHA, target_modules=list(model_lora_targets(arch)),
                         adapts_experts=bool(arch.num_experts))  # fmt: skip
         identity = [LoraTransform(plan, SEED, base_identity(None, "model.checkpoint", 5))]
         step_dir = save_checkpoint(Path(directory) / "checkpoints", 2, trainable, transforms=identity)
@@ -360,7 +371,8 @@ def lora_policy(rank, world_size, arch, tp, cp, ep, directory, everything=False)
         # last: the policy snapshot, then a plain TP = 1 model (DP = 2) loads it
         export_snapshot(model, Path(directory) / "snapshots", 1)
         out["snapshot_plain"] = snapshot_logprobs(rank, world_size, arch, Path(directory) / "snapshots")
-        out["te_snapshot"] = te_snapshot_logits(arch, full, Path(directory) / "te_snapshots")
+        if not te:  # (a TE-spec policy's snapshot is the one above)
+            out["te_snapshot"] = te_snapshot_logits(arch, full, Path(directory) / "te_snapshots")
     if not everything:
         return out
 
@@ -529,3 +541,41 @@ def test_glm4_moe_lora_step_at_ep2_equals_one_process(tiny_models, tmp_path):
     assert "decoder.layers.0.mlp.linear_fc1" in adapted  # the dense first layer's MLP
     ranks = run_ranks(lora_policy, 2, glm, 1, 1, 2, str(tmp_path / "ep2"))
     compare_with_one_process(reference, ranks, 1)
+
+
+def test_deepseek_v3_lora_step_at_tp2_on_the_te_spec_equals_one_process(tiny_models, tmp_path):
+    """LoRA on multi-latent attention (issue 51): adapters on every MLA linear (q down/up, kv
+    down/up, linear_proj), the shared and routed experts and the dense first layer's MLP. At TP = 2
+    on megatron's TE layer spec (CPU stand-ins: the down-projections duplicated on both ranks, A and
+    B whole, their gradients summed over TP; the latents' norms fused into the up-projections;
+    sequence parallel; expert-TP 2) two steps give one local-spec process's metrics, log-probs,
+    merged weights and published tensors; a checkpoint of the adapters resumes them exactly; the
+    snapshot loads into a plain local-spec model at TP = 1. (The local spec at TP > 1 is refused by
+    the config: megatron's MLA there does not sum the shared RoPE key's gradient over TP.)"""
+    from megatron_rl.config.model import Architecture
+
+    config = json.loads((tiny_models["deepseek_v3"] / "config.json").read_text())
+    deepseek = Architecture.from_hf_config(config, "deepseek_v3")
+    reference = run_ranks(lora_policy, 1, deepseek, 1, 1, 1, str(tmp_path / "one"))[0]
+    adapted = {n.split(".lora_")[0] for n in reference["adapter_names"]}
+    latent = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")
+    for layer in range(deepseek.num_layers):
+        for linear in latent:  # each one trained: B moved from zero
+            assert f"decoder.layers.{layer}.self_attention.{linear}.lora_b" in reference["adapters_changed"]
+    assert "decoder.layers.0.mlp.linear_fc1" in adapted and any(".local_experts.5." in n for n in adapted)
+    assert any(".shared_experts." in n for n in adapted)
+    assert not any(".linear_qkv" in n or ".linear_q_proj" in n for n in adapted)
+    assert reference["missing_target"].startswith("lora.target_modules: ['linear_qkv'] name no linear of this model")
+    ranks = run_ranks(partial(lora_policy, te=True), 2, deepseek, 2, 1, 1, str(tmp_path / "tp2"))
+    compare_with_one_process(reference, ranks, 1)
+    down = "decoder.layers.1.self_attention.linear_{}_down_proj.lora_b"
+    for rank in ranks:  # duplicated down-projections: B whole on each rank; the up-projection's split
+        assert rank["adapter_shapes"][down.format("q")] == (deepseek.q_lora_rank, RANK)
+        assert rank["adapter_shapes"][down.format("kv")] == (deepseek.kv_lora_rank + deepseek.qk_rope_head_dim, RANK)
+        up = rank["adapter_shapes"]["decoder.layers.1.self_attention.linear_kv_up_proj.lora_b"]
+        assert up == (deepseek.num_attention_heads * (deepseek.qk_nope_head_dim + deepseek.v_head_dim) // 2, RANK)
+        assert rank["moved_after_save"] and rank["restored_exactly"] and rank["resumed_step"] == 2
+        for resumed, saved in zip(rank["after_resume"], rank["after"], strict=True):
+            assert torch.equal(resumed, saved)
+        for plain, lora in zip(rank["snapshot_plain"], reference["after"], strict=True):  # into TP = 1
+            torch.testing.assert_close(plain, lora, atol=1e-5, rtol=0)

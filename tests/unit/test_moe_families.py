@@ -304,18 +304,86 @@ def test_memory_plan_counts_deepseek_v3_and_moonlight_at_their_published_sizes_a
                                                               rope_halves=False, head_dim=160)), 1) > 70 * 61 * 576 * 2  # fmt: skip
 
 
-def test_lora_on_latent_attention_is_refused_by_the_config():
-    """LoRA wraps linear_qkv, linear_proj and the MLPs' linears; MLA has no linear_qkv, so its q/kv
-    projections would silently go without adapters: refused until LoRA on MLA is built."""
+MLA_LINEARS = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]
+
+
+def test_lora_on_latent_attention_adapts_its_linears_and_refuses_a_target_it_lacks():
+    """A LoRA section that leaves target_modules unset adapts every linear of the model: with MLA its
+    q down/up projections (or q_proj without q_lora_rank), kv down/up projections, linear_proj and the
+    MLP's, written into the section; a named target the model does not have (linear_qkv on MLA, an
+    MLA linear on standard attention, q_up without q_lora_rank) is an error naming target_modules."""
+    from megatron_rl.config import LORA_TARGETS
     from megatron_rl.config.layout import lora_plan
     from megatron_rl.config.model import LoraConfig
 
-    errors: list[str] = []
-    lora_plan(LoraConfig(rank=4), "value.lora", arch_of(TINY_DEEPSEEK), None, errors)
-    assert errors == ["value.lora: LoRA on deepseek_v3's multi-latent attention is not supported yet (its q/kv "
-                      "projections are not the fused linear_qkv the adapters wrap); train the full model"]  # fmt: skip
-    lora_plan(LoraConfig(rank=4), "value.lora", arch_of(TINY_GLM), None, errors)
-    assert len(errors) == 1
+    deepseek, errors = arch_of(TINY_DEEPSEEK), []
+    section = LoraConfig(rank=4)
+    plan = lora_plan(section, "value.lora", deepseek, None, errors)
+    assert errors == [] and plan.target_modules == section.target_modules == [*MLA_LINEARS, "linear_fc1", "linear_fc2"]
+    assert plan.adapts_experts
+    q_proj = arch_of({**TINY_DEEPSEEK, "q_lora_rank": None})
+    assert lora_plan(LoraConfig(rank=4), "lora", q_proj, None, errors).target_modules[:2] == ["linear_q_proj",
+                                                                                               "linear_kv_down_proj"]  # fmt: skip
+    assert lora_plan(LoraConfig(rank=4), "lora", arch_of(TINY_GLM), None, errors).target_modules == list(LORA_TARGETS)
+    assert errors == []
+    lora_plan(LoraConfig(rank=4, target_modules=["linear_qkv", "linear_proj"]), "lora", deepseek, None, errors)
+    lora_plan(LoraConfig(rank=4, target_modules=["linear_q_up_proj"]), "value.lora", q_proj, None, errors)
+    lora_plan(LoraConfig(rank=4, target_modules=["linear_kv_up_proj"]), "lora", arch_of(TINY_GLM), None, errors)
+    assert errors == [
+        "lora.target_modules: ['linear_qkv'] are not linears of this deepseek_v3 model (multi-latent attention); its "
+        f"linears are {[*MLA_LINEARS, 'linear_fc1', 'linear_fc2']} (leave target_modules unset for all of them)",
+        "value.lora.target_modules: ['linear_q_up_proj'] are not linears of this deepseek_v3 model (multi-latent "
+        "attention, q_lora_rank null); its linears are ['linear_q_proj', 'linear_kv_down_proj', 'linear_kv_up_proj', "
+        "'linear_proj', 'linear_fc1', 'linear_fc2'] (leave target_modules unset for all of them)",
+        "lora.target_modules: ['linear_kv_up_proj'] are not linears of this glm4_moe model (standard attention); its "
+        "linears are ['linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2'] (leave target_modules unset for all of them)",
+    ]  # fmt: skip
+
+
+def test_lora_on_latent_attention_is_served_merged():
+    """vLLM absorbs kv_b_proj into its MLA attention at load, so an adapter served beside the model
+    would not act in decode: serve auto gives merged weights, serve adapter is refused naming it."""
+    from megatron_rl.config.layout import lora_plan
+    from megatron_rl.config.model import PolicyLoraConfig
+
+    deepseek, errors = arch_of(TINY_DEEPSEEK), []
+    for backend in ("vllm", "vllm-cpu"):
+        plan = lora_plan(PolicyLoraConfig(rank=4), "lora", deepseek, backend, errors)
+        assert plan.serve == "merged" and "kv_b_proj vLLM absorbs" in plan.serve_reason
+    assert errors == []
+    assert lora_plan(PolicyLoraConfig(rank=4, serve="adapter"), "lora", deepseek, "vllm", errors).serve == "merged"
+    assert len(errors) == 1 and errors[0].startswith("lora.serve: adapter: deepseek_v3 has multi-latent attention")
+    glm = lora_plan(PolicyLoraConfig(rank=4, serve="adapter", target_modules=["linear_qkv"]), "lora", arch_of(TINY_GLM),
+                    "vllm", errors)  # fmt: skip
+    assert glm.serve == "adapter" and len(errors) == 1
+
+
+def test_latent_attention_at_tp_above_1_on_the_local_spec_is_refused_and_its_latents_must_divide():
+    """On megatron's local spec (the cpu device, or transformer_engine off) MLA's down-projections are
+    split over TP (their outputs must divide by tp) and megatron does not sum the shared RoPE key's
+    gradient over TP: refused, naming model.tp. TE's spec (cuda) runs them whole: accepted."""
+    from megatron_rl.config.layout import model_layout
+    from megatron_rl.config.model import ModelConfig
+
+    def problems(arch, tp, device="cpu", te="required", where="model"):
+        errors: list[str] = []
+        model_layout(ModelConfig(architecture=arch, seq_len=66, tp=tp, transformer_engine=te), arch, tp, where,
+                     errors, device)  # fmt: skip
+        return errors
+
+    deepseek = arch_of(TINY_DEEPSEEK)  # q latent 22, kv latent 18 + RoPE key 6
+    assert problems(deepseek, 1) == problems(deepseek, 2, "cuda") == problems(deepseek, 3, "cuda") == []
+    refusal = "model.tp: multi-latent attention at tp 2 on megatron's local layer spec (deployment.device cpu) trains"
+    (two,) = problems(deepseek, 2)
+    assert two.startswith(refusal)
+    refusal, q = problems(deepseek, 3)  # 22 % 3
+    assert q == ("model.tp: q_lora_rank (22) must be divisible by tp (3): on megatron's local layer spec "
+                 "(deployment.device cpu) multi-latent attention splits its down-projections over TP")  # fmt: skip
+    odd_kv = arch_of({**TINY_DEEPSEEK, "kv_lora_rank": 17})
+    refusal, kv = problems(odd_kv, 2, "cuda", "off", "value.model")
+    assert "(model.transformer_engine off)" in refusal and refusal.startswith("value.model.tp: ")
+    assert kv.startswith("value.model.tp: kv_lora_rank + qk_rope_head_dim (23) must be divisible by tp (2)")
+    assert problems(arch_of(TINY_GLM), 2) == []
 
 
 @pytest.mark.parametrize("key", ["scoring_func", "topk_method"])
