@@ -392,3 +392,44 @@ def test_a_deepseek_config_must_name_the_routing_vllm_reads(key):
     says; vLLM reads scoring_func (default softmax) and topk_method (default: no expert bias)."""
     with pytest.raises(ValueError, match=f"{key}='absent"):
         arch_of({k: v for k, v in TINY_DEEPSEEK.items() if k != key})
+
+
+@pytest.mark.parametrize("interleaved, q_lora_rank", [(False, 22), (True, None)])
+def test_peft_export_of_latent_attention_adapters_is_the_merged_weights_in_hf_names(interleaved, q_lora_rank):
+    """Adapters on every MLA linear exported in PEFT's format (transforms/peft.py) land on HF's modules
+    (q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj), and the HF weight plus
+    (alpha / rank) B A of each is the merged megatron weight converted to HF (B's RoPE rows reordered
+    with the weight's where the checkpoint stores halves); the reverse gives the adapters back."""
+    from megatron_rl.config.model_memory import _adapted_linears
+    from megatron_rl.conversion.hf_mapping import family_mapping
+    from megatron_rl.transforms.lora import merge_adapter_tensors
+    from megatron_rl.transforms.peft import (
+        PREFIX,
+        hf_target_modules,
+        megatron_adapters_to_peft,
+        peft_to_megatron_adapters,
+    )
+
+    arch = arch_of({**TINY_DEEPSEEK, "rope_interleave": interleaved, "q_lora_rank": q_lora_rank})
+    rank, alpha, generator = 4, 8.0, torch.Generator().manual_seed(1)
+    shapes = {target: (fan_out, fan_in) for target, fan_in, fan_out, _ in _adapted_linears(arch)}
+    mapped = {m.megatron: m for m in family_mapping(arch).tensors}
+    full, adapters = {}, {}
+    for target in MLA_LINEARS if q_lora_rank else ["linear_q_proj", *MLA_LINEARS[2:]]:
+        layer = f"decoder.layers.1.self_attention.{target}"
+        out, fan_in = shapes[target]
+        full[f"{layer}.weight"] = torch.randn(out, fan_in, generator=generator)
+        adapters[f"{layer}.lora_a"] = torch.randn(rank, fan_in, generator=generator)
+        adapters[f"{layer}.lora_b"] = torch.randn(out, rank, generator=generator)
+    merged = merge_adapter_tensors({**full, **adapters}, alpha)
+    peft = megatron_adapters_to_peft(adapters, arch)
+    expected = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"] + (["q_a_proj", "q_b_proj"] if q_lora_rank else ["q_proj"])
+    assert hf_target_modules(peft) == expected
+    for name, weight in full.items():
+        (hf_name,), split = mapped[name].hf, mapped[name].split or (lambda w, arch: (w,))
+        module = PREFIX + hf_name[: -len(".weight")]
+        (hf_weight,), (hf_merged,) = split(weight, arch), split(merged[name], arch)
+        with_adapter = hf_weight + (alpha / rank) * peft[f"{module}.lora_B.weight"] @ peft[f"{module}.lora_A.weight"]
+        torch.testing.assert_close(with_adapter, hf_merged, atol=1e-5, rtol=1e-5)
+    back = peft_to_megatron_adapters(peft, arch)
+    assert back.keys() == adapters.keys() and all(torch.equal(back[k], v) for k, v in adapters.items())
