@@ -6,7 +6,10 @@
 weight updates use (`VLLM_SERVER_DEV_MODE=1`: /pause, /resume, /collective_rpc,
 /reset_prefix_cache), our worker extension, a served model name, tensor parallel size, and on
 GPU `--gpu-memory-utilization` and `CUDA_VISIBLE_DEVICES` set to the devices it is given; on CPU
-`--enforce-eager --dtype float32` with `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache, and
+`--enforce-eager --dtype float32` with `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache, and for a
+model with multi-latent attention (a config.json with `kv_lora_rank`: DeepSeek-V2/V3, Kimi K2)
+`--attention-backend CPU_MLA` (vLLM-cpu would otherwise take its AMX MLA backend where the CPU
+has AMX, which is for bfloat16; CPU_MLA takes only kv_lora_rank 512 + qk_rope_head_dim 64);
 `--shutdown-timeout` unless it is 0. Always `--logprobs-mode processed_logprobs`: the log-prob
 returned for each sampled token is of the distribution it was sampled from (after temperature),
 which the trainer's ratio needs (docs/algorithms/policy-update.md, "Temperature").
@@ -27,6 +30,7 @@ weights).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -53,6 +57,16 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def uses_latent_attention(model_dir: str | Path) -> bool:
+    """Whether the model at `model_dir` (a local HF directory) has multi-latent attention: its
+    config.json names a `kv_lora_rank`, as vLLM's own test for DeepSeek's MLA reads it. False for
+    a directory without config.json (a hub name)."""
+    config = Path(model_dir) / "config.json"
+    if not config.is_file():
+        return False
+    return json.loads(config.read_text()).get("kv_lora_rank") is not None
 
 
 class ServerCommand(NamedTuple):
@@ -130,6 +144,8 @@ def vllm_command(
         # torch.Generator has no offset, so the engine dies ("CPU Generator does not use
         # offset") once the prompts of one scheduler step exceed its token budget.
         argv += ["--enforce-eager", "--dtype", "float32", "--no-enable-chunked-prefill"]
+        if uses_latent_attention(model_dir):
+            argv += ["--attention-backend", "CPU_MLA"]
         server_env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     else:
         argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]

