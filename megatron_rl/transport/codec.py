@@ -170,7 +170,9 @@ def decode_grid_item(
 
 def _check_routes(routes: np.ndarray, routed: np.ndarray, num_experts: int | None, where: str) -> None:
     """Raises TransportError unless every token's experts in every layer are distinct (replay
-    dispatches each token to k experts) and below `num_experts`, and `routed` is 0/1."""
+    dispatches each token to k experts) and below `num_experts`, and `routed` is 0/1. A layer
+    whose k entries are all 0 has no routes: a dense layer (DeepSeek-V3's and GLM-4.5's first
+    layers), which vLLM's capture leaves 0 and replay skips."""
     if np.any(routed.view(np.uint8) > 1):
         raise TransportError(f"{where} array routed: values other than 0/1")
     if not routes.size:
@@ -178,7 +180,8 @@ def _check_routes(routes: np.ndarray, routed: np.ndarray, num_experts: int | Non
     if num_experts is not None and int(routes.max()) >= num_experts:
         raise TransportError(f"{where} array routes: expert {int(routes.max())} of a model with {num_experts} experts")
     ordered = np.sort(routes, axis=-1)
-    repeated = (ordered[..., 1:] == ordered[..., :-1]).any(axis=(1, 2))  # per token
+    unrouted = ~ordered.any(axis=-1)  # [tokens, layers]: a dense layer's zeros
+    repeated = ((ordered[..., 1:] == ordered[..., :-1]).any(axis=-1) & ~unrouted).any(axis=1)  # per token
     if repeated.any():
         token = int(np.flatnonzero(repeated)[0])
         raise TransportError(f"{where} array routes: token {token} repeats an expert within a layer")

@@ -1,6 +1,6 @@
 """Two SAO steps of the whole CPU stack with a tiny DeepSeek-V3-style policy (deepseek_v3:
 multi-latent attention with YaRN RoPE, sigmoid routing with an expert bias over 3 groups, shared
-experts; every layer MoE, see below) and `algorithm.routing_replay: replay`: the orchestrator asks the
+experts; a dense first layer) and `algorithm.routing_replay: replay`: the orchestrator asks the
 sampler for every token's routes, the policy grid carries them over ZMQ to a `megatron-rl
 train-policy` process that replays them in its pi_old pass and its training forward, and the
 critic (another process, the value model on the same backbone) trains on a grid without them.
@@ -12,10 +12,9 @@ Every step, the trainer's own router agrees with every route the sampler took (t
 float32), and with replay its pi_old is the sampler's (mismatch KL ~ 0). Qwen3-MoE's softmax
 router is replayed against the same stand-in in tests/distributed/test_rollout_routes.py.
 
-The model has no dense first layer (first_k_dense_replace 0, where the family's tiny model has 1):
-vLLM's capture leaves a dense layer's routes zero, and the policy grid's codec
-(transport/codec.py `_check_routes`) refuses such a row as a token repeating expert 0, so a model
-with dense first layers does not pass routes through the stack yet."""
+The first layer is dense (first_k_dense_replace 1, as in every released DeepSeek-V3 and GLM-4.5):
+vLLM's capture leaves its routes 0, which the policy grid's codec passes as a layer without
+routes (transport/codec.py `_check_routes`) and replay skips; its agreement is null."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_two_sao_steps_replay_the_samplers_routes_through_the_whole_stack(tmp_path):
-    model_dir = make_tiny_model("deepseek_v3", tmp_path / "model", seed=3, config_overrides={"first_k_dense_replace": 0})
+    model_dir = make_tiny_model("deepseek_v3", tmp_path / "model", seed=3)
     port = free_port()
     server = VllmServer(model_dir, port, tmp_path / "routed_vllm.log", served_model_name="policy",
                         command=routed_vllm_command("--port", port, "--model-dir", model_dir, "--model", "policy"))  # fmt: skip
@@ -50,6 +49,6 @@ def test_two_sao_steps_replay_the_samplers_routes_through_the_whole_stack(tmp_pa
     assert [r["step"] for r in policy] == [0, 1]
     for record in policy:
         assert record["router_agreement"] == 1.0 and record["router_token_mismatch"] == 0.0
-        assert record["router_agreement_layer"] == [1.0, 1.0]
+        assert record["router_agreement_layer"] == [None, 1.0]  # the dense first layer has no router
         assert record["router_tokens"] > 4 * 8  # every token of every sample but its last
         assert record["mismatch_kl"] < 1e-8 and record["ratio_mean_first"] == pytest.approx(1.0, abs=1e-5)

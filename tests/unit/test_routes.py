@@ -119,6 +119,15 @@ def test_routes_cross_the_grid_codec_byte_exact_and_bad_routes_are_refused():
     refused(lambda mb: {"routes": mb.routes[:, 0].copy()}, "array routes: impossible shape")
     refused(lambda mb: {"routes": mb.routes[:-1].copy()}, "array routes: .* entries, input_ids has")
     refused(lambda mb: {"routes": np.full_like(mb.routes, 1)}, "array routes: token 0 repeats an expert")
+    # a dense layer's routes are all 0 (vLLM's capture of DeepSeek-V3's and GLM-4.5's first layers): accepted
+    dense_first = [replace(mb, routes=mb.routes.copy()) for mb in row]
+    for mb in dense_first:
+        mb.routes[:, 0] = 0
+    decoded = decode_grid_item([bytes(f) for f in encode_grid_item(3, 0, dense_first)], "test", 3, 0, num_experts=EXPERTS)
+    assert all(not got.routes[:, 0].any() for got in decoded)
+    dense_first[0].routes[0, 1, :] = 2  # but one repeated expert in a routed layer is not
+    with pytest.raises(TransportError, match="array routes: token 0 repeats an expert"):
+        decode_grid_item([bytes(f) for f in encode_grid_item(3, 0, dense_first)], "test", 3, 0, num_experts=EXPERTS)
     refused(lambda mb: {"routes": mb.routes}, "array routes: expert 7 of a model with 4 experts", num_experts=4)
 
 
