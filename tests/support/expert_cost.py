@@ -26,12 +26,12 @@ from megatron_rl.models.attention import packed_seq_params
 from megatron_rl.models.builder import build_gpt_model
 from megatron_rl.models.sharding import full_parameters, load_full_state_dict
 from megatron_rl.policy.loss import policy_batch
-from megatron_rl.transforms.lora import COLUMN_PARALLEL, ROW_PARALLEL, apply_lora
+from megatron_rl.transforms.lora import apply_lora
 
 ATTENTION = ("linear_qkv", "linear_proj")
-VARIANTS = {  # name -> (moe_grouped_gemm, LoRA targets)
+VARIANTS = {  # name -> (moe_grouped_gemm, LoRA targets; None: every linear of the model, experts' too)
     "per_expert": (False, ATTENTION),
-    "per_expert_adapters": (False, COLUMN_PARALLEL + ROW_PARALLEL),
+    "per_expert_adapters": (False, None),
     "grouped": (True, ATTENTION),
 }
 
@@ -65,7 +65,7 @@ def pass_seconds(arch: Architecture, tokens: int, variants: list[str], rank: int
                         param.copy_(full[name])
         else:
             load_full_state_dict(model, full)
-        apply_lora(model, rank, 2.0 * rank, tuple(targets), seed=1)
+        apply_lora(model, rank, 2.0 * rank, None if targets is None else tuple(targets), seed=1)
         params = packed_seq_params(batch.cu_seqlens, batch.total_tokens)
         _one_pass(model, batch, params)  # warm-up
         times = []

@@ -72,11 +72,27 @@ def forkserver_context():
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, start_method: str = "forkserver") -> list:
     """`start_method` "spawn": fresh interpreters instead of forks (NCCL ranks on GPUs, which must
     not fork a process that asked CUDA anything: tests/gpu/multi_gpu.py); the backend and device
-    follow megatron_rl.compat (NCCL and one GPU a rank, LOCAL_RANK, where CUDA is available)."""
+    follow megatron_rl.compat (NCCL and one GPU a rank, LOCAL_RANK, where CUDA is available). When
+    rank 0's rendezvous store finds its port taken (StoreAddressTaken), the ranks start again on
+    another port, up to three times in all."""
     if start_method not in ("forkserver", "spawn"):
         raise ValueError(f"run_ranks: start_method {start_method!r} is not 'forkserver' or 'spawn'")
     if start_method == "forkserver":
         forkserver_context()
+    for attempt in range(3):
+        try:
+            return _run_ranks_once(fn, world_size, args, timeout_s, start_method)
+        except StoreAddressTaken:
+            if attempt == 2:
+                raise
+
+
+class StoreAddressTaken(RuntimeError):
+    """Rank 0's rendezvous store could not listen: the free port found for it was taken by another
+    process before it bound (a race no port probe avoids); run_ranks retries with another port."""
+
+
+def _run_ranks_once(fn, world_size: int, args, timeout_s: float, start_method: str) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _rank_main,
@@ -102,5 +118,8 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 600.0, start_method
             payloads.append(payload)
         if errors:
             # The root cause is usually the shortest traceback; the others are its victims.
-            raise RuntimeError("\n".join(sorted(errors, key=len)))
+            message = "\n".join(sorted(errors, key=len))
+            if "initialize_distributed" in message and "EADDRINUSE" in message:
+                raise StoreAddressTaken(message)
+            raise RuntimeError(message)
         return [p["result"] for p in payloads]
