@@ -13,8 +13,10 @@ flight with finish reason `abort` and the tokens it sampled so far) is resumed b
 once the update is over (`update_in_progress()` false, and the pool's version moved), it is sent
 again, to any server, with the tokens so far appended to its prompt and the rest of its budget,
 and the parts are joined token for token. Each part is stamped with the version the pool ran
-when it was sent, and no request is sent while an update is in progress, so every token knows
-the version that sampled it (`Completion.token_versions`) exactly where the orchestrator runs the
+when it was sent, and no request is sent while an update is in progress; a part that ended
+normally although an update began or ended while it was in flight (it may have reached a paused
+server, which holds it and samples it with the new weights after the resume) is sent again; so
+every token knows the version that sampled it (`Completion.token_versions`) exactly where the orchestrator runs the
 updates (path (a)); under path (b), where the policy pauses the servers, a request sent while a
 broadcast's pause is in progress is stamped with the version before it (a lower bound). With
 `update_mode: keep` (vLLM's mode `keep`: requests in flight are preempted and finish under the
@@ -143,9 +145,14 @@ class RolloutClient:
         update_in_progress: Callable[[], bool] | None = None,
         max_interruptions: int = 64,
         version_wait_s: float = 30.0,
+        interrupting: Callable[[], bool] | None = None,
     ):
         """`update_in_progress()`: True while a weight update the orchestrator runs is in
-        progress (no request is sent then); `max_interruptions`: how often one completion may be
+        progress (no request is sent then); `interrupting()`: True when updates interrupt the
+        requests in flight (inference.update_mode interrupt): then a part that ended normally
+        although an update began or ended while it was in flight is sent again, since vLLM holds
+        a request that reaches a paused server and samples it with the new weights after the
+        resume, under the old stamp (`resent` counts them); `max_interruptions`: how often one completion may be
         interrupted and resumed before it fails, naming its session; `version_wait_s`: how long
         a resumed part waits for the pool's version to move after an interruption (path (b):
         the follower learns it from the servers) before it is sent under the version it has."""
@@ -157,8 +164,10 @@ class RolloutClient:
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         self.version_source = version_source or (lambda: 0)
         self.update_in_progress = update_in_progress or (lambda: False)
+        self.interrupting = interrupting or (lambda: False)
         self.max_interruptions, self.version_wait_s = max_interruptions, version_wait_s
         self.interruptions = 0  # completions' parts ended by a weight update (resumed)
+        self.resent = 0  # parts sent again: an update overlapped them and their stamp was unsure
         self.on_worker_failure = on_worker_failure
         self.session_workers: dict[str, str] = {}  # sessions moved off a failed worker
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -229,6 +238,7 @@ class RolloutClient:
         budget = int(max_tokens if max_tokens is not None else sampling.max_tokens)
         seed = sampling.seed if seed is None else seed
         parts: list[Completion] = []
+        resends = 0
         while True:
             await self._wait_for_update()
             done = sum(len(part.token_ids) for part in parts)
@@ -237,6 +247,16 @@ class RolloutClient:
                 [*prompt_ids, *(t for part in parts for t in part.token_ids)], sampling, session_id, budget - done,
                 part_seed, stop, routes_start + sum(0 if p.routes is None else len(p.routes) for p in parts),
             )  # fmt: skip
+            overlapped = self.update_in_progress() or self.version_source() != part.policy_version
+            if part.finish_reason != "abort" and overlapped and self.interrupting():
+                self.resent += 1  # maybe held through the update: its tokens the new weights', its stamp the old
+                resends += 1
+                if resends > self.max_interruptions:
+                    raise RolloutError(
+                        f"completion for session {session_id!r}: {resends} sends overlapped a weight update; more "
+                        f"than the client's max_interruptions ({self.max_interruptions})"
+                    )
+                continue
             parts.append(part)
             if part.finish_reason != "abort":
                 break

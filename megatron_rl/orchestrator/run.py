@@ -171,6 +171,7 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
                            timeout_s=resolved.inference.request_timeout_s, version_source=follower.version,
                            model_source=lambda: pool.sync.model_for(pool.model_name),
                            update_in_progress=lambda: pool.sync.updating,
+                           interrupting=lambda: pool.sync.update_mode == "interrupt",
                            api_key=resolved.inference.api_key(),
                            on_worker_failure=lambda url: log.warning("inference server %s failed a request", url))  # fmt: skip
     environment = make_environment(o.environment, o.dataset, o.seed, args=o.environment_args)

@@ -276,7 +276,7 @@ def test_partial_rollouts_stamp_every_token_with_the_version_that_sampled_it(vll
 
     def gated(pool):
         return RolloutClient(pool.router_url, pool.model_name, pool.worker_urls, version_source=lambda: pool.sync.version,
-                             update_in_progress=lambda: pool.sync.updating)  # fmt: skip
+                             update_in_progress=lambda: pool.sync.updating, interrupting=lambda: True)  # fmt: skip
 
     prompts = [[80 + i, 81, 82] for i in range(12)]
     pool.sync.update_mode = "interrupt"

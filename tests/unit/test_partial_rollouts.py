@@ -34,8 +34,11 @@ class UpdatingServer:
     tokens with finish reason `abort` and installs the next version, during which
     `updating` is True. `dead` workers answer 503 once for each request sent to them."""
 
-    def __init__(self, interrupt_after: dict[int, int], dead: tuple[str, ...] = (), routes: bool = False):
-        self.interrupt_after, self.dead, self.routes = interrupt_after, set(dead), routes
+    def __init__(self, interrupt_after: dict[int, int], dead: tuple[str, ...] = (), routes: bool = False,
+                 held: tuple[int, ...] = ()):  # fmt: skip
+        """`held`: requests that reach the server as an update begins: vLLM's pause holds them
+        and they are sampled by the next version after the resume (the client read the old one)."""
+        self.interrupt_after, self.dead, self.routes, self.held = interrupt_after, set(dead), routes, set(held)
         self.version, self.updating, self.requests = 0, False, []
 
     def handle(self, request: httpx.Request) -> httpx.Response:
@@ -48,6 +51,8 @@ class UpdatingServer:
             return httpx.Response(503, text=f"worker {worker}/v1/completions refused")
         prompt, limit = body["prompt"], body["max_tokens"]
         index = len(self.requests) - 1
+        if index in self.held:
+            self.version += 1  # the update ran while the request waited
         count = min(limit, self.interrupt_after.get(index, limit))
         tokens = [100 + len(prompt) + i for i in range(count)]
         finish = "abort" if index in self.interrupt_after and count < limit else "length"
@@ -91,6 +96,23 @@ def test_a_request_interrupted_twice_is_resumed_with_its_tokens_as_the_prompt():
     assert [r["max_tokens"] for r in sent] == [16, 11, 7] and [r["version"] for r in sent] == [0, 1, 2]
     assert len({r["seed"] for r in sent}) == 3  # each part samples from a stream of its own
     assert completion.reprefilled_tokens == (3 + 5) + (3 + 9) and client.interruptions == 2
+
+
+def test_a_request_held_through_an_update_is_sent_again_under_interrupt_and_keeps_its_stamp_under_keep():
+    """A request that reaches a paused server is held and sampled by the new weights after the
+    resume: under `interrupting` the client sends it again (its stamp unsure), so every token's
+    version is the one that sampled it; under keep its one version is a lower bound."""
+    server = UpdatingServer({}, held=(0,))
+    client = client_for(server)
+    client.interrupting = lambda: True
+    completion = asyncio.run(client.complete([1, 2, 3], SamplingParams(max_tokens=6, seed=7), "group0-branch0"))
+    assert completion.versions() == [1] * 6 and completion.logprobs == pytest.approx([-0.2] * 6)
+    assert len(server.requests) == 2 and client.resent == 1 and completion.interruptions == 0
+    server = UpdatingServer({}, held=(0,))
+    client = client_for(server)  # update_mode keep: not interrupting
+    completion = asyncio.run(client.complete([1, 2, 3], SamplingParams(max_tokens=6, seed=7), "group0-branch0"))
+    assert completion.policy_version == 0 and completion.logprobs == pytest.approx([-0.2] * 6)  # a lower bound
+    assert len(server.requests) == 1 and client.resent == 0
 
 
 def test_the_resumed_parts_routes_continue_where_the_last_part_ended():
