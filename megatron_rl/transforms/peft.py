@@ -11,7 +11,13 @@ its reverse (`peft_to_megatron_adapters`) exact for adapters whose parts share A
 adapter trained elsewhere with a separate A per part has no fused equivalent and is refused.
 
 Expert linears export under HF's per-expert names (`mlp.experts.{E}.gate_proj`, as released
-checkpoints store experts).
+checkpoints store experts). transformers 5 holds the routed experts fused (`mlp.experts.gate_up_proj`,
+`down_proj`), and PEFT (0.21) converts a per-expert adapter to them when it loads it: every
+`gate_proj`/`up_proj`/`down_proj` of target_modules becomes a target parameter of the fused
+experts, so the plain linears of those names (a dense first layer's MLP, the shared experts of
+glm4_moe and deepseek_v3) would be left unwrapped and their adapters dropped. The config names
+their weights in `target_parameters` as well (`hf_target_parameters`), which wraps them again
+(tests/distributed/test_peft_families.py); vLLM reads target_modules and ignores the key.
 """
 
 from __future__ import annotations
@@ -107,14 +113,35 @@ def hf_target_modules(tensors: Iterable[str]) -> list[str]:
     return sorted({name.split(".")[-3] for name in tensors if name.endswith(".lora_A.weight")})
 
 
-def adapter_config(rank: int, alpha: float, target_modules: list[str], base_model: str | None = None) -> dict:
-    """adapter_config.json of a plain LoRA adapter (no dropout, no bias, no rsLoRA: our forward)."""
-    return {
+EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")
+
+
+def hf_target_parameters(tensors: Iterable[str]) -> list[str]:
+    """The weights (`mlp.gate_proj.weight`, `mlp.shared_experts.down_proj.weight`, ...) of the plain
+    MLP linears PEFT tensors adapt beside routed experts' (`mlp.experts.{E}.`): what PEFT's
+    conversion to transformers' fused experts would otherwise leave unwrapped (the module
+    docstring); [] when the adapter has no routed experts."""
+    modules = {name[len(PREFIX) : -len(".lora_A.weight")] for name in tensors if name.endswith(".lora_A.weight")}
+    if not any(".mlp.experts." in module for module in modules):
+        return []
+    plain = {module[module.index("mlp.") :] + ".weight" for module in modules
+             if ".mlp." in module and ".mlp.experts." not in module and module.rsplit(".", 1)[-1] in EXPERT_LEAVES}  # fmt: skip
+    return sorted(plain)
+
+
+def adapter_config(rank: int, alpha: float, target_modules: list[str], base_model: str | None = None,
+                   target_parameters: list[str] | None = None) -> dict:  # fmt: skip
+    """adapter_config.json of a plain LoRA adapter (no dropout, no bias, no rsLoRA: our forward);
+    `target_parameters` (`hf_target_parameters`) only when there are some."""
+    config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": rank,
         "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none", "target_modules": target_modules,
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
         "init_lora_weights": True, "inference_mode": True,
     }  # fmt: skip
+    if target_parameters:
+        config["target_parameters"] = target_parameters
+    return config
 
 
 def write_peft_adapter(directory: str | Path, tensors: Mapping[str, torch.Tensor], rank: int, alpha: float,
@@ -127,7 +154,7 @@ def write_peft_adapter(directory: str | Path, tensors: Mapping[str, torch.Tensor
     if ranks != {rank}:
         raise PeftFormatError(f"lora_A tensors of rank {sorted(ranks)}, the adapter config says {rank}")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-    config = adapter_config(rank, alpha, hf_target_modules(tensors), base_model)
+    config = adapter_config(rank, alpha, hf_target_modules(tensors), base_model, hf_target_parameters(tensors))
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return directory
 
