@@ -25,3 +25,13 @@ MOONLIGHT = {
     "first_k_dense_replace": 1, "q_lora_rank": None, "rope_theta": 50000.0, "rope_scaling": None,
     "max_position_embeddings": 8192, "num_nextn_predict_layers": 0, "rms_norm_eps": 1e-05,
 }  # fmt: skip
+# GLM-4.5-Air's config.json (zai-org/GLM-4.5-Air), the fields we read
+GLM_45_AIR = {
+    "model_type": "glm4_moe", "hidden_size": 4096, "num_hidden_layers": 46, "num_attention_heads": 96,
+    "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 10944, "vocab_size": 151552,
+    "n_routed_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408, "n_shared_experts": 1,
+    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "first_k_dense_replace": 1,
+    "norm_topk_prob": True, "use_qk_norm": False, "attention_bias": True, "partial_rotary_factor": 0.5,
+    "rope_theta": 1000000, "rope_scaling": None, "rms_norm_eps": 1e-05, "max_position_embeddings": 131072,
+    "num_nextn_predict_layers": 1, "hidden_act": "silu", "tie_word_embeddings": False,
+}  # fmt: skip
