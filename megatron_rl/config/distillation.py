@@ -1,4 +1,5 @@
-"""The distillation section: on-policy distillation from a teacher served by vLLM.
+"""The distillation section: on-policy distillation from a teacher served by vLLM, or by a
+forward-only Megatron service of the run's own (`teacher.megatron`, megatron_rl/teacher/).
 
 The student samples; the teacher scores every sampled token (vLLM's `prompt_logprobs` of the
 exact token sequence); the per-token reverse-KL estimate k_t = log pi_student(a_t) - log
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from megatron_rl.config.base import Strict, secret_from_env
 from megatron_rl.config.inference import ServeConfig
+from megatron_rl.config.model import ModelConfig
 
 
 class TeacherServeConfig(ServeConfig):
@@ -24,20 +26,59 @@ class TeacherServeConfig(ServeConfig):
     router_port: int = Field(default=8350, gt=0, lt=65536, description="Port of the vllm-router in front of the teacher's servers (the orchestrator's requests go there).")
 
 
+class TeacherMegatronConfig(Strict):
+    """The teacher as a forward-only Megatron service of the run (megatron_rl/teacher/): the
+    teacher's HF weights (`teacher.model_dir`) in a Megatron GPT model on a layout of its own, no
+    optimizer, behind an HTTP service on its rank 0 that returns each token's log-probability
+    (docs/teacher-api.md). For a teacher vLLM cannot serve; its sequences are the student's
+    samples, up to `model.seq_len` tokens."""
+
+    gpus: int | None = Field(default=None, ge=1, description="The teacher's GPUs (processes on the cpu device), beside every other role's; null: tp x cp x pp (one replica). More GPUs are data-parallel replicas (gpus / (tp x cp x pp)).")
+    tp: int = Field(default=1, ge=1, description="Tensor-parallel degree of the teacher.")
+    cp: int = Field(default=1, ge=1, description="Context-parallel degree of the teacher (a sequence split across ranks).")
+    pp: int = Field(default=1, ge=1, description="Pipeline-parallel degree of the teacher (stages).")
+    ep: int = Field(default=1, ge=1, description="Expert-parallel degree of the teacher (MoE models).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="bfloat16", description="The teacher's parameter and compute dtype (its log-probabilities are computed in float32 from its logits).")
+    transformer_engine: Literal["required", "auto", "off"] = Field(default="required", description="The TransformerEngine layer spec on deployment.device cuda, as model.transformer_engine.")
+    host: str = Field(default="127.0.0.1", description="Address the teacher's service listens on (its rank 0's).")
+    port: int = Field(default=8400, gt=0, lt=65536, description="TCP port of the teacher's service.")
+    max_batch_sequences: int = Field(default=512, gt=0, description="Most sequences the teacher scores in one collective pass (waiting requests are merged up to this); the orchestrator's requests are split to this size.")
+    isolate_requests: bool = Field(default=True, description="Pack each merged request's sequences into bins of their own, so that a sequence's log-probabilities are bit for bit those of its request scored alone (as value.service.isolate_requests).")
+    request_timeout_s: float = Field(default=600.0, gt=0, description="Timeout of one scoring request inside the service, in seconds.")
+
+    @field_validator("transformer_engine", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        """YAML reads a bare `off` as false."""
+        return "off" if value is False else value
+
+    def world_size(self) -> int:
+        return self.gpus if self.gpus is not None else self.tp * self.cp * self.pp
+
+    def as_model_config(self, model_dir: str, seq_len: int) -> ModelConfig:
+        """The teacher as the layout code reads a model: its HF directory, the student's seq_len,
+        its own degrees and dtype."""
+        return ModelConfig(hf_config=model_dir, checkpoint=model_dir, seq_len=seq_len, tp=self.tp, cp=self.cp,
+                           pp=self.pp, ep=self.ep, dtype=self.dtype, transformer_engine=self.transformer_engine)  # fmt: skip
+
+
 def serve_unless_url(data: Any) -> Any:
     """A service section without `url` is served by the run: `serve` defaults to its own block."""
-    if isinstance(data, dict) and data.get("url") is None and data.get("serve") is None:
+    if isinstance(data, dict) and data.get("url") is None and data.get("serve") is None and data.get("megatron") is None:
         return {**data, "serve": {}}
     return data
 
 
 class TeacherConfig(Strict):
-    """The teacher: a model served by vLLM. Without `url` the run serves it itself (`serve`: its
-    own vLLM servers and vllm-router on GPUs of their own, from `model_dir`); with `url` it is a
-    server (or router) the user started."""
+    """The teacher: a model served by vLLM, or a forward-only Megatron service (`megatron`).
+    Without `url` or `megatron` the run serves it itself with vLLM (`serve`: its own vLLM servers
+    and vllm-router on GPUs of their own, from `model_dir`); with `url` it is a server (or
+    router) the user started; with `megatron` the run starts the teacher's Megatron service
+    (megatron_rl/teacher/) on GPUs of its own."""
 
     url: str | None = Field(default=None, description="Base URL of a teacher the user serves, a vLLM server or router (http://host:port); it must serve served_model_name and take token-id prompts with prompt_logprobs. null: the run serves the teacher from model_dir (serve).")
     serve: TeacherServeConfig | None = Field(default=None, description="The teacher's vLLM servers and router that the run starts (its GPUs: num_servers x tp, beside every other role's); the default block when url is null; not with url.")
+    megatron: TeacherMegatronConfig | None = Field(default=None, description="The teacher as a forward-only Megatron service the run starts from model_dir on a layout of its own (for a teacher vLLM cannot serve); not with url or serve.")
     served_model_name: str = Field(default="teacher", description="The model name the teacher's server answers /v1/models with.")
     model_dir: str = Field(description="The teacher's HF directory (relative to the config file): what a served teacher starts from; its tokenizer must be the student's, checked at start-up.")
     api_key_env: str | None = Field(default=None, description="The name of an environment variable holding the teacher server's API key; null: none.")
@@ -55,7 +96,14 @@ class TeacherConfig(Strict):
 
     @model_validator(mode="after")
     def _url_or_serve(self) -> TeacherConfig:
-        """A teacher is the user's (url) or the run's (serve), not both."""
+        """A teacher is the user's (url), the run's vLLM (serve) or the run's Megatron service
+        (megatron): one of them."""
+        if self.megatron is not None and (self.url is not None or self.serve is not None):
+            other = "url" if self.url is not None else "serve"
+            raise ValueError(
+                f"distillation.teacher: megatron (the run's Megatron teacher service) and {other} exclude each "
+                "other; remove one"
+            )
         if self.url is not None and self.serve is not None:
             raise ValueError(
                 f"distillation.teacher: url ({self.url}: a teacher you serve) and serve (the run serves the "

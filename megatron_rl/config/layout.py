@@ -26,23 +26,11 @@ from megatron_rl.config.model import (
     lora_targets,
     vllm_max_lora_rank,
 )
+from megatron_rl.config.model_layout import ModelLayout
 from megatron_rl.config.run import Config
 from megatron_rl.config.services import ServiceLayout, service_ports
 
-
-class ModelLayout(Strict):
-    """One process group's parallel layout. world = tp * cp * pp * dp."""
-
-    world_size: int
-    tp: int
-    cp: int
-    pp: int
-    ep: int
-    dp: int
-    expert_dp: int  # data-parallel size of expert weights: world / (tp * ep * pp)
-    # Sequence-parallel size: tp when the model runs sequence parallel (the builder turns it on
-    # for MoE at tp > 1), else 1. Packed rows pad to a multiple of cp * sp.
-    sp: int = 1
+__all__ = ["ModelLayout"]  # defined in model_layout.py (services.py reads it too), imported from here
 
 
 class LoraPlan(Strict):

@@ -10,7 +10,10 @@ allocator fragmentation; per inference GPU the weights and the KV cache vLLM get
 `inference.gpu_memory_utilization`; and the same for each GPU of a model the run serves beside
 the policy (a distillation teacher, an LLM judge: config/services.py), from that model's own
 architecture, `serve.tp` and `serve.gpu_memory_utilization`, whose KV cache must hold one
-sequence of its `max_model_len`. `gpu_totals` counts every role's GPUs against the nodes.
+sequence of its `max_model_len`; a Megatron teacher (`distillation.teacher.megatron`) per GPU
+of its layout: its weights in its dtype, split as the policy's are, and the transient memory of
+a forward-only pass (one layer's activations, the last stage's logits of one packed row and one
+fp32 log-probability chunk), no gradients or optimizer. `gpu_totals` counts every role's GPUs against the nodes.
 `check_fits` turns a plan over `deployment.gpu_memory_gib` into errors that say by how much and
 which option would fix it; `check-config` prints the plan.
 
@@ -84,7 +87,7 @@ from dataclasses import dataclass, field
 
 from megatron_rl.config.host_memory import GIB, HostMemory, ShardTensor, offloaded_host_memory
 from megatron_rl.config.layout import ModelLayout, ResolvedConfig
-from megatron_rl.config.model import LORA_TARGETS, Architecture
+from megatron_rl.config.model import LORA_TARGETS, Architecture, RecomputeConfig
 from megatron_rl.config.model_memory import (  # the per-rank counts, imported from here by tests and tools
     BYTES,
     HOST_OFFLOAD_BYTES,
@@ -105,9 +108,10 @@ from megatron_rl.config.model_memory import (  # the per-rank counts, imported f
     published_lora_elements,
     rank_parameters,
     rank_tensors,
+    stage_layers,
     weight_buffer_bytes,
 )
-from megatron_rl.config.services import served_models
+from megatron_rl.config.services import MEGATRON_TEACHER_KEY, served_models
 
 __all__ = [
     "BYTES", "CUDA_CONTEXT_GIB", "FRAGMENTATION_GIB", "GIB", "HOST_OFFLOAD_BYTES", "LOGITS_PER_LOGIT",
@@ -316,10 +320,38 @@ def _inference_gpu(resolved: ResolvedConfig) -> GpuMemory:
     return GpuMemory("inference", "inference", parts, peaks=peaks)
 
 
+def _megatron_teacher_gpu(resolved: ResolvedConfig, name: str) -> GpuMemory:
+    """One GPU of the Megatron teacher (the fuller of its first and last pipeline stage): its
+    weights in its dtype at its layout, one layer's activations of a packed row of model.seq_len
+    tokens (forward-only: nothing is kept for a backward pass; a layer's input and output are
+    alive at once), and on the last stage the row's logits in its dtype and one fp32 log-prob chunk
+    (models/logprobs.py); no gradients, no optimizer state; its weights never change."""
+    service = resolved.layout.services[name]
+    arch, layout, megatron = service.architecture, service.megatron, resolved.distillation.teacher.megatron
+    size, seq_len = BYTES[megatron.dtype], resolved.model.seq_len
+    one_stage = layout.model_copy(update={"pp": 1})
+    layer = activation_bytes(arch, one_stage, seq_len, megatron.dtype, RecomputeConfig(), value_model=True) / arch.num_layers
+    nccl = NCCL_GIB_PER_COMMUNICATOR * len(communicators(resolved, name, layout))
+    worst = None
+    for stage in sorted({0, layout.pp - 1}):
+        parts = {"weights": rank_parameters(arch, layout, stage=stage).total * size / GIB,
+                 "activations": 2 * layer / GIB if stage_layers(arch, layout.pp, stage) else 0.0}  # fmt: skip
+        if stage == layout.pp - 1:
+            parts["activations"] += seq_len / layout.cp * arch.vocab_size / layout.tp * size / GIB
+            parts["logprob_chunk"] = LOGPROB_CHUNK_BYTES / GIB
+        parts.update({"cuda_context": CUDA_CONTEXT_GIB, "fragmentation": FRAGMENTATION_GIB, "nccl": nccl})
+        gpu = GpuMemory(name, MEGATRON_TEACHER_KEY, parts)
+        if worst is None or gpu.total > worst.total:
+            worst = gpu
+    return worst
+
+
 def _served_gpu(resolved: ResolvedConfig, name: str) -> GpuMemory:
     """One GPU of served model `name` (teacher, judge): 16-bit weights split by its tp, the KV
     cache vLLM gets at its gpu_memory_utilization, vLLM's reserve; its weights never change."""
     service = resolved.layout.services[name]
+    if not service.is_vllm:
+        return _megatron_teacher_gpu(resolved, name)
     serve = served_models(resolved)[name][1]
     single = rank_parameters(service.architecture, ModelLayout(world_size=1, tp=1, cp=1, pp=1, ep=1, dp=1, expert_dp=1))
     budget = resolved.deployment.gpu_memory_gib * serve.gpu_memory_utilization
@@ -449,8 +481,16 @@ def check_fits(resolved: ResolvedConfig, plan: list[GpuMemory]) -> list[str]:
 
 
 def _served_errors(resolved: ResolvedConfig, gpu: GpuMemory, budget: float) -> list[str]:
-    """A served model's GPU: the KV cache holds one sequence of its max_model_len, and the whole fits."""
+    """A served model's GPU: the KV cache holds one sequence of its max_model_len, and the whole
+    fits (a Megatron teacher: the whole fits)."""
     service = resolved.layout.services[gpu.role]
+    if not service.is_vllm:
+        if gpu.total <= budget:
+            return []
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in gpu.parts.items())
+        return [f"{MEGATRON_TEACHER_KEY}: the {gpu.role} needs about {gpu.total:.1f} GiB per GPU ({parts} GiB), "
+                f"{gpu.total - budget:.1f} GiB more than deployment.gpu_memory_gib = {budget:g}; options: a larger "
+                f"{MEGATRON_TEACHER_KEY}.tp or pp to split the weights (ep for an MoE teacher's experts)"]  # fmt: skip
     serve = served_models(resolved)[gpu.role][1]
     need = service.max_model_len * kv_bytes_per_token(service.architecture, service.tp) / GIB
     errors = []

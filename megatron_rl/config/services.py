@@ -3,20 +3,26 @@ without `url`) and an LLM judge (`orchestrator.judge` without `url`).
 
 Each is vLLM servers plus a vllm-router of its own, on GPUs of its own (`serve.num_servers` x
 `serve.tp`), started by `megatron-rl run` and the SLURM job as the policy's inference servers
-are. `served_models(config)` names the served ones and their sections; `service_layout` derives
-what every process reads from the layout instead (ports, addresses, the router's URL the
-orchestrator sends to, the model's architecture for the memory plan, vLLM's max_model_len).
-A teacher or judge at a `url` the user gives is not served: no GPUs, no ports of the run.
+are; or, for a teacher with `megatron`, the run's forward-only Megatron teacher service
+(megatron_rl/teacher/: one torchrun group of `megatron.gpus` ranks on its own layout, its
+service on `megatron.host:megatron.port`; `ServiceLayout.kind` "megatron", its parallel layout
+in `ServiceLayout.megatron`). `served_models(config)` names the vLLM-served ones and their
+sections; `service_layouts` derives what every process reads from the layout instead (ports,
+addresses, the URL the orchestrator sends to, the model's architecture for the memory plan,
+vLLM's max_model_len). A teacher or judge at a `url` the user gives is not served: no GPUs, no
+ports of the run.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 from megatron_rl.config.base import Strict
 from megatron_rl.config.inference import ServeConfig
 from megatron_rl.config.model import Architecture
+from megatron_rl.config.model_layout import ModelLayout
 from megatron_rl.config.run import Config
 
 SERVICES = ("teacher", "judge")  # in start and placement order, after the policy's servers
@@ -27,6 +33,7 @@ class ServiceLayout(Strict):
     orchestrator reaches."""
 
     key: str  # its config section: distillation.teacher, orchestrator.judge
+    kind: Literal["vllm", "megatron"] = "vllm"  # megatron: the teacher's Megatron service (one "server")
     model_dir: str  # absolute
     served_model_name: str
     num_servers: int
@@ -35,8 +42,21 @@ class ServiceLayout(Strict):
     ports: list[int]  # server i: serve.base_port + i
     server_urls: list[str]  # http://HOST:PORT of each server
     url: str  # the router's: http://serve.host:serve.router_port
-    max_model_len: int
+    max_model_len: int  # megatron: the longest sequence it scores (model.seq_len)
     architecture: Architecture
+    megatron: ModelLayout | None = None  # kind megatron: its ranks' parallel layout (gpus = world_size)
+
+    @property
+    def is_vllm(self) -> bool:
+        return self.kind == "vllm"
+
+
+MEGATRON_TEACHER_KEY = "distillation.teacher.megatron"
+
+
+def megatron_teacher(config: Config):
+    """The `distillation.teacher.megatron` block, or None (no distillation, or a vLLM teacher)."""
+    return config.distillation.teacher.megatron if config.distillation is not None else None
 
 
 def served_models(config: Config) -> dict[str, tuple[str, ServeConfig, str | None, str]]:
@@ -53,8 +73,12 @@ def served_models(config: Config) -> dict[str, tuple[str, ServeConfig, str | Non
 
 
 def served_gpus(config: Config) -> dict[str, int]:
-    """GPUs of each served model: num_servers x tp."""
-    return {name: serve.num_servers * serve.tp for name, (_, serve, _, _) in served_models(config).items()}
+    """GPUs of each served model: num_servers x tp (vLLM), megatron.gpus (a Megatron teacher)."""
+    out = {name: serve.num_servers * serve.tp for name, (_, serve, _, _) in served_models(config).items()}
+    megatron = megatron_teacher(config)
+    if megatron is not None:
+        out["teacher"] = megatron.world_size()
+    return {name: out[name] for name in SERVICES if name in out}
 
 
 def service_ports(config: Config) -> dict[str, int]:
@@ -64,6 +88,9 @@ def service_ports(config: Config) -> dict[str, int]:
         ports[f"{key}.serve.router_port"] = serve.router_port
         for i in range(serve.num_servers):
             ports[f"{key}.serve.base_port+{i}"] = serve.base_port + i
+    megatron = megatron_teacher(config)
+    if megatron is not None:
+        ports[f"{MEGATRON_TEACHER_KEY}.port"] = megatron.port
     return ports
 
 
@@ -79,12 +106,49 @@ def _architecture(key: str, model_dir: Path, errors: list[str]) -> Architecture 
         return None
 
 
+def _model_dir(model_dir: str, base_dir: Path) -> Path:
+    directory = Path(model_dir)
+    return directory if directory.is_absolute() else (base_dir / directory).resolve()
+
+
+def megatron_teacher_layout(config: Config, base_dir: Path, errors: list[str]) -> ServiceLayout | None:
+    """The Megatron teacher's layout (None without one, or on a problem, which goes to `errors`):
+    its ranks' parallel layout from `megatron` at the student's `model.seq_len`, checked as the
+    critic's is (divisibility of heads, layers, experts by its degrees)."""
+    from megatron_rl.config.layout import model_layout  # layout.py imports this module
+
+    megatron = megatron_teacher(config)
+    if megatron is None:
+        return None
+    teacher = config.distillation.teacher
+    directory = _model_dir(teacher.model_dir, base_dir)
+    arch = _architecture("distillation.teacher", directory, errors)
+    if arch is None:
+        return None
+    seq_len = config.model.seq_len
+    if seq_len > arch.max_position_embeddings:
+        errors.append(f"{MEGATRON_TEACHER_KEY}: the run sends the teacher samples of up to model.seq_len = {seq_len} "
+                      f"tokens, more than its max_position_embeddings ({arch.max_position_embeddings})")  # fmt: skip
+    model = megatron.as_model_config(str(directory), seq_len)
+    layout = model_layout(model, arch, megatron.world_size(), MEGATRON_TEACHER_KEY, errors, config.deployment.device)
+    if layout is None:
+        return None
+    url = f"http://{megatron.host}:{megatron.port}"
+    return ServiceLayout(
+        key="distillation.teacher", kind="megatron", model_dir=str(directory), served_model_name=teacher.served_model_name,
+        num_servers=1, tp=megatron.tp, gpus=layout.world_size, ports=[megatron.port], server_urls=[url], url=url,
+        max_model_len=seq_len, architecture=arch, megatron=layout,
+    )  # fmt: skip
+
+
 def service_layouts(config: Config, base_dir: Path, errors: list[str]) -> dict[str, ServiceLayout]:
     """The layout of every served model; one line in `errors` per problem."""
     out = {}
+    teacher = megatron_teacher_layout(config, base_dir, errors)
+    if teacher is not None:
+        out["teacher"] = teacher
     for name, (key, serve, model_dir, served_name) in served_models(config).items():
-        directory = Path(model_dir)
-        directory = directory if directory.is_absolute() else (base_dir / directory).resolve()
+        directory = _model_dir(model_dir, base_dir)
         arch = _architecture(key, directory, errors)
         if arch is None:
             continue
@@ -115,7 +179,7 @@ def service_layouts(config: Config, base_dir: Path, errors: list[str]) -> dict[s
             server_urls=[f"http://{host}:{port}" for host, port in zip(hosts, ports, strict=True)],
             url=f"http://{serve.host}:{serve.router_port}", max_model_len=longest, architecture=arch,
         )  # fmt: skip
-    return out
+    return {name: out[name] for name in SERVICES if name in out}
 
 
 def service_serve(config: Config, name: str) -> ServeConfig:

@@ -1,4 +1,5 @@
-"""HttpValueScorer: the ValueScorer the orchestrator uses, over the critic's HTTP service.
+"""HttpValueScorer: the ValueScorer the orchestrator uses, over the critic's HTTP service; its
+base `ServiceClient` is the Megatron teacher's client's too (teacher/client.py).
 
 `await scorer.score(batched_token_ids)` sends one `POST /score` and returns a ScoreResult in
 request order (asking for the binary reply of critic/wire.py: 4 bytes a value, not ~20 of JSON). Connection failures (critic still starting, restarting, or briefly unreachable)
@@ -33,7 +34,16 @@ class CriticRequestError(CriticError, ValueError):
     """The critic refused the request (HTTP 400)."""
 
 
-class HttpValueScorer:
+class ServiceClient:
+    """An HTTP client of a model service (the critic's, the Megatron teacher's): retries of
+    connection failures and 503 replies with exponential backoff, timeouts, errors that name the
+    URL as `what` and raise the subclass's error types; /status and /health."""
+
+    what = "critic service"
+    error: type[Exception] = CriticError
+    timeout_error: type[Exception] = CriticTimeout
+    request_error: type[Exception] = CriticRequestError
+
     def __init__(
         self,
         url: str,
@@ -83,11 +93,11 @@ class HttpValueScorer:
             try:
                 response = await self._client().request(method, url, content=body, headers=headers)
             except httpx.TimeoutException:
-                raise CriticTimeout(f"critic service {url}: no reply within {self.timeout_s}s") from None
+                raise self.timeout_error(f"{self.what} {url}: no reply within {self.timeout_s}s") from None
             except httpx.TransportError as exc:
                 if attempt == self.retries:
-                    raise CriticError(
-                        f"critic service {url}: unreachable after {self.retries + 1} attempts: {type(exc).__name__}: {exc}"
+                    raise self.error(
+                        f"{self.what} {url}: unreachable after {self.retries + 1} attempts: {type(exc).__name__}: {exc}"
                     ) from exc
             else:
                 payload = response.content
@@ -97,15 +107,28 @@ class HttpValueScorer:
                     try:
                         return msgspec.json.decode(payload)
                     except msgspec.DecodeError:
-                        raise CriticError(f"critic service {url}: reply is not JSON: {payload[:200]!r}") from None
+                        raise self.error(f"{self.what} {url}: reply is not JSON: {payload[:200]!r}") from None
                 message = _error_message(payload)
                 if response.status_code == 400:
-                    raise CriticRequestError(f"critic service {url}: request refused (400): {message}")
+                    raise self.request_error(f"{self.what} {url}: request refused (400): {message}")
                 if response.status_code != 503 or attempt == self.retries:
-                    raise CriticError(f"critic service {url}: HTTP {response.status_code}: {message}")
+                    raise self.error(f"{self.what} {url}: HTTP {response.status_code}: {message}")
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_backoff_s)
         raise AssertionError("unreachable")
+
+    async def status(self) -> dict:
+        return await self._request("GET", "/status")
+
+    async def health(self) -> bool:
+        try:
+            return bool((await self._request("GET", "/health")).get("ok"))
+        except self.error:
+            return False
+
+
+class HttpValueScorer(ServiceClient):
+    """The orchestrator's ValueScorer over the critic's /score."""
 
     async def score(self, batched_token_ids: list[list[int]]) -> ScoreResult:
         """Asks for the binary reply (critic/wire.py); a critic that answers JSON is read too."""
@@ -125,15 +148,6 @@ class HttpValueScorer:
         except (KeyError, TypeError, ValueError) as exc:
             raise CriticError(f"{self.url}/score: reply does not follow the contract: {exc}") from None
         return ScoreResult(values=values, bootstrap_values=bootstrap, step=step)
-
-    async def status(self) -> dict:
-        return await self._request("GET", "/status")
-
-    async def health(self) -> bool:
-        try:
-            return bool((await self._request("GET", "/health")).get("ok"))
-        except CriticError:
-            return False
 
     async def wait_trained(self, step: int, timeout_s: float = 3600.0, poll_s: float = 0.2) -> dict:
         """Polls /status until the critic reports `step` trained; returns that status."""

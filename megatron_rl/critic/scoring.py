@@ -1,4 +1,5 @@
-"""Batched scoring across the critic's ranks (the collective behind `POST /score`).
+"""Batched scoring across the critic's ranks (the collective behind `POST /score`), and the
+pass it shares with the Megatron teacher (`per_token_outputs`; teacher/scoring.py).
 
 `score_sequences(model, request, seq_len)` is called by every critic rank; global rank 0 passes
 the request (a list of token-id lists), the others None. Rank 0 broadcasts it as int64 tensors
@@ -82,11 +83,21 @@ def _isolated_grid(samples: list[TrainingSample], request_sizes: list[int], seq_
 
 
 @torch.no_grad()
-def score_sequences(
-    model, request: list[list[int]] | None, seq_len: int, request_sizes: list[int] | None = None
-) -> ScoreResult | None:
-    """Collective over all critic ranks; returns the ScoreResult on global rank 0, None elsewhere.
-    `request_sizes` (rank 0's): the sequences of each merged request, packed apart (see above)."""
+def per_token_outputs(
+    model,
+    request: list[list[int]] | None,
+    seq_len: int,
+    request_sizes: list[int] | None,
+    rank_batch_of,
+    forward,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The collective scoring pass every model service shares (the critic's values, the Megatron
+    teacher's log-probabilities): rank 0's request broadcast, packed (`request_sizes`: each
+    request into bins of its own, see the module docstring), each replica's bins run through
+    `forward(model, batches)` (a float32 [n] output per position of each RankBatch built by
+    `rank_batch_of(mb, cp_rank, cp)`, on the last pipeline stage; None elsewhere), CP slices
+    gathered, DP and PP reduced to global rank 0. Returns (outputs of every token of every
+    sequence end to end, float32; offsets [count + 1]) on global rank 0, None elsewhere."""
 
     sequences, request_sizes = _broadcast_request(request, request_sizes)
     dp, cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
@@ -106,14 +117,14 @@ def score_sequences(
         grid = _isolated_grid(samples, request_sizes, seq_len, dp, cp, sp)
     lengths = np.array([len(ids) for ids in sequences], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    head = torch.zeros(int(offsets[-1]), dtype=torch.float32, device=collective_device())  # head output per token
+    head = torch.zeros(int(offsets[-1]), dtype=torch.float32, device=collective_device())  # output per token
     # Dropout is the only train/eval difference in these models; switching modes walks every
     # module, so only do it when dropout is on.
     toggle = model.training and (model.config.hidden_dropout > 0 or model.config.attention_dropout > 0)
     if toggle:
         model.eval()
     micro_batches = grid[ps.get_data_parallel_rank()]
-    for mb, values in zip(micro_batches, _forward(model, micro_batches)):
+    for mb, values in zip(micro_batches, _forward(model, micro_batches, rank_batch_of, forward)):
         if mb.is_dummy or values is None:  # values is None off the last pipeline stage
             continue
         for start, end in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:]):
@@ -127,22 +138,37 @@ def score_sequences(
         dist.all_reduce(head, group=ps.get_pipeline_model_parallel_group())
     if dist.get_rank() != 0:
         return None
-    head = head.cpu()
+    return head.cpu().numpy(), offsets
+
+
+def _value_head(model, batches):
+    return forward_only(model, batches, lambda values, batch: values[0].float())
+
+
+def score_sequences(
+    model, request: list[list[int]] | None, seq_len: int, request_sizes: list[int] | None = None
+) -> ScoreResult | None:
+    """Collective over all critic ranks; returns the ScoreResult on global rank 0, None elsewhere.
+    `request_sizes` (rank 0's): the sequences of each merged request, packed apart (see above)."""
+    outputs = per_token_outputs(model, request, seq_len, request_sizes, rank_batch, _value_head)
+    if outputs is None:
+        return None
+    head, offsets = outputs
     values_out, bootstrap = [], []
-    for i in range(len(sequences)):
-        h = head[offsets[i] : offsets[i + 1]].numpy()
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        h = head[start:end]
         values_out.append(np.concatenate([[0.0], h[:-1]]).astype(np.float32))
         bootstrap.append(float(h[-1]))
     return ScoreResult(values=values_out, bootstrap_values=bootstrap)
 
 
-def _forward(model, micro_batches) -> list[torch.Tensor | None]:
-    """The head output of every micro-batch over its whole packed row (CP slices gathered), on
-    the last pipeline stage; None on other stages."""
+def _forward(model, micro_batches, rank_batch_of, forward) -> list[torch.Tensor | None]:
+    """The per-position output of every micro-batch over its whole packed row (CP slices
+    gathered), on the last pipeline stage; None on other stages."""
 
     cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    batches = [rank_batch(mb, cp_rank, cp) for mb in micro_batches]
-    outputs = forward_only(model, batches, lambda values, batch: values[0].float())
+    batches = [rank_batch_of(mb, cp_rank, cp) for mb in micro_batches]
+    outputs = forward(model, batches)
     if outputs is None:
         return [None] * len(batches)
     if cp > 1:

@@ -1,4 +1,8 @@
-"""The critic's HTTP scoring service (aiohttp, on critic rank 0, in a background thread).
+"""The critic's HTTP scoring service (aiohttp, on critic rank 0, in a background thread), and
+what it shares with the Megatron teacher's (megatron_rl/teacher/service.py): request parsing,
+the queue of waiting requests, answering merged requests with their own rows, the state /status
+serves, and the aiohttp app (`ModelService`: its endpoint, /status, /health, the bearer token,
+timeouts and failures; a subclass writes the reply).
 
 Endpoints (docs/critic-api.md):
     POST /score   {"batched_token_ids": [[int, ...], ...]}
@@ -49,43 +53,56 @@ class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
     token_ids: list[int] | None = None
 
 
-def _check_tokens(ids: list[int], what: str, vocab_size: int, seq_len: int) -> None:
+def _check_tokens(ids: list[int], what: str, vocab_size: int, seq_len: int, who: str) -> None:
     if not ids:
         raise BadRequest(f"{what} is empty")
     if len(ids) > seq_len:
-        raise BadRequest(f"{what} has {len(ids)} tokens; the critic's seq_len is {seq_len}")
+        raise BadRequest(f"{what} has {len(ids)} tokens; the {who}'s seq_len is {seq_len}")
     low, high = min(ids), max(ids)
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise BadRequest(f"{what} holds token id {bad} outside the vocabulary 0..{vocab_size - 1}")
 
 
+class BatchRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """A body of `batched_token_ids` alone (the Megatron teacher's /logprobs)."""
+
+    batched_token_ids: list[list[int]]
+
+
 def parse_score_request(
-    body: bytes, vocab_size: int, seq_len: int, max_batch_sequences: int
+    body: bytes,
+    vocab_size: int,
+    seq_len: int,
+    max_batch_sequences: int,
+    who: str = "critic",
+    limit_key: str = "value.service.max_batch_sequences",
+    legacy: bool = True,
 ) -> tuple[list[list[int]], bool]:
-    """(sequences, legacy) of a /score body, or BadRequest naming what is wrong (with its JSON
-    path, e.g. "Expected `int`, got `float` - at `$.batched_token_ids[0][1]`")."""
+    """(sequences, legacy) of a request body, or BadRequest naming what is wrong (with its JSON
+    path, e.g. "Expected `int`, got `float` - at `$.batched_token_ids[0][1]`"). `who` and
+    `limit_key` name the service in messages; without `legacy` only `batched_token_ids` is read."""
     try:
-        request = msgspec.json.decode(body, type=ScoreRequest)
+        request = msgspec.json.decode(body, type=ScoreRequest if legacy else BatchRequest)
     except msgspec.ValidationError as exc:
         raise BadRequest(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"malformed JSON: {exc}") from None
-    if (request.batched_token_ids is None) == (request.token_ids is None):
+    if legacy and (request.batched_token_ids is None) == (request.token_ids is None):
         raise BadRequest("expected exactly one key, 'batched_token_ids' or 'token_ids' (legacy)")
-    if request.token_ids is not None:
-        _check_tokens(request.token_ids, "token_ids", vocab_size, seq_len)
+    if legacy and request.token_ids is not None:
+        _check_tokens(request.token_ids, "token_ids", vocab_size, seq_len, who)
         return [request.token_ids], True
     batch = request.batched_token_ids
     if not batch:
         raise BadRequest("batched_token_ids is empty")
     if len(batch) > max_batch_sequences:
         raise BadRequest(
-            f"batched_token_ids has {len(batch)} sequences; this critic takes at most "
-            f"{max_batch_sequences} per request (value.service.max_batch_sequences)"
+            f"batched_token_ids has {len(batch)} sequences; this {who} takes at most "
+            f"{max_batch_sequences} per request ({limit_key})"
         )
     for i, ids in enumerate(batch):
-        _check_tokens(ids, f"batched_token_ids[{i}]", vocab_size, seq_len)
+        _check_tokens(ids, f"batched_token_ids[{i}]", vocab_size, seq_len, who)
     return batch, False
 
 
@@ -137,36 +154,37 @@ class ScoreQueue:
                 item.future.set_exception(exc)
 
 
-def answer(requests: list[PendingRequest], result: ScoreResult) -> None:
-    """Hands each request its own rows of a merged result, in its own order."""
+def score_rows(result: ScoreResult, start: int, end: int) -> ScoreResult:
+    """Rows start..end of a merged ScoreResult."""
+    return ScoreResult(
+        values=result.values[start:end], bootstrap_values=result.bootstrap_values[start:end], step=result.step
+    )
+
+
+def answer(requests: list[PendingRequest], result, rows=score_rows) -> None:
+    """Hands each request its own rows of a merged result (`rows(result, start, end)`; a list's
+    slice for a list of rows), in its own order."""
     start = 0
     for item in requests:
         end = start + len(item.sequences)
-        item.future.set_result(
-            ScoreResult(
-                values=result.values[start:end],
-                bootstrap_values=result.bootstrap_values[start:end],
-                step=result.step,
-            )
-        )
+        item.future.set_result(rows(result, start, end))
         start = end
 
 
 class ScoringFailed(RuntimeError):
-    """Scoring a merged batch raised on some critic rank: its requests get HTTP 500 (the ranks
-    agreed on it and keep serving)."""
+    """Scoring a merged batch raised on some rank of the service: its requests get HTTP 500 (the
+    ranks agreed on it and keep serving)."""
 
 
-class CriticState:
-    """What /status reports; written by the critic's main loop, read by the service thread."""
+class ServiceState:
+    """What /status reports; written by the service's main loop, read by the service thread."""
 
     def __init__(self, info: dict):
         self._lock = threading.Lock()
         self._state = {
-            "trained_step": -1,
             "busy": False,
             "phase": "starting",
-            "pretrain_step": -1,
+            "scoring_passes": 0,  # collective passes, each over the requests merged into it
             "requests_scored": 0,
             "sequences_scored": 0,
             "tokens_scored": 0,
@@ -187,8 +205,22 @@ class CriticState:
             return dict(self._state)
 
 
-class ScoringService:
-    """The aiohttp app in its own thread; `start()` returns once it listens."""
+class CriticState(ServiceState):
+    """The critic's /status: the service's counters plus the last step trained and pretrained."""
+
+    def __init__(self, info: dict):
+        super().__init__({"trained_step": -1, "pretrain_step": -1, **info})
+
+
+class ModelService:
+    """The aiohttp app in its own thread; `start()` returns once it listens. A subclass names its
+    endpoint and config section and writes the reply of a scored request (`reply`)."""
+
+    name = "critic"  # in messages and the thread's name
+    path = "/score"
+    key = "value.service"  # the config section of the limits named in messages
+    token_key = "value.service.token_env"
+    legacy = True  # the single-sequence `token_ids` body is read too
 
     def __init__(
         self,
@@ -234,7 +266,7 @@ class ScoringService:
                 given = request.headers.get("Authorization", "").encode()
                 if not hmac.compare_digest(given, expected):
                     return web.json_response(
-                        {"error": "missing or wrong 'Authorization: Bearer' token (value.service.token_env)"},
+                        {"error": f"missing or wrong 'Authorization: Bearer' token ({self.token_key})"},
                         status=401,
                     )
             return await handler(request)
@@ -247,15 +279,16 @@ class ScoringService:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return web.json_response(
-                {"error": f"request body of {request.content_length} bytes is over this critic's limit of "
-                 f"{self.max_body_bytes} bytes (room for value.service.max_batch_sequences "
+                {"error": f"request body of {request.content_length} bytes is over this {self.name}'s limit of "
+                 f"{self.max_body_bytes} bytes (room for {self.key}.max_batch_sequences "
                  f"{self.max_batch_sequences} sequences of seq_len {self.seq_len} tokens): split it"},
                 status=413,
             )  # fmt: skip
         try:
             sequences, legacy = parse_score_request(
-                body, self.vocab_size, self.seq_len, self.max_batch_sequences
-            )
+                body, self.vocab_size, self.seq_len, self.max_batch_sequences, self.name,
+                f"{self.key}.max_batch_sequences", self.legacy,
+            )  # fmt: skip
         except BadRequest as exc:
             return web.json_response({"error": str(exc)}, status=400)
         future = self.queue.submit(sequences)
@@ -264,31 +297,20 @@ class ScoringService:
         except TimeoutError:
             future.cancel()
             return web.json_response(
-                {"error": f"not scored within {self.request_timeout_s}s (value.service.request_timeout_s)"},
+                {"error": f"not scored within {self.request_timeout_s}s ({self.key}.request_timeout_s)"},
                 status=504,
             )
         except Exception as exc:
             if isinstance(exc, ScoringFailed):  # this request's batch raised: not worth a retry
                 return web.json_response({"error": str(exc)}, status=500)
-            # the critic failed or is shutting down
+            # the service failed or is shutting down
             return web.json_response({"error": f"scoring failed: {exc}"}, status=503)
-        if not legacy and BINARY_VALUES in request.headers.get("Accept", ""):
-            return web.Response(
-                body=encode_values(result), content_type=BINARY_VALUES, headers={STEP_HEADER: str(result.step)}
-            )
-        if legacy:
-            reply = {
-                "values": np.asarray(result.values[0]).tolist(),
-                "bootstrap_value": float(result.bootstrap_values[0]),
-                "step": result.step,
-            }
-        else:
-            reply = {
-                "values": [np.asarray(v).tolist() for v in result.values],
-                "bootstrap_values": [float(b) for b in result.bootstrap_values],
-                "step": result.step,
-            }
-        return web.Response(body=msgspec.json.encode(reply), content_type="application/json")
+        return self.reply(request, result, legacy)
+
+    def reply(self, request, result, legacy: bool) -> web.Response:
+        """The HTTP reply of a request scored as `result` (its own rows)."""
+        raise NotImplementedError
+
 
     async def _status(self, request):
 
@@ -303,7 +325,7 @@ class ScoringService:
     # -- lifecycle ------------------------------------------------------------------------------
     def _app(self):
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._authorize])
-        app.router.add_post("/score", self._score)
+        app.router.add_post(self.path, self._score)
         app.router.add_get("/status", self._status)
         app.router.add_get("/health", self._health)
         return app
@@ -329,16 +351,39 @@ class ScoringService:
             loop.close()
 
     def start(self, timeout_s: float = 60.0) -> None:
-        self._thread = threading.Thread(target=self._serve, name="critic-service", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=f"{self.name}-service", daemon=True)
         self._thread.start()
         if not self._started.wait(timeout_s):
-            raise RuntimeError(f"critic service on {self.url} did not start within {timeout_s}s")
+            raise RuntimeError(f"{self.name} service on {self.url} did not start within {timeout_s}s")
         if self._error is not None:
-            raise RuntimeError(f"critic service cannot listen on {self.url}: {self._error}") from self._error
-        log.info("critic service listening on %s", self.url)
+            raise RuntimeError(f"{self.name} service cannot listen on {self.url}: {self._error}") from self._error
+        log.info("%s service listening on %s", self.name, self.url)
 
     def stop(self) -> None:
-        self.queue.fail_all(RuntimeError("the critic is shutting down"))
+        self.queue.fail_all(RuntimeError(f"the {self.name} is shutting down"))
         if self._loop is not None and self._thread is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
+
+
+class ScoringService(ModelService):
+    """The critic's service: POST /score answered with values and bootstrap values."""
+
+    def reply(self, request, result: ScoreResult, legacy: bool) -> web.Response:
+        if not legacy and BINARY_VALUES in request.headers.get("Accept", ""):
+            return web.Response(
+                body=encode_values(result), content_type=BINARY_VALUES, headers={STEP_HEADER: str(result.step)}
+            )
+        if legacy:
+            reply = {
+                "values": np.asarray(result.values[0]).tolist(),
+                "bootstrap_value": float(result.bootstrap_values[0]),
+                "step": result.step,
+            }
+        else:
+            reply = {
+                "values": [np.asarray(v).tolist() for v in result.values],
+                "bootstrap_values": [float(b) for b in result.bootstrap_values],
+                "step": result.step,
+            }
+        return web.Response(body=msgspec.json.encode(reply), content_type="application/json")

@@ -1,5 +1,7 @@
 """The binary /score reply (docs/critic-api.md): what the orchestrator's client asks for with
-`Accept: application/x-float32-values` instead of JSON.
+`Accept: application/x-float32-values` instead of JSON; and the Megatron teacher's binary
+/logprobs reply (`Accept: application/x-float32-logprobs`, docs/teacher-api.md): every
+sequence's log-probabilities end to end, float32 little-endian (`encode_rows`, `decode_rows`).
 
 The body is little-endian float32: first the bootstrap value of each sequence, then the values
 of every sequence end to end, in request order (the client knows the lengths: they are its own
@@ -18,6 +20,25 @@ from megatron_rl.data.types import ScoreResult
 
 BINARY_VALUES = "application/x-float32-values"
 STEP_HEADER = "X-Critic-Step"
+BINARY_LOGPROBS = "application/x-float32-logprobs"
+
+
+def encode_rows(rows: Sequence[np.ndarray]) -> bytes:
+    """Every row's float32 values end to end, little-endian."""
+    return np.concatenate([np.asarray(r, dtype="<f4") for r in rows] or [np.empty(0, "<f4")]).tobytes()
+
+
+def decode_rows(payload: bytes, lengths: Sequence[int]) -> list[np.ndarray]:
+    """Rows of `lengths` float32 values from `encode_rows`' bytes; ValueError naming the sizes
+    when the body does not hold exactly that many."""
+    total = int(sum(lengths))
+    if len(payload) != 4 * total:
+        raise ValueError(
+            f"binary reply of {len(payload)} bytes; {len(lengths)} sequences of {total} tokens need {4 * total} "
+            "(4 bytes a token)"
+        )
+    flat = np.frombuffer(payload, dtype="<f4").astype(np.float32)  # one writable copy
+    return list(np.split(flat, np.cumsum(lengths)[:-1])) if len(lengths) else []
 
 
 def encode_values(result: ScoreResult) -> bytes:

@@ -41,11 +41,14 @@ from megatron_rl import faults, parallel
 from megatron_rl.config import ResolvedConfig, ValueConfig
 from megatron_rl.critic.service import (
     CriticState,
+    ModelService,
     PendingRequest,
     ScoreQueue,
     ScoringFailed,
     ScoringService,
+    ServiceState,
     answer,
+    score_rows,
 )
 from megatron_rl.critic.trainer import CriticTrainer
 from megatron_rl.data.types import MicroBatch
@@ -127,64 +130,50 @@ def _start_service(trainer: CriticTrainer, value: ValueConfig) -> ScoringService
     return service
 
 
-class CommandLoop:
-    """One critic rank's loop: rank 0 chooses the next command, every rank receives it by broadcast
-    and runs its handler (`idle`, `score`, `pretrain`, `train`, `stop`; one method each)."""
+class ServingLoop:
+    """One rank's loop of a model service (the critic, the Megatron teacher): rank 0 chooses the
+    next command (`choose`), every rank receives it by broadcast and runs its handler (`handlers`:
+    one method each). This base serves IDLE, SCORE (`score_batch`, the collective scoring of the
+    merged requests) and STOP; a subclass adds its own commands."""
 
-    def __init__(
-        self,
-        trainer: CriticTrainer,
-        receiver: GridReceiver,
-        service: ScoringService | None,
-        signalled: threading.Event,
-        value: ValueConfig,
-    ):
-        self.trainer, self.receiver, self.signalled = trainer, receiver, signalled
-        self.is_rank0 = trainer.is_rank0
-        self.max_batch_sequences = value.service.max_batch_sequences
-        self.isolate_requests = value.service.isolate_requests
+    name = "critic"  # in log lines
+
+    def __init__(self, is_rank0: bool, service: ModelService | None, signalled: threading.Event,
+                 max_batch_sequences: int, isolate_requests: bool, rows=score_rows):  # fmt: skip
+        self.is_rank0, self.signalled = is_rank0, signalled
+        self.max_batch_sequences = max_batch_sequences
+        self.isolate_requests = isolate_requests
+        self.rows = rows  # a request's rows of a merged result (service.answer)
         # Rank 0 only (None or empty elsewhere): the service's queue and state, the requests that
-        # the SCORE being broadcast merges, the grid item for the next step once it arrived.
+        # the SCORE being broadcast merges.
         self.queue: ScoreQueue | None = service.queue if service is not None else None
-        self.state: CriticState | None = service.state if service is not None else None
+        self.state: ServiceState | None = service.state if service is not None else None
         self.taken: list[PendingRequest] = []
-        self.prefetched: list[MicroBatch] | None = None
         self.running = True
+
+    def handlers(self) -> dict:
+        return {IDLE: self.idle, SCORE: self.score, STOP: self.stop}
 
     def run(self) -> None:
         """Serves commands until STOP; an exception from a handler ends the loop on this rank."""
-        handlers = {
-            IDLE: self.idle,
-            SCORE: self.score,
-            PRETRAIN: self.pretrain,
-            TRAIN: self.train,
-            STOP: self.stop,
-        }
+        handlers = self.handlers()
         while self.running:
             kind, arg = _broadcast_command(*self.choose()) if self.is_rank0 else _broadcast_command()
             handlers[kind](arg)
 
     def choose(self) -> tuple[Command, int]:
-        """Rank 0's next command: STOP once signalled, else scoring, pretraining until done, then
-        the next step once its grid item is here; IDLE after waiting at most `IDLE_WAIT_S`."""
-        trainer, queue = self.trainer, self.queue
-        next_step = trainer.trained_step + 1
+        """Rank 0's next command: STOP once signalled, else the waiting requests, else IDLE after
+        waiting at most `IDLE_WAIT_S` for one."""
         if self.signalled.is_set():
             return STOP, 0
-        if len(queue):
-            self.taken = queue.take(self.max_batch_sequences)
-            return (SCORE, sum(len(t.sequences) for t in self.taken)) if self.taken else (IDLE, 0)
-        if trainer.pretraining_left > 0:
-            return PRETRAIN, trainer.pretrain_steps_done
-        if next_step >= trainer.num_steps:
-            self.state.update(phase="finished")
-            queue.wait(IDLE_WAIT_S)
-            return IDLE, 0
-        if self.prefetched is None:
-            self.prefetched = self.receiver.poll(next_step, timeout_s=0.0)
-        if self.prefetched is None and not queue.wait(IDLE_WAIT_S):
-            self.prefetched = self.receiver.poll(next_step, timeout_s=0.0)
-        return (TRAIN, next_step) if self.prefetched is not None else (IDLE, 0)
+        if len(self.queue) or self.queue.wait(IDLE_WAIT_S):
+            return self.take()
+        return IDLE, 0
+
+    def take(self) -> tuple[Command, int]:
+        """SCORE of the waiting requests rank 0 takes (up to max_batch_sequences sequences)."""
+        self.taken = self.queue.take(self.max_batch_sequences)
+        return (SCORE, sum(len(t.sequences) for t in self.taken)) if self.taken else (IDLE, 0)
 
     def idle(self, _arg: int) -> None:
         """IDLE: nothing to do; the next command follows at once."""
@@ -193,6 +182,10 @@ class CommandLoop:
         """STOP: this rank leaves the loop, its role ended normally."""
         parallel.finished()
         self.running = False
+
+    def score_batch(self, request: list[list[int]] | None, sizes: list[int] | None):
+        """Collective: the result of the merged `request` on rank 0 (None elsewhere)."""
+        raise NotImplementedError
 
     def score(self, count: int) -> None:
         """SCORE `count`: every rank scores the merged requests rank 0 took. A failure on any rank
@@ -203,9 +196,9 @@ class CommandLoop:
         with self._busy():
             error = None
             try:
-                result = self.trainer.score(request, sizes)
+                result = self.score_batch(request, sizes)
             except Exception as exc:  # answered below; the ranks agree first
-                log.exception("critic: scoring %d merged sequences failed on this rank", count)
+                log.exception("%s: scoring %d merged sequences failed on this rank", self.name, count)
                 error = exc
             except BaseException as exc:
                 for t in taken:
@@ -224,12 +217,73 @@ class CommandLoop:
                         t.future.set_exception(failure)
                 return
             if self.is_rank0:
-                answer(taken, result)
+                answer(taken, result, self.rows)
                 self.state.add(
+                    scoring_passes=1,
                     requests_scored=len(taken),
                     sequences_scored=len(request),
                     tokens_scored=sum(len(ids) for ids in request),
                 )
+
+    @contextlib.contextmanager
+    def _busy(self):
+        """/status says busy while a command's work runs, however it ends."""
+        self._report(busy=True)
+        try:
+            yield
+        finally:
+            self._report(busy=False)
+
+    def _report(self, **changes) -> None:
+        """Rank 0: updates the state /status serves; a no-op elsewhere."""
+        if self.state is not None:
+            self.state.update(**changes)
+
+
+class CommandLoop(ServingLoop):
+    """One critic rank's loop: the serving loop's commands plus PRETRAIN and TRAIN."""
+
+    def __init__(
+        self,
+        trainer: CriticTrainer,
+        receiver: GridReceiver,
+        service: ScoringService | None,
+        signalled: threading.Event,
+        value: ValueConfig,
+    ):
+        super().__init__(trainer.is_rank0, service, signalled, value.service.max_batch_sequences,
+                         value.service.isolate_requests)  # fmt: skip
+        self.trainer, self.receiver = trainer, receiver
+        self.state: CriticState | None
+        # Rank 0 only: the grid item for the next step once it arrived.
+        self.prefetched: list[MicroBatch] | None = None
+
+    def handlers(self) -> dict:
+        return {**super().handlers(), PRETRAIN: self.pretrain, TRAIN: self.train}
+
+    def choose(self) -> tuple[Command, int]:
+        """Rank 0's next command: STOP once signalled, else scoring, pretraining until done, then
+        the next step once its grid item is here; IDLE after waiting at most `IDLE_WAIT_S`."""
+        trainer, queue = self.trainer, self.queue
+        next_step = trainer.trained_step + 1
+        if self.signalled.is_set():
+            return STOP, 0
+        if len(queue):
+            return self.take()
+        if trainer.pretraining_left > 0:
+            return PRETRAIN, trainer.pretrain_steps_done
+        if next_step >= trainer.num_steps:
+            self.state.update(phase="finished")
+            queue.wait(IDLE_WAIT_S)
+            return IDLE, 0
+        if self.prefetched is None:
+            self.prefetched = self.receiver.poll(next_step, timeout_s=0.0)
+        if self.prefetched is None and not queue.wait(IDLE_WAIT_S):
+            self.prefetched = self.receiver.poll(next_step, timeout_s=0.0)
+        return (TRAIN, next_step) if self.prefetched is not None else (IDLE, 0)
+
+    def score_batch(self, request, sizes):
+        return self.trainer.score(request, sizes)
 
     def pretrain(self, index: int) -> None:
         """PRETRAIN `index`: value pretraining step `index` on every rank; an exception ends the critic."""
@@ -254,17 +308,3 @@ class CommandLoop:
                 self.trainer.save(step)
             self.trainer.write_metrics(record)
             self._report(trained_step=step, last_loss=record["final_loss"], head_only=record["head_only"])
-
-    @contextlib.contextmanager
-    def _busy(self):
-        """/status says busy while a command's work runs, however it ends."""
-        self._report(busy=True)
-        try:
-            yield
-        finally:
-            self._report(busy=False)
-
-    def _report(self, **changes) -> None:
-        """Rank 0: updates the state /status serves; a no-op elsewhere."""
-        if self.state is not None:
-            self.state.update(**changes)

@@ -82,6 +82,14 @@ def _run_role(args: argparse.Namespace, role: str) -> int:
         from megatron_rl.policy.trainer import run_policy
 
         run_policy(resolved)
+    elif role == "teacher":
+        from megatron_rl.teacher.worker import run_teacher
+
+        if resolved.distillation is None or resolved.distillation.teacher.megatron is None:
+            print(f"{args.config}: the config has no Megatron teacher (distillation.teacher.megatron), so there is "
+                  "no teacher to run", file=sys.stderr)  # fmt: skip
+            return 2
+        run_teacher(resolved)
     else:
         from megatron_rl.critic.worker import run_critic
 
@@ -335,18 +343,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reference.add_argument("--out", help="write it here (e.g. docs/reference/configuration.md); default: stdout")
     reference.set_defaults(func=_config_reference)
-    policy = commands.add_parser(
-        "train-policy", help="the policy trainer (run under torchrun on the policy's ranks)"
-    )
-    policy.add_argument("--config", required=True, help="resolved config JSON (check-config --out)")
-    policy.set_defaults(func=lambda a: _run_role(a, "policy"))
-    critic = commands.add_parser(
-        "critic",
-        help="the critic: scoring service on rank 0 plus value training from ZMQ (run under torchrun on the "
-        "critic's ranks; stops on SIGTERM/SIGINT)",
-    )
-    critic.add_argument("--config", required=True, help="resolved config JSON (check-config --out)")
-    critic.set_defaults(func=lambda a: _run_role(a, "critic"))
+    roles = {
+        "train-policy": ("policy", "the policy trainer (run under torchrun on the policy's ranks)"),
+        "critic": ("critic", "the critic: scoring service on rank 0 plus value training from ZMQ (run under "
+                   "torchrun on the critic's ranks; stops on SIGTERM/SIGINT)"),
+        "teacher": ("teacher", "the Megatron teacher of distillation (distillation.teacher.megatron): forward-only "
+                    "log-probabilities behind an HTTP service on rank 0 (run under torchrun on the teacher's ranks; "
+                    "stops on SIGTERM/SIGINT)"),
+    }  # fmt: skip
+    for command, (role, text) in roles.items():
+        role_parser = commands.add_parser(command, help=text)
+        role_parser.add_argument("--config", required=True, help="resolved config JSON (check-config --out)")
+        role_parser.set_defaults(func=lambda a, role=role: _run_role(a, role))
     orchestrate = commands.add_parser(
         "orchestrate",
         help="the orchestrator: rollouts through the inference pool, TrainSink, scoring, the critic and policy "

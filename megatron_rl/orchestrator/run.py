@@ -12,9 +12,11 @@ resolved config with the real collaborators:
 - `CriticLink`: the critic's HTTP service (`HttpValueScorer`: one `/score` per group, `/status`
   polled until the step is trained) and its ZMQ GridSender;
 - the policy's GridSender;
-- with `distillation`, the teacher (`VllmTeacher` at `distillation.teacher.url`, or, for a
-  teacher the run serves, at its router: `layout.services["teacher"].url`), its tokenizer checked
-  to be the student's before anything starts;
+- with `distillation`, the teacher (inference/teacher.py `make_teacher`: `VllmTeacher` at
+  `distillation.teacher.url`, or, for a teacher the run serves, at its router:
+  `layout.services["teacher"].url`; `MegatronTeacher` at the Megatron teacher's service with
+  `distillation.teacher.megatron`), its tokenizer checked to be the student's before anything
+  starts;
 - with `orchestrator.judge`, the judge at its `url` or, served by the run, at its router
   (`layout.services["judge"].url`): the training reward's (unless judge.train is false) and the
   judged evaluation sets'.
@@ -34,7 +36,7 @@ from megatron_rl.envs.judge import Judge, JudgedEnvironment
 from megatron_rl.inference.pool import InferencePool, WeightSync, adapter_rank, served_model_dir
 from megatron_rl.inference.rollout import RolloutClient
 from megatron_rl.inference.router import VllmRouter
-from megatron_rl.inference.teacher import VllmTeacher, check_same_tokenizer
+from megatron_rl.inference.teacher import check_same_tokenizer, make_teacher
 from megatron_rl.inference.vllm_control import VllmControl
 from megatron_rl.orchestrator.chat import PromptEncoder
 from megatron_rl.orchestrator.loop import Orchestrator, OrchestratorError, Timeouts
@@ -183,8 +185,7 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
     if resolved.distillation is not None:  # the same token ids, then a teacher that answers
         settings = resolved.distillation.teacher
         check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(settings.model_dir), settings.model_dir)
-        teacher = VllmTeacher(settings.url or service_url(resolved, "teacher"), settings.served_model_name,
-                              settings.api_key(), settings.timeout_s, settings.max_concurrent)  # fmt: skip
+        teacher = make_teacher(resolved, service_url(resolved, "teacher"))
     orchestrator = Orchestrator(resolved, environment, encoder, client, follower, critic, send_policy, state, metrics,
                                 timeouts, teacher=teacher, judge=judge)  # fmt: skip
     follower.start()

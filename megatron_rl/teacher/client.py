@@ -1,0 +1,79 @@
+"""MegatronTeacher: the orchestrator's TeacherScorer over the Megatron teacher's service.
+
+`await teacher.logprobs(batched_token_ids)` splits the sequences into requests of at most
+`max_batch_sequences` (`distillation.teacher.megatron.max_batch_sequences`, the service's
+limit), sends up to `max_concurrent` of them at once as `POST /logprobs` asking for the binary
+reply (critic/wire.py `encode_rows`: 4 bytes a token), and returns one float32 [T] array per
+sequence in request order, nan at position 0. What the critic's client does for it
+(critic/client.py `ServiceClient`): connection failures and 503 replies retried with exponential
+backoff (`retries`), `timeout_s` a request (TeacherTimeout), a 400 as TeacherRequestError with
+the service's message, every error naming the URL. `check_ready` waits for /health (the teacher
+may still be loading its weights when the orchestrator starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import msgspec
+import numpy as np
+
+from megatron_rl.critic.client import ServiceClient
+from megatron_rl.critic.wire import BINARY_LOGPROBS, decode_rows
+from megatron_rl.inference.teacher import TeacherError, TeacherRequestError, TeacherTimeout
+
+
+class MegatronTeacher(ServiceClient):
+    what = "teacher service"
+    error = TeacherError
+    timeout_error = TeacherTimeout
+    request_error = TeacherRequestError
+
+    def __init__(self, url: str, timeout_s: float = 600.0, max_concurrent: int = 64, max_batch_sequences: int = 512,
+                 token: str | None = None, **options):  # fmt: skip
+        super().__init__(url, timeout_s=timeout_s, token=token, **options)
+        self.max_concurrent, self.max_batch_sequences = max_concurrent, max_batch_sequences
+        self._bound: asyncio.Semaphore | None = None
+        self._bound_loop = None
+        self.requests = 0
+
+    async def _one(self, batch: list[list[int]]) -> list[np.ndarray]:
+        body = msgspec.json.encode({"batched_token_ids": batch})
+        async with self._bound:
+            reply = await self._request("POST", "/logprobs", body, accept=BINARY_LOGPROBS)
+        self.requests += 1
+        lengths = [len(ids) for ids in batch]
+        try:
+            if isinstance(reply, httpx.Response):
+                rows = decode_rows(reply.content, lengths)
+            else:
+                rows = [np.array([np.nan if v is None else v for v in row], dtype=np.float32) for row in reply["logprobs"]]
+                if [len(r) for r in rows] != lengths:
+                    raise ValueError(f"row lengths {[len(r) for r in rows]} for sequences of {lengths} tokens")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TeacherError(f"{self.url}/logprobs: reply does not follow the contract: {exc}") from None
+        return rows
+
+    async def logprobs(self, batched_token_ids: list[list[int]]) -> list[np.ndarray]:
+        """[T] float32 per sequence: log p_teacher(token_t | tokens before it), nan at 0."""
+        loop = asyncio.get_running_loop()
+        if self._bound is None or self._bound_loop is not loop:
+            self._bound, self._bound_loop = asyncio.Semaphore(self.max_concurrent), loop
+        batch = [list(map(int, ids)) for ids in batched_token_ids]
+        size = self.max_batch_sequences
+        parts = await asyncio.gather(*[self._one(batch[i : i + size]) for i in range(0, len(batch), size)])
+        return [row for part in parts for row in part]
+
+    async def check_ready(self, timeout_s: float | None = None, poll_s: float = 0.5) -> dict:
+        """Waits until the service answers /health (at most `timeout_s`, default the request
+        timeout); returns its /status; a TeacherError naming the URL if it never does."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while not await self.health():
+            if time.monotonic() > deadline:
+                raise TeacherError(f"the teacher service at {self.url} (distillation.teacher.megatron) did not answer "
+                                   f"/health within {timeout_s:.0f}s")  # fmt: skip
+            await asyncio.sleep(poll_s)
+        return await self.status()

@@ -1,0 +1,228 @@
+"""The Megatron teacher (`megatron-rl teacher`, distillation.teacher.megatron) against its HTTP
+contract, in one start of its two gloo ranks at TP = 2 (the real CLI entry point): each token's
+log-probability equals transformers' on the same weights (single- and multi-turn sequences, the
+whole sequence), TP = 2 equals one process, the client splits large batches, requests merged
+into one pass are answered with their own rows, bad requests get 400, a failing pass 500 for its
+requests only, and SIGTERM stops both ranks cleanly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.support.spawn import run_ranks
+from tests.support.teacher import teacher_config
+
+VOCAB = 512  # the tiny qwen3's vocabulary
+
+
+def multi_turn(tokenizer) -> list[int]:
+    """A two-turn chat as one token sequence: prompt, reply, a tool observation, a second reply."""
+    messages = [
+        {"role": "user", "content": "Count to three."},
+        {"role": "assistant", "content": "one two three"},
+        {"role": "user", "content": "observation: ok, now backwards"},
+        {"role": "assistant", "content": "three two one"},
+    ]
+    ids = tokenizer.apply_chat_template(messages, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def hf_logprobs(model_dir, ids: list[int]) -> np.ndarray:
+    """transformers' log p(token t | tokens before it) in float32, nan at 0."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    picked = torch.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return np.concatenate([[np.nan], picked.numpy()]).astype(np.float32)
+
+
+BAD_REQUESTS = [
+    (b"{oops", "malformed JSON"),
+    (b'{"batched_token_ids": []}', "is empty"),
+    (b'{"batched_token_ids": [[1, 2], []]}', "batched_token_ids[1] is empty"),
+    (b'{"batched_token_ids": [[1, 2.5]]}', "Expected `int`, got `float` - at `$.batched_token_ids[0][1]`"),
+    (b'{"batched_token_ids": [[1, 512]]}', "outside the vocabulary"),
+    (b'{"batched_token_ids": [[' + b", ".join([b"1"] * 129) + b"]]}", "teacher's seq_len is 128"),
+    (b'{"batched_token_ids": [' + b", ".join([b"[1]"] * 9) + b"]}",
+     "at most 8 per request (distillation.teacher.megatron.max_batch_sequences)"),
+    (b'{"token_ids": [1, 2]}', "unknown field `token_ids`"),
+    (b"{}", "Object missing required field `batched_token_ids`"),
+]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_models, tmp_path_factory):
+    """Everything one session with the teacher at TP = 2 returned (see `teacher_session`)."""
+    model = tiny_models["qwen3"]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    single = list(tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"])
+    rng = np.random.default_rng(0)
+    others = [rng.integers(0, VOCAB, int(n)).tolist() for n in (5, 17, 33, 2, 64)]
+    samples = [single, multi_turn(tokenizer), *others]
+    tmp = tmp_path_factory.mktemp("teacher_tp2")
+    resolved, path = teacher_config(tmp, model, seq_len=128, tp=2, max_batch_sequences=8)
+    assert resolved.layout.services["teacher"].megatron.tp == 2
+    session = run_ranks(teacher_session, 2, str(path), samples, timeout_s=300)[0]
+    return model, samples, session, tmp
+
+
+def test_logprobs_equal_transformers_single_and_multi_turn(served):
+    model, samples, session, _ = served
+    rows = session["client_rows"]
+    assert [len(r) for r in rows] == [len(s) for s in samples]
+    for ids, row in zip(samples[:2], rows[:2]):
+        expected = hf_logprobs(model, ids)
+        assert np.isnan(row[0]) and row.dtype == np.float32
+        np.testing.assert_allclose(row[1:], expected[1:], atol=1e-4, rtol=0)
+        assert (row[1:] < 0).all() and np.isfinite(row[1:]).all()
+    assert 40 < len(samples[1]) <= 128  # the whole two-turn chat, observation tokens included
+    json_row = session["json_row"]
+    assert json_row[0] is None and np.allclose(json_row[1:], rows[0][1:], atol=0)  # JSON: null at 0
+
+
+def test_tp2_equals_one_process(served, tmp_path):
+    model, samples, session, _ = served
+    _, path = teacher_config(tmp_path, model, seq_len=128)  # tp 1, one rank
+    alone = run_ranks(one_process_logprobs, 1, str(path), samples)[0]
+    for a, b in zip(session["client_rows"], alone):
+        np.testing.assert_allclose(a[1:], b[1:], atol=1e-5, rtol=0)
+
+
+def test_merged_requests_are_answered_with_their_own_rows(served):
+    _, samples, session, _ = served
+    status = session["status_after_merge"]
+    # the slow request took one pass; the three sent while it ran were merged into one more
+    assert status["scoring_passes"] - session["status_before_merge"]["scoring_passes"] == 2
+    for batch, (code, reply) in zip(session["merged_batches"], session["merged_replies"]):
+        assert code == 200
+        for ids, row in zip(batch, reply):
+            alone = session["client_rows"][samples.index(ids)]
+            assert len(row) == len(ids) and row[0] is None
+            np.testing.assert_array_equal(np.array(row[1:], np.float32), alone[1:])  # bit for bit (isolated)
+    # the client split 7 sequences into requests of at most max_batch_sequences (8): one request;
+    # with 3 a request: 3
+    assert session["client_requests"] == [1, 3]
+
+
+def test_bad_requests_400_and_a_failing_pass_500_for_its_requests_only(served):
+    _, _, session, _ = served
+    for (body, message), (code, reply) in zip(BAD_REQUESTS, session["bad_replies"]):
+        assert code == 400, body
+        assert message in reply["error"], (body, reply)
+    (failed, failure), (after, good) = session["failing"]
+    assert failed == 500 and "PackingError: injected: a 13-token sequence" in failure["error"]
+    assert after == 200 and len(good["logprobs"][0]) == 2
+    status = session["status_initial"]
+    assert status["phase"] == "ready" and status["layout"]["tp"] == 2 and status["model"]["seq_len"] == 128
+    assert session["health"] is True
+
+
+# Rank functions: module-level, so that the spawned ranks can import them.
+
+
+def one_process_logprobs(rank, world_size, resolved_path, samples):
+    from megatron_rl.config import load_resolved
+    from megatron_rl.teacher.worker import TeacherModel
+
+    teacher = TeacherModel(load_resolved(resolved_path))
+    return teacher.score(samples)
+
+
+def teacher_session(rank, world_size, resolved_path, samples):
+    """`megatron-rl teacher --config PATH` on every rank (the CLI's main), with packing made to
+    fail on a batch holding a 13-token sequence and to take 1.5 s on one holding an 11-token
+    sequence (so that requests sent meanwhile queue and merge). Rank 0 also runs the client in a
+    thread and returns what it saw; then it stops the teacher with SIGTERM."""
+    import asyncio
+    import json
+    import os
+    import signal
+    import threading
+    import time
+
+    import httpx
+
+    from megatron_rl.config import load_resolved
+    from megatron_rl.critic import scoring
+    from megatron_rl.data.packing import PackingError
+    from megatron_rl.launch import cli
+    from megatron_rl.teacher.client import MegatronTeacher
+
+    original_pack = scoring.pack_into_grid
+
+    def pack(samples_, *args, **kwargs):
+        if any(len(s.token_ids) == 13 for s in samples_):
+            raise PackingError("injected: a 13-token sequence")
+        if any(len(s.token_ids) == 11 for s in samples_):
+            time.sleep(1.5)
+        return original_pack(samples_, *args, **kwargs)
+
+    scoring.pack_into_grid = pack
+    resolved = load_resolved(resolved_path)
+    url = resolved.layout.services["teacher"].url
+    out: dict = {}
+
+    def post(batch=None, body=None):
+        content = body if body is not None else json.dumps({"batched_token_ids": batch})
+        reply = httpx.post(f"{url}/logprobs", content=content, timeout=120)
+        return reply.status_code, reply.json()
+
+    def client():
+        try:
+            for _ in range(600):
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.2)
+            out["health"] = httpx.get(f"{url}/health", timeout=5).json()["ok"]
+            out["status_initial"] = httpx.get(f"{url}/status", timeout=5).json()
+
+            async def through_client():
+                whole, split = MegatronTeacher(url), MegatronTeacher(url, max_batch_sequences=3)
+                try:
+                    rows = await whole.logprobs(samples)
+                    again = await split.logprobs(samples)
+                    return rows, again, [whole.requests, split.requests]
+                finally:
+                    await whole.close()
+                    await split.close()
+
+            rows, again, out["client_requests"] = asyncio.run(through_client())
+            assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(rows, again))
+            out["client_rows"] = rows
+            out["json_row"] = post([samples[0]])[1]["logprobs"][0]
+            out["status_before_merge"] = httpx.get(f"{url}/status", timeout=5).json()
+            batches = [[samples[2], samples[3]], [samples[0]], [samples[4], samples[1], samples[5]]]
+            out["merged_batches"], replies = batches, [None] * len(batches)
+
+            def send(i):
+                code, reply = post(batches[i])
+                replies[i] = (code, reply.get("logprobs", reply))
+
+            slow = threading.Thread(target=post, args=([[3] * 11],))
+            slow.start()
+            time.sleep(0.5)  # the slow pass is running: the next three queue together
+            senders = [threading.Thread(target=send, args=(i,)) for i in range(len(batches))]
+            for t in senders:
+                t.start()
+            for t in [slow, *senders]:
+                t.join()
+            out["merged_replies"] = replies
+            out["status_after_merge"] = httpx.get(f"{url}/status", timeout=5).json()
+            out["bad_replies"] = [post(body=body) for body, _ in BAD_REQUESTS]
+            out["failing"] = [post([[5] * 13, [6, 7]]), post([[7, 8]])]
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=client, daemon=True) if rank == 0 else None
+    if thread is not None:
+        thread.start()
+    code = cli.main(["teacher", "--config", resolved_path])
+    if thread is not None:
+        thread.join(timeout=30)
+    assert code == 0
+    return out
