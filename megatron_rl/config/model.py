@@ -366,6 +366,7 @@ class ModelConfig(Strict):
     ep: int = Field(default=1, ge=1, description="Expert-parallel degree (MoE models).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(default="bfloat16", description="Parameter and compute dtype.")
     recompute: RecomputeConfig = Field(default_factory=RecomputeConfig, description="Activation recomputation.")
+    trust_remote_code: bool = Field(default=False, description="Let transformers import and run the tokenizer code a model directory ships (tokenizer_config.json's auto_map, such as Moonlight's tiktoken-based tokenization_moonshot.py) where the policy's tokenizer is loaded (the orchestrator, the CLI, preflight, the demo), and start vLLM with --trust-remote-code. This runs Python code from that directory: set it only for a directory you trust. false: a directory whose tokenizer is such code (and that has no tokenizer.json) is refused, naming this key. Read from the policy's section (model); the critic takes token ids.")
     transformer_engine: Literal["required", "auto", "off"] = Field(default="required", description="The TransformerEngine layer spec on deployment.device cuda: required (a trainer refuses to start when transformer_engine.pytorch does not import, naming the import error), auto (TE when it imports, else the local spec and a warning saying why), off (the local spec). Layouts that use the local spec by design (cp > 1) and the cpu device use it whatever this says.")
 
     @field_validator("transformer_engine", mode="before")
