@@ -9,7 +9,10 @@ Import this module before megatron-core. `apply()` (run on import) installs the 
   used, and why is logged): the MoE router's `te_general_gemm` (undefined without TE);
 - no TransformerEngine and no Apex: the distributed optimizer's torch-Adam `step` handling;
 - always: sequence parallel with megatron's own WrappedTorchNorm, which the local layer spec
-  uses on any machine (CPU, CP > 1, or no TE) and which refuses sequence parallel (MoE at TP > 1).
+  uses on any machine (CPU, CP > 1, or no TE) and which refuses sequence parallel (MoE at TP > 1);
+  and a megatron-core bug, not a CPU difference: multi-latent attention at TP > 1 (the local spec,
+  or TE's without sequence parallel) does not sum its shared RoPE key's gradient over TP
+  (NVIDIA/Megatron-LM issue #1699, unfixed in core 0.19).
 
 This is the only module in megatron_rl that knows about these differences.
 """
@@ -81,6 +84,7 @@ PATCH_CONDITIONS = {
     "te_general_gemm": lambda m: not m.transformer_engine,
     "all_to_all_split_sizes": lambda m: not m.cuda,  # gloo
     "torch_norm_sequence_parallel": lambda m: True,  # the local spec, on any machine
+    "latent_attention_shared_rope_grad": lambda m: True,  # megatron-core's MLA at TP > 1, any machine
     "uneven_gather_scatter": lambda m: not m.cuda,  # gloo
     "distributed_optimizer_torch_adam": lambda m: not (m.transformer_engine or m.apex),
 }

@@ -282,6 +282,98 @@ def _patch_distributed_optimizer_torch_adam() -> None:
     distrib.DistributedOptimizer.load_state_dict = load_state_dict
 
 
+class _SumSharedRopeKeyGrad(torch.autograd.Function):
+    """Identity forward on MLA's [..., kv_lora_rank + qk_pos_emb_head_dim] down-projection output;
+    the backward sums the gradient of its last `rope` channels (the shared RoPE key) over `group`."""
+
+    @staticmethod
+    def forward(ctx, kv_combined, rope: int, group):
+        ctx.rope, ctx.group = rope, group
+        return kv_combined.view_as(kv_combined)
+
+    @staticmethod
+    def backward(ctx, grad):
+        key = grad[..., -ctx.rope :].contiguous()
+        torch.distributed.all_reduce(key, group=ctx.group)
+        return torch.cat([grad[..., : -ctx.rope], key], dim=-1), None, None
+
+
+def _patch_latent_attention_shared_rope_grad() -> None:
+    """megatron-core 0.16.1's MLASelfAttention takes too little gradient for the shared RoPE key
+    at TP > 1 (the last qk_pos_emb_head_dim outputs of linear_kv_down_proj, HF kv_a_proj_with_mqa's
+    rows after the kv latent). Every TP rank uses that key, whole, for its own heads, so the key's
+    true gradient is the sum over TP of what each rank's heads send back; megatron sums it nowhere:
+
+    - the local spec (ColumnParallelLinear: the output split over TP, then
+      `gather_from_tensor_model_parallel_region`, whose backward only takes this rank's slice):
+      the rank that holds the key's columns keeps its own heads' part, with or without sequence
+      parallel (the layer gathers the sequence first, so the key is the whole sequence's);
+    - TE's spec (the down-projection duplicated on every rank) without sequence parallel: each
+      rank's duplicated weight gets its own heads' part, and nothing reduces it (megatron marks the
+      weight for the TP all-reduce only under sequence parallel).
+
+    TE's spec with sequence parallel is right: there the key is gathered along the sequence
+    (`gather_from_sequence_parallel_region`), whose backward reduce-scatters, summing it over TP;
+    this patch leaves that path alone (no second sum). The latent's own gradient is right
+    everywhere (linear_kv_up_proj sums its input gradient over TP).
+
+    The fix: the backward of the down-projection's full-width output (the gathered one on the local
+    spec, the duplicated layer's own on TE's without sequence parallel) all-reduces the key's
+    channels over the TP group before megatron splits them; the forward is unchanged. This is what
+    `copy_to_tensor_model_parallel_region` on k_pos_emb does (identity forward, all-reduce
+    backward). No megatron-core release fixes it (core_v0.17.1 to core_v0.19.0, and main at
+    d98e8a64dd, 2026-08-22, have 0.16's code): the bug is NVIDIA/Megatron-LM issue #1699 (open
+    since 2025-07); pull request #6839 (dev branch, open in 2026-08) proposes that reduction on
+    k_pos_emb after its RoPE, and its review found it summed twice under sequence parallel with
+    TE's duplicated linear: the case left alone here. MLA is found by wrapping
+    `MLASelfAttention.get_query_key_value_tensors`: for the call it hooks the kv down-projection
+    module it holds then (a LoRA wrapper included) to know its output, and the module's gather
+    recognises that tensor; the q latent's gather (complete already: linear_q_up_proj sums its
+    input gradient) is left alone. tests/distributed/test_mla_tp.py: a training step at TP = 2
+    on both specs (full and LoRA) equals one process's."""
+    import contextvars
+
+    mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
+    original_qkv = mla.MLASelfAttention.get_query_key_value_tensors
+    original_gather = mla.gather_from_tensor_model_parallel_region
+    # (the kv down-projection's output in this call, or None; rope channels; TP group)
+    current: contextvars.ContextVar = contextvars.ContextVar("megatron_rl_mla_kv_down", default=None)
+
+    def get_query_key_value_tensors(self, hidden_states, *args, **kwargs):
+        group = self.tp_group
+        if group is None or group.size() == 1 or not torch.is_grad_enabled():
+            return original_qkv(self, hidden_states, *args, **kwargs)
+        config = self.config
+        rope, whole = config.qk_pos_emb_head_dim, config.kv_lora_rank + config.qk_pos_emb_head_dim
+        state = {"output": None}
+
+        def hook(module, inputs, result):
+            output, bias = result if isinstance(result, tuple) else (result, None)
+            if output.size(-1) == whole and not config.sequence_parallel:  # TE's duplicated linear
+                output = _SumSharedRopeKeyGrad.apply(output, rope, group)
+                result = (output, bias) if isinstance(result, tuple) else output
+            state["output"] = output
+            return result
+
+        handle = self.linear_kv_down_proj.register_forward_hook(hook)
+        token = current.set((state, rope, group))
+        try:
+            return original_qkv(self, hidden_states, *args, **kwargs)
+        finally:
+            current.reset(token)
+            handle.remove()
+
+    def gather_from_tensor_model_parallel_region(input_, *args, **kwargs):
+        output = original_gather(input_, *args, **kwargs)
+        context = current.get()
+        if context is not None and input_ is context[0]["output"]:  # the split kv down-projection
+            output = _SumSharedRopeKeyGrad.apply(output, context[1], context[2])
+        return output
+
+    mla.MLASelfAttention.get_query_key_value_tensors = get_query_key_value_tensors
+    mla.gather_from_tensor_model_parallel_region = gather_from_tensor_model_parallel_region
+
+
 def _silence_cpu_warnings() -> None:
     # Emitted on every import/forward without TE, Apex or CUDA; they say nothing actionable here.
     for message in (
@@ -304,6 +396,7 @@ PATCHES = {
     "te_general_gemm": _patch_te_general_gemm,
     "all_to_all_split_sizes": _patch_all_to_all_split_sizes,
     "torch_norm_sequence_parallel": _patch_torch_norm_sequence_parallel,
+    "latent_attention_shared_rope_grad": _patch_latent_attention_shared_rope_grad,
     "uneven_gather_scatter": _patch_uneven_gather_scatter,
     "distributed_optimizer_torch_adam": _patch_distributed_optimizer_torch_adam,
 }
