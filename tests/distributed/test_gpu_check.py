@@ -102,7 +102,8 @@ def test_checks_run_at_toy_sizes_on_cpu(tmp_path):
         "versions": "PASS", "te_extension": "NOT RUN", "memory": "PASS", "collectives": "PASS", "layer_step": "PASS",
         "nccl": "PASS", "compile": "PASS", "te_spec": "NOT RUN", "bf16_policy": "PASS", "bf16_critic": "PASS",
         "offload": "PASS", "policy_process": "PASS", "critic_process": "PASS", "vllm": "NOT RUN",
-        "te_checkpoints": "NOT RUN", "throughput": "PASS", "vllm_lora": "NOT RUN", "expert_adapters": "PASS", "multi_train_step": "NOT RUN",
+        "te_checkpoints": "NOT RUN", "throughput": "PASS", "vllm_lora": "NOT RUN", "expert_adapters": "PASS", "glm4_moe": "PASS", "deepseek_v3": "PASS",
+        "multi_train_step": "NOT RUN",
         "multi_weight_broadcast": "NOT RUN", "multi_expert_all_to_all": "NOT RUN",
     }  # fmt: skip
     checks = {r["check"]: r for r in report["checks"]}
@@ -124,6 +125,14 @@ def test_checks_run_at_toy_sizes_on_cpu(tmp_path):
     assert compile_figures["bias_activation_fusion"] is False and compile_figures["graphs_per_step"][-1] == 0
     assert compile_figures["new_lengths_in_steady_steps"] > 0
     assert all(checks[name]["detail"].startswith("needs 2 GPUs, found 0 (--cpu)") for name in MULTI_GPU)
+    # the MoE families on the local spec (no TE on CPU): transformers' logits, LoRA on every linear trained
+    for family, attention in (("glm4_moe", ["linear_proj", "linear_qkv"]),
+                              ("deepseek_v3", ["linear_kv_down_proj", "linear_kv_up_proj", "linear_proj",
+                                               "linear_q_down_proj", "linear_q_up_proj"])):  # fmt: skip
+        figures = checks[family]["figures"]
+        assert figures["spec"] == "local" and figures["max_abs_logit_err_fp32"] < 1e-4, figures
+        assert figures["attention_linears"] == attention and figures["adapters_moved"] == figures["adapters"]
+        assert figures["lora_losses"][1] < figures["lora_losses"][0]
     assert report["mode"] == "cpu-smoke" and "toy sizes on CPU" in proc.stdout
 
 

@@ -127,6 +127,23 @@ REGISTRY = [
         "figures are benchmarks/expert_adapters.py's. Started after the others only when its limit fits "
         "(AFTER_BUDGET)",
     ),
+    Check(
+        "glm4_moe",
+        40,
+        "a tiny GLM-4.5-style model (glm4_moe: q/k/v biases, half-rotary heads, a dense first layer, a shared "
+        "expert, grouped sigmoid routing with its expert bias) built from its HF config on TE's spec: float32 "
+        "logits (TF32 off) within 1e-3 of transformers', bf16 log-probs within 0.02 (mean); LoRA on every "
+        "linear (dense MLP, shared and each routed expert) trains in bf16: the loss on the batch falls, every "
+        "attention, dense and shared adapter moves, routed ones too, no base weight (tests/gpu/family_checks.py; "
+        "not yet timed on a GPU. AFTER_BUDGET)",
+    ),
+    Check(
+        "deepseek_v3",
+        40,
+        "the same for a tiny DeepSeek-V3-style model (deepseek_v3: multi-latent attention with YaRN, q and kv "
+        "latents, two shared experts): TE's MLA against transformers, and LoRA on every MLA linear (q down/up, "
+        "kv down/up, linear_proj) and the experts (not yet timed on a GPU. AFTER_BUDGET)",
+    ),
 ]
 # The multi-GPU checks (tests/gpu/multi_gpu.py): run last, only where torch sees >= 2 GPUs (else
 # NOT RUN, "needs 2 GPUs, found N", at no cost), within a budget of their own that counts only
@@ -161,7 +178,7 @@ MULTI_GPU = [check.name for check in MULTI_GPU_REGISTRY]
 # left of DEFAULT_BUDGET_S (the others finish under their limits; else NOT RUN, "--only NAME"):
 # their limits are not counted in the budget's sum. Added without GPU measurements to take their
 # seconds from the others'.
-AFTER_BUDGET = ["vllm_lora", "expert_adapters"]
+AFTER_BUDGET = ["vllm_lora", "expert_adapters", "glm4_moe", "deepseek_v3"]
 MULTI_GPU_BUDGET_S = 300  # each check: two spawns of 50 s at most (multi_gpu.py)
 CHECKS = [check.name for check in REGISTRY + MULTI_GPU_REGISTRY]
 LIMIT_S = {check.name: check.limit_s for check in REGISTRY + MULTI_GPU_REGISTRY}
