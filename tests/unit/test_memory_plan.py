@@ -29,6 +29,7 @@ from megatron_rl.config.memory_plan import (
 )
 from megatron_rl.config.model import Architecture
 from tests.support.cli import run_cli
+from tests.support.hf_configs import GLM_45_AIR
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("*.yaml"))
 SAO_30B = next(p for p in EXAMPLES if p.name == "qwen3_30b_a3b_sao.yaml")
@@ -327,16 +328,6 @@ def test_lora_adapters_activations_are_counted_under_full_recomputation_once(tp,
 
 
 GLM45_AIR = next(p for p in EXAMPLES if p.name == "glm45_air_sao_4nodes.yaml")
-# GLM-4.5-Air's published config.json (zai-org/GLM-4.5-Air), the fields the glm4_moe mapping reads
-GLM45_AIR_HF_CONFIG = {
-    "model_type": "glm4_moe", "hidden_size": 4096, "num_hidden_layers": 46, "num_attention_heads": 96,
-    "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 10944, "moe_intermediate_size": 1408,
-    "n_routed_experts": 128, "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1,
-    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
-    "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": False, "rope_theta": 1000000,
-    "max_position_embeddings": 131072, "vocab_size": 151552, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-    "hidden_act": "silu", "num_nextn_predict_layers": 1, "rope_scaling": None,
-}  # fmt: skip
 
 
 def test_glm45_air_example_is_the_published_model_and_its_parameter_count():
@@ -346,7 +337,7 @@ def test_glm45_air_example_is_the_published_model_and_its_parameter_count():
     without the embedding and output layers: 13.4B with them)."""
     resolved = load_config(GLM45_AIR)
     arch = resolved.layout.policy_architecture
-    assert arch == Architecture.from_hf_config(GLM45_AIR_HF_CONFIG, "GLM-4.5-Air")
+    assert arch == Architecture.from_hf_config(GLM_45_AIR, "GLM-4.5-Air")
     assert resolved.value.model.architecture == arch
     single = ModelLayout(world_size=1, tp=1, cp=1, pp=1, ep=1, dp=1, expert_dp=1)
     params = rank_parameters(arch, single)
