@@ -54,6 +54,16 @@ class ServiceLayout(Strict):
 MEGATRON_TEACHER_KEY = "distillation.teacher.megatron"
 
 
+def vllm_services(services: dict[str, ServiceLayout]) -> dict[str, ServiceLayout]:
+    """The served models that are vLLM servers behind a router of their own (not the Megatron teacher)."""
+    return {name: service for name, service in services.items() if service.is_vllm}
+
+
+def megatron_service(services: dict[str, ServiceLayout]) -> ServiceLayout | None:
+    """The Megatron teacher's layout among the served models, or None."""
+    return next((service for service in services.values() if not service.is_vllm), None)
+
+
 def megatron_teacher(config: Config):
     """The `distillation.teacher.megatron` block, or None (no distillation, or a vLLM teacher)."""
     return config.distillation.teacher.megatron if config.distillation is not None else None

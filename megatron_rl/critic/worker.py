@@ -20,6 +20,9 @@ steps only when a signal says so: after the last step the critic keeps answering
 /status (phase "finished") until SIGTERM or SIGINT, which rank 0 turns into STOP after the
 command in progress, so a step being trained is never cut short and every rank exits 0.
 
+The IDLE/SCORE/STOP part of the loop (`ServingLoop`) is the Megatron teacher's too
+(teacher/worker.py); the critic's `CommandLoop` adds PRETRAIN and TRAIN.
+
 A SCORE command that raises on any rank (every rank all-reduces a failure flag after it) answers
 just the merged requests of that command with HTTP 500 naming the cause, and every rank keeps
 serving. An exception while training or pretraining ends the critic: the cause is in its log

@@ -1,6 +1,7 @@
 """The teacher of on-policy distillation, served by vLLM (algorithms/distillation.py); the
 Megatron teacher's client is megatron_rl/teacher/client.py (`MegatronTeacher`), which raises the
-errors defined here too; `make_teacher(resolved)` builds the one the config asks for.
+errors defined here too; teacher/client.py `make_teacher(resolved, url)` builds the one the
+config asks for.
 
 `VllmTeacher(url, model)` scores token sequences: one `/v1/completions` request a sequence with
 the sequence as the token-id prompt, `prompt_logprobs` 0 (the log-probability of each prompt
@@ -95,17 +96,3 @@ def check_same_tokenizer(student, teacher, where: str) -> None:
             f"distillation.teacher.model_dir {where}: the teacher's tokenizer is not the student's ("
             + "; ".join(problems) + "): its log-probabilities would be of other tokens than the student sampled"
         )
-
-
-def make_teacher(resolved, service_url: str | None):
-    """The TeacherScorer of `distillation.teacher`: `MegatronTeacher` at the run's Megatron
-    teacher service (`megatron`), else `VllmTeacher` at `url` or at the router of the vLLM
-    teacher the run serves (`service_url`)."""
-    settings = resolved.distillation.teacher
-    if settings.megatron is not None:
-        from megatron_rl.teacher.client import MegatronTeacher
-
-        return MegatronTeacher(service_url, timeout_s=settings.timeout_s, max_concurrent=settings.max_concurrent,
-                               max_batch_sequences=settings.megatron.max_batch_sequences, token=settings.api_key())  # fmt: skip
-    return VllmTeacher(settings.url or service_url, settings.served_model_name, settings.api_key(), settings.timeout_s,
-                       settings.max_concurrent)  # fmt: skip

@@ -8,7 +8,9 @@
     python -m megatron_rl.launch.ports --count N --hosts ADDR 127.0.0.1 --exclude P ...
 
 `inference-server` and `router` replace their own process with the server's (os.execve), so
-the signals srun sends reach vLLM and the router directly.
+the signals srun sends reach vLLM and the router directly. A Megatron teacher
+(`distillation.teacher.megatron`) is no vLLM server: it runs as `megatron-rl teacher` under
+torchrun (the script's `torchrun_step teacher`), and the orchestrator waits for its /health.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import time
 
 from megatron_rl.config import ResolvedConfig
+from megatron_rl.config.services import vllm_services
 from megatron_rl.inference.pool import InferencePool, router_settings
 from megatron_rl.inference.router import _free_loopback_port, router_command
 from megatron_rl.inference.services import service_api_key, service_router_settings, service_servers
@@ -43,10 +46,13 @@ def exec_inference_server(resolved: ResolvedConfig, index: int, service: str | N
 
 
 def _service(resolved: ResolvedConfig, name: str):
-    if name not in resolved.layout.services:
-        raise SystemExit(f"--service {name}: the config serves {sorted(resolved.layout.services) or 'no model'} "
-                         "beside the policy")  # fmt: skip
-    return resolved.layout.services[name]
+    served = vllm_services(resolved.layout.services)
+    if name not in served:
+        megatron = name in resolved.layout.services
+        raise SystemExit(f"--service {name}: the config serves {sorted(served) or 'no model'} with vLLM beside the policy"
+                         + ("; its teacher is the Megatron service (distillation.teacher.megatron), started as "
+                            "`megatron-rl teacher` under torchrun" if megatron else ""))  # fmt: skip
+    return served[name]
 
 
 def exec_router(resolved: ResolvedConfig, service: str | None = None) -> None:
@@ -68,7 +74,7 @@ def wait_inference(resolved: ResolvedConfig) -> int:
     model; 1 after inference.startup_timeout_s, naming those that do not."""
     inference = resolved.inference
     expected = {url: (inference.served_model_name, inference.api_key()) for url in resolved.layout.inference_urls}
-    for name, service in resolved.layout.services.items():
+    for name, service in vllm_services(resolved.layout.services).items():
         expected.update({url: (service.served_model_name, service_api_key(resolved, name)) for url in service.server_urls})
     deadline = time.monotonic() + inference.startup_timeout_s
     pending = list(expected)
@@ -90,6 +96,7 @@ def wait_inference(resolved: ResolvedConfig) -> int:
             return 1
         if pending:
             time.sleep(1.0)
-    served = "".join(f", {s.num_servers} {name} server(s) {s.served_model_name!r}" for name, s in resolved.layout.services.items())
+    served = "".join(f", {s.num_servers} {name} server(s) {s.served_model_name!r}"
+                     for name, s in vllm_services(resolved.layout.services).items())  # fmt: skip
     print(f"all {len(resolved.layout.inference_urls)} inference servers serve {inference.served_model_name!r}{served}")
     return 0

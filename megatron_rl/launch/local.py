@@ -11,9 +11,11 @@ none of the configured ports), then starts, in dependency order, each with its o
    the run serves (`distillation.teacher` / `orchestrator.judge` without `url`: config/services.py,
    on devices of their own); the launcher waits until every one serves its model;
 2. vllm-router over the policy's servers, and one over each served model's;
-3. the critic's torchrun group (when there is a `value` section);
-4. the policy's torchrun group;
-5. the orchestrator (`megatron-rl orchestrate`, attached to the servers and router above).
+3. the Megatron teacher's torchrun group (`distillation.teacher.megatron`: `megatron-rl teacher`
+   on devices of its own, log `teacher.log`; the orchestrator waits for its /health);
+4. the critic's torchrun group (when there is a `value` section);
+5. the policy's torchrun group;
+6. the orchestrator (`megatron-rl orchestrate`, attached to the servers and router above).
 
 It then supervises: the first component to fail (any exit of a server, the router or the critic;
 a non-zero exit of the policy or the orchestrator) stops all of them (SIGTERM to each process
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_rl.config import ResolvedConfig, load_config
+from megatron_rl.config.services import megatron_service, vllm_services
 from megatron_rl.inference.pool import InferencePool, router_settings, served_model_dir
 from megatron_rl.inference.router import router_command
 from megatron_rl.inference.services import service_router_settings, service_servers
@@ -143,7 +146,8 @@ def _served_gpus(resolved: ResolvedConfig) -> int:
 
 def assign_devices(resolved: ResolvedConfig, visible: list[str]) -> dict[str, list[str]]:
     """Disjoint device lists: `inference_{i}` (inference.tp each), then `teacher_{i}` and
-    `judge_{i}` of served models (their serve.tp each), `critic`, `policy`."""
+    `judge_{i}` of served models (their serve.tp each), or `teacher` (a Megatron teacher's
+    megatron.gpus), `critic`, `policy`."""
     deployment, inference, services = resolved.deployment, resolved.inference, resolved.layout.services
     needed = deployment.inference_gpus + deployment.policy_gpus + resolved.layout.value_gpus + _served_gpus(resolved)
     if len(visible) < needed:
@@ -157,6 +161,10 @@ def assign_devices(resolved: ResolvedConfig, visible: list[str]) -> dict[str, li
         out[f"inference_{i}"] = visible[cursor : cursor + inference.tp]
         cursor += inference.tp
     for name, service in services.items():
+        if not service.is_vllm:  # the Megatron teacher: one torchrun group
+            out[name] = visible[cursor : cursor + service.gpus]
+            cursor += service.gpus
+            continue
         for i in range(service.num_servers):
             out[f"{name}_{i}"] = visible[cursor : cursor + service.tp]
             cursor += service.tp
@@ -168,13 +176,17 @@ def assign_devices(resolved: ResolvedConfig, visible: list[str]) -> dict[str, li
 
 
 def training_env(resolved: ResolvedConfig, role: str) -> dict[str, str]:
-    """What megatron needs in the environment of a training role's ranks ("policy" or "critic"):
+    """What megatron needs in the environment of a role's ranks ("policy", "critic", or "teacher",
+    the Megatron teacher's):
     on CUDA with TP > 1, CUDA_DEVICE_MAX_CONNECTIONS=1. Megatron's tensor-parallel linear layers
     issue the sequence-parallel all-gather and reduce-scatter, or the input-gradient all-reduce,
     asynchronously and rely on that setting to have the GPU schedule them before the weight-
     gradient matmul they overlap with (megatron/core/tensor_parallel/layers.py; it warns when
     unset). The SLURM script sets the same (launch/slurm.py)."""
-    layout = resolved.layout.policy if role == "policy" else resolved.layout.critic
+    if role == "teacher":
+        layout = resolved.layout.services["teacher"].megatron
+    else:
+        layout = resolved.layout.policy if role == "policy" else resolved.layout.critic
     if resolved.deployment.device == "cuda" and layout.tp > 1:
         return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     return {}
@@ -195,7 +207,8 @@ def plan_local(
     resolved: ResolvedConfig, resolved_path: Path, devices: dict[str, list[str]], ports: dict[str, int]
 ) -> list[Component]:
     """The components of one local run, in start order. `ports`: `policy_rendezvous`,
-    `critic_rendezvous` (with a value section), `router_metrics`."""
+    `critic_rendezvous` (with a value section), `teacher_rendezvous` (with a Megatron teacher),
+    `router_metrics`."""
     logs = Path(resolved.logging.dir) / "logs"
     inference, layout = resolved.inference, resolved.layout
     try:
@@ -219,6 +232,13 @@ def plan_local(
                                 ports={"http": router_port, "metrics": ports["router_metrics"]}))  # fmt: skip
     components += served_components(resolved, devices, ports, logs)
     config = ["--config", str(resolved_path)]
+    teacher = megatron_service(layout.services)
+    if teacher is not None:
+        components.append(Component(
+            "teacher", torchrun_command(teacher.gpus, ports["teacher_rendezvous"], ["teacher", *config]),
+            logs / "teacher.log", _role_env(resolved, "teacher", devices["teacher"]), devices["teacher"],
+            {"rendezvous": ports["teacher_rendezvous"], "service": teacher.ports[0]}, torchrun=True,
+        ))  # fmt: skip
     if resolved.value is not None:
         components.append(Component(
             "critic", torchrun_command(layout.value_gpus, ports["critic_rendezvous"], ["critic", *config]),
@@ -240,10 +260,11 @@ def plan_local(
 
 def served_components(resolved: ResolvedConfig, devices: dict[str, list[str]], ports: dict[str, int],
                       logs: Path) -> list[Component]:  # fmt: skip
-    """The servers and the router of each model the run serves (teacher, judge): `NAME_{i}` on
-    devices `NAME_{i}`, and `NAME_router` on its serve.router_port (metrics: `NAME_router_metrics`)."""
+    """The servers and the router of each model the run serves with vLLM (teacher, judge):
+    `NAME_{i}` on devices `NAME_{i}`, and `NAME_router` on its serve.router_port (metrics:
+    `NAME_router_metrics`)."""
     components = []
-    for name, service in resolved.layout.services.items():
+    for name, service in vllm_services(resolved.layout.services).items():
         servers = service_servers(resolved, name, [devices[f"{name}_{i}"] for i in range(service.num_servers)], logs)
         for i, server in enumerate(servers):
             extra = {k: v for k, v in server.env.items() if os.environ.get(k) != v}
@@ -260,11 +281,14 @@ def served_components(resolved: ResolvedConfig, devices: dict[str, list[str]], p
 
 
 def probe_launch_ports(resolved: ResolvedConfig) -> dict[str, int]:
-    """Both groups' rendezvous ports and the routers' metrics ports (the policy's, and each served
-    model's), chosen together, free on the host address and loopback, none of the configured ports."""
+    """Every torchrun group's rendezvous port and the routers' metrics ports (the policy's, and each
+    served model's), chosen together, free on the host address and loopback, none of the
+    configured ports."""
+    services = resolved.layout.services
     names = ["policy_rendezvous", "router_metrics"] + (
         ["critic_rendezvous"] if resolved.value is not None else []
-    ) + [f"{name}_router_metrics" for name in resolved.layout.services]
+    ) + (["teacher_rendezvous"] if megatron_service(services) is not None else []
+    ) + [f"{name}_router_metrics" for name in vllm_services(services)]
     hosts = {"127.0.0.1", resolved.transport.host, resolved.inference.host}
     hosts |= {s.url.removeprefix("http://").rsplit(":", 1)[0] for s in resolved.layout.services.values()}
     found = probe_ports(len(names), hosts, exclude=set(resolved.layout.ports.values()))

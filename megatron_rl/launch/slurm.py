@@ -4,6 +4,9 @@ Placement (`place`), per node of the allocation:
 
 - inference servers first, `inference.tp` GPUs each, filling nodes in order; then the servers
   of a teacher and a judge the run serves (config/services.py), `serve.tp` GPUs each, the same way;
+  a Megatron teacher (`distillation.teacher.megatron`: its own torchrun group, `megatron-rl
+  teacher`) on the first node with `megatron.gpus` GPUs free, or on whole free nodes when it
+  needs more than one (a multiple of gpus_per_node);
 - **shared** (`deployment.num_value_gpus_per_train_node` = c): every training node gives c GPUs
   to the critic (its own torchrun group) and the rest, up to what the policy still needs, to the
   policy; the policy must get the same GPU count on each of its nodes (torchrun);
@@ -36,6 +39,7 @@ from pathlib import Path
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from megatron_rl.config import Layout, LoggingConfig, ResolvedConfig, load_config
+from megatron_rl.config.services import MEGATRON_TEACHER_KEY, megatron_service, vllm_services
 from megatron_rl.launch.local import training_env
 
 
@@ -64,7 +68,7 @@ def place(resolved: ResolvedConfig) -> dict[str, StepPlacement | list[StepPlacem
         free[node] -= inference.tp
         servers.append(StepPlacement(f"inference_{i}", [node], inference.tp))
     services: dict[str, list[StepPlacement]] = {}
-    for name, service in layout.services.items():
+    for name, service in vllm_services(layout.services).items():
         services[name] = []
         for i in range(service.num_servers):
             node = next((n for n in range(nodes) if free[n] >= service.tp), None)
@@ -73,8 +77,9 @@ def place(resolved: ResolvedConfig) -> dict[str, StepPlacement | list[StepPlacem
                                  f"{nodes} nodes of {g} GPUs after the inference servers")  # fmt: skip
             free[node] -= service.tp
             services[name].append(StepPlacement(f"{name}_{i}", [node], service.tp))
-    critic_nodes: list[int] = []
     style = layout.deployment_style
+    teacher = _place_teacher(resolved, free, deployment.num_value_nodes if style == "dedicated" else 0)
+    critic_nodes: list[int] = []
     if style == "dedicated":
         critic_nodes = list(range(nodes - deployment.num_value_nodes, nodes))
         if any(free[n] != g for n in critic_nodes):
@@ -102,6 +107,8 @@ def place(resolved: ResolvedConfig) -> dict[str, StepPlacement | list[StepPlacem
                          "the same count on every node (change policy_gpus or inference_gpus)")  # fmt: skip
     out: dict = {"inference": servers, "services": services,
                  "policy": StepPlacement("policy", policy_nodes, per_node[0])}  # fmt: skip
+    if teacher is not None:
+        out["teacher"] = teacher
     if style == "shared":
         out["critic"] = StepPlacement("critic", policy_nodes, reserve)
     elif style == "dedicated":
@@ -115,6 +122,44 @@ def place(resolved: ResolvedConfig) -> dict[str, StepPlacement | list[StepPlacem
     return out
 
 
+def _place_teacher(resolved: ResolvedConfig, free: list[int], critic_tail: int) -> StepPlacement | None:
+    """The Megatron teacher's torchrun group (taking its GPUs from `free`): the first node with
+    megatron.gpus free, or as many whole free nodes as it needs; never the dedicated critic's last
+    `critic_tail` nodes."""
+    teacher = megatron_service(resolved.layout.services)
+    if teacher is None:
+        return None
+    g, nodes, need = resolved.deployment.gpus_per_node, resolved.deployment.nodes, teacher.gpus
+    usable = range(nodes - critic_tail)
+    if need <= g:
+        node = next((n for n in usable if free[n] >= need), None)
+        if node is None:
+            raise SlurmError(f"the teacher ({MEGATRON_TEACHER_KEY}: {need} GPUs) does not fit on any node of {g} GPUs "
+                             "after the inference servers")  # fmt: skip
+        free[node] -= need
+        return StepPlacement("teacher", [node], need)
+    if need % g:
+        raise SlurmError(f"{MEGATRON_TEACHER_KEY}.gpus ({need}): a teacher over more than one node takes whole nodes, "
+                         f"a multiple of gpus_per_node ({g})")  # fmt: skip
+    whole = [n for n in usable if free[n] == g][: need // g]
+    if len(whole) < need // g:
+        raise SlurmError(f"the teacher ({MEGATRON_TEACHER_KEY}: {need} GPUs) needs {need // g} whole nodes; "
+                         f"{len(whole)} are free after the inference servers")  # fmt: skip
+    for n in whole:
+        free[n] = 0
+    return StepPlacement("teacher", whole, g)
+
+
+def rendezvous_probes(placement) -> list[tuple[int, list[str]]]:
+    """(node, port variables) for each node where torchrun groups start (policy, critic, teacher):
+    the groups that share a first node are probed together, so that they get different ports."""
+    probes: dict[int, list[str]] = {}
+    for name in ("policy", "critic", "teacher"):
+        if name in placement:
+            probes.setdefault(placement[name].nodes[0], []).append(f"{name.upper()}_PORT")
+    return list(probes.items())
+
+
 def gpu_use_per_node(placement) -> list[dict[str, int]]:
     """For each node, GPUs per step (the rendered script asks SLURM for exactly these)."""
     steps = [
@@ -122,6 +167,7 @@ def gpu_use_per_node(placement) -> list[dict[str, int]]:
         *(step for servers in placement.get("services", {}).values() for step in servers),
         placement["policy"],
         *([placement["critic"]] if "critic" in placement else []),
+        *([placement["teacher"]] if "teacher" in placement else []),
     ]
     nodes = max(n for s in steps for n in s.nodes) + 1
     use = [{} for _ in range(nodes)]
@@ -157,7 +203,8 @@ def render(resolved: ResolvedConfig, config_path: Path, partition: str | None = 
     run_dir = Path(resolved.logging.dir).resolve()
     served = placement["services"]
     # every step of a node, plus probes and the routers
-    steps_per_node = 2 + len(placement["inference"]) + 3 + sum(len(servers) + 1 for servers in served.values())
+    steps_per_node = (2 + len(placement["inference"]) + 3 + sum(len(servers) + 1 for servers in served.values())
+                      + ("teacher" in placement))  # fmt: skip
     services = [{"name": name, "key": resolved.layout.services[name].key, "servers": servers}
                 for name, servers in served.items()]  # fmt: skip
     return template("job.sbatch.j2").render(
@@ -174,9 +221,13 @@ def render(resolved: ResolvedConfig, config_path: Path, partition: str | None = 
         services=services,
         policy=placement["policy"],
         critic=placement.get("critic"),
+        teacher=placement.get("teacher"),
+        teacher_key=MEGATRON_TEACHER_KEY,
+        probes=rendezvous_probes(placement),
         orchestrator=placement["orchestrator"],
         policy_export=srun_export(training_env(resolved, "policy")),
         critic_export=srun_export(training_env(resolved, "critic")) if "critic" in placement else None,
+        teacher_export=srun_export(training_env(resolved, "teacher")) if "teacher" in placement else None,
         fixed_ports=fixed_ports(resolved.layout),
         grace_s=int(resolved.deployment.stop_grace_s),
         style=resolved.layout.deployment_style,

@@ -12,7 +12,7 @@ resolved config with the real collaborators:
 - `CriticLink`: the critic's HTTP service (`HttpValueScorer`: one `/score` per group, `/status`
   polled until the step is trained) and its ZMQ GridSender;
 - the policy's GridSender;
-- with `distillation`, the teacher (inference/teacher.py `make_teacher`: `VllmTeacher` at
+- with `distillation`, the teacher (teacher/client.py `make_teacher`: `VllmTeacher` at
   `distillation.teacher.url`, or, for a teacher the run serves, at its router:
   `layout.services["teacher"].url`; `MegatronTeacher` at the Megatron teacher's service with
   `distillation.teacher.megatron`), its tokenizer checked to be the student's before anything
@@ -36,13 +36,14 @@ from megatron_rl.envs.judge import Judge, JudgedEnvironment
 from megatron_rl.inference.pool import InferencePool, WeightSync, adapter_rank, served_model_dir
 from megatron_rl.inference.rollout import RolloutClient
 from megatron_rl.inference.router import VllmRouter
-from megatron_rl.inference.teacher import check_same_tokenizer, make_teacher
+from megatron_rl.inference.teacher import check_same_tokenizer
 from megatron_rl.inference.vllm_control import VllmControl
 from megatron_rl.orchestrator.chat import PromptEncoder
 from megatron_rl.orchestrator.loop import Orchestrator, OrchestratorError, Timeouts
 from megatron_rl.orchestrator.metrics import MetricsWriter
 from megatron_rl.orchestrator.state import OrchestratorState
 from megatron_rl.orchestrator.tracking import Tracker
+from megatron_rl.teacher.client import make_teacher
 from megatron_rl.trainer import atomic_dir
 from megatron_rl.trainer.atomic_dir import latest
 from megatron_rl.trainer.resume import run_resume_step

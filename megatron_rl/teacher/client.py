@@ -8,7 +8,9 @@ sequence in request order, nan at position 0. What the critic's client does for 
 (critic/client.py `ServiceClient`): connection failures and 503 replies retried with exponential
 backoff (`retries`), `timeout_s` a request (TeacherTimeout), a 400 as TeacherRequestError with
 the service's message, every error naming the URL. `check_ready` waits for /health (the teacher
-may still be loading its weights when the orchestrator starts).
+may still be loading its weights when the orchestrator starts). `make_teacher(resolved, url)`
+is the orchestrator's choice of teacher client: this one with `distillation.teacher.megatron`,
+else `VllmTeacher`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 
 from megatron_rl.critic.client import ServiceClient
 from megatron_rl.critic.wire import BINARY_LOGPROBS, decode_rows
-from megatron_rl.inference.teacher import TeacherError, TeacherRequestError, TeacherTimeout
+from megatron_rl.inference.teacher import TeacherError, TeacherRequestError, TeacherTimeout, VllmTeacher
 
 
 class MegatronTeacher(ServiceClient):
@@ -77,3 +79,15 @@ class MegatronTeacher(ServiceClient):
                                    f"/health within {timeout_s:.0f}s")  # fmt: skip
             await asyncio.sleep(poll_s)
         return await self.status()
+
+
+def make_teacher(resolved, service_url: str | None):
+    """The TeacherScorer of `distillation.teacher`: `MegatronTeacher` at the run's Megatron
+    teacher service (`megatron`), else `VllmTeacher` at `url` or at the router of the vLLM
+    teacher the run serves (`service_url`)."""
+    settings = resolved.distillation.teacher
+    if settings.megatron is not None:
+        return MegatronTeacher(service_url, timeout_s=settings.timeout_s, max_concurrent=settings.max_concurrent,
+                               max_batch_sequences=settings.megatron.max_batch_sequences, token=settings.api_key())  # fmt: skip
+    return VllmTeacher(settings.url or service_url, settings.served_model_name, settings.api_key(), settings.timeout_s,
+                       settings.max_concurrent)  # fmt: skip

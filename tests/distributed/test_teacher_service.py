@@ -1,7 +1,7 @@
 """The Megatron teacher (`megatron-rl teacher`, distillation.teacher.megatron) against its HTTP
 contract, in one start of its two gloo ranks at TP = 2 (the real CLI entry point): each token's
 log-probability equals transformers' on the same weights (single- and multi-turn sequences, the
-whole sequence), TP = 2 equals one process, the client splits large batches, requests merged
+whole sequence), TP = 2, CP = 2, PP = 2 and two replicas equal one process, the client splits large batches, requests merged
 into one pass are answered with their own rows, bad requests get 400, a failing pass 500 for its
 requests only, and SIGTERM stops both ranks cleanly."""
 
@@ -83,11 +83,28 @@ def test_logprobs_equal_transformers_single_and_multi_turn(served):
     assert json_row[0] is None and np.allclose(json_row[1:], rows[0][1:], atol=0)  # JSON: null at 0
 
 
-def test_tp2_equals_one_process(served, tmp_path):
-    model, samples, session, _ = served
-    _, path = teacher_config(tmp_path, model, seq_len=128)  # tp 1, one rank
-    alone = run_ranks(one_process_logprobs, 1, str(path), samples)[0]
-    for a, b in zip(session["client_rows"], alone):
+@pytest.fixture(scope="module")
+def alone(served, tmp_path_factory):
+    """The samples' log-probabilities from one process (tp 1), scored directly."""
+    model, samples, _, _ = served
+    _, path = teacher_config(tmp_path_factory.mktemp("teacher_tp1"), model, seq_len=128)
+    return run_ranks(one_process_logprobs, 1, str(path), samples)[0]
+
+
+def test_tp2_equals_one_process(served, alone):
+    for a, b in zip(served[2]["client_rows"], alone):
+        np.testing.assert_allclose(a[1:], b[1:], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", [{"cp": 2}, {"pp": 2}, {"gpus": 2}])
+def test_cp2_pp2_and_two_replicas_equal_one_process(served, alone, layout, tmp_path):
+    """The same pass at CP = 2 (each sequence split over two ranks), PP = 2 (megatron's
+    forward-only schedule) and DP = 2 (two replicas), scored directly on two ranks."""
+    model, samples, _, _ = served
+    resolved, path = teacher_config(tmp_path, model, seq_len=128, **layout)
+    assert resolved.layout.services["teacher"].megatron.world_size == 2
+    rows = run_ranks(one_process_logprobs, 2, str(path), samples)[0]
+    for a, b in zip(rows, alone):
         np.testing.assert_allclose(a[1:], b[1:], atol=1e-5, rtol=0)
 
 
@@ -226,3 +243,45 @@ def teacher_session(rank, world_size, resolved_path, samples):
         thread.join(timeout=30)
     assert code == 0
     return out
+
+
+def test_the_orchestrator_scores_its_samples_with_the_megatron_teacher(tiny_models, tmp_path):
+    """The orchestrator's loop (over the in-process fakes of tests/support/orchestrator.py) with
+    the teacher the config's `distillation.teacher.megatron` makes (`make_teacher`): a real
+    one-rank `megatron-rl teacher` process; every shipped sample carries the service's
+    log-probabilities on its action tokens, and the step reports the signal."""
+    import asyncio
+
+    from megatron_rl.algorithms.distillation import distillation_metrics
+    from megatron_rl.orchestrator.rollouts import PromptEncoder
+    from megatron_rl.teacher.client import MegatronTeacher, make_teacher
+    from tests.support.orchestrator import build_orchestrator, orchestrator_config
+    from tests.support.teacher import start_teacher, teacher_url
+
+    model = tiny_models["qwen3"]
+    served, path = teacher_config(tmp_path / "teacher", model, seq_len=256)
+    distillation = {"teacher": {"url": "http://unused:1", "model_dir": str(model)}, "coef": 0.5}
+    resolved = orchestrator_config("grpo", distillation=distillation, num_steps=1, batch_size=2, group_size=2)
+    encoder = PromptEncoder(AutoTokenizer.from_pretrained(model))
+    with start_teacher(served, path, tmp_path / "ranks"):
+
+        async def run():
+            teacher = make_teacher(served, teacher_url(served))
+            assert isinstance(teacher, MegatronTeacher)
+            await teacher.check_ready(timeout_s=30)
+            orchestrator, _, _, _, _, records = build_orchestrator(resolved, encoder, teacher=teacher)
+            try:
+                await asyncio.wait_for(orchestrator.run(), 60)
+                samples = [s for _, s in orchestrator.shipped.items]
+                direct = await teacher.logprobs([list(s.token_ids) for s in samples])
+            finally:
+                await teacher.close()
+            return samples, direct, records, teacher.requests
+
+        samples, direct, records, requests = asyncio.run(run())
+    assert len(samples) == 4 and requests >= 2
+    for sample, row in zip(samples, direct):
+        np.testing.assert_array_equal(sample.teacher_logprobs, np.where(sample.loss_mask, row, 0.0).astype(np.float32))
+        assert sample.loss_mask.any() and (sample.teacher_logprobs[sample.loss_mask] < 0).all()
+    expected = distillation_metrics(samples, 0.5)
+    assert records[0]["teacher_kl_mean"] == pytest.approx(expected["teacher_kl_mean"])

@@ -12,7 +12,7 @@ import megatron_rl
 ORDER = [
     "config", "faults", "lifetime", "compat", "parallel", "models", "conversion", "transforms", "data", "algorithms",
     "transport", "inference",
-    "trainer", "policy", "critic", "envs", "orchestrator", "sim", "demo", "launch",
+    "trainer", "policy", "critic", "teacher", "envs", "orchestrator", "sim", "demo", "launch",
 ]  # fmt: skip
 
 

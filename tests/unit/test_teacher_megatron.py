@@ -10,9 +10,9 @@ import pytest
 
 from megatron_rl.config import ConfigError, parse_config
 from megatron_rl.config.memory_plan import BYTES, GIB, check_fits, format_plan, memory_plan
-from megatron_rl.inference.teacher import VllmTeacher, make_teacher
+from megatron_rl.inference.teacher import VllmTeacher
 from megatron_rl.orchestrator.run import service_url
-from megatron_rl.teacher.client import MegatronTeacher
+from megatron_rl.teacher.client import MegatronTeacher, make_teacher
 from tests.unit.test_served_models import hf_parameters, run_config
 
 
@@ -89,3 +89,82 @@ def test_the_teacher_command_needs_a_megatron_teacher(tmp_path, tiny_models, cap
     path.write_text(resolved.to_json())
     assert cli.main(["teacher", "--config", str(path)]) == 2
     assert "no Megatron teacher (distillation.teacher.megatron)" in capsys.readouterr().err
+
+
+def megatron_yaml(tmp_path: Path, model: Path, **deployment) -> Path:
+    import yaml
+
+    config = run_config(tmp_path, model, teacher={"megatron": {"tp": 2, "port": 9400}}, **deployment)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_megatron_rl_run_starts_the_teacher_as_a_torchrun_group_on_devices_of_its_own(tmp_path, tiny_models,
+                                                                                       monkeypatch):  # fmt: skip
+    import io
+
+    from megatron_rl.launch.local import run_local, training_env
+    from tests.unit.test_served_models import blocks_of
+
+    path = megatron_yaml(tmp_path, tiny_models["qwen3"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,6,5,4,3,2,1,0")
+    out = io.StringIO()
+    assert run_local(str(path), dry_run=True, out=out) == 0
+    blocks = blocks_of(out.getvalue())
+    # no vLLM server or router of its own: one torchrun group, started after the policy's servers
+    assert list(blocks) == ["inference_0", "router", "teacher", "policy", "orchestrator"]
+    teacher = blocks["teacher"]
+    assert "devices: 6,5\n" in teacher and "devices: 4,3\n" in blocks["policy"]
+    assert "--nproc_per_node 2" in teacher and "megatron_rl.launch.cli teacher --config" in teacher
+    assert "CUDA_VISIBLE_DEVICES=6,5" in teacher and "CUDA_DEVICE_MAX_CONNECTIONS=1" in teacher  # tp 2 on cuda
+    assert "service=9400" in teacher
+    resolved = parse_config(run_config(tmp_path, tiny_models["qwen3"], teacher={"megatron": {"tp": 2}}))
+    assert training_env(resolved, "teacher") == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+def test_the_slurm_job_places_and_starts_the_megatron_teacher(tmp_path, tiny_models):
+    import subprocess
+
+    from megatron_rl.launch.job_steps import _service
+    from megatron_rl.launch.slurm import SlurmError, gpu_use_per_node, place, render
+
+    model = tiny_models["qwen3"]
+    resolved = parse_config(run_config(tmp_path, model, teacher={"megatron": {"tp": 2, "gpus": 4}}, policy_gpus=3))  # fmt: skip
+    placement = place(resolved)
+    teacher = placement["teacher"]
+    assert (teacher.name, teacher.nodes, teacher.gpus_per_node) == ("teacher", [0], 4)
+    assert gpu_use_per_node(placement) == [{"inference_0": 1, "teacher": 4, "policy": 3}]
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(resolved, tmp_path / "run.yaml"))
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    lint = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout
+    text = script.read_text()
+    assert '--set distillation.teacher.megatron.host="${ADDRS[0]}"' in text
+    assert "read -r POLICY_PORT TEACHER_PORT < <(probe 0 2)" in text  # one node: probed together
+    assert 'torchrun_step teacher "${NODES[0]}" 1 4 0 "$TEACHER_PORT" teacher' in text
+    assert "--service teacher" not in text  # no vLLM server or router for it
+    assert text.index("torchrun_step teacher") < text.index("torchrun_step policy")
+    with pytest.raises(SystemExit, match="its teacher is the Megatron service"):
+        _service(resolved, "teacher")
+    # over one node: whole nodes, a multiple of gpus_per_node
+    big = parse_config(run_config(tmp_path, model, teacher={"megatron": {"tp": 2, "gpus": 16}}, nodes=3,
+                                  policy_gpus=7))  # fmt: skip
+    placed = place(big)
+    assert (placed["teacher"].nodes, placed["teacher"].gpus_per_node) == ([1, 2], 8)
+    odd = parse_config(run_config(tmp_path, model, teacher={"megatron": {"tp": 2, "gpus": 10}}, nodes=3,
+                                  policy_gpus=7))  # fmt: skip
+    with pytest.raises(SlurmError, match=r"distillation.teacher.megatron.gpus \(10\): a teacher over more than one"):
+        place(odd)
+
+
+def test_preflight_knows_the_teachers_port_group_and_layer_step(tmp_path, tiny_models):
+    from megatron_rl.launch.preflight import Context
+    from megatron_rl.launch.preflight.host_checks import listening_ports
+    from megatron_rl.launch.preflight.rank_checks import _roles
+
+    resolved = parse_config(run_config(tmp_path, tiny_models["qwen3"], teacher={"megatron": {"tp": 2, "port": 9400}}))
+    context = Context(resolved, "gloo")
+    assert listening_ports(context)["distillation.teacher.megatron.port"] == ("127.0.0.1", 9400)
+    assert [(role, layout.tp) for role, layout in _roles(context)] == [("policy", 1), ("teacher", 2)]

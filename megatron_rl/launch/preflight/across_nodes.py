@@ -10,7 +10,7 @@ fails prints its own FAIL line naming its rank and node; the exit status is 1 th
 
     python -m megatron_rl.launch.torchrun --nnodes N --node_rank I --nproc_per_node G \\
         --master_addr ADDR --master_port PORT -m megatron_rl.launch.preflight.across_nodes \\
-        {policy,critic} CONFIG [--set KEY=VALUE ...] [--network-gbytes-per-s GB_PER_S]
+        {policy,critic,teacher} CONFIG [--set KEY=VALUE ...] [--network-gbytes-per-s GB_PER_S]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def judged(cuda: bool, network_gbytes_per_s: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("role", choices=["policy", "critic"])
+    parser.add_argument("role", choices=["policy", "critic", "teacher"])
     parser.add_argument("config")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     add_network_flag(parser, help="the inter-node network's nominal bandwidth per GPU, GB/s")
@@ -56,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    layout = resolved.layout.policy if args.role == "policy" else resolved.layout.critic
+    if args.role == "teacher":  # the Megatron teacher (distillation.teacher.megatron)
+        teacher = resolved.layout.services.get("teacher")
+        layout = teacher.megatron if teacher is not None else None
+    else:
+        layout = resolved.layout.policy if args.role == "policy" else resolved.layout.critic
     if layout is None:
         print(f"across_nodes: the config has no {args.role}", file=sys.stderr)
         return 2

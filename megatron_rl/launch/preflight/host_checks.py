@@ -165,6 +165,9 @@ def listening_ports(context: Context) -> dict[str, tuple[str, int]]:
     for i, host in enumerate(servers):
         hosts[f"inference.base_port+{i}"] = host
     for service in resolved.layout.services.values():  # a served teacher's and judge's servers and router
+        if not service.is_vllm:  # the Megatron teacher's service
+            hosts[f"{service.key}.megatron.port"] = service.url.removeprefix("http://").rsplit(":", 1)[0]
+            continue
         hosts[f"{service.key}.serve.router_port"] = service.url.removeprefix("http://").rsplit(":", 1)[0]
         for i, url in enumerate(service.server_urls):
             hosts[f"{service.key}.serve.base_port+{i}"] = url.removeprefix("http://").rsplit(":", 1)[0]

@@ -101,8 +101,11 @@ def _rank_main(target, rank: int, world_size: int, port: int, out: str, args: tu
 
 
 def _roles(context: Context) -> list[tuple[str, ModelLayout]]:
+    """Every torchrun group's layout: the policy's, the critic's, the Megatron teacher's."""
     layout = context.resolved.layout
-    return [("policy", layout.policy)] + ([("critic", layout.critic)] if layout.critic is not None else [])
+    teacher = layout.services.get("teacher")
+    return ([("policy", layout.policy)] + ([("critic", layout.critic)] if layout.critic is not None else [])
+            + ([("teacher", teacher.megatron)] if teacher is not None and teacher.megatron is not None else []))  # fmt: skip
 
 
 def _fits_here(context: Context, world_size: int, role: str) -> None:
@@ -270,7 +273,8 @@ def layer_step_rank(rank: int, world_size: int, resolved_json: str, role: str) -
     """Forward and backward of the role's model as the trainer builds it (its layer spec, dtype,
     recomputation and model transforms: LoRA, routing replay), trimmed to one layer, on a packed
     row of random tokens: the spec used, the transforms, the loss, finite gradients on every
-    parameter that trains."""
+    parameter that trains. The Megatron teacher ("teacher": forward-only, its own dtype and spec):
+    finite negative log-probabilities of the row's tokens, no backward."""
     import numpy as np
     import torch
 
@@ -286,14 +290,19 @@ def layer_step_rank(rank: int, world_size: int, resolved_json: str, role: str) -
     from megatron_rl.transforms.plan import build_options, role_transforms
 
     resolved = ResolvedConfig.model_validate_json(resolved_json)
-    critic = role == "critic"
-    model_config = resolved.value.model if critic else resolved.model
-    full = resolved.layout.critic_architecture if critic else resolved.layout.policy_architecture
+    critic, teacher = role == "critic", role == "teacher"
+    if teacher:  # the teacher's own model settings (distillation.teacher.megatron)
+        model_config = resolved.distillation.teacher.megatron.as_model_config(
+            resolved.layout.services["teacher"].model_dir, resolved.model.seq_len)
+        full = resolved.layout.services["teacher"].architecture
+    else:
+        model_config = resolved.value.model if critic else resolved.model
+        full = resolved.layout.critic_architecture if critic else resolved.layout.policy_architecture
     arch = full.model_copy(update={"num_layers": 1})
     parallel.initialize_model_parallel()
     torch.manual_seed(0)
-    transforms = role_transforms(resolved, role)
-    where = "value.model.transformer_engine" if critic else "model.transformer_engine"
+    transforms = [] if teacher else role_transforms(resolved, role)
+    where = {"critic": "value.model", "teacher": "distillation.teacher.megatron"}.get(role, "model") + ".transformer_engine"
     options = dict(dtype=model_config.dtype, **model_config.recompute.transformer_fields(), **build_options(transforms),
                    transformer_engine=transformer_engine_choice(model_config.transformer_engine,
                                                                 resolved.deployment.device, 1, where))  # fmt: skip
@@ -307,6 +316,15 @@ def layer_step_rank(rank: int, world_size: int, resolved_json: str, role: str) -
                             inference_logprobs=np.zeros(tokens), reward=0.0)  # fmt: skip
     batch = policy_batch(pack_into_grid([sample], tokens, 1)[0][0])
     began = time.perf_counter()
+    if teacher:
+        model.eval()
+        with torch.no_grad():
+            logprobs = megatron_vocab_parallel_logprobs(run_batch(model, batch)[0], batch.targets)[0]
+        seconds = time.perf_counter() - began
+        if not (logprobs.isfinite().all() and (logprobs <= 0).all()):
+            raise CheckFailed(f"the teacher's log-probabilities are not finite and <= 0: {logprobs[:4].tolist()}")
+        return {"spec": "te" if compat.MACHINE.transformer_engine else "local", "loss": -logprobs.mean().item(),
+                "seconds": seconds, "parameters": sum(p.numel() for p in model.parameters()), "transforms": []}  # fmt: skip
     with passes(hooks, training=True):
         output = run_batch(model, batch, hooks)
         loss = (
@@ -334,6 +352,9 @@ def check_layer_step(context: Context) -> str:
     roles = [("policy", resolved.layout.policy_architecture, resolved.model.dtype)]
     if resolved.value is not None and resolved.layout.critic_architecture is not None:
         roles.append(("critic", resolved.layout.critic_architecture, resolved.value.model.dtype))
+    teacher = resolved.layout.services.get("teacher")
+    if teacher is not None and not teacher.is_vllm:  # forward-only: its loss is the mean negative log-probability
+        roles.append(("teacher", teacher.architecture, resolved.distillation.teacher.megatron.dtype))
     for role, arch, dtype in roles:
         [f] = spawn_ranks(layer_step_rank, 1, (resolved.to_json(), role), limit_s=120)
         transforms = f", with {' and '.join(f['transforms'])}" if f["transforms"] else ""

@@ -57,7 +57,8 @@ REGISTRY = [
         "layer_step",
         15,
         "one forward/backward of each role's architecture trimmed to one layer, on the layer "
-        "spec the builder picks here: finite loss and gradients",
+        "spec the builder picks here: finite loss and gradients (a Megatron teacher: one forward, finite "
+        "log-probabilities)",
         rank_checks.check_layer_step,
     ),  # fmt: skip
     Check(

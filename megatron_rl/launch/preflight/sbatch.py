@@ -25,7 +25,7 @@ from megatron_rl.launch.slurm import StepPlacement, fixed_ports, place, srun_exp
 def spanning_roles(resolved: ResolvedConfig) -> list[StepPlacement]:
     """The training roles placed on more than one node."""
     placement = place(resolved)  # the layout must fit the allocation, as for the job itself (SlurmError)
-    return [placement[role] for role in ("policy", "critic") if role in placement and len(placement[role].nodes) > 1]
+    return [placement[role] for role in ("policy", "critic", "teacher") if role in placement and len(placement[role].nodes) > 1]
 
 
 def render(resolved: ResolvedConfig, config_path: Path, overrides: list[str], partition: str | None = None,
