@@ -104,7 +104,7 @@ def test_checks_run_at_toy_sizes_on_cpu(tmp_path):
         "offload": "PASS", "policy_process": "PASS", "critic_process": "PASS", "vllm": "NOT RUN",
         "te_checkpoints": "NOT RUN", "throughput": "PASS", "vllm_lora": "NOT RUN", "expert_adapters": "PASS", "glm4_moe": "PASS", "deepseek_v3": "PASS",
         "multi_train_step": "NOT RUN",
-        "multi_weight_broadcast": "NOT RUN", "multi_expert_all_to_all": "NOT RUN",
+        "multi_weight_broadcast": "NOT RUN", "multi_expert_all_to_all": "NOT RUN", "multi_moe_families": "NOT RUN",
     }  # fmt: skip
     checks = {r["check"]: r for r in report["checks"]}
     assert "CUDA" in checks["te_spec"]["detail"] and "CUDA" in checks["te_checkpoints"]["detail"]
@@ -202,3 +202,4 @@ def test_model_flops_by_hand():
     linear = 2464 * (3 + 5)
     attention = 2 * 16 * (3**2 + 5**2)
     assert model_flops(arch, [3, 5]) == 3 * (linear + attention)
+

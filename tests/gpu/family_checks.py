@@ -12,9 +12,10 @@ the distributed tests' models) on one rank:
   one batch (bf16 on CUDA, float32 on CPU): the loss falls, every attention/MLA adapter of every
   layer, the dense MLP's, the shared experts' and some routed experts' moved, no base weight did.
 
-On CPU (--cpu) the same code runs the local spec: tests/distributed/test_gpu_check.py. The CPU
-twins of what the GPU adds (TE's spec) are tests/distributed/test_hf_parity.py and
-test_policy_lora.py's TE-stand-in steps."""
+With two GPUs, `multi_moe_families` runs deepseek_v3 at TP = 2 and glm4_moe at EP = 2 against
+transformers (tests/gpu/multi_gpu.py's rules). On CPU (--cpu) the one-GPU checks run the local
+spec: tests/distributed/test_gpu_check.py. The CPU twins of what the GPU adds (TE's spec) are
+tests/distributed/test_hf_parity.py and test_policy_lora.py's TE-stand-in steps."""
 
 from __future__ import annotations
 
@@ -79,11 +80,14 @@ def _family_check(family: str, cpu: bool) -> dict:
 
 
 def _hf_logits(directory: Path, input_ids, device: str):
-    """transformers' float32 logits [batch, seq, vocab] on `device`, returned on the CPU."""
+    """transformers' float32 logits [batch, seq, vocab] on `device`, returned on the CPU; its
+    experts computed one at a time (`eager`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).to(device).eval()
+    # the plain per-expert loop (transformers' default on CUDA is torch's grouped_mm)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, experts_implementation="eager")
+    model = model.to(device).eval()
     with torch.no_grad():
         logits = model(input_ids.to(device)).logits.float().cpu()
     del model
@@ -169,4 +173,76 @@ def _lora_steps(arch, full, dtype: str, te: bool) -> dict:
         problems.append(f"base weights changed under LoRA: {changed[:3]}")
     figures["lora_problems"] = problems
     del trainable, model
+    return figures
+
+
+# ---------------------------------------------------------------------------------------------
+# Two GPUs (tests/gpu/multi_gpu.py's rules: NCCL ranks as fresh interpreters, TF32 off)
+
+# deepseek_v3 at TP = 2 (on TE's spec its down-projections are duplicated on both ranks), glm4_moe
+# at EP = 2 (three of its six experts a rank, the all-to-all dispatcher)
+MULTI_LAYOUTS = {"deepseek_v3": (2, 1), "glm4_moe": (1, 2)}
+
+
+def layout_logits(rank, world_size, cases, input_ids):
+    """Per family: the full-vocabulary logits [batch, seq, vocab] of its model at its (tp, ep) of
+    MULTI_LAYOUTS, eval; TE's spec where TE imports on CUDA, else the local spec (forward only:
+    megatron's local MLA at TP > 1 is refused for training, not for this)."""
+    import torch
+
+    from megatron_rl import compat, parallel
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.sharding import load_full_state_dict
+    from tests.gpu.checks import _installed
+    from tests.support.ranks import gather_vocab
+
+    te = torch.cuda.is_available() and not compat.CPU_MODE and _installed("transformer_engine")
+    out = {}
+    for family, (arch, full) in cases.items():
+        tp, ep = MULTI_LAYOUTS[family]
+        parallel.initialize_model_parallel(tp=tp, ep=ep)
+        model = build_gpt_model(arch, tp=tp, ep=ep, transformer_engine=te)
+        load_full_state_dict(model, full)
+        model.eval()
+        device = compat.device()
+        ids = input_ids.to(device)
+        positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
+        with torch.no_grad():
+            out[family] = (gather_vocab(model(ids, positions, attention_mask=None)).float(), "te" if te else "local")
+        del model
+    return out
+
+
+def check_multi_moe_families(cpu: bool) -> dict:
+    """deepseek_v3 at TP = 2 and glm4_moe at EP = 2 on two ranks give transformers' logits on the
+    same weights (float32, TF32 off): GPU 1e-3, CPU 1e-4 (test_hf_parity.py's layouts)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from megatron_rl.config import Architecture
+    from megatron_rl.conversion.hf_mapping import hf_to_megatron
+    from megatron_rl.models.tiny import make_tiny_model
+    from tests.gpu.multi_gpu import ranks
+
+    cases, references = {}, {}
+    input_ids = torch.randint(1, 512, (2, 48), generator=torch.Generator().manual_seed(1))
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in MULTI_LAYOUTS:
+            directory = make_tiny_model(family, Path(tmp) / family, seed=3, layers=2, tokenizer="char")
+            arch = Architecture.from_hf_config(json.loads((directory / "config.json").read_text()), str(directory))
+            cases[family] = (arch, hf_to_megatron(load_file(directory / "model.safetensors"), arch))
+            references[family] = _hf_logits(directory, input_ids, "cpu")
+    results = ranks(cpu, layout_logits, 2, cases, input_ids)
+    limit = CPU_LOGIT_ATOL if cpu else GPU_LOGIT_ATOL
+    figures: dict = {"logit_atol": limit}
+    for family, (tp, ep) in MULTI_LAYOUTS.items():
+        figures[f"{family}_tp{tp}_ep{ep}_spec"] = results[0][family][1]
+        figures[f"{family}_tp{tp}_ep{ep}_max_abs_logit_err"] = max(
+            (rank[family][0] - references[family]).abs().max().item() for rank in results
+        )
+    bad = [k for k, v in figures.items() if k.endswith("_max_abs_logit_err") and not v <= limit]
+    if bad:
+        raise AssertionError(f"{bad}: logits differ from transformers' by more than {limit:g}: {figures}")
     return figures

@@ -17,6 +17,9 @@ distributed tests' own rank functions:
   test_megatron_cpu.py's test_ep2_moe_equals_ep1 runs, with the tokens on the rank's device) at
   EP=2 against one process, the all-to-alls counted.
 
+- multi_moe_families (tests/gpu/family_checks.py): deepseek_v3 at TP=2 and glm4_moe at EP=2
+  against transformers' logits, with this module's `ranks`.
+
 They have a budget of their own (`MULTI_GPU_BUDGET_S`), spent only where they run.
 """
 
