@@ -130,7 +130,7 @@ def test_bad_requests_400_and_a_failing_pass_500_for_its_requests_only(served):
         assert code == 400, body
         assert message in reply["error"], (body, reply)
     (failed, failure), (after, good) = session["failing"]
-    assert failed == 500 and "PackingError: injected: a 13-token sequence" in failure["error"]
+    assert failed == 500 and "RuntimeError: injected: the forward of a 13-token sequence" in failure["error"]
     assert after == 200 and len(good["logprobs"][0]) == 2
     status = session["status_initial"]
     assert status["phase"] == "ready" and status["layout"]["tp"] == 2 and status["model"]["seq_len"] == 128
@@ -149,9 +149,10 @@ def one_process_logprobs(rank, world_size, resolved_path, samples):
 
 
 def teacher_session(rank, world_size, resolved_path, samples):
-    """`megatron-rl teacher --config PATH` on every rank (the CLI's main), with packing made to
-    fail on a batch holding a 13-token sequence and to take 1.5 s on one holding an 11-token
-    sequence (so that requests sent meanwhile queue and merge). Rank 0 also runs the client in a
+    """`megatron-rl teacher --config PATH` on every rank (the CLI's main), with the forward made to
+    fail (on every rank, before its collectives) on a batch holding a 13-token sequence, and
+    packing to take 1.5 s on one holding an 11-token sequence (so that requests sent meanwhile
+    queue and merge). Rank 0 also runs the client in a
     thread and returns what it saw; then it stops the teacher with SIGTERM."""
     import asyncio
     import json
@@ -164,20 +165,23 @@ def teacher_session(rank, world_size, resolved_path, samples):
 
     from megatron_rl.config import load_resolved
     from megatron_rl.critic import scoring
-    from megatron_rl.data.packing import PackingError
     from megatron_rl.launch import cli
+    from megatron_rl.teacher import scoring as teacher_scoring
     from megatron_rl.teacher.client import MegatronTeacher
 
-    original_pack = scoring.pack_into_grid
+    original_pack, original_forward = scoring.pack_into_grid, teacher_scoring._next_token_logprobs
 
     def pack(samples_, *args, **kwargs):
-        if any(len(s.token_ids) == 13 for s in samples_):
-            raise PackingError("injected: a 13-token sequence")
         if any(len(s.token_ids) == 11 for s in samples_):
             time.sleep(1.5)
         return original_pack(samples_, *args, **kwargs)
 
-    scoring.pack_into_grid = pack
+    def forward(model, batches):
+        if any(13 in np.diff(b.cu_seqlens.cpu().numpy()) for b in batches):
+            raise RuntimeError("injected: the forward of a 13-token sequence")
+        return original_forward(model, batches)
+
+    scoring.pack_into_grid, teacher_scoring._next_token_logprobs = pack, forward
     resolved = load_resolved(resolved_path)
     url = resolved.layout.services["teacher"].url
     out: dict = {}
