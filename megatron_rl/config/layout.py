@@ -192,24 +192,18 @@ def latent_attention_local_spec_problems(model: ModelConfig, arch: Architecture,
     model.transformer_engine off); TransformerEngine's spec runs the down-projections whole on every
     rank and is not concerned. The local spec's down-projections are column-parallel: their
     outputs, the q latent (q_lora_rank) and the kv latent with the shared RoPE key
-    (kv_lora_rank + qk_rope_head_dim), are split over TP, so each must divide by tp. And training
-    there takes a wrong gradient: megatron-core 0.16's MLASelfAttention gathers linear_kv_down_proj's
-    split output (gather_from_tensor_model_parallel_region, whose backward only splits) and uses the
-    shared RoPE key on every rank for that rank's heads, so each rank's gradient for the key's rows
-    holds only its own heads' part (a LoRA step at TP = 2 left kv_a_proj_with_mqa's RoPE rows off
-    one process's while TE's spec matched it, tests/distributed/test_policy_lora.py)."""
+    (kv_lora_rank + qk_rope_head_dim), are split over TP, so each must divide by tp. (megatron-core
+    does not sum the shared RoPE key's gradient over TP there, nor on TE's spec without sequence
+    parallel; the compat patch latent_attention_shared_rope_grad does: tests/distributed/test_mla_tp.py.)"""
     if not arch.multi_latent_attention or model.tp == 1 or (device != "cpu" and model.transformer_engine != "off"):
         return []
     spec = "deployment.device cpu" if device == "cpu" else "model.transformer_engine off"
-    problems = [f"{where}.tp: multi-latent attention at tp {model.tp} on megatron's local layer spec ({spec}) trains "
-                "with a wrong gradient (megatron-core's MLASelfAttention does not sum the shared RoPE key's gradient "
-                "over TP there); use tp 1 (ep to split the experts), or TransformerEngine's spec on cuda"]  # fmt: skip
     sizes = {"kv_lora_rank + qk_rope_head_dim": arch.kv_lora_rank + arch.qk_rope_head_dim}
     if arch.q_lora_rank is not None:
         sizes = {"q_lora_rank": arch.q_lora_rank, **sizes}
-    return problems + [f"{where}.tp: {name} ({size}) must be divisible by tp ({model.tp}): on megatron's local "
-                       f"layer spec ({spec}) multi-latent attention splits its down-projections over TP"
-                       for name, size in sizes.items() if size % model.tp]  # fmt: skip
+    return [f"{where}.tp: {name} ({size}) must be divisible by tp ({model.tp}): on megatron's local "
+            f"layer spec ({spec}) multi-latent attention splits its down-projections over TP"
+            for name, size in sizes.items() if size % model.tp]  # fmt: skip
 
 
 def value_gpus(config: Config, errors: list[str]) -> tuple[int, str]:

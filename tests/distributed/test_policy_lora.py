@@ -550,8 +550,8 @@ def test_deepseek_v3_lora_step_at_tp2_on_the_te_spec_equals_one_process(tiny_mod
     B whole, their gradients summed over TP; the latents' norms fused into the up-projections;
     sequence parallel; expert-TP 2) two steps give one local-spec process's metrics, log-probs,
     merged weights and published tensors; a checkpoint of the adapters resumes them exactly; the
-    snapshot loads into a plain local-spec model at TP = 1. (The local spec at TP > 1 is refused by
-    the config: megatron's MLA there does not sum the shared RoPE key's gradient over TP.)"""
+    snapshot loads into a plain local-spec model at TP = 1. (The local spec at TP > 1 needs the compat
+    patch that sums the shared RoPE key's gradient over TP: tests/distributed/test_mla_tp.py.)"""
     from megatron_rl.config.model import Architecture
 
     config = json.loads((tiny_models["deepseek_v3"] / "config.json").read_text())

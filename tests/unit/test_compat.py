@@ -48,6 +48,7 @@ CPU_ONLY = {
 def test_each_patch_is_installed_under_its_own_condition(cuda, te, apex):
     selected = set(compat.select_patches(compat.Machine(cuda=cuda, transformer_engine=te, apex=apex)))
     expected = {"torch_norm_sequence_parallel"}  # WrappedTorchNorm: the local spec on any machine
+    expected.add("latent_attention_shared_rope_grad")  # megatron-core's MLA at TP > 1, on any machine
     if not cuda:
         expected |= CPU_ONLY
     if not te:
@@ -59,7 +60,8 @@ def test_each_patch_is_installed_under_its_own_condition(cuda, te, apex):
 
 def test_a_gpu_without_te_gets_the_no_te_patches_and_no_cpu_patches():
     selected = compat.select_patches(compat.Machine(cuda=True, transformer_engine=False, apex=False))
-    assert selected == ["te_general_gemm", "torch_norm_sequence_parallel", "distributed_optimizer_torch_adam"]
+    assert selected == ["te_general_gemm", "torch_norm_sequence_parallel", "latent_attention_shared_rope_grad",
+                        "distributed_optimizer_torch_adam"]
 
 
 def test_this_machine_installed_what_its_conditions_select():

@@ -348,10 +348,10 @@ def test_lora_on_latent_attention_is_served_merged():
     assert glm.serve == "adapter" and len(errors) == 1
 
 
-def test_latent_attention_at_tp_above_1_on_the_local_spec_is_refused_and_its_latents_must_divide():
+def test_latent_attention_at_tp_above_1_on_the_local_spec_needs_latents_that_divide():
     """On megatron's local spec (the cpu device, or transformer_engine off) MLA's down-projections are
-    split over TP (their outputs must divide by tp) and megatron does not sum the shared RoPE key's
-    gradient over TP: refused, naming model.tp. TE's spec (cuda) runs them whole: accepted."""
+    split over TP: their outputs must divide by tp, naming model.tp. TE's spec (cuda) runs them
+    whole. (The shared RoPE key's gradient at TP > 1: the compat patch, tests/distributed/test_mla_tp.py.)"""
     from megatron_rl.config.layout import model_layout
     from megatron_rl.config.model import ModelConfig
 
@@ -362,17 +362,15 @@ def test_latent_attention_at_tp_above_1_on_the_local_spec_is_refused_and_its_lat
         return errors
 
     deepseek = arch_of(TINY_DEEPSEEK)  # q latent 22, kv latent 18 + RoPE key 6
-    assert problems(deepseek, 1) == problems(deepseek, 2, "cuda") == problems(deepseek, 3, "cuda") == []
-    refusal = "model.tp: multi-latent attention at tp 2 on megatron's local layer spec (deployment.device cpu) trains"
-    (two,) = problems(deepseek, 2)
-    assert two.startswith(refusal)
-    refusal, q = problems(deepseek, 3)  # 22 % 3
+    assert problems(deepseek, 1) == problems(deepseek, 2) == problems(deepseek, 2, "cuda") == []
+    assert problems(deepseek, 3, "cuda") == []
+    (q,) = problems(deepseek, 3)  # 22 % 3
     assert q == ("model.tp: q_lora_rank (22) must be divisible by tp (3): on megatron's local layer spec "
                  "(deployment.device cpu) multi-latent attention splits its down-projections over TP")  # fmt: skip
     odd_kv = arch_of({**TINY_DEEPSEEK, "kv_lora_rank": 17})
-    refusal, kv = problems(odd_kv, 2, "cuda", "off", "value.model")
-    assert "(model.transformer_engine off)" in refusal and refusal.startswith("value.model.tp: ")
+    (kv,) = problems(odd_kv, 2, "cuda", "off", "value.model")
     assert kv.startswith("value.model.tp: kv_lora_rank + qk_rope_head_dim (23) must be divisible by tp (2)")
+    assert "(model.transformer_engine off)" in kv
     assert problems(arch_of(TINY_GLM), 2) == []
 
 
