@@ -193,14 +193,15 @@ def teacher_session(rank, world_size, resolved_path, samples):
 
     def client():
         try:
-            for _ in range(600):
+            async def ready():
+                client = MegatronTeacher(url)
                 try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.2)
+                    return await client.check_ready(timeout_s=120, poll_s=0.2)
+                finally:
+                    await client.close()
+
+            out["status_initial"] = asyncio.run(ready())
             out["health"] = httpx.get(f"{url}/health", timeout=5).json()["ok"]
-            out["status_initial"] = httpx.get(f"{url}/status", timeout=5).json()
 
             async def through_client():
                 whole, split = MegatronTeacher(url), MegatronTeacher(url, max_batch_sequences=3)

@@ -8,18 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import ConfigError, parse_config
+from megatron_rl.config import parse_config
 from megatron_rl.config.memory_plan import BYTES, GIB, check_fits, format_plan, memory_plan
 from megatron_rl.inference.teacher import VllmTeacher
 from megatron_rl.orchestrator.run import service_url
 from megatron_rl.teacher.client import MegatronTeacher, make_teacher
-from tests.unit.test_served_models import hf_parameters, run_config
-
-
-def errors_of(data: dict) -> str:
-    with pytest.raises(ConfigError) as caught:
-        parse_config(data)
-    return str(caught.value)
+from tests.unit.test_served_models import errors_of, hf_parameters, run_config
 
 
 def test_a_megatron_teacher_gets_its_layout_gpus_port_and_url(tmp_path, tiny_models):
