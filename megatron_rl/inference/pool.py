@@ -276,6 +276,8 @@ class InferencePool:
         """The pool of `resolved.inference`: one server per entry of `devices` (each a list of
         `inference.tp` device ids), on the layout's inference ports. With `launch=False` it
         returns the (unstarted) servers, for a dry run."""
+        from megatron_rl.models.tokenizer import vllm_remote_code_args  # transformers: not for every importer
+
         inference = resolved.inference
         api_key = inference.api_key()
         if len(devices) != inference.num_servers:
@@ -309,7 +311,7 @@ class InferencePool:
                     shutdown_timeout_s=inference.shutdown_timeout_s,
                     seed=resolved.orchestrator.seed,
                     http_log_level=resolved.logging.inference_level,
-                    extra_args=inference.extra_args,
+                    extra_args=[*vllm_remote_code_args(resolved.model), *inference.extra_args],
                     return_routed_experts=resolved.layout.sampler_routes,
                     lora_rank=adapter_rank(resolved.layout),
                     api_key=api_key,

@@ -25,6 +25,8 @@ def service_api_key(resolved: ResolvedConfig, name: str) -> str | None:
 def service_servers(resolved: ResolvedConfig, name: str, devices: list[list[str]], log_dir: str | Path) -> list[VllmServer]:
     """The (unstarted) servers of served model `name`: one per entry of `devices` (each a list of
     its serve.tp device ids), logs `NAME_{i}.log` in `log_dir`."""
+    from megatron_rl.models.tokenizer import vllm_remote_code_args  # transformers: not for every importer
+
     service = resolved.layout.services[name]
     serve = served_models(resolved)[name][1]
     if len(devices) != service.num_servers:
@@ -42,7 +44,8 @@ def service_servers(resolved: ResolvedConfig, name: str, devices: list[list[str]
                 served_model_name=service.served_model_name, tp=service.tp, max_model_len=service.max_model_len,
                 gpu_memory_utilization=serve.gpu_memory_utilization, kv_cache_gib=serve.cpu_kv_cache_gib,
                 shutdown_timeout_s=resolved.inference.shutdown_timeout_s, seed=resolved.orchestrator.seed,
-                http_log_level=resolved.logging.inference_level, extra_args=serve.extra_args, api_key=api_key,
+                http_log_level=resolved.logging.inference_level, api_key=api_key,
+                extra_args=[*vllm_remote_code_args(resolved.model), *serve.extra_args],
                 launch=False,
             )  # fmt: skip
         )

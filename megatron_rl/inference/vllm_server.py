@@ -9,7 +9,9 @@ GPU `--gpu-memory-utilization` and `CUDA_VISIBLE_DEVICES` set to the devices it 
 `--enforce-eager --dtype float32` with `VLLM_CPU_KVCACHE_SPACE` GiB of KV cache, and for a
 model with multi-latent attention (a config.json with `kv_lora_rank`: DeepSeek-V2/V3, Kimi K2)
 `--attention-backend CPU_MLA` (vLLM-cpu would otherwise take its AMX MLA backend where the CPU
-has AMX, which is for bfloat16; CPU_MLA takes only kv_lora_rank 512 + qk_rope_head_dim 64);
+has AMX, which is for bfloat16; CPU_MLA takes only kv_lora_rank 512 + qk_rope_head_dim 64) and
+`--compilation-config` with the `rotary_embedding` custom op off (MLA_CPU_COMPILATION: vLLM-cpu's
+C++ rotary kernel mis-rotates MLA's strided 3-D query and key under plain RoPE);
 `--shutdown-timeout` unless it is 0. Always `--logprobs-mode processed_logprobs`: the log-prob
 returned for each sampled token is of the distribution it was sampled from (after temperature),
 which the trainer's ratio needs (docs/algorithms/policy-update.md, "Temperature").
@@ -42,6 +44,9 @@ from typing import NamedTuple
 from megatron_rl.config.model import vllm_max_lora_rank
 from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
 from megatron_rl.lifetime import bound_to_parent
+
+# vLLM-cpu with multi-latent attention: every custom op but the rotary embedding (see vllm_command)
+MLA_CPU_COMPILATION = json.dumps({"custom_ops": ["all", "-rotary_embedding"]})
 
 EXTENSION = "megatron_rl.inference.vllm_extension.WeightReceiverExtension"
 LOGPROBS_MODE = "processed_logprobs"
@@ -145,7 +150,11 @@ def vllm_command(
         # offset") once the prompts of one scheduler step exceed its token budget.
         argv += ["--enforce-eager", "--dtype", "float32", "--no-enable-chunked-prefill"]
         if uses_latent_attention(model_dir):
-            argv += ["--attention-backend", "CPU_MLA"]
+            # vLLM-cpu 0.32's C++ rotary kernel (on under --enforce-eager, which turns every custom op
+            # on) rotates MLA's 3-D RoPE query by row instead of by token and walks its strided key by
+            # the wrong stride: plain RoPE (Moonlight) off transformers by up to 1.2e-2; PyTorch's
+            # rotary (custom op off) matches to 6e-7. YaRN's rotary has no CPU kernel (unaffected).
+            argv += ["--attention-backend", "CPU_MLA", "--compilation-config", MLA_CPU_COMPILATION]
         server_env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     else:
         argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]

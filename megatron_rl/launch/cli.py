@@ -148,11 +148,10 @@ def _eval(args: argparse.Namespace) -> int:
     configure_logging(resolved.logging)
     import time
 
-    from transformers import AutoTokenizer
-
     from megatron_rl.conversion.checkpoint_io import CheckpointError
     from megatron_rl.conversion.hf_mapping import ConversionError
     from megatron_rl.inference.pool import InferencePool, served_model_dir
+    from megatron_rl.models.tokenizer import load_tokenizer
     from megatron_rl.orchestrator.chat import ChatTemplateError
     from megatron_rl.orchestrator.eval_only import (
         EvalError,
@@ -174,7 +173,11 @@ def _eval(args: argparse.Namespace) -> int:
     except (EvalError, CheckpointError, ConversionError, ValueError) as exc:
         print(f"eval: {exc}", file=sys.stderr)
         return 2
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        tokenizer = load_tokenizer(model_dir, resolved.model.trust_remote_code)
+    except ValueError as exc:  # TokenizerError: a directory whose tokenizer is code, the key off
+        print(f"eval: {exc}", file=sys.stderr)
+        return 2
     if args.attach:
         pool = attach_pool(resolved)
     else:

@@ -139,12 +139,13 @@ def attach_pool(resolved: ResolvedConfig) -> InferencePool:
 
 async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=None) -> int:
     """Runs the configured steps against `pool`; returns the number of steps run."""
-    from transformers import AutoTokenizer
+    from megatron_rl.models.tokenizer import load_tokenizer
 
     o, layout = resolved.orchestrator, resolved.layout
     # First: a tracker whose package is missing is an error before anything starts.
     tracker = Tracker.from_config(resolved)  # None: no logging.wandb / logging.tensorboard
-    tokenizer = tokenizer or AutoTokenizer.from_pretrained(served_model_dir(resolved))
+    remote_code = resolved.model.trust_remote_code
+    tokenizer = tokenizer or load_tokenizer(served_model_dir(resolved), remote_code)
     encoder = prompt_encoder(o, tokenizer)
     timeouts = Timeouts(batch_s=resolved.inference.request_timeout_s, critic_s=resolved.transport.receive_timeout_s,
                         weights_s=resolved.transport.receive_timeout_s)  # fmt: skip
@@ -185,7 +186,7 @@ async def orchestrate(resolved: ResolvedConfig, pool: InferencePool, tokenizer=N
     teacher = None
     if resolved.distillation is not None:  # the same token ids, then a teacher that answers
         settings = resolved.distillation.teacher
-        check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(settings.model_dir), settings.model_dir)
+        check_same_tokenizer(tokenizer, load_tokenizer(settings.model_dir, remote_code), settings.model_dir)
         teacher = make_teacher(resolved, service_url(resolved, "teacher"))
     orchestrator = Orchestrator(resolved, environment, encoder, client, follower, critic, send_policy, state, metrics,
                                 timeouts, teacher=teacher, judge=judge)  # fmt: skip

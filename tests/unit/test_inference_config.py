@@ -105,7 +105,11 @@ def test_servers_from_config_use_the_given_devices_and_options(tmp_path):
     data["inference"]["shutdown_timeout_s"] = 0  # vLLM's abort, and what a vLLM without the option needs
     [server, _] = InferencePool.from_config(parse_config(data), [["2", "5"], ["7", "0"]], tmp_path,
                                             model_dir=tmp_path, launch=False)  # fmt: skip
-    assert "--shutdown-timeout" not in server.command
+    assert "--shutdown-timeout" not in server.command and "--trust-remote-code" not in server.command
+    data["model"]["trust_remote_code"] = True  # the tokenizer's own code (Moonlight): vLLM runs it too
+    [server, _] = InferencePool.from_config(parse_config(data), [["2", "5"], ["7", "0"]], tmp_path,
+                                            model_dir=tmp_path, launch=False)  # fmt: skip
+    assert "--trust-remote-code" in server.command
     with pytest.raises(ValueError, match="3 devices"):
         InferencePool.from_config(
             resolved, [["1", "2", "3"], ["4", "5"]], tmp_path, model_dir=tmp_path, launch=False

@@ -45,7 +45,9 @@ def _visible_gpus() -> int:
 
 
 def check_served_models(context: Context) -> str:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
+
+    from megatron_rl.models.tokenizer import load_tokenizer
 
     resolved = context.resolved
     external, served = external_models(context), resolved.layout.services
@@ -66,7 +68,7 @@ def check_served_models(context: Context) -> str:
     for name, service in served.items():
         try:
             AutoConfig.from_pretrained(service.model_dir)
-            AutoTokenizer.from_pretrained(service.model_dir)
+            load_tokenizer(service.model_dir, resolved.model.trust_remote_code)
         except (OSError, ValueError) as exc:
             problems.append(f"{service.key}.model_dir {service.model_dir}: does not load ({type(exc).__name__}: {exc})")
             continue
@@ -74,8 +76,8 @@ def check_served_models(context: Context) -> str:
     if resolved.distillation is not None:  # the teacher's token ids must be the student's, served or not
         teacher_dir = resolved.distillation.teacher.model_dir
         try:
-            student = AutoTokenizer.from_pretrained(served_model_dir(resolved))
-            check_same_tokenizer(student, AutoTokenizer.from_pretrained(teacher_dir), teacher_dir)
+            student = load_tokenizer(served_model_dir(resolved), resolved.model.trust_remote_code)
+            check_same_tokenizer(student, load_tokenizer(teacher_dir, resolved.model.trust_remote_code), teacher_dir)
             figures.append("the teacher's tokenizer is the student's")
         except (OSError, ValueError) as exc:
             problems.append(str(exc))
