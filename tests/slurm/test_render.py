@@ -14,6 +14,7 @@ import pytest
 from megatron_rl.config import parse_config
 from megatron_rl.launch.preflight import sbatch as preflight_sbatch
 from megatron_rl.launch.slurm import SlurmError, gpu_use_per_node, place, render
+from tests.support.shell import checked_script
 from tests.support.slurm_cluster import install
 
 ARCH = {"family": "qwen3", "hidden_size": 64, "num_layers": 2, "num_attention_heads": 4,
@@ -58,12 +59,7 @@ def shellcheck_installed():
 @pytest.mark.parametrize(("nodes", "style"), sorted(LAYOUTS))
 def test_rendered_script_passes_bash_n_and_shellcheck_and_gpus_add_up(tmp_path, nodes, style):
     resolved = config_for(nodes, style, tmp_path)
-    script = tmp_path / "job.sbatch"
-    script.write_text(render(resolved, tmp_path / "run.yaml"))
-    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
-    lint = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
-    assert lint.returncode == 0, lint.stdout
-    text = script.read_text()
+    text = checked_script(tmp_path / "job.sbatch", render(resolved, tmp_path / "run.yaml"))
     assert f"#SBATCH --nodes={nodes}" in text and "set -euo pipefail" in text and "wait -n" in text
     assert (
         "--kill-on-bad-exit=1" in text and not re.search(r"^\s*pkill", text, re.M) and "localhost" not in text
@@ -88,12 +84,8 @@ def test_rendered_script_passes_bash_n_and_shellcheck_and_gpus_add_up(tmp_path, 
 @pytest.mark.parametrize(("nodes", "style"), sorted(LAYOUTS))
 def test_preflight_script_passes_shellcheck_and_checks_spanning_roles_across_their_nodes(tmp_path, nodes, style):
     resolved = config_for(nodes, style, tmp_path)
-    script = tmp_path / "preflight.sbatch"
-    script.write_text(preflight_sbatch.render(resolved, tmp_path / "run.yaml", ["orchestrator.seed=3"]))
-    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
-    lint = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
-    assert lint.returncode == 0, lint.stdout
-    text = script.read_text()
+    text = checked_script(tmp_path / "preflight.sbatch",
+                          preflight_sbatch.render(resolved, tmp_path / "run.yaml", ["orchestrator.seed=3"]))
     placement = place(resolved)
     spanning = [role for role in ("policy", "critic") if role in placement and len(placement[role].nodes) > 1]
     steps = re.findall(r'^srun -w "([^"]*)" -N(\d+) -n\d+ --ntasks-per-node=1 \\\n\s+--gpus-per-node=(\d+)', text, re.M)

@@ -38,6 +38,7 @@ from megatron_rl.config.memory_plan import (
 )
 from tests.support.cli import run_cli
 from tests.support.hf_configs import MOONLIGHT
+from tests.support.shell import assert_clean_shell
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
@@ -110,10 +111,7 @@ EXAMPLE_LAUNCHERS = [p for p in LAUNCHERS if p.name not in ("_submit.sh", "demo.
 
 @pytest.mark.parametrize("script", LAUNCHERS, ids=lambda p: p.name)
 def test_every_launch_script_passes_bash_n_and_shellcheck(script):
-    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True).returncode == 0
-    # shellcheck is required, as by the rendered SLURM scripts' tests (tests/slurm/test_render.py)
-    lint = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
-    assert lint.returncode == 0, lint.stdout
+    assert_clean_shell(script)  # shellcheck is required, as by the rendered SLURM scripts' tests
 
 
 @pytest.mark.parametrize("script", EXAMPLE_LAUNCHERS, ids=lambda p: p.name)

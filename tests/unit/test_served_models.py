@@ -26,6 +26,7 @@ from megatron_rl.launch.slurm import gpu_use_per_node, place, render
 from megatron_rl.orchestrator.run import service_url
 from megatron_rl.parallel import free_port
 from tests.support.fake_vllm import fake_vllm_command
+from tests.support.shell import checked_script
 
 JUDGE = {"model": "judge", "template": "Answer: {answer}. Score 0-10.", "verdict": "score"}
 
@@ -225,12 +226,7 @@ def test_the_slurm_job_places_and_starts_the_served_models(tmp_path, tiny_models
     use = gpu_use_per_node(placement)
     assert use == [{"inference_0": 2, "inference_1": 2, "teacher_0": 1, "teacher_1": 1, "policy": 2},
                    {"judge_0": 4, "policy": 2}]  # fmt: skip
-    script = tmp_path / "job.sbatch"
-    script.write_text(render(resolved, tmp_path / "run.yaml"))
-    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
-    lint = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
-    assert lint.returncode == 0, lint.stdout
-    text = script.read_text()
+    text = checked_script(tmp_path / "job.sbatch", render(resolved, tmp_path / "run.yaml"))
     assert "inference-server --config \"$JOB_CONFIG\" --service teacher --index 1" in text
     assert "inference-server --config \"$JOB_CONFIG\" --service judge --index 0" in text
     assert "router --config \"$JOB_CONFIG\" --service judge" in text

@@ -13,6 +13,7 @@ from megatron_rl.config.memory_plan import BYTES, GIB, check_fits, format_plan, 
 from megatron_rl.inference.teacher import VllmTeacher
 from megatron_rl.orchestrator.run import service_url
 from megatron_rl.teacher.client import MegatronTeacher, make_teacher
+from tests.support.shell import checked_script
 from tests.unit.test_served_models import errors_of, hf_parameters, run_config
 
 
@@ -118,7 +119,6 @@ def test_megatron_rl_run_starts_the_teacher_as_a_torchrun_group_on_devices_of_it
 
 
 def test_the_slurm_job_places_and_starts_the_megatron_teacher(tmp_path, tiny_models):
-    import subprocess
 
     from megatron_rl.launch.job_steps import _service
     from megatron_rl.launch.slurm import SlurmError, gpu_use_per_node, place, render
@@ -129,12 +129,7 @@ def test_the_slurm_job_places_and_starts_the_megatron_teacher(tmp_path, tiny_mod
     teacher = placement["teacher"]
     assert (teacher.name, teacher.nodes, teacher.gpus_per_node) == ("teacher", [0], 4)
     assert gpu_use_per_node(placement) == [{"inference_0": 1, "teacher": 4, "policy": 3}]
-    script = tmp_path / "job.sbatch"
-    script.write_text(render(resolved, tmp_path / "run.yaml"))
-    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
-    lint = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
-    assert lint.returncode == 0, lint.stdout
-    text = script.read_text()
+    text = checked_script(tmp_path / "job.sbatch", render(resolved, tmp_path / "run.yaml"))
     assert '--set distillation.teacher.megatron.host="${ADDRS[0]}"' in text
     assert "read -r POLICY_PORT TEACHER_PORT < <(probe 0 2)" in text  # one node: probed together
     assert 'torchrun_step teacher "${NODES[0]}" 1 4 0 "$TEACHER_PORT" teacher' in text
