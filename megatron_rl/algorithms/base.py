@@ -21,7 +21,7 @@ import torch
 
 from megatron_rl.algorithms import advantages as adv
 from megatron_rl.algorithms import registry
-from megatron_rl.algorithms.distillation import Distillation
+from megatron_rl.algorithms.distillation import Distillation, baselines
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data.types import ScoreResult, TrainingSample
 
@@ -81,12 +81,15 @@ class Algorithm(ABC):
     def add_teacher_advantages(self, groups: list[list[TrainingSample]]) -> None:
         """Distillation's mode "advantage": A_t += -coef * k_t on every action token, after the
         estimator (and its whitening): the token's own reverse KL, a discount of 0 (Tinker's
-        `incorporate_kl_penalty`), the critic's returns untouched."""
+        `incorporate_kl_penalty`), the critic's returns untouched; with `distillation.baseline`
+        A_t += -coef * (k_t - b), b the mean k_t over the step's action tokens or the group's
+        (`distillation.baselines`)."""
         if self.distillation is None or self.distillation.mode != "advantage":
             return
-        for sample in (s for group in groups for s in group):
-            added = sample.advantages.astype(np.float64) + self.distillation.token_advantages(sample)
-            sample.advantages = added.astype(np.float32)
+        for group, b in zip(groups, baselines(groups, self.distillation.baseline)):
+            for sample in group:
+                added = sample.advantages.astype(np.float64) + self.distillation.token_advantages(sample, b)
+                sample.advantages = added.astype(np.float32)
 
     async def prepare_group(self, samples: list[TrainingSample], version: int | None = None) -> None:
         """`prepare_batch` of a step made of this one group."""

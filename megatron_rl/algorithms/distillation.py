@@ -24,7 +24,12 @@ are of temperature 1).
   0): the estimator sees the task reward alone, then each action token's advantage gets r_t
   added, A_t + r_t: the token's own reverse KL, not a sum over the sample, not normalised over
   the group or whitened, never seen by the critic (`token_advantages`, added once for every
-  estimator in `Algorithm.prepare_batch`).
+  estimator in `Algorithm.prepare_batch`). With `distillation.baseline` the term is
+  -coef * (k_t - b), b the mean of k_t over the step's action tokens (`batch_mean`) or over the
+  sample's group's (`group_mean`): since E_{a ~ pi_student}[grad log pi_student(a | prefix)] = 0
+  at every prefix, a b that does not depend on the token keeps the term's gradient unbiased (up
+  to the token's own 1/n share of the mean) and removes the push-down that a student far from
+  its teacher gives every sampled token alike (`baselines`).
 - `kl_penalty`: a term of the policy's loss (policy/loss.py: coef x the per-token estimator
   `algorithm.kl_estimator` against the teacher's log-probabilities, which the policy's grid
   carries); the rewards and advantages are the task's alone.
@@ -81,14 +86,43 @@ def dense_rewards(sample: TrainingSample, coef: float) -> np.ndarray:
     return -coef * reverse_kl(sample)
 
 
-def distillation_metrics(samples: list[TrainingSample], coef: float, mode: str = "reward") -> dict:
+BASELINES = ("none", "batch_mean", "group_mean")
+
+
+def baselines(groups: list[list[TrainingSample]], baseline: str = "none") -> list[float]:
+    """One b per group, subtracted from k_t in mode advantage's term: 0 ("none"), the mean of k_t
+    over all the groups' action tokens ("batch_mean", the same b for every group) or over the
+    group's own ("group_mean"; 0 for a group without action tokens)."""
+    if baseline not in BASELINES:
+        raise ValueError(f"distillation.baseline {baseline!r}: one of {', '.join(BASELINES)}")
+    if baseline == "none":
+        return [0.0] * len(groups)
+    sums = [sum(float(reverse_kl(s)[s.loss_mask].sum()) for s in group) for group in groups]
+    counts = [sum(int(s.loss_mask.sum()) for s in group) for group in groups]
+    if baseline == "batch_mean":
+        b = sum(sums) / sum(counts) if sum(counts) else 0.0
+        return [b] * len(groups)
+    return [total / count if count else 0.0 for total, count in zip(sums, counts)]
+
+
+def by_group(samples: list[TrainingSample]) -> list[list[TrainingSample]]:
+    """The step's samples as groups (by group_id, in order of first appearance)."""
+    groups: dict[int, list[TrainingSample]] = {}
+    for sample in samples:
+        groups.setdefault(sample.group_id, []).append(sample)
+    return list(groups.values())
+
+
+def distillation_metrics(samples: list[TrainingSample], coef: float, mode: str = "reward", baseline: str = "none") -> dict:
     """`teacher_kl_mean` (k_t over the step's action tokens), `teacher_kl_per_sample` (sum_t k_t,
     mean over samples), `distill_reward_mean` (sum_t r_t, mean over samples) and
     `distill_reward_share` (sum |sum_t r_t| / (sum |sum_t r_t| + sum |task reward|) over samples);
-    under `mode` "advantage" also `distill_advantage_mean` (r_t, the term added to each action
-    token's advantage, mean over the step's action tokens) and `distill_advantage_share` (sum |r_t|
-    / (sum |r_t| + sum |A_t - r_t|) over the action tokens: the teacher's part of the advantages
-    beside the estimator's, read from the samples' `advantages`)."""
+    under `mode` "advantage" also `distill_advantage_mean` (the term added to each action token's
+    advantage, -coef * (k_t - b), mean over the step's action tokens) and `distill_advantage_share`
+    (sum |term| / (sum |term| + sum |A_t - term|) over the action tokens: the teacher's part of the
+    advantages beside the estimator's, read from the samples' `advantages`); with a `baseline`
+    also `distill_baseline` (b: the step's, or under "group_mean" the mean of the groups' b) and
+    under "group_mean" `distill_baseline_std` (their spread over the groups)."""
     scored = [s for s in samples if s.teacher_logprobs is not None]
     if not scored:
         return {}
@@ -105,11 +139,18 @@ def distillation_metrics(samples: list[TrainingSample], coef: float, mode: str =
         "distill_reward_share": float(np.abs(dense).sum() / total) if total > 0 else None,
     }
     if mode == "advantage" and tokens.size and all(s.advantages is not None for s in scored):
-        teacher = -coef * tokens
+        groups = by_group(scored)
+        values = baselines(groups, baseline)
+        b = {id(s): value for group, value in zip(groups, values) for s in group}
+        teacher = np.concatenate([-coef * (k[s.loss_mask] - b[id(s)]) for k, s in zip(kl, scored)])
         estimator = np.concatenate([s.advantages[s.loss_mask].astype(np.float64) for s in scored]) - teacher
         both = np.abs(teacher).sum() + np.abs(estimator).sum()
         record["distill_advantage_mean"] = float(teacher.mean())
         record["distill_advantage_share"] = float(np.abs(teacher).sum() / both) if both > 0 else None
+        if baseline != "none":
+            record["distill_baseline"] = float(np.mean(values))
+        if baseline == "group_mean":
+            record["distill_baseline_std"] = float(np.std(values))
     return record
 
 
@@ -118,10 +159,15 @@ class Distillation:
     `rewards` (mode "reward": the dense reward beside the task's) and `token_advantages` (mode
     "advantage": the term added to each action token's advantage after the estimator). Under
     "kl_penalty" both are zero: the samples are scored (the policy's grid carries the teacher's
-    log-probabilities to its loss) and the rewards are the task's alone."""
+    log-probabilities to its loss) and the rewards are the task's alone. `baseline` (mode
+    "advantage" only): what `baselines` subtracts from k_t in the advantage's term."""
 
-    def __init__(self, teacher: TeacherScorer, coef: float, mode: str = "reward"):
-        self.teacher, self.coef, self.mode = teacher, coef, mode
+    def __init__(self, teacher: TeacherScorer, coef: float, mode: str = "reward", baseline: str = "none"):
+        if baseline not in BASELINES:
+            raise ValueError(f"distillation.baseline {baseline!r}: one of {', '.join(BASELINES)}")
+        if baseline != "none" and mode != "advantage":
+            raise ValueError(f"distillation.baseline {baseline!r} is for distillation.mode 'advantage', not {mode!r}")
+        self.teacher, self.coef, self.mode, self.baseline = teacher, coef, mode, baseline
 
     async def score(self, samples: list[TrainingSample]) -> None:
         """The teacher's log-probabilities of every sample's tokens, into `teacher_logprobs`."""
@@ -134,9 +180,9 @@ class Distillation:
             return np.zeros(len(sample))
         return dense_rewards(sample, self.coef)
 
-    def token_advantages(self, sample: TrainingSample) -> np.ndarray:
-        """[T] float64: what each token's advantage gains after the estimator, -coef * k_t on
-        action tokens (0 elsewhere, and everywhere unless mode "advantage")."""
+    def token_advantages(self, sample: TrainingSample, baseline: float = 0.0) -> np.ndarray:
+        """[T] float64: what each token's advantage gains after the estimator, -coef * (k_t -
+        baseline) on action tokens (0 elsewhere, and everywhere unless mode "advantage")."""
         if self.mode != "advantage":
             return np.zeros(len(sample))
-        return dense_rewards(sample, self.coef)
+        return np.where(sample.loss_mask, -self.coef * (reverse_kl(sample) - baseline), 0.0)

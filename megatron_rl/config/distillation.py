@@ -118,3 +118,20 @@ class DistillationConfig(Strict):
     teacher: TeacherConfig = Field(description="The teacher model and where it is served.")
     coef: float = Field(default=1.0, gt=0, description="Weight of the reverse-KL estimate: each action token's dense reward (mode reward) or advantage term (mode advantage) is -coef * (log pi_student - log pi_teacher); mode kl_penalty: the loss term's weight.")
     mode: Literal["reward", "advantage", "kl_penalty"] = Field(default="reward", description="How the signal enters training: 'reward': a dense per-token reward beside the task reward (GAE takes it per token; outcome estimators its sum over the sample); 'advantage': the estimator sees the task reward alone, then each action token's advantage gets -coef * k_t added, with k_t of the sampler's log-probability (Thinking Machines' / Tinker's recipe: the token's own reverse KL, not summed over the sample, not normalised over the group or whitened, not in the critic's returns); 'kl_penalty': coef x the per-token KL estimate algorithm.kl_estimator (k2 or k3) between the student and the teacher, a term of the policy's loss (the teacher's log-probabilities travel in the policy's grid).")
+
+    baseline: Literal["none", "batch_mean", "group_mean"] = Field(default="none", description="Mode advantage only: a baseline b subtracted from k_t in the term added to each action token's advantage, -coef * (k_t - b). 'none': b = 0 (Tinker's recipe); 'batch_mean': b the mean of k_t over the step's action tokens (all its groups); 'group_mean': b the mean over the action tokens of the sample's group. Since E over the student's tokens of grad log pi_student(a_t) is 0 at every prefix, a b that does not depend on the token leaves the term's gradient unbiased (up to the sample's own share of the mean) and removes the push-down common to every sampled token. Refused with mode reward (summed over the sample or GAE's per-token rewards, a per-token constant becomes a length bonus) and kl_penalty (a constant has no gradient in the loss's KL estimator).")
+
+    @model_validator(mode="after")
+    def _baseline_needs_advantage_mode(self) -> DistillationConfig:
+        """A baseline for k_t is only a baseline where k_t weighs grad log pi_student(a_t) alone
+        (mode advantage)."""
+        if self.baseline != "none" and self.mode != "advantage":
+            why = {"reward": "the dense reward is summed over the sample (outcome estimators) or accumulated by GAE "
+                             "into the returns, so a per-token constant becomes coef x b x the sample's action tokens: a "
+                             "length bonus, not a baseline",
+                   "kl_penalty": "the KL estimator is a term of the loss, where a constant has no gradient"}[self.mode]
+            raise ValueError(
+                f"distillation.baseline {self.baseline!r} is for distillation.mode 'advantage', not {self.mode!r}: "
+                f"{why}; use mode advantage or baseline none"
+            )
+        return self

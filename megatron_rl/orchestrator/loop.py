@@ -73,7 +73,8 @@ class Orchestrator:
         if resolved.distillation is not None:
             if teacher is None:
                 raise OrchestratorError("distillation is configured but the orchestrator was given no teacher")
-            distillation = Distillation(teacher, resolved.distillation.coef, resolved.distillation.mode)
+            d = resolved.distillation
+            distillation = Distillation(teacher, d.coef, d.mode, d.baseline)
         self.teacher_in_grid = distillation is not None and distillation.mode == "kl_penalty"  # the policy's loss
         self.algorithm = make_algorithm(resolved.algorithm, critic.scorer if critic is not None else None, distillation)
         self.sink = TrainSink(o.admission, o.overlong, o.max_completion_tokens)

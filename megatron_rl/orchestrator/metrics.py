@@ -148,7 +148,7 @@ def step_metrics(
         "time": {k: round(v, 4) for k, v in times.items()},
     }
     if distillation is not None:
-        record.update(distillation_metrics(samples, distillation.coef, distillation.mode))
+        record.update(distillation_metrics(samples, distillation.coef, distillation.mode, distillation.baseline))
     if samples and samples[0].values is not None:
         values = np.concatenate([s.values[s.loss_mask] for s in samples])
         returns = np.concatenate([s.returns[s.loss_mask] for s in samples])

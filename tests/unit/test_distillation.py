@@ -1,7 +1,8 @@
 """On-policy distillation's signal (algorithms/distillation.py) against plain loops: the
 per-token reverse KL on action tokens only (observations of multi-turn samples excluded), GAE
 with the teacher's dense reward per token, the outcome estimators with its sum, mode advantage's
--coef * k_t added to GRPO's, GAE's and whitened GAE's advantages, the step's metrics, bad
+-coef * k_t added to GRPO's, GAE's and whitened GAE's advantages, its baseline (the step's or
+the group's mean k_t subtracted), the step's metrics, bad
 teacher replies named; the config's temperature rule and the start-up tokenizer
 check; and the orchestrator's loop with a fake teacher."""
 
@@ -172,6 +173,65 @@ def test_the_advantage_mode_adds_each_tokens_own_reverse_kl_after_every_estimato
                 assert sample.returns[sample.loss_mask] == pytest.approx(returns[sample.loss_mask], abs=1e-4)
 
 
+def test_the_advantage_modes_baseline_subtracts_the_steps_or_the_groups_mean_kl():
+    """distillation.baseline: the term added to each action token's advantage is -coef * (k_t - b),
+    b the mean of k_t over all the step's action tokens (batch_mean) or over the group's
+    (group_mean), against a plain loop over two groups after GRPO; the metrics' distill_baseline
+    and share as plain sums; none is the term without a baseline; the config refuses a baseline
+    with mode reward or kl_penalty, naming both keys."""
+    def step():
+        groups = [multi_turn_samples(6), multi_turn_samples(7)]
+        for sample in groups[1]:
+            sample.group_id = 8
+        groups[0][2].reward = groups[1][0].reward = 0.25
+        return groups
+
+    def k(sample, t):  # the plain loop's log pi_student - log pi_teacher
+        return float(sample.inference_logprobs[t]) - teacher_of(sample.token_ids.tolist())[t]
+
+    plain = step()
+    tokens = [[k(s, t) for s in group for t in np.flatnonzero(s.loss_mask)] for group in plain]
+    expected_b = {"none": [0.0, 0.0], "batch_mean": [sum(map(sum, tokens)) / sum(map(len, tokens))] * 2,
+                  "group_mean": [sum(t) / len(t) for t in tokens]}  # fmt: skip
+    assert expected_b["group_mean"][0] != pytest.approx(expected_b["group_mean"][1], abs=1e-2)
+    for baseline, bs in expected_b.items():
+        groups = step()
+        grpo = make_algorithm(AlgorithmConfig(type="grpo"),
+                              distillation=Distillation(FakeTeacher(), COEF, "advantage", baseline))  # fmt: skip
+        asyncio.run(grpo.prepare_batch(groups, 0))
+        terms, estimators = [], []
+        for group, b in zip(groups, bs):
+            task = np.array([s.reward for s in group])
+            scalar = (task - task.mean()) / (task.std(ddof=1) + 1e-6)
+            for sample, a in zip(group, scalar):
+                expected = [a - COEF * (k(sample, t) - b) if sample.loss_mask[t] else 0.0 for t in range(len(sample))]
+                assert sample.advantages == pytest.approx(expected, abs=1e-4)
+                terms += [-COEF * (k(sample, t) - b) for t in np.flatnonzero(sample.loss_mask)]
+                estimators += [a] * int(sample.loss_mask.sum())
+        if baseline != "none":  # the step's term is centred: its mean over the action tokens is 0
+            assert np.mean(terms) == pytest.approx(0.0, abs=1e-9)
+        metrics = distillation_metrics([s for group in groups for s in group], COEF, "advantage", baseline)
+        assert metrics["distill_advantage_mean"] == pytest.approx(np.mean(terms))
+        share = sum(map(abs, terms)) / (sum(map(abs, terms)) + sum(map(abs, estimators)))
+        assert metrics["distill_advantage_share"] == pytest.approx(share, abs=1e-5)
+        assert ("distill_baseline" in metrics) == (baseline != "none")
+        if baseline != "none":
+            assert metrics["distill_baseline"] == pytest.approx(np.mean(bs))
+        assert ("distill_baseline_std" in metrics) == (baseline == "group_mean")
+        if baseline == "group_mean":
+            assert metrics["distill_baseline_std"] == pytest.approx(np.std(bs))
+
+    with pytest.raises(ValueError, match="distillation.baseline 'batch_mean' is for distillation.mode 'advantage'"):
+        Distillation(FakeTeacher(), COEF, "reward", "batch_mean")
+    teacher = {"url": "http://teacher:8000", "model_dir": "teacher-model"}
+    for mode, why in (("reward", "a length bonus"), ("kl_penalty", "a constant has no gradient")):
+        with pytest.raises(ConfigError, match=rf"distillation.baseline 'batch_mean' is for distillation.mode 'advantage', not '{mode}': .*{why}"):
+            orchestrator_config("sao", distillation={"teacher": teacher, "mode": mode, "baseline": "batch_mean"})
+    resolved = orchestrator_config("sao", distillation={"teacher": teacher, "mode": "advantage", "baseline": "group_mean"})
+    assert resolved.distillation.baseline == "group_mean"
+    assert orchestrator_config("sao", distillation={"teacher": teacher}).distillation.baseline == "none"
+
+
 def test_bad_teacher_replies_are_named():
     samples = multi_turn_samples()
     with pytest.raises(TeacherReplyError, match="answered 2 sequences for 3"):
@@ -207,12 +267,12 @@ def test_the_config_takes_the_kl_at_temperature_one_and_the_teachers_tokenizer_m
         check_same_tokenizer(qwen, extended, "/x/extended")
 
 
-@pytest.mark.parametrize("mode", ["reward", "advantage"])
-def test_the_orchestrator_scores_every_sample_with_the_teacher_and_reports_the_signal(tiny_models, mode):
+@pytest.mark.parametrize("mode,baseline", [("reward", "none"), ("advantage", "none"), ("advantage", "batch_mean")])
+def test_the_orchestrator_scores_every_sample_with_the_teacher_and_reports_the_signal(tiny_models, mode, baseline):
     encoder = PromptEncoder(AutoTokenizer.from_pretrained(str(tiny_models["qwen3"])))
     teacher = {"url": "http://teacher:8000", "model_dir": str(tiny_models["qwen3"])}
-    resolved = orchestrator_config("sao", distillation={"teacher": teacher, "coef": COEF, "mode": mode}, num_steps=2,
-                                   batch_size=3, group_size=1)  # fmt: skip
+    resolved = orchestrator_config("sao", distillation={"teacher": teacher, "coef": COEF, "mode": mode, "baseline": baseline},
+                                   num_steps=2, batch_size=3, group_size=1)  # fmt: skip
     with pytest.raises(RuntimeError, match="distillation is configured but the orchestrator was given no teacher"):
         build_orchestrator(resolved, encoder)
     fake = FakeTeacher()
@@ -222,11 +282,15 @@ def test_the_orchestrator_scores_every_sample_with_the_teacher_and_reports_the_s
     assert all(s.teacher_logprobs is not None for _, s in orchestrator.shipped.items)
     for record in records:
         step = [s for n, s in orchestrator.shipped.items if n == record["step"]]
-        expected = distillation_metrics(step, COEF, mode)
+        expected = distillation_metrics(step, COEF, mode, baseline)
         assert record["teacher_kl_mean"] == pytest.approx(expected["teacher_kl_mean"])
         assert ("distill_advantage_share" in record) == (mode == "advantage")
         if mode == "advantage":  # the share as the shipped samples' advantages give it
             assert 0 < record["distill_advantage_share"] == pytest.approx(expected["distill_advantage_share"])
+        assert ("distill_baseline" in record) == (baseline != "none")
+        if baseline == "batch_mean":  # b is the step's mean k_t: the term's mean over the step is 0
+            assert record["distill_baseline"] == pytest.approx(record["teacher_kl_mean"])
+            assert record["distill_advantage_mean"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_kl_penalty_sends_the_teachers_log_probs_to_the_policy_and_leaves_the_rewards_alone(tiny_models):
