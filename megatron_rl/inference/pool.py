@@ -393,7 +393,7 @@ def _wait_all_ready(servers: list[VllmServer], timeout_s: float) -> None:
                 f"not ready within {timeout_s:.0f}s (inference.startup_timeout_s): {names}; last lines of "
                 f"{pending[0].log_path}:\n{pending[0].log_tail()}"
             )
-        time.sleep(1.0)
+        time.sleep(0.25)
 
 
 __all__ = [
