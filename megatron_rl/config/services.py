@@ -22,7 +22,7 @@ from typing import Literal
 from megatron_rl.config.base import Strict
 from megatron_rl.config.inference import ServeConfig
 from megatron_rl.config.model import Architecture
-from megatron_rl.config.model_layout import ModelLayout
+from megatron_rl.config.model_layout import ModelLayout, model_layout
 from megatron_rl.config.run import Config
 
 SERVICES = ("teacher", "judge")  # in start and placement order, after the policy's servers
@@ -125,8 +125,6 @@ def megatron_teacher_layout(config: Config, base_dir: Path, errors: list[str]) -
     """The Megatron teacher's layout (None without one, or on a problem, which goes to `errors`):
     its ranks' parallel layout from `megatron` at the student's `model.seq_len`, checked as the
     critic's is (divisibility of heads, layers, experts by its degrees)."""
-    from megatron_rl.config.layout import model_layout  # layout.py imports this module
-
     megatron = megatron_teacher(config)
     if megatron is None:
         return None
