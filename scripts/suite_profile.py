@@ -6,6 +6,8 @@ it), the slowest setups (what starts a server, a cluster or a forkserver) and th
     .venv/bin/python -m pytest -q --durations=0 -m slow tests > slow.log
     python scripts/suite_profile.py fast.log slow.log [--top 30]      (Markdown tables)
     python scripts/suite_profile.py fast.log slow.log --write-durations tests/durations.json
+    MEGATRON_RL_TEST_DURATIONS=0 bash tests/run.sh > suite.log 2>&1     (both groups, one log)
+    python scripts/suite_profile.py suite.log --write-durations tests/durations.json
 
 `--write-durations` writes the seconds per test file of all the logs given, which tests/conftest.py
 reads to hand the longest work to pytest-xdist's workers first (tests/run.sh runs two).
