@@ -1,5 +1,6 @@
-"""Config builders for tests: a config dict that resolves without files (`base`), and a CPU
-SAO run around a tiny HF model written to disk and resolved (`write_config`)."""
+"""Config builders for tests: a config dict that resolves without files (`base`), a CPU
+SAO run around a tiny HF model written to disk and resolved (`write_config`), and any config dict
+written, loaded and its resolved JSON written beside it (`write_resolved`)."""
 
 from __future__ import annotations
 
@@ -74,9 +75,16 @@ def write_config(tmp_path, hf_dir, num_steps, ports, **sections):
     }
     for section, extra in sections.items():
         config[section].update(extra)
-    path = tmp_path / f"run{num_steps}.yaml"
+    return write_resolved(tmp_path, config, f"run{num_steps}.yaml", f"resolved{num_steps}.json")
+
+
+def write_resolved(tmp_path, config: dict, name: str = "config.yaml", resolved_name: str = "resolved.json"):
+    """(resolved, path of its JSON): `config` written to tmp_path/name and loaded, the resolved
+    config written to tmp_path/resolved_name (what the roles' `--config` reads)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / name
     path.write_text(yaml.safe_dump(config))
     resolved = load_config(path)
-    out = tmp_path / f"resolved{num_steps}.json"
+    out = tmp_path / resolved_name
     out.write_text(resolved.to_json())
     return resolved, out

@@ -6,11 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import yaml
 
-from megatron_rl.config import load_config
 from megatron_rl.critic.client import HttpValueScorer
 from megatron_rl.parallel import free_port
+from tests.support.configs import write_resolved
 from tests.support.processes import RankProcesses, start_service_ranks
 
 
@@ -76,13 +75,7 @@ def critic_config(
         "checkpoint": {"dir": str(tmp_path / "checkpoints"), "save_interval": 1},
         "logging": {"dir": str(tmp_path / "logs")},
     }
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    resolved = load_config(path)
-    out = tmp_path / "resolved.json"
-    out.write_text(resolved.to_json())
-    return resolved, out
+    return write_resolved(tmp_path, config)
 
 
 def value_loss(result, samples) -> float:

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
-from megatron_rl.config import load_config
 from megatron_rl.parallel import free_port
 from megatron_rl.teacher.client import MegatronTeacher
+from tests.support.configs import write_resolved
 from tests.support.processes import RankProcesses, start_service_ranks
 
 
@@ -44,13 +42,7 @@ def teacher_config(tmp_path: Path, teacher_dir: Path, student_dir: Path | None =
     }  # fmt: skip
     for key, section in (overrides or {}).items():
         config[key] = {**config.get(key, {}), **section}
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    resolved = load_config(path)
-    out = tmp_path / "resolved.json"
-    out.write_text(resolved.to_json())
-    return resolved, out
+    return write_resolved(tmp_path, config)
 
 
 def teacher_url(resolved) -> str:
