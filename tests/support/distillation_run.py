@@ -40,10 +40,11 @@ RUN = {"task": "count", "prompts": 16, "group": 4, "lr": 3.0e-3, "max_completion
 ARMS = ("distill", "rl", "frozen")
 
 
-def student_model(out: Path, seed: int, sft_steps: int = RUN["student_sft_steps"]) -> Path:
+def student_model(out: Path, seed: int, sft_steps: int = RUN["student_sft_steps"], task: str = "count") -> Path:
     """A random tiny qwen3 of the pool's shape with the character tokenizer (512 ids), in `out`;
-    with `sft_steps`, that model warm-started on count's answers for so many steps, in
-    `out/warm-K` (the demo's warm start); its HF directory."""
+    with `sft_steps`, that model warm-started on `task`'s answers (count unless given) for so many
+    steps, in `out/warm-K` (`out/warm-TASK-K` for another task; the demo's warm start); its HF
+    directory."""
     from megatron_rl.models.tiny import make_tiny_model
 
     if not (out / "config.json").is_file():
@@ -52,9 +53,9 @@ def student_model(out: Path, seed: int, sft_steps: int = RUN["student_sft_steps"
         return out
     from megatron_rl.demo.warm_start import warm_start
 
-    warm = out / f"warm-{sft_steps}"
+    warm = out / (f"warm-{sft_steps}" if task == "count" else f"warm-{task}-{sft_steps}")
     if not (warm / "config.json").is_file():
-        warm_start(out, warm, "count", steps=sft_steps, log=lambda line: None)
+        warm_start(out, warm, task, steps=sft_steps, log=lambda line: None)
     return warm
 
 
