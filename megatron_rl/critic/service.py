@@ -309,7 +309,7 @@ class ModelService:
 
     def reply(self, request, result, legacy: bool) -> web.Response:
         """The HTTP reply of a request scored as `result` (its own rows)."""
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: each service defines its reply (ScoringService, teacher/service.py)
 
 
     async def _status(self, request):

@@ -188,7 +188,7 @@ class ServingLoop:
 
     def score_batch(self, request: list[list[int]] | None, sizes: list[int] | None):
         """Collective: the result of the merged `request` on rank 0 (None elsewhere)."""
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: each role defines its pass (the critic's CommandLoop, teacher/worker.py)
 
     def score(self, count: int) -> None:
         """SCORE `count`: every rank scores the merged requests rank 0 took. A failure on any rank
