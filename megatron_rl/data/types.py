@@ -43,6 +43,10 @@ class TrainingSample:
 
     `teacher_logprobs` ([T] float32, on-policy distillation): the teacher's log-probability of
     each action token after the same prefix (0 elsewhere; algorithms/distillation.py).
+    `teacher_top_ids` and `teacher_top_logprobs` ([T, K] int32 and float32, distillation.mode
+    `top_k_kl`): at each action token's position t the teacher's K most likely tokens given the
+    tokens before t, most likely first, and their log-probabilities at temperature 1 (ids 0 and
+    log-probabilities 0 on the other rows).
     """
 
     token_ids: np.ndarray  # [T] int64
@@ -62,6 +66,8 @@ class TrainingSample:
     routes: np.ndarray | None = None  # [R <= T, moe_layers, top_k] uint8 / uint16
     token_versions: np.ndarray | None = None  # [T] int64
     teacher_logprobs: np.ndarray | None = None  # [T] float32
+    teacher_top_ids: np.ndarray | None = None  # [T, K] int32 (distillation top_k_kl)
+    teacher_top_logprobs: np.ndarray | None = None  # [T, K] float32 (distillation top_k_kl)
 
     def __post_init__(self) -> None:
         if self.score is None:
@@ -182,6 +188,22 @@ class MicroBatch:
 
 
 Grid = list[list[MicroBatch]]  # grid[data_rank][micro_step]
+
+
+@dataclass
+class TeacherTopK:
+    """A teacher's scores of one token sequence with its top k (on-policy distillation's
+    `top_k_kl` mode; algorithms/distillation.py `TeacherScorer.top_k`), all at temperature 1:
+
+        logprobs[t]       = log p(token t | tokens 0..t-1)                  [T] float32, nan at 0
+        top_ids[t, j]     = the j-th most likely token at position t given tokens 0..t-1,
+                            most likely first                              [T, K] int32, row 0: 0
+        top_logprobs[t, j] = its log-probability                          [T, K] float32, row 0: nan
+    """
+
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
 
 
 @dataclass
