@@ -204,8 +204,41 @@ def _routes(samples: Sequence[TrainingSample], items: list[int], total: int) -> 
     return routes, routed
 
 
+def _teacher_top_k(samples: Sequence[TrainingSample], items: list[int], total: int) -> dict[str, np.ndarray]:
+    """A bin's `teacher_top_ids` [total, K] int32 and `teacher_top_logprobs` [total, K] float32:
+    each sample's rows, ids 0 and log-probabilities 0 on the bin's tail."""
+    widths = set()
+    for i in items:
+        sample = samples[i]
+        name = f"sample {i} (group {sample.group_id}, branch {sample.branch_index})"
+        ids, logprobs = sample.teacher_top_ids, sample.teacher_top_logprobs
+        if ids is None or logprobs is None:
+            raise PackingError(
+                f"{name} has no teacher_top_ids / teacher_top_logprobs; distillation.mode top_k_kl needs the "
+                "teacher's top k of every sample (the orchestrator sets them from the teacher's reply)"
+            )
+        if np.ndim(ids) != 2 or np.shape(ids) != np.shape(logprobs) or len(ids) != len(sample):
+            raise PackingError(
+                f"{name}: teacher_top_ids of shape {np.shape(ids)} and teacher_top_logprobs of shape "
+                f"{np.shape(logprobs)}; expected both [{len(sample)} tokens, K]"
+            )
+        widths.add(np.shape(ids)[1])
+    if len(widths) != 1:
+        raise PackingError(f"samples {sorted(items)} carry teacher top k of different K: {sorted(widths)}")
+    k = widths.pop()
+    top_ids = np.zeros((total, k), dtype=np.int32)
+    top_logprobs = np.zeros((total, k), dtype=np.float32)
+    start = 0
+    for i in items:
+        n = len(samples[i])
+        top_ids[start : start + n] = samples[i].teacher_top_ids
+        top_logprobs[start : start + n] = samples[i].teacher_top_logprobs
+        start += n
+    return {"teacher_top_ids": top_ids, "teacher_top_logprobs": top_logprobs}
+
+
 def _micro_batch(samples: Sequence[TrainingSample], items: list[int], cp: int, routes: bool = False,
-                 teacher: bool = False) -> MicroBatch:  # fmt: skip
+                 teacher: bool = False, teacher_top_k: bool = False) -> MicroBatch:  # fmt: skip
     lengths = [len(samples[i]) for i in items]
     real = sum(lengths)
     total = -(-real // cp) * cp
@@ -230,6 +263,8 @@ def _micro_batch(samples: Sequence[TrainingSample], items: list[int], cp: int, r
     route_arrays = dict(zip(("routes", "routed"), _routes(samples, items, total))) if routes else {}
     if teacher:
         route_arrays["teacher_logprobs"] = cat(annotation("teacher_logprobs"), np.float32)
+    if teacher_top_k:
+        route_arrays.update(_teacher_top_k(samples, items, total))
     return MicroBatch(
         input_ids=cat(lambda s: s.token_ids, np.int64),
         position_ids=np.concatenate(
@@ -273,13 +308,16 @@ def pack_into_grid(
     sequence_parallel_size: int = 1,
     routes: bool = False,
     teacher: bool = False,
+    teacher_top_k: bool = False,
 ) -> Grid:
     """Packs `samples` into `grid[data_rank][micro_step]` (see the module docstring).
 
     `sequence_parallel_size` is the TP size when the model runs sequence parallel (megatron MoE
     with TP > 1), else 1. `routes`: the micro-batches carry the samples' routes (the policy's
     grid under routing replay; every sample must have them). `teacher`: they carry the samples'
-    `teacher_logprobs` (distillation's kl_penalty).
+    `teacher_logprobs` (distillation's kl_penalty). `teacher_top_k`: they carry the samples'
+    `teacher_top_ids` and `teacher_top_logprobs` ([tokens, K], distillation's top_k_kl; every
+    sample must have both, of one K within a micro-batch).
     """
     dp = data_parallel_size
     if dp < 1 or context_parallel_size < 1 or sequence_parallel_size < 1:
@@ -311,7 +349,7 @@ def pack_into_grid(
     for rank_bins in ranks:
         # Longest bins first: the heaviest micro-steps line up across ranks.
         ordered = sorted(rank_bins, key=lambda b: (-sum(costs[i] for i in b.items), min(b.items)))
-        row = [_micro_batch(samples, sorted(b.items), cp, routes, teacher) for b in ordered]
+        row = [_micro_batch(samples, sorted(b.items), cp, routes, teacher, teacher_top_k) for b in ordered]
         row += [dummy_micro_batch(cp) for _ in range(steps - len(row))]
         grid.append(row)
     return grid
@@ -381,20 +419,21 @@ def pack_minibatches(
     cost: CostModel | None = None,
     routes: bool = False,
     teacher: bool = False,
+    teacher_top_k: bool = False,
 ) -> Grid:
     """`grid[data_rank]` = mini-batch 0's micro-steps, then mini-batch 1's, ... (each MicroBatch
     carries its `minibatch`; `sample_index` refers to `samples`). Each mini-batch is packed on its
     own (`pack_into_grid`), so each is balanced over the data ranks with the same number of
-    micro-steps on every rank. `routes` and `teacher` as in `pack_into_grid`."""
+    micro-steps on every rank. `routes`, `teacher` and `teacher_top_k` as in `pack_into_grid`."""
     parts = split_into_minibatches(len(samples), num_minibatches, seed)
     if len(parts) == 1:
         return pack_into_grid(samples, seq_len, data_parallel_size, context_parallel_size, cost,
-                              sequence_parallel_size, routes, teacher)  # fmt: skip
+                              sequence_parallel_size, routes, teacher, teacher_top_k)  # fmt: skip
     grid: Grid = [[] for _ in range(data_parallel_size)]
     for k, indices in enumerate(parts):
         original = np.asarray(indices, dtype=np.int64)
         part = pack_into_grid([samples[i] for i in indices], seq_len, data_parallel_size, context_parallel_size,
-                              cost, sequence_parallel_size, routes, teacher)  # fmt: skip
+                              cost, sequence_parallel_size, routes, teacher, teacher_top_k)  # fmt: skip
         for rank, row in enumerate(part):
             for mb in row:
                 mb.minibatch = k

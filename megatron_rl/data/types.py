@@ -148,7 +148,10 @@ class MicroBatch:
     top_k], padding routes where the sampler routed nothing) and `routed` ([N] bool: the sampler
     routed the token); the critic's grid never does. A dummy carries neither. Under on-policy
     distillation's `kl_penalty` the policy's grid carries `teacher_logprobs` ([N] float32, the
-    teacher's log-probability of each action token, 0 elsewhere); a dummy does not.
+    teacher's log-probability of each action token, 0 elsewhere); a dummy does not. Under
+    `top_k_kl` it carries `teacher_top_ids` ([N, K] int32) and `teacher_top_logprobs` ([N, K]
+    float32): the samples' rows (`TrainingSample.teacher_top_ids`), ids 0 and log-probabilities 0
+    on the padding; a dummy carries neither.
     """
 
     input_ids: np.ndarray  # [N] int64
@@ -165,6 +168,8 @@ class MicroBatch:
     routes: np.ndarray | None = None  # [N, moe_layers, top_k] uint8 / uint16
     routed: np.ndarray | None = None  # [N] bool
     teacher_logprobs: np.ndarray | None = None  # [N] float32 (distillation kl_penalty: the policy's grid)
+    teacher_top_ids: np.ndarray | None = None  # [N, K] int32 (distillation top_k_kl: the policy's grid)
+    teacher_top_logprobs: np.ndarray | None = None  # [N, K] float32 (distillation top_k_kl)
 
     @property
     def num_tokens(self) -> int:
@@ -179,7 +184,7 @@ class MicroBatch:
         return int(self.loss_mask.sum())
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The arrays that travel (`routes` and `routed` only when set)."""
+        """The arrays that travel (the optional ones, `routes` to `teacher_top_logprobs`, only when set)."""
         return {
             f.name: getattr(self, f.name)
             for f in fields(self)

@@ -13,6 +13,10 @@ So the peak beyond the logits is one logits-sized gradient plus a few chunk-size
 temporaries (measured in tests/distributed/test_logprobs.py). The entropy's gradient is computed
 only when something differentiates the entropy (an entropy bonus); otherwise that branch is
 skipped.
+
+`vocab_parallel_top_k_kl` is on-policy distillation's `top_k_kl` term in the same style: the
+forward KL of a teacher's top k tokens (ids and log-probabilities per token) from the student's
+softmax, with [tokens, K + 1] statistics crossing the TP group and the same chunked memory.
 """
 
 from __future__ import annotations
@@ -129,3 +133,110 @@ def megatron_vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor
     rank = parallel_state.get_tensor_model_parallel_rank()
     group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
     return vocab_parallel_logprobs(logits, targets, rank * logits.shape[-1], group, temperature)
+
+
+class _VocabParallelTopKKL(torch.autograd.Function):
+    """Truncated forward KL of the teacher's top k from softmax(logits / T); logits [N, V/tp],
+    top_ids [N, K] global ids, top_logprobs [N, K] (the teacher's, constants)."""
+
+    @staticmethod
+    def forward(ctx, logits, top_ids, top_logprobs, vocab_start, group, temperature, chunk_tokens):
+        ctx.set_materialize_grads(False)
+        num_tokens, vocab_local = logits.shape
+        maxes = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
+        for rows in _chunks(num_tokens, chunk_tokens):
+            maxes[rows] = _scaled(logits[rows].max(dim=-1).values, temperature)
+        if group is not None:
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+        local_ids = top_ids - vocab_start
+        in_range = (local_ids >= 0) & (local_ids < vocab_local)
+        clamped = local_ids.clamp(0, vocab_local - 1)
+        # Column 0: sum of exp; columns 1..K: the shifted logit at each id (only its owner's is non-zero).
+        stats = torch.empty(num_tokens, 1 + top_ids.shape[-1], dtype=torch.float32, device=logits.device)
+        for rows in _chunks(num_tokens, chunk_tokens):
+            shifted = _scaled(logits[rows], temperature) - maxes[rows].unsqueeze(-1)
+            stats[rows, 0] = shifted.exp().sum(dim=-1)
+            stats[rows, 1:] = torch.where(in_range[rows], torch.gather(shifted, -1, clamped[rows]), 0.0)
+        if group is not None:
+            dist.all_reduce(stats, group=group)
+        sum_exp = stats[:, 0].contiguous()
+        student_logprobs = stats[:, 1:] - sum_exp.log().unsqueeze(-1)
+        teacher_logprobs = top_logprobs.float()
+        teacher_probs = teacher_logprobs.exp()
+        kl = (teacher_probs * (teacher_logprobs - student_logprobs)).sum(dim=-1)
+        mass = teacher_probs.sum(dim=-1)
+        ctx.mark_non_differentiable(mass)
+        ctx.save_for_backward(logits, clamped, in_range, maxes, sum_exp, teacher_probs, mass)
+        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        return kl, mass
+
+    @staticmethod
+    def backward(ctx, grad_kl, grad_mass):
+        logits, clamped, in_range, maxes, sum_exp, teacher_probs, mass = ctx.saved_tensors
+        temperature = ctx.temperature
+        grad = torch.empty_like(logits)
+        if grad_kl is None:
+            return grad.zero_(), None, None, None, None, None, None
+        # d KL / d z = m * softmax(z) - p_T at the teacher's ids ;  d z / d logits = 1 / T
+        scale = mass * grad_kl
+        at_ids = torch.where(in_range, -teacher_probs * grad_kl.unsqueeze(-1), 0.0)
+        for rows in _chunks(logits.shape[0], ctx.chunk_tokens):
+            shifted = _scaled(logits[rows], temperature) - maxes[rows].unsqueeze(-1)
+            chunk = shifted.exp() * (scale[rows] / sum_exp[rows]).unsqueeze(-1)
+            chunk.scatter_add_(-1, clamped[rows], at_ids[rows])
+            if temperature != 1.0:
+                chunk = chunk / temperature
+            grad[rows] = chunk
+        return grad, None, None, None, None, None, None
+
+
+def vocab_parallel_top_k_kl(
+    logits: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_logprobs: torch.Tensor,
+    vocab_start: int = 0,
+    group=None,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(KL, mass) per token, both shaped like `top_ids` without its last axis, float32:
+
+        KL_t   = sum_j p_T(j) * (log p_T(j) - log q(j))     (differentiable w.r.t. `logits`)
+        mass_t = sum_j p_T(j)                                 (not differentiable)
+
+    over the teacher's K ids j at t (`top_ids` [..., K], global ids), p_T = exp(`top_logprobs`)
+    as given (not renormalised), q = softmax(logits / temperature) over the whole vocabulary: the
+    forward KL of the teacher's top k from the student, truncated to those k. Its gradient w.r.t.
+    z = logits / T is mass_t * q - p_T at the ids. The teacher's log-probabilities are constants.
+
+    `logits` [..., V_local] (any float dtype; not copied) is this rank's vocabulary slice starting
+    at global id `vocab_start` (megatron's padded vocabulary: padded logits count in the softmax,
+    as in `vocab_parallel_logprobs`); `group` is the tensor-parallel group (None: the logits hold
+    the whole vocabulary); only [tokens, K + 1] statistics cross it. `chunk_tokens` rows at a
+    time (default: CHUNK_ELEMENTS logits); the backward pass recomputes q chunk by chunk.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for the top-k KL, got {temperature}")
+    if top_ids.shape != top_logprobs.shape or top_ids.shape[:-1] != logits.shape[:-1]:
+        raise ValueError(
+            f"top-k KL: top_ids {tuple(top_ids.shape)} and top_logprobs {tuple(top_logprobs.shape)} must both be "
+            f"[..., K] over the logits' tokens {tuple(logits.shape[:-1])}"
+        )
+    vocab_local, k = logits.shape[-1], top_ids.shape[-1]
+    chunk_tokens = chunk_tokens or max(1, CHUNK_ELEMENTS // vocab_local)
+    kl, mass = _VocabParallelTopKKL.apply(
+        logits.reshape(-1, vocab_local), top_ids.reshape(-1, k).long(), top_logprobs.reshape(-1, k),
+        vocab_start, group, float(temperature), int(chunk_tokens),
+    )  # fmt: skip
+    return kl.view(top_ids.shape[:-1]), mass.view(top_ids.shape[:-1])
+
+
+def megatron_vocab_parallel_top_k_kl(
+    logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor, temperature: float = 1.0
+):
+    """vocab_parallel_top_k_kl over megatron's tensor-parallel group and vocabulary split."""
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+    return vocab_parallel_top_k_kl(logits, top_ids, top_logprobs, rank * logits.shape[-1], group, temperature)

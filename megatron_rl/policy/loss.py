@@ -25,11 +25,11 @@ import torch
 from megatron.core import parallel_state
 from torch.distributed import ReduceOp
 
-from megatron_rl.algorithms.losses import Sequences, entropy_bonus, reference_kl_loss
+from megatron_rl.algorithms.losses import Sequences, entropy_bonus, reference_kl_loss, top_k_distillation_loss
 from megatron_rl.algorithms.registry import policy_loss_for
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data.types import MicroBatch
-from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs
+from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs, megatron_vocab_parallel_top_k_kl
 from megatron_rl.trainer.batches import RankBatch, RowSlice
 from megatron_rl.trainer.forward import forward_only
 from megatron_rl.trainer.step import RoleLoss
@@ -48,6 +48,10 @@ class PolicyBatch(RankBatch):
     minibatch: int = 0
     ref_logprobs: torch.Tensor | None = None  # the reference policy's, when KL is configured
     teacher_logprobs: torch.Tensor | None = None  # [n] the teacher's (distillation kl_penalty)
+    # Distillation top_k_kl: the teacher's K most likely next tokens at each position ([n, K] int64)
+    # and their log-probabilities ([n, K] float32); ids 0 and log-probabilities 0 off action tokens.
+    teacher_top_ids: torch.Tensor | None = None
+    teacher_top_logprobs: torch.Tensor | None = None
     # Per-token factors of the loss (None: 1): the loss aggregation's, and the rollout correction's
     # importance weights (the policy term only).
     aggregation_weights: torch.Tensor | None = None
@@ -70,6 +74,10 @@ def policy_batch(mb: MicroBatch, cp_rank: int = 0, cp_size: int = 1) -> PolicyBa
     denominator starts as the sampler's log-probs."""
     row = RowSlice(mb, cp_rank, cp_size)
     sampler_logprobs = row.next_token(mb.inference_logprobs, torch.float32, 0.0)
+    top_k = {}
+    if mb.teacher_top_ids is not None:
+        top_k = dict(teacher_top_ids=row.next_token(mb.teacher_top_ids, torch.long, 0),
+                     teacher_top_logprobs=row.next_token(mb.teacher_top_logprobs, torch.float32, 0.0))  # fmt: skip
     return PolicyBatch(
         **row.shared_fields(),
         targets=row.next_token(mb.input_ids, torch.long, 0),
@@ -80,6 +88,7 @@ def policy_batch(mb: MicroBatch, cp_rank: int = 0, cp_size: int = 1) -> PolicyBa
         owned_sequences=row.owned_sequences(),
         minibatch=mb.minibatch,
         teacher_logprobs=None if mb.teacher_logprobs is None else row.next_token(mb.teacher_logprobs, torch.float32, 0.0),
+        **top_k,
     )
 
 
@@ -131,18 +140,27 @@ def batch_sequences(batch: PolicyBatch) -> Sequences:
     return Sequences(batch.cu_seqlens, batch.sequence_of_token, batch.num_sequences, cp_reduce)
 
 
-def policy_loss_func(config: AlgorithmConfig, temperature: float = 1.0, teacher_coef: float = 0.0) -> RoleLoss:
+def policy_loss_func(
+    config: AlgorithmConfig, temperature: float = 1.0, teacher_coef: float = 0.0, teacher_top_k_coef: float = 0.0
+) -> RoleLoss:
     """`algorithm.policy_loss` (registry.policy_loss_for) on vocab-parallel log-probabilities of
     softmax(logits / temperature) of the next tokens, plus `kl_coef` * KL(policy || reference)
     per action token (`kl_estimator`) when `algorithm.kl_coef` > 0 (the batch then carries
     reference log-probabilities: `set_reference_logprobs`), plus `teacher_coef` * the same
     estimator against the teacher's log-probabilities from the grid (on-policy distillation's
-    kl_penalty; metric `teacher_kl`), minus `entropy_coef` * entropy.
+    kl_penalty; metric `teacher_kl`), plus `teacher_top_k_coef` * the forward KL of the teacher's
+    top k from the policy's softmax over the whole vocabulary, sum_j p_T(j) (log p_T(j) - log
+    pi(j)) per action token (distillation's top_k_kl, `vocab_parallel_top_k_kl`; metrics
+    `teacher_top_k_kl` and `teacher_top_k_mass`, the top k's share of the teacher's probability),
+    minus `entropy_coef` * entropy.
     Each term is weighted per token by the batch's `aggregation_weights`; the policy term also by
-    its `correction_weights` (rollout correction). On `PolicyBatch`es (`policy_batch`)."""
+    its `correction_weights` (rollout correction). On `PolicyBatch`es (`policy_batch`). A batch
+    with action tokens but without the teacher's arrays a coefficient needs is a ValueError; one
+    without action tokens (a dummy) adds 0 to each term and its metrics."""
     objective, kl_coef, entropy_coef = policy_loss_for(config), config.kl_coef, config.entropy_coef
 
     def loss(logits: torch.Tensor, batch: PolicyBatch):
+        check_teacher_arrays(batch, teacher_coef, teacher_top_k_coef)
         logprobs, entropy = megatron_vocab_parallel_logprobs(logits[0], batch.targets, temperature)
         aggregation, correction = batch.aggregation_weights, batch.correction_weights
         policy_weights = (
@@ -163,15 +181,43 @@ def policy_loss_func(config: AlgorithmConfig, temperature: float = 1.0, teacher_
                                                    config.kl_estimator, aggregation)  # fmt: skip
             loss_sum = loss_sum + kl_coef * kl_sum
             metrics.update(kl_metrics)
-        if teacher_coef > 0 and (batch.teacher_logprobs is not None or batch.loss_mask.any()):
-            if batch.teacher_logprobs is None:
-                raise ValueError("policy loss: distillation kl_penalty needs the teacher's log-probabilities in the grid")
-            teacher_sum, teacher_metrics = reference_kl_loss(logprobs, batch.teacher_logprobs, batch.loss_mask,
-                                                             config.kl_estimator, aggregation)  # fmt: skip
-            loss_sum = loss_sum + teacher_coef * teacher_sum
-            metrics["teacher_kl_sum"] = teacher_metrics["kl_ref_sum"]
+        # Every rank reports the teacher's metric sums, zero for a batch without its arrays: the
+        # reduction over data ranks needs the same names on each (a rank may hold only dummies).
+        zero = torch.zeros((), dtype=torch.float64, device=logprobs.device)
+        if teacher_coef > 0:
+            metrics["teacher_kl_sum"] = zero
+            if batch.teacher_logprobs is not None:
+                teacher_sum, teacher_metrics = reference_kl_loss(logprobs, batch.teacher_logprobs, batch.loss_mask,
+                                                                 config.kl_estimator, aggregation)  # fmt: skip
+                loss_sum = loss_sum + teacher_coef * teacher_sum
+                metrics["teacher_kl_sum"] = teacher_metrics["kl_ref_sum"]
+        if teacher_top_k_coef > 0:
+            metrics.update(teacher_top_k_kl_sum=zero, teacher_top_k_mass_sum=zero)
+            if batch.teacher_top_ids is not None:
+                kl, mass = megatron_vocab_parallel_top_k_kl(logits[0], batch.teacher_top_ids,
+                                                            batch.teacher_top_logprobs, temperature)  # fmt: skip
+                top_k_sum, top_k_metrics = top_k_distillation_loss(kl, mass, batch.loss_mask, aggregation)
+                loss_sum = loss_sum + teacher_top_k_coef * top_k_sum
+                metrics.update(top_k_metrics)
         if entropy_coef > 0:
             loss_sum = loss_sum - entropy_coef * entropy_bonus(entropy, batch.loss_mask, aggregation)
         return loss_sum, metrics
 
     return RoleLoss(batch=policy_batch, loss=loss)
+
+
+def check_teacher_arrays(batch: PolicyBatch, teacher_coef: float, teacher_top_k_coef: float) -> None:
+    """Raises ValueError naming the distillation mode when the batch has action tokens but not
+    the teacher's arrays its coefficient needs (the orchestrator packs them only in that mode)."""
+    needs_logprobs = teacher_coef > 0 and batch.teacher_logprobs is None
+    needs_top_k = teacher_top_k_coef > 0 and (batch.teacher_top_ids is None or batch.teacher_top_logprobs is None)
+    if not (needs_logprobs or needs_top_k) or not bool(batch.loss_mask.any()):
+        return
+    if needs_logprobs:
+        raise ValueError("policy loss: distillation kl_penalty needs the teacher's log-probabilities in the grid")
+    if needs_top_k:
+        raise ValueError(
+            "policy loss: distillation top_k_kl needs the teacher's top-k ids and log-probabilities in the grid "
+            "(teacher_top_ids, teacher_top_logprobs); the orchestrator packs them only with distillation.mode "
+            "top_k_kl: give both the same resolved config"
+        )

@@ -61,13 +61,16 @@ class UpdateSettings:
     temperature: float = 1.0  # orchestrator.temperature: the training samples' sampling temperature
     loss_scale_factor: int | None = None  # seq-mean-token-sum-norm's divisor (resolved default)
     teacher_coef: float = 0.0  # distillation kl_penalty's coef: the teacher's term of the loss
+    teacher_top_k_coef: float = 0.0  # distillation top_k_kl's coef: the teacher's top-k KL term
 
     @classmethod
     def from_config(cls, resolved: ResolvedConfig) -> UpdateSettings:
         algorithm, distillation = resolved.algorithm, resolved.distillation
         scale = algorithm.loss_scale_factor or resolved.orchestrator.max_completion_tokens
-        teacher = distillation.coef if distillation is not None and distillation.mode == "kl_penalty" else 0.0
-        return cls(algorithm, resolved.orchestrator.temperature, scale, teacher)
+        mode = distillation.mode if distillation is not None else None
+        teacher = distillation.coef if mode == "kl_penalty" else 0.0
+        top_k = distillation.coef if mode == "top_k_kl" else 0.0
+        return cls(algorithm, resolved.orchestrator.temperature, scale, teacher, top_k)
 
 
 def is_last_stage() -> bool:
@@ -219,7 +222,7 @@ def policy_update(
         mismatch = correct_rollouts(settings, batches)
         times["correction"] = time.perf_counter() - began
     set_aggregation(settings, batches)
-    loss = policy_loss_func(algorithm, settings.temperature, settings.teacher_coef)
+    loss = policy_loss_func(algorithm, settings.temperature, settings.teacher_coef, settings.teacher_top_k_coef)
     began = time.perf_counter()
     updates = []
     for _ in range(algorithm.policy_epochs):

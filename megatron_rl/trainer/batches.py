@@ -50,6 +50,8 @@ class RankBatch:
 
 
 def _shift(array: np.ndarray, sequence_ends: np.ndarray, fill) -> np.ndarray:
+    """`array` ([N] or [N, ...]) moved one token earlier along axis 0: row p gets row p + 1's,
+    `fill` on the last row and at every sequence's end."""
     shifted = np.empty_like(array)
     shifted[:-1] = array[1:]
     shifted[-1] = fill
@@ -82,8 +84,9 @@ class RowSlice:
         )
 
     def next_token(self, array: np.ndarray, dtype: torch.dtype, fill=0) -> torch.Tensor:
-        """This rank's slice of a per-token array shifted to the next token (`fill` where a
-        position has none)."""
+        """This rank's slice of a per-token array ([N] or [N, ...]: a row per token, such as the
+        teacher's top k) shifted to the next token along axis 0 (`fill` where a position has
+        none)."""
         return self.tensor(_shift(array, self.ends, fill), dtype)
 
     def sequence_of_token(self) -> torch.Tensor:
