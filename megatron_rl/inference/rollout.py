@@ -56,11 +56,14 @@ import numpy as np
 
 from megatron_rl.config import OrchestratorConfig
 from megatron_rl.data.types import route_dtype
+from megatron_rl.inference.prompt_logprobs import PositionEntries, token_logprobs, top_k
 from megatron_rl.inference.router import SESSION_HEADER
 
 
 class RolloutError(RuntimeError):
-    pass
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status  # the HTTP status of the reply that failed; None: no reply, or a bad one
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class SamplingParams:
     max_tokens: int = 64
     seed: int | None = None
     prompt_logprobs: bool = False  # also return the log-probability of every prompt token
+    prompt_top_k: int = 0  # > 0: also the prompt_top_k most likely tokens at every prompt position (implies prompt_logprobs)
     routed_experts: int = 0  # > 0: return the routes of a MoE policy with this many experts
 
     @classmethod
@@ -92,6 +96,11 @@ class Completion:
     policy_version: int  # the oldest version behind its tokens
     worker: str  # the worker that answered, or the router's URL when the router chose it
     prompt_logprobs: list[float] | None = None  # with SamplingParams.prompt_logprobs (nan at 0)
+    # With SamplingParams.prompt_top_k K: [prompt tokens, K] the K most likely tokens at each prompt
+    # position given the tokens before it, most likely first (int32; row 0: 0), and their
+    # log-probabilities at temperature 1 (float32; row 0: nan).
+    prompt_top_ids: np.ndarray | None = None
+    prompt_top_logprobs: np.ndarray | None = None
     # With SamplingParams.routed_experts: [rows, moe_layers, top_k] the experts of the request's
     # tokens from its routes start to the second-to-last sampled token (uint8 / uint16).
     routes: np.ndarray | None = None
@@ -112,15 +121,11 @@ class _Logprobs(msgspec.Struct):
     token_logprobs: list[float | None]
 
 
-class _PromptLogprob(msgspec.Struct):
-    logprob: float
-
-
 class _Choice(msgspec.Struct):
     token_ids: list[int] | None = None
     logprobs: _Logprobs | None = None
     finish_reason: str | None = None
-    prompt_logprobs: list[dict[str, _PromptLogprob] | None] | None = None
+    prompt_logprobs: list[PositionEntries | None] | None = None
     routed_experts: str | None = None
 
 
@@ -203,8 +208,8 @@ class RolloutClient:
         seed = sampling.seed if seed is None else seed
         if seed is not None:
             body["seed"] = int(seed)
-        if sampling.prompt_logprobs:  # vLLM: 0 = the prompt token's own log-probability only
-            body["prompt_logprobs"] = 0
+        if sampling.prompt_logprobs or sampling.prompt_top_k:  # vLLM: 0 = the prompt token's own only
+            body["prompt_logprobs"] = int(sampling.prompt_top_k)
         if sampling.routed_experts:
             body["routed_experts_prompt_start"] = int(routes_start)
         if stop:  # e.g. the end of a tool call; the stop string stays in the tokens
@@ -303,10 +308,11 @@ class RolloutClient:
             who = self._failed_worker(response.text, target) or target
             raise RolloutError(
                 f"completion for session {session_id!r} failed on {who}: HTTP {response.status_code}: "
-                f"{response.text[:500]}"
-            )
+                f"{response.text[:500]}", status=response.status_code,
+            )  # fmt: skip
         routes = (len(prompt_ids) - routes_start, sampling.routed_experts) if sampling.routed_experts else None
-        return self._parse(response.content, version, target, prompt_ids if sampling.prompt_logprobs else None, routes)
+        scored = sampling.prompt_logprobs or sampling.prompt_top_k
+        return self._parse(response.content, version, target, prompt_ids if scored else None, routes, sampling.prompt_top_k)
 
     def _failed_worker(self, message: str, target: str) -> str | None:
         if target != self.router_url:
@@ -326,10 +332,11 @@ class RolloutClient:
 
     def _parse(
         self, payload: bytes, version: int, target: str, prompt_ids: list[int] | None = None,
-        routes: tuple[int, int] | None = None,
+        routes: tuple[int, int] | None = None, prompt_top_k: int = 0,
     ) -> Completion:
-        """The reply as a Completion; `routes` (prompt tokens from the routes start, experts):
-        decode its routed_experts too."""
+        """The reply as a Completion; `prompt_ids`: read the prompt's log-probabilities too (and
+        with `prompt_top_k` > 0 its top k at every position); `routes` (prompt tokens from the
+        routes start, experts): decode its routed_experts too."""
         try:
             reply = msgspec.json.decode(payload, type=_CompletionReply)
         except msgspec.ValidationError as exc:
@@ -346,13 +353,16 @@ class RolloutClient:
             raise RolloutError(
                 f"{target}: {len(choice.token_ids)} token ids but {len(logprobs)} log-probabilities"
             )
+        prompt = (None, None, None) if prompt_ids is None else _prompt_scores(choice, prompt_ids, prompt_top_k, target)
         return Completion(
             token_ids=list(choice.token_ids),
             logprobs=logprobs,
             finish_reason=choice.finish_reason or "stop",
             policy_version=version,
             worker=target,
-            prompt_logprobs=None if prompt_ids is None else _prompt_logprobs(choice, prompt_ids, target),
+            prompt_logprobs=prompt[0],
+            prompt_top_ids=prompt[1],
+            prompt_top_logprobs=prompt[2],
             routes=None if routes is None or (choice.finish_reason == "abort" and choice.routed_experts is None)
             else _routes(choice, routes[0] + len(choice.token_ids) - 1, routes[1], target),  # an interrupted part may have none
         )
@@ -361,7 +371,7 @@ class RolloutClient:
 def joined_parts(parts: list[Completion], prompt_tokens: int) -> Completion:
     """The parts of one interrupted completion as one: tokens, log-probabilities, each token's
     version and routes in order; the last part's finish reason and worker; the prompt's
-    log-probabilities of the first part (the later parts' prompts hold sampled tokens)."""
+    log-probabilities and top k of the first part (the later parts' prompts hold sampled tokens)."""
     routes = [p.routes for p in parts if p.routes is not None]
     return Completion(
         token_ids=[t for p in parts for t in p.token_ids],
@@ -370,6 +380,8 @@ def joined_parts(parts: list[Completion], prompt_tokens: int) -> Completion:
         policy_version=min(p.policy_version for p in parts),
         worker=parts[-1].worker,
         prompt_logprobs=parts[0].prompt_logprobs,
+        prompt_top_ids=parts[0].prompt_top_ids,
+        prompt_top_logprobs=parts[0].prompt_top_logprobs,
         routes=np.concatenate(routes) if routes else None,  # each part's from where the last one's ended
         token_versions=[v for p in parts for v in p.versions()],
         interruptions=len(parts) - 1,
@@ -402,21 +414,19 @@ def _routes(choice: _Choice, rows: int, num_experts: int, target: str) -> np.nda
     return routes.astype(route_dtype(num_experts), copy=False)
 
 
-def _prompt_logprobs(choice: _Choice, prompt_ids: list[int], target: str) -> list[float]:
-    """The log-probability of each prompt token (nan for the first, which has no context)."""
+def _prompt_scores(
+    choice: _Choice, prompt_ids: list[int], k: int, target: str
+) -> tuple[list[float], np.ndarray | None, np.ndarray | None]:
+    """The log-probability of each prompt token (nan for the first, which has no context), and
+    with `k` > 0 the top k at each position (inference/prompt_logprobs.py `top_k`); a
+    RolloutError naming `target` and the position when the reply does not hold them."""
     entries = choice.prompt_logprobs
-    if entries is None or len(entries) != len(prompt_ids):
-        got = "none" if entries is None else len(entries)
-        raise RolloutError(f"{target}: asked for prompt_logprobs of {len(prompt_ids)} tokens, got {got}")
-    values = []
-    for position, (entry, token) in enumerate(zip(entries, prompt_ids)):
-        if entry is None:
-            values.append(float("nan"))
-        elif str(token) in entry:
-            values.append(float(entry[str(token)].logprob))
-        else:
-            raise RolloutError(f"{target}: prompt_logprobs at position {position} do not include token {token}")
-    return values
+    if entries is None:
+        raise RolloutError(f"{target}: asked for prompt_logprobs of {len(prompt_ids)} tokens, got none")
+    try:
+        return token_logprobs(entries, prompt_ids), *(top_k(entries, k) if k > 0 else (None, None))
+    except ValueError as exc:
+        raise RolloutError(f"{target}: {exc}") from None
 
 
 @dataclass

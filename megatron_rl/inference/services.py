@@ -2,7 +2,8 @@
 teacher, an LLM judge; config/services.py), built as the policy's are (`InferencePool.from_config`,
 `router_settings`) from the resolved layout (`layout.services[name]`) and its `serve` block.
 The local launcher runs them as components, the SLURM job as steps; neither takes weight
-updates (their weights never change)."""
+updates (their weights never change). A teacher of distillation.mode top_k_kl is started with
+vLLM's `--max-logprobs` distillation.top_k (vLLM refuses prompt_logprobs above it; default 20)."""
 
 from __future__ import annotations
 
@@ -45,11 +46,32 @@ def service_servers(resolved: ResolvedConfig, name: str, devices: list[list[str]
                 gpu_memory_utilization=serve.gpu_memory_utilization, kv_cache_gib=serve.cpu_kv_cache_gib,
                 shutdown_timeout_s=resolved.inference.shutdown_timeout_s, seed=resolved.orchestrator.seed,
                 http_log_level=resolved.logging.inference_level, api_key=api_key,
-                extra_args=[*vllm_remote_code_args(resolved.model), *serve.extra_args],
+                extra_args=[*vllm_remote_code_args(resolved.model), *service_vllm_args(resolved, name), *serve.extra_args],
                 launch=False,
             )  # fmt: skip
         )
     return servers
+
+
+def service_vllm_args(resolved: ResolvedConfig, name: str) -> list[str]:
+    """The vLLM arguments served model `name` needs for the run: a teacher of distillation.mode
+    top_k_kl `--max-logprobs` distillation.top_k (the top k it returns a position); ValueError
+    when the serve block's extra_args set a lower --max-logprobs (vLLM takes the last one)."""
+    distillation = resolved.distillation
+    if name != "teacher" or distillation is None or distillation.mode != "top_k_kl":
+        return []
+    extra = served_models(resolved)[name][1].extra_args
+    for i, arg in enumerate(extra):
+        value = arg.split("=", 1)[1] if arg.startswith("--max-logprobs=") else None
+        if arg == "--max-logprobs" and i + 1 < len(extra):
+            value = extra[i + 1]
+        limit = int(value) if value is not None and value.strip().lstrip("-").isdigit() else None
+        if limit is not None and limit != -1 and limit < distillation.top_k:  # -1: the whole vocabulary
+            raise ValueError(
+                f"distillation.teacher.serve.extra_args sets --max-logprobs {value}, below distillation.top_k "
+                f"({distillation.top_k}): vLLM would refuse the teacher's top {distillation.top_k}; remove it or raise it"
+            )
+    return ["--max-logprobs", str(distillation.top_k)]
 
 
 def service_router_settings(resolved: ResolvedConfig, name: str) -> RouterSettings:

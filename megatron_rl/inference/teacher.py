@@ -8,8 +8,14 @@ the sequence as the token-id prompt, `prompt_logprobs` 0 (the log-probability of
 token given the tokens before it, of the untempered distribution) and one generated token (vLLM
 needs one; it is discarded). Requests carrying prompt_logprobs never read vLLM's prefix cache,
 so each sequence is scored once, whole. At most `max_concurrent` requests are in flight; each
-goes through `RolloutClient` (retried once on another server of the teacher's, errors naming
-the server).
+goes through `RolloutClient` (retried once on another server of the teacher's); a failure is a
+TeacherError naming the server, a refusal (HTTP 400) a TeacherRequestError.
+
+`top_k(batched_token_ids, k)` (distillation.mode top_k_kl) asks `prompt_logprobs` k: besides
+each token's log-probability, the k most likely tokens at every position and theirs
+(`TeacherTopK`; inference/prompt_logprobs.py reads vLLM's reply). vLLM refuses k above its
+`--max-logprobs` (default 20) with a 400; the run starts its own vLLM teacher with
+`--max-logprobs` of at least distillation.top_k (inference/services.py).
 
 `check_same_tokenizer(student, teacher, where)` is the start-up check that both read the same
 token ids: the same vocabulary (every token at the same id) and the same special tokens;
@@ -19,12 +25,14 @@ otherwise the teacher's log-probabilities would be of other tokens than the stud
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import zlib
 
 import httpx
 import numpy as np
 
-from megatron_rl.inference.rollout import RolloutClient, SamplingParams
+from megatron_rl.data.types import TeacherTopK
+from megatron_rl.inference.rollout import Completion, RolloutClient, RolloutError, SamplingParams
 
 SCORING = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=True)
 
@@ -52,16 +60,51 @@ class VllmTeacher:
 
     async def logprobs(self, batched_token_ids: list[list[int]]) -> list[np.ndarray]:
         """[T] float64 per sequence: log p_teacher(token_t | tokens before it), nan at 0."""
+        completions = await self._score(batched_token_ids, SCORING)
+        return [np.asarray(c.prompt_logprobs, dtype=np.float64) for c in completions]
+
+    async def top_k(self, batched_token_ids: list[list[int]], k: int) -> list[TeacherTopK]:
+        """Per sequence of T tokens: each token's log-probability ([T] float32, nan at 0), and at
+        each position t the k most likely tokens given tokens 0..t-1, most likely first ([T, k]
+        int32, row 0: 0), with their log-probabilities ([T, k] float32, row 0: nan); all of the
+        untempered distribution."""
+        if k < 1:
+            raise ValueError(f"VllmTeacher.top_k needs k >= 1 (distillation.top_k), not {k}")
+        completions = await self._score(batched_token_ids, dataclasses.replace(SCORING, prompt_top_k=int(k)))
+        return [
+            TeacherTopK(np.asarray(c.prompt_logprobs, dtype=np.float32), c.prompt_top_ids, c.prompt_top_logprobs)
+            for c in completions
+        ]
+
+    async def _score(self, batched_token_ids: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        """One request a sequence, at most max_concurrent in flight; the completions in order."""
         self._bound = self._bound or asyncio.Semaphore(self.max_concurrent)
 
-        async def one(token_ids: list[int]) -> np.ndarray:
+        async def one(token_ids: list[int]) -> Completion:
             session = f"teacher-{zlib.crc32(np.asarray(token_ids, dtype=np.int64).tobytes()):08x}"
-            async with self._bound:
-                completion = await self.client.complete(token_ids, SCORING, session)
+            try:
+                async with self._bound:
+                    completion = await self.client.complete(token_ids, sampling, session)
+            except RolloutError as exc:
+                raise self._error(exc, sampling.prompt_top_k) from None
             self.requests += 1
-            return np.asarray(completion.prompt_logprobs, dtype=np.float64)
+            return completion
 
-        return list(await asyncio.gather(*[one(list(ids)) for ids in batched_token_ids]))
+        return list(await asyncio.gather(*[one([int(t) for t in ids]) for ids in batched_token_ids]))
+
+    def _error(self, exc: RolloutError, k: int) -> TeacherError:
+        """The TeacherError of a failed request: a TeacherRequestError for a refusal (400), which
+        for a top k above vLLM's limit says how to lift it."""
+        where = f"the teacher at {self.url} (distillation.teacher): {exc}"
+        if exc.status != 400:
+            return TeacherError(where)
+        if k and "logprobs" in str(exc):
+            return TeacherRequestError(
+                f"{where}; the teacher's vLLM does not return the top {k} tokens a position (distillation.top_k "
+                f"{k}): raise the teacher server's --max-logprobs to at least {k} (vLLM's default is 20; a teacher "
+                "the run serves gets it from distillation.top_k) or lower distillation.top_k"
+            )
+        return TeacherRequestError(where)
 
     async def check_ready(self, timeout_s: float = 30.0) -> None:
         """The teacher answers /v1/models with its model; a TeacherError naming the URL if not."""
