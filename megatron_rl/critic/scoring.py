@@ -90,14 +90,17 @@ def per_token_outputs(
     request_sizes: list[int] | None,
     rank_batch_of,
     forward,
+    columns: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """The collective scoring pass every model service shares (the critic's values, the Megatron
-    teacher's log-probabilities): rank 0's request broadcast, packed (`request_sizes`: each
-    request into bins of its own, see the module docstring), each replica's bins run through
-    `forward(model, batches)` (a float32 [n] output per position of each RankBatch built by
-    `rank_batch_of(mb, cp_rank, cp)`, on the last pipeline stage; None elsewhere), CP slices
-    gathered, DP and PP reduced to global rank 0. Returns (outputs of every token of every
-    sequence end to end, float32; offsets [count + 1]) on global rank 0, None elsewhere."""
+    teacher's log-probabilities and top k): rank 0's request broadcast, packed (`request_sizes`:
+    each request into bins of its own, see the module docstring), each replica's bins run
+    through `forward(model, batches)` (float32 outputs per position of each RankBatch built by
+    `rank_batch_of(mb, cp_rank, cp)`: [n] each, or [n, columns] with `columns`; on the last
+    pipeline stage; None elsewhere), CP slices gathered, DP and PP reduced (summed: every
+    position is written by one rank, zeros elsewhere, so the outputs must be finite) to global
+    rank 0. Returns (outputs of every token of every sequence end to end, float32 [sum T] or
+    [sum T, columns]; offsets [count + 1]) on global rank 0, None elsewhere."""
 
     sequences, request_sizes = _broadcast_request(request, request_sizes)
     dp, cp = ps.get_data_parallel_world_size(), ps.get_context_parallel_world_size()
@@ -117,7 +120,8 @@ def per_token_outputs(
         grid = _isolated_grid(samples, request_sizes, seq_len, dp, cp, sp)
     lengths = np.array([len(ids) for ids in sequences], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    head = torch.zeros(int(offsets[-1]), dtype=torch.float32, device=collective_device())  # output per token
+    shape = (int(offsets[-1]),) if columns is None else (int(offsets[-1]), columns)
+    head = torch.zeros(shape, dtype=torch.float32, device=collective_device())  # output per token
     # Dropout is the only train/eval difference in these models; switching modes walks every
     # module, so only do it when dropout is on.
     toggle = model.training and (model.config.hidden_dropout > 0 or model.config.attention_dropout > 0)

@@ -64,36 +64,21 @@ def _check_tokens(ids: list[int], what: str, vocab_size: int, seq_len: int, who:
         raise BadRequest(f"{what} holds token id {bad} outside the vocabulary 0..{vocab_size - 1}")
 
 
-class BatchRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """A body of `batched_token_ids` alone (the Megatron teacher's /logprobs)."""
-
-    batched_token_ids: list[list[int]]
-
-
-def parse_score_request(
-    body: bytes,
-    vocab_size: int,
-    seq_len: int,
-    max_batch_sequences: int,
-    who: str = "critic",
-    limit_key: str = "value.service.max_batch_sequences",
-    legacy: bool = True,
-) -> tuple[list[list[int]], bool]:
-    """(sequences, legacy) of a request body, or BadRequest naming what is wrong (with its JSON
-    path, e.g. "Expected `int`, got `float` - at `$.batched_token_ids[0][1]`"). `who` and
-    `limit_key` name the service in messages; without `legacy` only `batched_token_ids` is read."""
+def decode_request(body: bytes, request_type: type):
+    """`body` decoded as the msgspec Struct `request_type`, or BadRequest naming what is wrong
+    (with its JSON path, e.g. "Expected `int`, got `float` - at `$.batched_token_ids[0][1]`")."""
     try:
-        request = msgspec.json.decode(body, type=ScoreRequest if legacy else BatchRequest)
+        return msgspec.json.decode(body, type=request_type)
     except msgspec.ValidationError as exc:
         raise BadRequest(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"malformed JSON: {exc}") from None
-    if legacy and (request.batched_token_ids is None) == (request.token_ids is None):
-        raise BadRequest("expected exactly one key, 'batched_token_ids' or 'token_ids' (legacy)")
-    if legacy and request.token_ids is not None:
-        _check_tokens(request.token_ids, "token_ids", vocab_size, seq_len, who)
-        return [request.token_ids], True
-    batch = request.batched_token_ids
+
+
+def check_batch(batch: list[list[int]], vocab_size: int, seq_len: int, max_batch_sequences: int, who: str,
+                limit_key: str) -> None:  # fmt: skip
+    """BadRequest unless `batch` holds 1..max_batch_sequences sequences of 1..seq_len ids in the
+    vocabulary; `who` and `limit_key` name the service in messages."""
     if not batch:
         raise BadRequest("batched_token_ids is empty")
     if len(batch) > max_batch_sequences:
@@ -103,24 +88,48 @@ def parse_score_request(
         )
     for i, ids in enumerate(batch):
         _check_tokens(ids, f"batched_token_ids[{i}]", vocab_size, seq_len, who)
-    return batch, False
+
+
+def parse_score_request(
+    body: bytes,
+    vocab_size: int,
+    seq_len: int,
+    max_batch_sequences: int,
+    who: str = "critic",
+    limit_key: str = "value.service.max_batch_sequences",
+) -> tuple[list[list[int]], bool]:
+    """(sequences, legacy) of a /score body, or BadRequest naming what is wrong (with its JSON
+    path). `who` and `limit_key` name the service in messages."""
+    request = decode_request(body, ScoreRequest)
+    if (request.batched_token_ids is None) == (request.token_ids is None):
+        raise BadRequest("expected exactly one key, 'batched_token_ids' or 'token_ids' (legacy)")
+    if request.token_ids is not None:
+        _check_tokens(request.token_ids, "token_ids", vocab_size, seq_len, who)
+        return [request.token_ids], True
+    check_batch(request.batched_token_ids, vocab_size, seq_len, max_batch_sequences, who, limit_key)
+    return request.batched_token_ids, False
 
 
 @dataclass
 class PendingRequest:
+    """A valid request waiting for the service's ranks. `option`: the one integer parameter of
+    the request that the scoring pass reads (the teacher's `top_k`; always 0 for the critic)."""
+
     sequences: list[list[int]]
+    option: int = 0
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
 class ScoreQueue:
-    """Valid requests waiting for the critic ranks (thread-safe)."""
+    """Valid requests waiting for the critic ranks (thread-safe). Requests merge into one pass only
+    with requests of the same `option` (one pass computes one kind of output)."""
 
     def __init__(self):
         self._items: deque[PendingRequest] = deque()
         self._ready = threading.Condition()
 
-    def submit(self, sequences: list[list[int]]) -> concurrent.futures.Future:
-        item = PendingRequest(sequences)
+    def submit(self, sequences: list[list[int]], option: int = 0) -> concurrent.futures.Future:
+        item = PendingRequest(sequences, option)
         with self._ready:
             self._items.append(item)
             self._ready.notify_all()
@@ -136,10 +145,14 @@ class ScoreQueue:
             return bool(self._items) or self._ready.wait_for(lambda: bool(self._items), timeout=timeout_s)
 
     def take(self, max_sequences: int) -> list[PendingRequest]:
-        """The oldest waiting requests, as many as fit in `max_sequences` (at least one)."""
+        """The oldest waiting requests, as many as fit in `max_sequences` (at least one), up to
+        the first of another `option` than the oldest's."""
         taken, total = [], 0
         with self._ready:
-            while self._items and (not taken or total + len(self._items[0].sequences) <= max_sequences):
+            while self._items and (
+                not taken
+                or (total + len(self._items[0].sequences) <= max_sequences and self._items[0].option == taken[0].option)
+            ):
                 item = self._items.popleft()
                 if item.future.set_running_or_notify_cancel():
                     taken.append(item)
@@ -214,13 +227,13 @@ class CriticState(ServiceState):
 
 class ModelService:
     """The aiohttp app in its own thread; `start()` returns once it listens. A subclass names its
-    endpoint and config section and writes the reply of a scored request (`reply`)."""
+    endpoint and config section, reads its request body (`parse`: the critic's by default) and
+    writes the reply of a scored request (`reply`)."""
 
     name = "critic"  # in messages and the thread's name
     path = "/score"
     key = "value.service"  # the config section of the limits named in messages
     token_key = "value.service.token_env"
-    legacy = True  # the single-sequence `token_ids` body is read too
 
     def __init__(
         self,
@@ -285,13 +298,10 @@ class ModelService:
                 status=413,
             )  # fmt: skip
         try:
-            sequences, legacy = parse_score_request(
-                body, self.vocab_size, self.seq_len, self.max_batch_sequences, self.name,
-                f"{self.key}.max_batch_sequences", self.legacy,
-            )  # fmt: skip
+            sequences, legacy, option = self.parse(body)
         except BadRequest as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        future = self.queue.submit(sequences)
+        future = self.queue.submit(sequences, option)
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(future), timeout=self.request_timeout_s)
         except TimeoutError:
@@ -306,6 +316,14 @@ class ModelService:
             # the service failed or is shutting down
             return web.json_response({"error": f"scoring failed: {exc}"}, status=503)
         return self.reply(request, result, legacy)
+
+    def parse(self, body: bytes) -> tuple[list[list[int]], bool, int]:
+        """(sequences, legacy, option) of a request body (`parse_score_request`; option 0), or
+        BadRequest; a service with a request parameter reads it here."""
+        sequences, legacy = parse_score_request(
+            body, self.vocab_size, self.seq_len, self.max_batch_sequences, self.name, f"{self.key}.max_batch_sequences"
+        )  # fmt: skip
+        return sequences, legacy, 0
 
     def reply(self, request, result, legacy: bool) -> web.Response:
         """The HTTP reply of a request scored as `result` (its own rows)."""

@@ -2,8 +2,9 @@
 
 Every critic rank builds the CriticTrainer and runs the same loop (`CommandLoop`). Global rank 0
 also runs the HTTP service (service.py) and decides what all ranks do next; it broadcasts one
-command per iteration (a `Command` and its argument, two int64s), which every rank hands to that
-command's handler:
+command per iteration (a `Command`, its argument and the option of the requests a SCORE merges,
+three int64s; the critic's option is always 0, the Megatron teacher's is a request's `top_k`),
+which every rank hands to that command's handler:
 
     IDLE                nothing to do (sent every `IDLE_WAIT_S` so no rank waits forever)
     SCORE n             score the n sequences rank 0 broadcasts next (merged waiting requests)
@@ -74,11 +75,13 @@ IDLE, SCORE, PRETRAIN, TRAIN, STOP = Command
 IDLE_WAIT_S = 0.05
 
 
-def _broadcast_command(kind: Command = IDLE, arg: int = 0) -> tuple[Command, int]:
-    command = torch.tensor([int(kind), arg], dtype=torch.int64, device=parallel.collective_device())
+def _broadcast_command(kind: Command = IDLE, arg: int = 0, option: int = 0) -> tuple[Command, int, int]:
+    """Rank 0's command, its argument and the option of the requests a SCORE merges
+    (PendingRequest.option), on every rank."""
+    command = torch.tensor([int(kind), arg, option], dtype=torch.int64, device=parallel.collective_device())
     dist.broadcast(command, src=0)
-    kind, arg = command.tolist()
-    return Command(kind), int(arg)
+    kind, arg, option = command.tolist()
+    return Command(kind), int(arg), int(option)
 
 
 def run_critic(resolved: ResolvedConfig) -> None:
@@ -152,6 +155,7 @@ class ServingLoop:
         self.queue: ScoreQueue | None = service.queue if service is not None else None
         self.state: ServiceState | None = service.state if service is not None else None
         self.taken: list[PendingRequest] = []
+        self.option = 0  # every rank: the option of the requests the current SCORE merges
         self.running = True
 
     def handlers(self) -> dict:
@@ -161,7 +165,12 @@ class ServingLoop:
         """Serves commands until STOP; an exception from a handler ends the loop on this rank."""
         handlers = self.handlers()
         while self.running:
-            kind, arg = _broadcast_command(*self.choose()) if self.is_rank0 else _broadcast_command()
+            if self.is_rank0:
+                kind, arg = self.choose()
+                command = _broadcast_command(kind, arg, self.taken[0].option if self.taken else 0)
+            else:
+                command = _broadcast_command()
+            kind, arg, self.option = command
             handlers[kind](arg)
 
     def choose(self) -> tuple[Command, int]:
@@ -186,8 +195,9 @@ class ServingLoop:
         parallel.finished()
         self.running = False
 
-    def score_batch(self, request: list[list[int]] | None, sizes: list[int] | None):
-        """Collective: the result of the merged `request` on rank 0 (None elsewhere)."""
+    def score_batch(self, request: list[list[int]] | None, sizes: list[int] | None, option: int):
+        """Collective: the result of the merged `request` on rank 0 (None elsewhere); `option`
+        (every rank) that of its requests."""
         raise NotImplementedError  # abstract: each role defines its pass (the critic's CommandLoop, teacher/worker.py)
 
     def score(self, count: int) -> None:
@@ -199,7 +209,7 @@ class ServingLoop:
         with self._busy():
             error = None
             try:
-                result = self.score_batch(request, sizes)
+                result = self.score_batch(request, sizes, self.option)
             except Exception as exc:  # answered below; the ranks agree first
                 log.exception("%s: scoring %d merged sequences failed on this rank", self.name, count)
                 error = exc
@@ -285,8 +295,8 @@ class CommandLoop(ServingLoop):
             self.prefetched = self.receiver.poll(next_step, timeout_s=0.0)
         return (TRAIN, next_step) if self.prefetched is not None else (IDLE, 0)
 
-    def score_batch(self, request, sizes):
-        return self.trainer.score(request, sizes)
+    def score_batch(self, request, sizes, option):
+        return self.trainer.score(request, sizes)  # the critic's requests have no option (0)
 
     def pretrain(self, index: int) -> None:
         """PRETRAIN `index`: value pretraining step `index` on every rank; an exception ends the critic."""

@@ -6,7 +6,8 @@ replicas), loads `distillation.teacher.model_dir`'s HF weights into it (converte
 the policy's are: trainer/weights.py), and keeps it frozen in eval mode: no gradients, no
 optimizer, no DDP. Rank 0 runs the HTTP service (service.py); every rank then runs the critic's
 serving loop (critic/worker.py `ServingLoop`): rank 0 broadcasts IDLE, SCORE n (the merged
-waiting requests, scored by scoring.py on every rank) or STOP, which SIGTERM or SIGINT turn into
+waiting requests, all of one `top_k`, which the command carries; scored by scoring.py on every
+rank) or STOP, which SIGTERM or SIGINT turn into
 after the command in progress, so every rank exits 0. A SCORE that raises on any rank answers
 just its requests with HTTP 500 naming the cause; the teacher keeps serving. The teacher's
 weights never change.
@@ -29,7 +30,7 @@ from megatron_rl.config.services import MEGATRON_TEACHER_KEY
 from megatron_rl.critic.service import ScoreQueue, ServiceState
 from megatron_rl.critic.worker import ServingLoop
 from megatron_rl.models.builder import build_gpt_model, transformer_engine_choice
-from megatron_rl.teacher.scoring import score_logprobs
+from megatron_rl.teacher.scoring import score_logprobs, score_top_k
 from megatron_rl.teacher.service import TeacherService
 from megatron_rl.trainer.weights import load_initial_weights
 
@@ -64,8 +65,12 @@ class TeacherModel:
         self.model.requires_grad_(False)
         self.model.eval()
 
-    def score(self, request: list[list[int]] | None, request_sizes: list[int] | None = None):
-        return score_logprobs(self.model, request, self.seq_len, request_sizes)
+    def score(self, request: list[list[int]] | None, request_sizes: list[int] | None = None, top_k: int = 0):
+        """Collective: on rank 0 each sequence's [T] float32 log-probabilities (top_k 0) or its
+        TeacherTopK with `top_k` tokens a position (scoring.py); None elsewhere."""
+        if top_k == 0:
+            return score_logprobs(self.model, request, self.seq_len, request_sizes)
+        return score_top_k(self.model, request, self.seq_len, request_sizes, top_k, self.arch.vocab_size)
 
     def info(self) -> dict:
         return {
@@ -87,8 +92,8 @@ class TeacherLoop(ServingLoop):
                          rows=lambda result, start, end: result[start:end])  # fmt: skip
         self.teacher = teacher
 
-    def score_batch(self, request, sizes):
-        return self.teacher.score(request, sizes)
+    def score_batch(self, request, sizes, option):
+        return self.teacher.score(request, sizes, top_k=option)  # the merged requests' top_k
 
 
 def start_service(teacher: TeacherModel, resolved: ResolvedConfig) -> TeacherService:
