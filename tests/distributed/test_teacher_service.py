@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from megatron_rl.critic.wire import BINARY_TOP_K, decode_top_k
 from tests.support.spawn import run_ranks
 from tests.support.teacher import teacher_config
 
@@ -149,6 +150,11 @@ def test_top_k_equals_transformers_single_and_multi_turn(served, hf_reference):
         np.testing.assert_array_equal(np.array(json_reply["top_logprobs"][i][1:], np.float32), binary.top_logprobs[1:])
         np.testing.assert_array_equal(np.array(json_reply["logprobs"][i][1:], np.float32), binary.logprobs[1:])
     assert session["top_k_0"] == {"logprobs": [session["json_row"]]}  # top_k 0: the reply without it
+    code, content_type, body = session["binary_top_k"]  # what the client asked for and read
+    assert code == 200 and content_type == BINARY_TOP_K
+    for decoded, result in zip(decode_top_k(body, [len(ids) for ids in samples[:2]], TOP_K), results[:2], strict=True):
+        for field in ("logprobs", "top_ids", "top_logprobs"):
+            np.testing.assert_array_equal(getattr(decoded, field), getattr(result, field))
 
 
 @pytest.fixture(scope="module")
@@ -340,6 +346,9 @@ def teacher_session(rank, world_size, resolved_path, samples):
             out["json_row"] = post([samples[0]])[1]["logprobs"][0]
             out["json_top_k"] = post(body=json.dumps({"batched_token_ids": samples[:2], "top_k": TOP_K}))[1]
             out["top_k_0"] = post(body=json.dumps({"batched_token_ids": [samples[0]], "top_k": 0}))[1]
+            binary = httpx.post(f"{url}/logprobs", content=json.dumps({"batched_token_ids": samples[:2], "top_k": TOP_K}),
+                                headers={"Accept": BINARY_TOP_K}, timeout=120)  # fmt: skip
+            out["binary_top_k"] = (binary.status_code, binary.headers["Content-Type"], binary.content)
             out["status_before_merge"] = httpx.get(f"{url}/status", timeout=5).json()
             batches = [[samples[2], samples[3]], [samples[0]], [samples[4], samples[1], samples[5]]]
             out["merged_batches"], replies = batches, [None] * len(batches)
