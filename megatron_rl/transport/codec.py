@@ -1,12 +1,14 @@
 """Wire format for one grid item (a data rank's micro-batches for one step). Never pickle.
 
 Frames: [header, buffer, buffer, ...]. The header is msgpack:
-    {"format": "megatron_rl.grid", "version": 4, "step", "data_rank", "num_micro_steps",
+    {"format": "megatron_rl.grid", "version": 5, "step", "data_rank", "num_micro_steps",
      "micro_batches": [{"is_dummy", "minibatch", "arrays": [{"name", "dtype", "shape", "nbytes", "crc32"}]}]}
 followed by one raw buffer per array, in header order. Every array is one-dimensional except a
 policy grid's `routes` under routing replay ([N, moe_layers, top_k] uint8 or uint16, sent with
 `routed`, [N] bool). Under on-policy distillation's kl_penalty the policy's micro-batches (not
-the dummies) also carry `teacher_logprobs` ([N] float32, finite).
+the dummies) also carry `teacher_logprobs` ([N] float32, finite); under top_k_kl
+`teacher_top_ids` ([N, K] int32, in the vocabulary) and `teacher_top_logprobs` ([N, K] float32,
+finite, <= 0), both or neither.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import numpy as np
 from megatron_rl.data.types import MicroBatch
 
 FORMAT = "megatron_rl.grid"
-VERSION = 4  # 2: micro-batches carry their policy mini-batch; 3: and may carry routes; 4: teacher log-probs
+# 2: micro-batches carry their policy mini-batch; 3: and may carry routes; 4: teacher log-probs; 5: teacher top k
+VERSION = 5
 _ALLOWED_DTYPES = {"int64", "int32", "float32", "float64", "bool", "uint8", "uint16"}
 
 
@@ -61,7 +64,7 @@ def encode_grid_item(step: int, data_rank: int, micro_batches: list[MicroBatch])
         arrays = []
         for name, array in mb.arrays().items():
             array = np.ascontiguousarray(array)
-            view = memoryview(array).cast("B")
+            view = memoryview(array.reshape(-1)).cast("B")  # flat first: a cast refuses a 0 in a shape of 2+ dims
             arrays.append(_ArraySpec(name, array.dtype.name, list(array.shape), array.nbytes, zlib.crc32(view)))
             buffers.append(view)
         specs.append(_BatchSpec(mb.is_dummy, mb.minibatch, arrays))
@@ -79,6 +82,12 @@ ARRAY_DTYPES = {
 ROUTE_ARRAYS = {"routes": ("uint8", "uint16"), "routed": ("bool",)}
 # What a policy grid under distillation's kl_penalty adds.
 TEACHER_ARRAYS = {"teacher_logprobs": ("float32",)}
+# What a policy grid under distillation's top_k_kl adds (both or neither; [N, K] each).
+TEACHER_TOP_K_ARRAYS = {"teacher_top_ids": ("int32",), "teacher_top_logprobs": ("float32",)}
+# A teacher's log-probability above this (float rounding of log 1) is refused.
+MAX_TEACHER_LOGPROB = 1e-4
+# The number of dimensions of every array that is not one-dimensional.
+ARRAY_DIMS = {"routes": 3, "teacher_top_ids": 2, "teacher_top_logprobs": 2}
 
 
 def decode_grid_item(
@@ -92,8 +101,8 @@ def decode_grid_item(
     starts at 0, increases and ends inside the row; positions restart at 0 for every sequence;
     padding after the last sequence is masked; the mask is 0/1; float arrays are finite; token
     ids lie in the vocabulary (when `vocab_size` is given); routes, when sent, are [N, layers, k]
-    with distinct experts per token and layer, below `num_experts` when given. Nothing invalid
-    reaches a model."""
+    with distinct experts per token and layer, below `num_experts` when given; the teacher's top
+    k, when sent, as `_check_teacher_top_k`. Nothing invalid reaches a model."""
     context = f"{where}: grid item for step {step}, data rank {data_rank}"
     if not frames:
         raise TransportError(f"{context}: empty message")
@@ -136,6 +145,7 @@ def decode_grid_item(
         names = [spec.name for spec in batch.arrays]
         expected = sorted(ARRAY_DTYPES) + (sorted(ROUTE_ARRAYS) if set(ROUTE_ARRAYS) & set(names) else [])
         expected += sorted(TEACHER_ARRAYS) if set(TEACHER_ARRAYS) & set(names) else []
+        expected += sorted(TEACHER_TOP_K_ARRAYS) if set(TEACHER_TOP_K_ARRAYS) & set(names) else []
         if sorted(names) != sorted(expected):
             missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
             raise TransportError(f"{where_mb}: arrays missing {missing}, unexpected {extra}, repeated "
@@ -145,14 +155,15 @@ def decode_grid_item(
             buffer = memoryview(frames[position]).cast("B")
             position += 1
             name = spec.name
-            allowed = ROUTE_ARRAYS.get(name) or TEACHER_ARRAYS.get(name) or (ARRAY_DTYPES.get(name),)
+            allowed = (ROUTE_ARRAYS.get(name) or TEACHER_ARRAYS.get(name) or TEACHER_TOP_K_ARRAYS.get(name)
+                       or (ARRAY_DTYPES.get(name),))  # fmt: skip
             if spec.dtype not in _ALLOWED_DTYPES or spec.dtype not in allowed:
                 raise TransportError(
                     f"{where_mb} array {name}: unexpected dtype {spec.dtype!r} (expected {' or '.join(allowed)})"
                 )
             if buffer.nbytes != spec.nbytes:
                 raise TransportError(f"{where_mb} array {name}: {buffer.nbytes} bytes, header says {spec.nbytes}")
-            dims = 3 if name == "routes" else 1
+            dims = ARRAY_DIMS.get(name, 1)
             if (len(spec.shape) != dims or min(spec.shape) < 0
                     or int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize != spec.nbytes):  # fmt: skip
                 raise TransportError(
@@ -164,6 +175,8 @@ def decode_grid_item(
         _check_row(fields, batch.is_dummy, vocab_size, where_mb)
         if "routes" in fields:
             _check_routes(fields["routes"], fields["routed"], num_experts, where_mb)
+        if "teacher_top_ids" in fields:
+            _check_teacher_top_k(fields["teacher_top_ids"], fields["teacher_top_logprobs"], vocab_size, where_mb)
         out.append(MicroBatch(**fields, is_dummy=batch.is_dummy, minibatch=batch.minibatch))
     return out
 
@@ -185,6 +198,30 @@ def _check_routes(routes: np.ndarray, routed: np.ndarray, num_experts: int | Non
     if repeated.any():
         token = int(np.flatnonzero(repeated)[0])
         raise TransportError(f"{where} array routes: token {token} repeats an expert within a layer")
+
+
+def _check_teacher_top_k(top_ids: np.ndarray, top_logprobs: np.ndarray, vocab_size: int | None, where: str) -> None:
+    """Raises TransportError naming the array unless both are [N, K] with one K >= 1, the ids lie
+    in the vocabulary (0..vocab_size - 1 when given) and the log-probabilities are finite and at
+    most MAX_TEACHER_LOGPROB (log 1 plus rounding)."""
+    k = top_ids.shape[1]
+    if k < 1 or top_logprobs.shape[1] != k:
+        raise TransportError(
+            f"{where} array teacher_top_logprobs: {top_logprobs.shape[1]} columns, teacher_top_ids has {k} "
+            "(both [N, K], K >= 1)"
+        )
+    if top_ids.size and (top_ids.min() < 0 or (vocab_size is not None and top_ids.max() >= vocab_size)):
+        vocabulary = f"0..{vocab_size - 1}" if vocab_size is not None else "ids >= 0"
+        raise TransportError(
+            f"{where} array teacher_top_ids: ids {int(top_ids.min())}..{int(top_ids.max())} outside the vocabulary "
+            f"{vocabulary}"
+        )
+    if not np.isfinite(top_logprobs).all():
+        raise TransportError(f"{where} array teacher_top_logprobs: non-finite values")
+    if top_logprobs.size and top_logprobs.max() > MAX_TEACHER_LOGPROB:
+        raise TransportError(
+            f"{where} array teacher_top_logprobs: log-probability {float(top_logprobs.max()):.3g} above 0 (at most {MAX_TEACHER_LOGPROB})"
+        )
 
 
 def _loose_header(frame):

@@ -12,13 +12,14 @@ def teacher_top_k(length: int, action: np.ndarray, vocab: int, k: int, rng: np.r
     random distribution softmax(scale * N(0, 1) over `vocab`), most likely first, and their
     log-probabilities (their mass is below 1: not renormalised); ids 0 and log-probabilities 0 on
     the other rows."""
-    logits = scale * rng.normal(size=(length, vocab))
+    action = np.asarray(action, dtype=bool)
+    logits = scale * rng.normal(size=(int(action.sum()), vocab))
     log_p = logits - logits.max(axis=1, keepdims=True)
     log_p -= np.log(np.exp(log_p).sum(axis=1, keepdims=True))
     ids = np.argsort(-log_p, axis=1, kind="stable")[:, :k]
-    logprobs = np.take_along_axis(log_p, ids, axis=1)
-    action = np.asarray(action, dtype=bool)[:, None]
-    return np.where(action, ids, 0).astype(np.int32), np.where(action, logprobs, 0.0).astype(np.float32)
+    top_ids, top_logprobs = np.zeros((length, k), dtype=np.int32), np.zeros((length, k), dtype=np.float32)
+    top_ids[action], top_logprobs[action] = ids, np.take_along_axis(log_p, ids, axis=1)
+    return top_ids, top_logprobs
 
 
 def add_teacher_top_k(samples: list[TrainingSample], vocab: int, k: int, seed: int = 0, scale: float = 3.0):

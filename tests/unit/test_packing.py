@@ -16,6 +16,7 @@ from megatron_rl.data.packing import (
     unpack,
 )
 from megatron_rl.data.types import TrainingSample
+from tests.support.top_k import add_teacher_top_k
 
 
 def make_samples(lengths, seed=0, annotate=True):
@@ -216,3 +217,45 @@ def test_split_differs_by_seed_and_step():
     assert split_into_minibatches(0, 4, 1) == [[]]
     with pytest.raises(PackingError, match="num_minibatches must be >= 1"):
         split_into_minibatches(5, 0, 1)
+
+
+@pytest.mark.parametrize("dp, cp, minibatches", [(1, 1, 1), (2, 2, 1), (3, 1, 2)])
+def test_teacher_top_k_rows_follow_their_tokens(dp, cp, minibatches):
+    """With `teacher_top_k` every real micro-batch carries [N, K] int32 / float32 rows: each
+    sequence's rows are its sample's, the padding's ids 0 and log-probabilities 0; dummies carry
+    none; without the flag no micro-batch carries them."""
+    samples = add_teacher_top_k(make_samples([5, 40, 17, 33, 9, 61, 2, 3], seed=5), 1000, 6, seed=5)
+    grid = pack_minibatches(samples, minibatches, 9, 64, dp, cp, teacher_top_k=True)
+    seen = set()
+    for mb in (mb for row in grid for mb in row):
+        if mb.is_dummy:
+            assert mb.teacher_top_ids is None and mb.teacher_top_logprobs is None
+            continue
+        assert mb.teacher_top_ids.dtype == np.int32 and mb.teacher_top_logprobs.dtype == np.float32
+        assert mb.teacher_top_ids.shape == mb.teacher_top_logprobs.shape == (mb.num_tokens, 6)
+        for start, end in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:]):
+            sample = samples[int(mb.sample_index[start])]
+            np.testing.assert_array_equal(mb.teacher_top_ids[start:end], sample.teacher_top_ids)
+            np.testing.assert_array_equal(mb.teacher_top_logprobs[start:end], sample.teacher_top_logprobs)
+            seen.add(int(mb.sample_index[start]))
+        tail = slice(int(mb.cu_seqlens[-1]), None)
+        assert not mb.teacher_top_ids[tail].any() and not mb.teacher_top_logprobs[tail].any()
+    assert seen == set(range(len(samples)))
+    assert any(mb.num_tokens > mb.cu_seqlens[-1] for row in grid for mb in row) == (cp > 1)
+    assert all(mb.teacher_top_ids is None for row in pack_into_grid(samples, 64, dp, cp) for mb in row)
+
+
+def test_teacher_top_k_missing_or_misshapen_is_refused_naming_the_sample():
+    samples = add_teacher_top_k(make_samples([5, 7, 9, 4], seed=6), 1000, 3, seed=6)
+    samples[2].teacher_top_logprobs = None
+    with pytest.raises(PackingError, match=r"sample 2 \(group 0, branch 2\) has no teacher_top_ids / teacher_top_logprobs"):
+        pack_into_grid(samples, 64, 1, teacher_top_k=True)
+    samples = add_teacher_top_k(make_samples([5, 7, 9, 4], seed=6), 1000, 3, seed=6)
+    samples[3].teacher_top_ids = samples[3].teacher_top_ids[:-1]
+    with pytest.raises(PackingError, match=r"sample 3 \(group 1, branch 0\): teacher_top_ids of shape \(3, 3\) .*"
+                                           r"expected both \[4 tokens, K\]"):  # fmt: skip
+        pack_into_grid(samples, 64, 1, teacher_top_k=True)
+    samples = add_teacher_top_k(make_samples([5, 7], seed=6), 1000, 3, seed=6)
+    samples[1] = add_teacher_top_k([samples[1]], 1000, 4)[0]
+    with pytest.raises(PackingError, match=r"samples \[0, 1\] carry teacher top k of different K: \[3, 4\]"):
+        pack_into_grid(samples, 64, 1, teacher_top_k=True)

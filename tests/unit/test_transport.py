@@ -303,3 +303,67 @@ def test_codec_rejects_missing_arrays_and_header_lies():
     for bad in (dict(header, step="3"), dict(header, micro_batches="x"), dict(header, extra=1), [1, 2]):
         with pytest.raises(TransportError, match="test: grid item for step 3"):
             decode_grid_item([msgspec.msgpack.encode(bad), *frames[1:]], "test", 3, 0)
+
+
+def teacher_top_k_row(step: int = 3):
+    """make_grid's first row and a dummy, with a teacher's top k (K = 5) on every real
+    micro-batch: on action tokens random ids of a vocabulary of 50,000 and decreasing negative
+    log-probabilities, ids 0 and log-probabilities 0 elsewhere."""
+    from megatron_rl.data.packing import dummy_micro_batch
+
+    row = make_grid(step, 1)[0] + [dummy_micro_batch()]
+    rng = np.random.default_rng(step)
+    for mb in row:
+        if not mb.is_dummy:
+            action = mb.loss_mask[:, None]
+            logprobs = -np.cumsum(rng.exponential(size=(mb.num_tokens, 5)), axis=1)
+            mb.teacher_top_ids = np.where(action, rng.integers(0, 50_000, (mb.num_tokens, 5)), 0).astype(np.int32)
+            mb.teacher_top_logprobs = np.where(action, logprobs, 0.0).astype(np.float32)
+    return row
+
+
+def test_codec_round_trip_of_the_teachers_top_k_is_byte_exact():
+    row = teacher_top_k_row()
+    assert row[-1].is_dummy and row[-1].teacher_top_ids is None and not row[0].is_dummy
+    decoded = decode_grid_item([bytes(f) for f in encode_grid_item(3, 0, row)], "test", 3, 0, vocab_size=50_000)
+    assert_same_micro_batches(decoded, row)
+    assert all(mb.teacher_top_ids.shape == (mb.num_tokens, 5) for mb in decoded if not mb.is_dummy)
+    assert all(mb.teacher_top_ids is None for mb in decode_grid_item(
+        [bytes(f) for f in encode_grid_item(3, 0, make_grid(3, 1)[0])], "test", 3, 0))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda a: a.update(teacher_top_logprobs=None), r"arrays missing \['teacher_top_logprobs'\]"),
+        (lambda a: a.update(teacher_top_ids=None), r"arrays missing \['teacher_top_ids'\]"),
+        (lambda a: a.update(teacher_top_ids=a["teacher_top_ids"].astype(np.int64)),
+         "array teacher_top_ids: unexpected dtype 'int64' .expected int32"),
+        (lambda a: a.update(teacher_top_logprobs=a["teacher_top_logprobs"].astype(np.float64)),
+         "array teacher_top_logprobs: unexpected dtype 'float64'"),
+        (lambda a: a.update(teacher_top_ids=a["teacher_top_ids"][:, 0].copy()), "array teacher_top_ids: impossible shape"),
+        (lambda a: a.update(teacher_top_logprobs=a["teacher_top_logprobs"][None]), "array teacher_top_logprobs: impossible shape"),
+        (lambda a: a.update(teacher_top_ids=a["teacher_top_ids"][:-1]), "array teacher_top_ids: .* entries, input_ids has"),
+        (lambda a: a.update(teacher_top_logprobs=a["teacher_top_logprobs"][:, :3].copy()),
+         "array teacher_top_logprobs: 3 columns, teacher_top_ids has 5"),
+        (lambda a: a.update(teacher_top_ids=a["teacher_top_ids"][:, :0].copy(),
+                            teacher_top_logprobs=a["teacher_top_logprobs"][:, :0].copy()),
+         "array teacher_top_logprobs: 0 columns, teacher_top_ids has 0 .both \\[N, K\\], K >= 1"),
+        (lambda a: a["teacher_top_ids"].__setitem__((1, 2), 50_000), "array teacher_top_ids: ids 0..50000 outside the vocabulary 0..49999"),
+        (lambda a: a["teacher_top_ids"].__setitem__((0, 0), -1), "array teacher_top_ids: ids -1..* outside"),
+        (lambda a: a["teacher_top_logprobs"].__setitem__((0, 1), np.nan), "array teacher_top_logprobs: non-finite"),
+        (lambda a: a["teacher_top_logprobs"].__setitem__((2, 0), -np.inf), "array teacher_top_logprobs: non-finite"),
+        (lambda a: a["teacher_top_logprobs"].__setitem__((2, 0), 0.01), "array teacher_top_logprobs: log-probability 0.01 above 0 .at most 0.0001"),
+    ],
+)
+def test_codec_refuses_a_bad_teachers_top_k_naming_the_array(edit, message):
+    frames = reencoded([teacher_top_k_row()[0]], edit)
+    with pytest.raises(TransportError, match=r"test: grid item for step 3, data rank 0: micro-step 0:? " + message):
+        decode_grid_item(frames, "test", 3, 0, vocab_size=50_000)
+
+
+def test_codec_accepts_a_teachers_log_probability_rounded_just_above_zero():
+    row = teacher_top_k_row()[:1]
+    row[0].teacher_top_logprobs[0, 0] = 5e-5
+    decoded = decode_grid_item([bytes(f) for f in encode_grid_item(3, 0, row)], "test", 3, 0, vocab_size=50_000)
+    assert decoded[0].teacher_top_logprobs[0, 0] == np.float32(5e-5)
