@@ -1,5 +1,7 @@
 """Vocab-parallel log-probabilities and entropy (of softmax(logits / T)) at TP=1 and TP=2 equal a
-full-softmax reference, in chunks, from bf16 logits, and within the measured memory bound."""
+full-softmax reference, in chunks, from bf16 logits, and within the measured memory bound; the
+top-k KL of distillation's top_k_kl at TP=2 equals the naive formula (one process:
+tests/unit/test_top_k_kl.py)."""
 
 from __future__ import annotations
 
@@ -102,6 +104,53 @@ def test_tp2_tempered_matches_full_softmax():
         torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(grad, (ref_grad / 1.6).chunk(2, dim=-1)[rank], atol=1e-5, rtol=1e-5)
+
+
+def test_tp2_top_k_kl_matches_full_softmax():
+    """Distillation top_k_kl's term at TP = 2 (each rank's vocabulary half, the teacher's ids on
+    both sides of the split and at its edges, 8 of the 64 columns megatron's padding the ids never
+    reach but the softmax counts) equals the naive formula on the full log-softmax: KL, mass and
+    each rank's half of the gradient of sum_t w_t KL_t, at T = 1 and T = 0.8 in chunks of 7 rows."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(40, 64, generator=g) * 5
+    teacher = torch.log_softmax(torch.randn(40, 56, generator=g) * 3, dim=-1)
+    top_logprobs, top_ids = teacher.topk(6, dim=-1)
+    top_ids[:4, 0] = torch.tensor([0, 31, 32, 55])
+    top_ids[:4, 1] = torch.tensor([33, 30, 1, 54])
+    weights = torch.randn(40, generator=g)
+    temperatures = (1.0, 0.8)
+    ranks = run_ranks(vocab_parallel_top_k_kl_grads, 2, logits, top_ids, top_logprobs, weights, temperatures)
+    for temperature, results in zip(temperatures, zip(*ranks)):
+        x = (logits / temperature).clone().requires_grad_()
+        log_q = torch.log_softmax(x, dim=-1)
+        p = top_logprobs.exp()
+        want_kl = (p * (top_logprobs - log_q.gather(-1, top_ids))).sum(-1)
+        (weights * want_kl).sum().backward()
+        for rank, (kl, mass, grad) in enumerate(results):
+            torch.testing.assert_close(kl, want_kl.detach(), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(mass, p.sum(-1), atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(grad, (x.grad / temperature).chunk(2, dim=-1)[rank], atol=1e-6, rtol=1e-5)
+        assert float(want_kl.min()) > 1e-2
+
+
+def vocab_parallel_top_k_kl_grads(rank, world_size, logits_full, top_ids, top_logprobs, weights, temperatures):
+    """Per temperature: KL, mass and the gradient of sum(w * KL) w.r.t. this rank's logits, in
+    chunks of 7 rows (megatron_vocab_parallel_top_k_kl, in one chunk, gives the same KL)."""
+    from megatron.core import parallel_state
+
+    from megatron_rl.models.logprobs import megatron_vocab_parallel_top_k_kl, vocab_parallel_top_k_kl
+
+    parallel.initialize_model_parallel(tp=world_size)
+    results = []
+    for temperature in temperatures:
+        local = logits_full.chunk(world_size, dim=-1)[rank].clone().requires_grad_()
+        kl, mass = vocab_parallel_top_k_kl(local, top_ids, top_logprobs, rank * local.shape[-1],
+                                           parallel_state.get_tensor_model_parallel_group(), temperature, 7)  # fmt: skip
+        (weights * kl).sum().backward()
+        whole, _ = megatron_vocab_parallel_top_k_kl(local.detach(), top_ids, top_logprobs, temperature)
+        torch.testing.assert_close(whole, kl.detach(), atol=0, rtol=0)  # row chunks do not change a row's sums
+        results.append((kl.detach(), mass, local.grad))
+    return results
 
 
 def test_memory_beyond_the_logits_is_one_gradient_plus_chunks():
