@@ -6,9 +6,13 @@ correction, loss aggregation and the sampling temperature, on real Megatron mode
   mismatch metrics, later updates move the ratio and the clip acts;
 - every option, together, gives the same metrics and weights at DP = 2, CP = 2, TP = 2 and
   PP = 2 as in one process (sequences split over CP ranks, mini-batches packed per layout),
-  distillation's kl_penalty among them (the teacher's log-probabilities split with the sequences;
-  its term compared at the test's T = 0.8, which a run's config refuses: the layouts' arithmetic
-  is what is compared);
+  distillation's kl_penalty and top_k_kl among them (the teacher's log-probabilities and top-k
+  rows split with the sequences, the top-k KL over the vocabulary split over TP; both terms
+  compared at the test's T = 0.8, which a run's config refuses: the layouts' arithmetic is what
+  is compared);
+- distillation's top_k_kl adds coef x the mean top-k forward KL, equal to a plain loop over the
+  action tokens on the model's full log-softmax, and moves the weights elsewhere than the same
+  step without it;
 - N = E = 1 with `sampler` is train_step exactly;
 - log-probs are of softmax(logits / T): samples whose sampler log-probs are the policy's own at
   T = 0.7 give ratio 1 at T = 0.7 and not at T = 1;
@@ -27,6 +31,7 @@ from megatron_rl import parallel
 from tests.support.ranks import DENSE, reference_weights
 from tests.support.samples import training_samples
 from tests.support.spawn import run_ranks
+from tests.support.top_k import add_teacher_top_k
 
 ARCH = DENSE.model_copy(update=dict(num_layers=2))
 SEQ_LEN = 64
@@ -49,6 +54,7 @@ EVERYTHING = dict(
 
 
 TEACHER_COEF = 0.5  # distillation kl_penalty in the layout comparison
+TOP_K_COEF, TOP_K = 0.3, 8  # distillation top_k_kl in the layout comparison: its coef, the teacher's k
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +115,23 @@ def test_distillation_kl_penalty_adds_coef_times_the_teachers_kl_to_the_loss(wei
     assert with_teacher["grad_norm"] != without["grad_norm"]
 
 
+def test_distillation_top_k_kl_adds_coef_times_the_top_k_kl_and_moves_the_weights(weights):
+    """distillation.mode top_k_kl: the teacher's top k travel in the policy's grid (through the
+    codec) and the loss gains coef x the mean over action tokens of sum_j p_T(j) (log p_T(j) -
+    log pi(j)), equal to a plain loop on the model's full log-softmax; the weights after the step
+    differ from those of the same step without the term."""
+    ((without, with_top_k, expected, moved),) = run_ranks(teacher_top_k_step, 1, ARCH, weights, 0.5)
+    assert with_top_k["teacher_top_k_kl"] == pytest.approx(expected["kl"], rel=1e-5) and expected["kl"] > 0.1
+    assert with_top_k["teacher_top_k_mass"] == pytest.approx(expected["mass"], rel=1e-6) and 0.2 < expected["mass"] < 1
+    assert with_top_k["loss"] == pytest.approx(without["loss"] + 0.5 * expected["kl"], rel=1e-5)
+    assert "teacher_top_k_kl" not in without and with_top_k["grad_norm"] != without["grad_norm"]
+    assert moved > 1e-6
+
+
 @pytest.fixture(scope="module")
 def everything_one_process(weights):
-    return run_ranks(policy_step, 1, ARCH, weights, 1, 1, EVERYTHING, 0.3, 0.8, 1e-3, None, 1, TEACHER_COEF)[0]
+    return run_ranks(policy_step, 1, ARCH, weights, 1, 1, EVERYTHING, 0.3, 0.8, 1e-3, None, 1, TEACHER_COEF,
+                     TOP_K_COEF)[0]  # fmt: skip
 
 
 @pytest.mark.parametrize("tp, cp, pp, world", [(1, 1, 1, 2), (1, 2, 1, 2), (2, 1, 1, 2), (1, 1, 2, 2)])
@@ -120,9 +140,10 @@ def test_every_option_at_dp2_cp2_tp2_pp2_equals_one_process(weights, everything_
     assert reference["optimizer_steps"] == 4
     assert 0 < reference["rollout_rs_masked_fraction"] < 1 and reference["rollout_is_flagged_fraction"] > 0
     assert abs(reference["rollout_is_batch_norm_factor"] - 1.0) > 1e-3 and reference["teacher_kl"] > 1e-3
+    assert reference["teacher_top_k_kl"] > 0.1 and 0 < reference["teacher_top_k_mass"] < 1
     seen = set()
     for record, params, _ in run_ranks(policy_step, world, ARCH, weights, tp, cp, EVERYTHING, 0.3, 0.8, 1e-3, None, pp,
-                                       TEACHER_COEF):  # fmt: skip
+                                       TEACHER_COEF, TOP_K_COEF):  # fmt: skip
         for key, value in reference.items():
             if isinstance(value, float) and key != "lr":
                 assert record[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (tp, cp, pp, key)
@@ -206,11 +227,12 @@ def _samples_with_policy_logprobs(model, temperature, perturbation_scale, seed=1
 
 
 def policy_step(rank, world_size, arch, full, tp, cp, algorithm, perturbation_scale, temperature, lr=1e-3,
-                sampler_temperature=None, pp=1, teacher_coef=0.0):  # fmt: skip
+                sampler_temperature=None, pp=1, teacher_coef=0.0, top_k_coef=0.0):  # fmt: skip
     """One policy RL step (policy_update) on samples whose sampler log-probs are the policy's own
     at `sampler_temperature` (default `temperature`) plus a perturbation (and, with `teacher_coef`,
-    teacher log-probabilities: the sampler's minus a seeded delta, and distillation's kl_penalty);
-    returns (record, full parameters after the step, the perturbation's k1 / k3)."""
+    teacher log-probabilities: the sampler's minus a seeded delta, and distillation's kl_penalty;
+    with `top_k_coef`, a random teacher's top TOP_K and distillation's top_k_kl); returns (record,
+    full parameters after the step, the perturbation's k1 / k3)."""
     from megatron.core import parallel_state
 
     from megatron_rl.config import AlgorithmConfig, OptimizerConfig
@@ -230,6 +252,8 @@ def policy_step(rank, world_size, arch, full, tp, cp, algorithm, perturbation_sc
         for sample in samples:
             delta = rng.normal(scale=0.3, size=len(sample))
             sample.teacher_logprobs = np.where(sample.loss_mask, sample.inference_logprobs - delta, 0.0).astype(np.float32)
+    if top_k_coef > 0:
+        add_teacher_top_k(samples, arch.vocab_size, TOP_K, seed=13)
     parallel.initialize_model_parallel(tp=tp, cp=cp, pp=pp)
     model = build_gpt_model(arch, tp=tp, cp=cp, pp=pp)
     load_full_state_dict(model, full)
@@ -237,8 +261,10 @@ def policy_step(rank, world_size, arch, full, tp, cp, algorithm, perturbation_sc
     trainable = build_trainable(model, OptimizerConfig(lr=lr, grad_clip=1.0, adam_eps=1e-6), total_steps=20)
     config = AlgorithmConfig(**algorithm)
     dp = parallel_state.get_data_parallel_world_size()
-    grid = pack_minibatches(samples, config.policy_minibatches, (1, 0), SEQ_LEN, dp, cp, teacher=teacher_coef > 0)
-    settings = UpdateSettings(config, temperature, loss_scale_factor=16, teacher_coef=teacher_coef)
+    grid = pack_minibatches(samples, config.policy_minibatches, (1, 0), SEQ_LEN, dp, cp, teacher=teacher_coef > 0,
+                            teacher_top_k=top_k_coef > 0)  # fmt: skip
+    settings = UpdateSettings(config, temperature, loss_scale_factor=16, teacher_coef=teacher_coef,
+                              teacher_top_k_coef=top_k_coef)  # fmt: skip
     record = policy_update(trainable, grid[parallel_state.get_data_parallel_rank()], settings)
     record["scheduler_steps"] = trainable.scheduler.num_steps
     return record, gather_full_parameters(model), perturbation
@@ -282,6 +308,56 @@ def teacher_step(rank, world_size, arch, full, coef):
         settings = UpdateSettings(AlgorithmConfig(type="ppo"), 1.0, loss_scale_factor=16, teacher_coef=teacher_coef)
         records.append(policy_update(trainable, row, settings))
     return records[0], records[1], expected
+
+
+def teacher_top_k_step(rank, world_size, arch, full, coef):
+    """One policy step, from the same weights, without and with distillation's top_k_kl (`coef`),
+    on samples that carry a random teacher's top TOP_K, packed into the policy's grid and sent
+    through the codec. Returns (record without, record with, the plain means over action tokens
+    of KL_t and m_t on the model's full log-softmax before the step, the largest difference
+    between the weights after the two steps)."""
+    from megatron_rl.config import AlgorithmConfig, OptimizerConfig
+    from megatron_rl.data.packing import pack_into_grid, unpack
+    from megatron_rl.models.builder import build_gpt_model
+    from megatron_rl.models.sharding import gather_full_parameters, load_full_state_dict
+    from megatron_rl.policy.loss import policy_batch
+    from megatron_rl.policy.update import UpdateSettings, policy_update
+    from megatron_rl.trainer.forward import forward_only
+    from megatron_rl.trainer.optimizer import build_trainable
+    from megatron_rl.transport import decode_grid_item, encode_grid_item
+
+    parallel.initialize_model_parallel(tp=1, cp=1)
+    model = build_gpt_model(arch)
+    load_full_state_dict(model, full)
+    samples, _ = _samples_with_policy_logprobs(model, 1.0, 0.0)
+    add_teacher_top_k(samples, arch.vocab_size, TOP_K, seed=17)
+    grid = pack_into_grid(samples, SEQ_LEN, 1, 1)
+    outputs = forward_only(model, [policy_batch(mb) for mb in grid[0]],
+                           lambda logits, batch: torch.log_softmax(logits[0].double(), dim=-1))  # fmt: skip
+    log_q = unpack(grid, [[o.detach().numpy() for o in outputs]], len(samples))  # [T, V]: position t predicts t + 1
+    kl, mass = [], []
+    for sample, student in zip(samples, log_q):
+        for t in np.flatnonzero(sample.loss_mask):
+            total, m = 0.0, 0.0
+            for j in range(TOP_K):
+                lp = float(sample.teacher_top_logprobs[t, j])
+                total += np.exp(lp) * (lp - student[t - 1, sample.teacher_top_ids[t, j]])
+                m += np.exp(lp)
+            kl.append(total)
+            mass.append(m)
+    del model
+    records, params = [], []
+    for top_k_coef in (0.0, coef):
+        row = pack_into_grid(samples, SEQ_LEN, 1, 1, teacher_top_k=top_k_coef > 0)[0]
+        row = decode_grid_item([bytes(f) for f in encode_grid_item(0, 0, row)], "test", 0, 0, arch.vocab_size)
+        model = build_gpt_model(arch)
+        load_full_state_dict(model, full)
+        trainable = build_trainable(model, OptimizerConfig(lr=1e-3, grad_clip=1.0, adam_eps=1e-6), total_steps=20)
+        settings = UpdateSettings(AlgorithmConfig(type="ppo"), 1.0, loss_scale_factor=16, teacher_top_k_coef=top_k_coef)
+        records.append(policy_update(trainable, row, settings))
+        params.append(gather_full_parameters(model))
+    moved = max(float((params[1][k] - params[0][k]).abs().max()) for k in params[0])
+    return records[0], records[1], {"kl": float(np.mean(kl)), "mass": float(np.mean(mass))}, moved
 
 
 def plain_train_step(rank, world_size, arch, full):
