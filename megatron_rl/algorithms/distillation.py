@@ -33,6 +33,15 @@ are of temperature 1).
 - `kl_penalty`: a term of the policy's loss (policy/loss.py: coef x the per-token estimator
   `algorithm.kl_estimator` against the teacher's log-probabilities, which the policy's grid
   carries); the rewards and advantages are the task's alone.
+- `top_k_kl` (NeMo-RL's top-k logit distillation, verl's distillation `topk`): the teacher
+  returns, at every position, its `distillation.top_k` most likely tokens and their
+  log-probabilities (`TeacherScorer.top_k`); the policy's grid carries them and its loss adds
+  coef x sum_j p_teacher(j) (log p_teacher(j) - log p_student(j)) over those j at each action
+  token's position (models/logprobs.py `vocab_parallel_top_k_kl`): the forward KL of the
+  teacher's top k from the student's whole distribution, a signal about every likely token at
+  every position the student visits, where the modes above score the one token it sampled.
+  The rewards and advantages are the task's alone; `teacher_kl_mean` is still k_t's mean (the
+  sampled token's log-probability comes in the same reply).
 """
 
 from __future__ import annotations
@@ -41,14 +50,17 @@ from typing import Protocol
 
 import numpy as np
 
-from megatron_rl.data.types import TrainingSample
+from megatron_rl.data.types import TeacherTopK, TrainingSample
 
 
 class TeacherScorer(Protocol):
     """The teacher: for each token sequence, the log-probability of every token given the tokens
-    before it ([T] float, the first nan), at temperature 1."""
+    before it ([T] float, the first nan), at temperature 1; with `top_k`, also each position's k
+    most likely tokens and their log-probabilities (data/types.py `TeacherTopK`)."""
 
     async def logprobs(self, batched_token_ids: list[list[int]]) -> list[np.ndarray]: ...
+
+    async def top_k(self, batched_token_ids: list[list[int]], k: int) -> list[TeacherTopK]: ...
 
 
 class TeacherReplyError(RuntimeError):
@@ -71,6 +83,31 @@ def set_teacher_logprobs(samples: list[TrainingSample], replies: list[np.ndarray
             bad = int(np.flatnonzero(actions & ~np.isfinite(reply))[0])
             raise TeacherReplyError(f"teacher log-probability of {where}, token {bad}: {reply[bad]}")
         sample.teacher_logprobs = np.where(actions, reply, 0.0).astype(np.float32)
+
+
+def set_teacher_top_k(samples: list[TrainingSample], replies: list[TeacherTopK], k: int) -> None:
+    """Stores each reply's log-probabilities as `set_teacher_logprobs` does and its top k as the
+    sample's `teacher_top_ids` ([T, k] int32) and `teacher_top_logprobs` ([T, k] float32), both 0
+    off the action tokens' rows; a TeacherReplyError naming the sample when a reply's arrays are
+    not [T] and [T, k], or an action token's row holds a negative id or a log-probability that is
+    not finite or above 0 (up to float32 rounding)."""
+    if len(replies) != len(samples):
+        raise TeacherReplyError(f"the teacher answered {len(replies)} sequences for {len(samples)}")
+    set_teacher_logprobs(samples, [reply.logprobs for reply in replies])
+    for sample, reply in zip(samples, replies):
+        where = f"group {sample.group_id}, branch {sample.branch_index}"
+        ids, logprobs = np.asarray(reply.top_ids), np.asarray(reply.top_logprobs, dtype=np.float32)
+        for name, array in (("ids", ids), ("log-probabilities", logprobs)):
+            if array.shape != (len(sample), k):
+                raise TeacherReplyError(f"teacher top-{k} {name} for {where}: shape {array.shape} for {len(sample)} tokens")
+        actions = sample.loss_mask
+        bad = actions[:, None] & ~(np.isfinite(logprobs) & (logprobs <= 1e-4) & (ids >= 0))
+        if bad.any():
+            t, j = map(int, np.argwhere(bad)[0])
+            raise TeacherReplyError(f"teacher top-{k} of {where}, token {t}, entry {j}: id {ids[t, j]}, "
+                                    f"log-probability {logprobs[t, j]}")  # fmt: skip
+        sample.teacher_top_ids = np.where(actions[:, None], ids, 0).astype(np.int32)
+        sample.teacher_top_logprobs = np.where(actions[:, None], np.minimum(logprobs, 0.0), 0.0).astype(np.float32)
 
 
 def reverse_kl(sample: TrainingSample) -> np.ndarray:
@@ -122,7 +159,9 @@ def distillation_metrics(samples: list[TrainingSample], coef: float, mode: str =
     (sum |term| / (sum |term| + sum |A_t - term|) over the action tokens: the teacher's part of the
     advantages beside the estimator's, read from the samples' `advantages`); with a `baseline`
     also `distill_baseline` (b: the step's, or under "group_mean" the mean of the groups' b) and
-    under "group_mean" `distill_baseline_std` (their spread over the groups)."""
+    under "group_mean" `distill_baseline_std` (their spread over the groups); with the teacher's
+    top k (mode "top_k_kl") `teacher_top_k_mass`: the probability the teacher's top k hold, mean
+    over the step's action tokens."""
     scored = [s for s in samples if s.teacher_logprobs is not None]
     if not scored:
         return {}
@@ -138,6 +177,10 @@ def distillation_metrics(samples: list[TrainingSample], coef: float, mode: str =
         "distill_reward_mean": float(dense.mean()),
         "distill_reward_share": float(np.abs(dense).sum() / total) if total > 0 else None,
     }
+    tops = [s for s in scored if s.teacher_top_logprobs is not None]
+    if tops:
+        mass = np.concatenate([np.exp(s.teacher_top_logprobs[s.loss_mask].astype(np.float64)).sum(-1) for s in tops])
+        record["teacher_top_k_mass"] = float(mass.mean()) if mass.size else None
     if mode == "advantage" and tokens.size and all(s.advantages is not None for s in scored):
         groups = by_group(scored)
         values = baselines(groups, baseline)
@@ -159,20 +202,30 @@ class Distillation:
     `rewards` (mode "reward": the dense reward beside the task's) and `token_advantages` (mode
     "advantage": the term added to each action token's advantage after the estimator). Under
     "kl_penalty" both are zero: the samples are scored (the policy's grid carries the teacher's
-    log-probabilities to its loss) and the rewards are the task's alone. `baseline` (mode
+    log-probabilities to its loss) and the rewards are the task's alone; so under "top_k_kl"
+    (the grid carries the teacher's top k, `top_k` of them). `baseline` (mode
     "advantage" only): what `baselines` subtracts from k_t in the advantage's term."""
 
-    def __init__(self, teacher: TeacherScorer, coef: float, mode: str = "reward", baseline: str = "none"):
+    def __init__(self, teacher: TeacherScorer, coef: float, mode: str = "reward", baseline: str = "none",
+                 top_k: int = 0):  # fmt: skip
+        if mode == "top_k_kl" and top_k < 1:
+            raise ValueError(f"distillation.mode 'top_k_kl' needs distillation.top_k >= 1, not {top_k}")
         if baseline not in BASELINES:
             raise ValueError(f"distillation.baseline {baseline!r}: one of {', '.join(BASELINES)}")
         if baseline != "none" and mode != "advantage":
             raise ValueError(f"distillation.baseline {baseline!r} is for distillation.mode 'advantage', not {mode!r}")
-        self.teacher, self.coef, self.mode, self.baseline = teacher, coef, mode, baseline
+        self.teacher, self.coef, self.mode, self.baseline, self.top_k = teacher, coef, mode, baseline, top_k
 
     async def score(self, samples: list[TrainingSample]) -> None:
-        """The teacher's log-probabilities of every sample's tokens, into `teacher_logprobs`."""
-        if samples:
-            set_teacher_logprobs(samples, await self.teacher.logprobs([s.token_ids.tolist() for s in samples]))
+        """The teacher's log-probabilities of every sample's tokens, into `teacher_logprobs`;
+        under mode "top_k_kl" also each position's top k (`set_teacher_top_k`), in the same reply."""
+        if not samples:
+            return
+        sequences = [s.token_ids.tolist() for s in samples]
+        if self.mode == "top_k_kl":
+            set_teacher_top_k(samples, await self.teacher.top_k(sequences, self.top_k), self.top_k)
+        else:
+            set_teacher_logprobs(samples, await self.teacher.logprobs(sequences))
 
     def rewards(self, sample: TrainingSample) -> np.ndarray:
         """[T] float64: the dense reward the estimator takes beside the task's (0 unless mode "reward")."""

@@ -272,6 +272,18 @@ def distillation_compares_untempered_distributions(ctx: Context) -> list[str]:
     return []
 
 
+def distillation_top_k_fits_the_vocabulary(ctx: Context) -> list[str]:
+    """Mode top_k_kl asks the teacher for its top_k most likely tokens at each position: at most
+    the student's vocabulary (the teacher's is the same, checked at start-up)."""
+    distillation, policy = ctx.config.distillation, ctx.policy_arch
+    if distillation is not None and distillation.mode == "top_k_kl" and policy and distillation.top_k > policy.vocab_size:
+        return [
+            f"distillation.top_k ({distillation.top_k}) is larger than the student's vocabulary "
+            f"({policy.vocab_size} tokens); the teacher has no more tokens to rank"
+        ]
+    return []
+
+
 def update_options_fit_together(ctx: Context) -> list[str]:
     """Mini-batches, the ratio's denominator, rollout correction and loss aggregation:
     algorithm.rollout_correction needs old_logprobs recompute; loss_scale_factor is read only by
@@ -372,6 +384,7 @@ RULES: tuple[Callable[[Context], list[str]], ...] = (
     inference_gpus_match_the_servers,
     training_samples_are_untruncated,
     distillation_compares_untempered_distributions,
+    distillation_top_k_fits_the_vocabulary,
     update_options_fit_together,
     routing_replay_has_experts,
     lora_adapters_can_be_served,

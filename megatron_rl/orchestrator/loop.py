@@ -74,8 +74,11 @@ class Orchestrator:
             if teacher is None:
                 raise OrchestratorError("distillation is configured but the orchestrator was given no teacher")
             d = resolved.distillation
-            distillation = Distillation(teacher, d.coef, d.mode, d.baseline)
-        self.teacher_in_grid = distillation is not None and distillation.mode == "kl_penalty"  # the policy's loss
+            distillation = Distillation(teacher, d.coef, d.mode, d.baseline, d.top_k)
+        # What of the teacher's the policy's loss reads from its grid: its log-probabilities
+        # (kl_penalty) or its top k (top_k_kl).
+        mode = distillation.mode if distillation is not None else None
+        self.teacher_in_grid, self.teacher_top_k_in_grid = mode == "kl_penalty", mode == "top_k_kl"
         self.algorithm = make_algorithm(resolved.algorithm, critic.scorer if critic is not None else None, distillation)
         self.sink = TrainSink(o.admission, o.overlong, o.max_completion_tokens)
         self.one_packing = self._policy_packs_like_the_critic()
@@ -97,9 +100,9 @@ class Orchestrator:
         seq_len, DP, CP and sequence-parallel sizes (packing is deterministic), so the critic
         grid is sent to the policy too instead of packing (copying) every token a second time."""
         r = self.resolved
-        kl_penalty = r.distillation is not None and r.distillation.mode == "kl_penalty"
-        if r.value is None or r.algorithm.policy_minibatches != 1 or r.layout.sampler_routes or kl_penalty:
-            return False  # (the critic's grid never carries routes or the teacher's log-probabilities)
+        teacher_in_loss = r.distillation is not None and r.distillation.mode in ("kl_penalty", "top_k_kl")
+        if r.value is None or r.algorithm.policy_minibatches != 1 or r.layout.sampler_routes or teacher_in_loss:
+            return False  # (the critic's grid never carries routes or the teacher's scores)
         critic, policy = r.layout.critic, r.layout.policy
         same_layout = (critic.dp, critic.cp, critic.sp) == (policy.dp, policy.cp, policy.sp)
         return same_layout and r.value.model.seq_len == r.model.seq_len
@@ -177,7 +180,8 @@ class Orchestrator:
             policy_grid = pack_minibatches(samples, self.resolved.algorithm.policy_minibatches, (o.seed, step),
                                            self.resolved.model.seq_len, layout.policy.dp, layout.policy.cp,
                                            layout.policy.sp, routes=self.resolved.layout.sampler_routes,
-                                           teacher=self.teacher_in_grid)  # fmt: skip
+                                           teacher=self.teacher_in_grid,
+                                           teacher_top_k=self.teacher_top_k_in_grid)  # fmt: skip
         await self.send_policy(step, policy_grid)
         times["policy_send"] = clock() - mark
         sync_seconds = getattr(self.weights, "sync_seconds", None)

@@ -36,7 +36,7 @@ TEACHER_TARGET_LOSS = 0.05
 # notes: coef 1.0 and 0.1, the student random and warm-started): a student warm-started 3 steps
 # (sampled reward ~0.45-0.57, the regime the demo's 64-id random model starts in) and coef 0.1.
 RUN = {"task": "count", "prompts": 16, "group": 4, "lr": 3.0e-3, "max_completion_tokens": 12, "max_prompt_tokens": 48,
-       "mode": "advantage", "coef": 0.1, "baseline": "none", "student_sft_steps": 3}  # fmt: skip
+       "mode": "advantage", "coef": 0.1, "baseline": "none", "student_sft_steps": 3, "top_k": 16}  # fmt: skip
 ARMS = ("distill", "rl", "frozen")
 
 
@@ -83,10 +83,11 @@ def teacher_model(out: Path, task: str = RUN["task"], target_loss: float = TEACH
 def distill_config(tmp_path: Path, student: Path, pool, arm: str, steps: int, seed: int,
                    teacher_dir: Path | None = None, mode: str = RUN["mode"], coef: float = RUN["coef"],
                    task: str = RUN["task"], overrides: list[str] = (),
-                   baseline: str = RUN["baseline"]):  # fmt: skip
+                   baseline: str = RUN["baseline"], top_k: int = RUN["top_k"]):  # fmt: skip
     """(resolved, resolved_path) of `arm` (ARMS) for `steps` steps from `student` on `pool`; the
     distill arm learns from the Megatron teacher service on `teacher_dir` (float32, one rank),
-    with `distillation.baseline` `baseline` (set only when not "none")."""
+    with `distillation.baseline` `baseline` (set only when not "none") and, in mode top_k_kl,
+    `distillation.top_k` `top_k`."""
     from tests.support.stack import stack_config
 
     if arm not in ARMS:
@@ -98,6 +99,7 @@ def distill_config(tmp_path: Path, student: Path, pool, arm: str, steps: int, se
         settings += [f"distillation.teacher.model_dir={teacher_dir}", f"distillation.teacher.megatron.port={free_port()}",
                      "distillation.teacher.megatron.dtype=float32", f"distillation.mode={mode}",
                      f"distillation.coef={coef}"] + ([f"distillation.baseline={baseline}"] if baseline != "none" else [])  # fmt: skip
+        settings += [f"distillation.top_k={top_k}"] if mode == "top_k_kl" else []
     return stack_config(tmp_path, student, "grpo", steps, pool, overrides=settings + list(overrides),
                         batch_size=RUN["prompts"], group_size=RUN["group"], seed=seed, dataset=task,
                         max_completion_tokens=RUN["max_completion_tokens"],

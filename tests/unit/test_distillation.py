@@ -21,9 +21,11 @@ from megatron_rl.algorithms.distillation import (
     distillation_metrics,
     reverse_kl,
     set_teacher_logprobs,
+    set_teacher_top_k,
 )
 from megatron_rl.config import AlgorithmConfig, ConfigError
 from megatron_rl.data import ScoreResult, TrainingSample
+from megatron_rl.data.types import TeacherTopK
 from megatron_rl.inference.teacher import check_same_tokenizer
 from megatron_rl.orchestrator.rollouts import PromptEncoder
 from tests.support.orchestrator import InProcessScorer, build_orchestrator, orchestrator_config, per_token_gae
@@ -38,6 +40,16 @@ def teacher_of(sequence: list[int]) -> np.ndarray:
     return out
 
 
+def top_k_of(sequence: list[int], k: int) -> TeacherTopK:
+    """A deterministic stand-in teacher's top k: at position t the ids (t * 7 + j) % 50 for j < k
+    with log-probabilities -1 - j / 2 (most likely first), row 0 zeros and nan."""
+    n = len(sequence)
+    ids = (np.arange(n)[:, None] * 7 + np.arange(k)[None, :]) % 50
+    logprobs = np.broadcast_to(-1.0 - np.arange(k) / 2, (n, k)).astype(np.float32).copy()
+    ids[0], logprobs[0] = 0, np.nan
+    return TeacherTopK(teacher_of(sequence).astype(np.float32), ids.astype(np.int32), logprobs)
+
+
 class FakeTeacher:
     def __init__(self):
         self.calls = []
@@ -45,6 +57,10 @@ class FakeTeacher:
     async def logprobs(self, batched):
         self.calls.append(batched)
         return [teacher_of(ids) for ids in batched]
+
+    async def top_k(self, batched, k):
+        self.calls.append(batched)
+        return [top_k_of(ids, k) for ids in batched]
 
 
 def multi_turn_samples(seed: int = 0) -> list[TrainingSample]:
@@ -333,3 +349,68 @@ def test_kl_penalty_sends_the_teachers_log_probs_to_the_policy_and_leaves_the_re
     bad.teacher_logprobs[0] = np.inf
     with pytest.raises(TransportError, match="array teacher_logprobs: non-finite values"):
         decode_grid_item([bytes(f) for f in encode_grid_item(0, 0, row)], "test", 0, 0)
+
+
+def test_top_k_kl_sends_the_teachers_top_k_to_the_policy_and_leaves_the_rewards_alone(tiny_models):
+    """mode top_k_kl: one teacher request a sample gives the sampled token's log-probability and
+    each action position's top k; the policy's grid (not the critic's) carries the top k row for
+    row; the advantages are the task reward's alone; the step reports the top k's mass; bad
+    replies and a top_k larger than the vocabulary are named."""
+    teacher = {"url": "http://teacher:8000", "model_dir": str(tiny_models["qwen3"])}
+    k = 4
+    encoder = PromptEncoder(AutoTokenizer.from_pretrained(str(tiny_models["qwen3"])))
+    resolved = orchestrator_config("sao", distillation={"teacher": teacher, "coef": COEF, "mode": "top_k_kl", "top_k": k},
+                                   num_steps=1, batch_size=3, group_size=1)  # fmt: skip
+    fake = FakeTeacher()
+    orchestrator, _, _, critic, policy, records = build_orchestrator(resolved, encoder, teacher=fake)
+    asyncio.run(asyncio.wait_for(orchestrator.run(), 30))
+    samples = [s for _, s in orchestrator.shipped.items]
+    assert sum(len(call) for call in fake.calls) == len(samples) == 3  # one request a sample
+    for sample in samples:
+        expected = top_k_of(sample.token_ids.tolist(), k)
+        actions = sample.loss_mask
+        assert sample.teacher_top_ids.shape == sample.teacher_top_logprobs.shape == (len(sample), k)
+        assert (sample.teacher_top_ids[actions] == expected.top_ids[actions]).all()
+        assert (sample.teacher_top_logprobs[actions] == expected.top_logprobs[actions]).all()
+        assert not sample.teacher_top_ids[~actions].any() and not sample.teacher_top_logprobs[~actions].any()
+    mass = np.exp(-1.0 - np.arange(k) / 2).sum()
+    assert records[0]["teacher_top_k_mass"] == pytest.approx(mass, rel=1e-6)
+    assert records[0]["teacher_kl_mean"] == pytest.approx(distillation_metrics(samples, COEF)["teacher_kl_mean"])
+    policy_rows = [mb for rank in policy.grids[0] for mb in rank if not mb.is_dummy]
+    assert policy_rows and all(mb.teacher_top_ids is not None and mb.teacher_logprobs is None for mb in policy_rows)
+    assert all(mb.teacher_top_ids is None for rank in critic.grids[0] for mb in rank)
+    for mb in policy_rows:
+        for index, sample in enumerate(samples):
+            rows = np.flatnonzero(mb.sample_index == index)
+            if rows.size:
+                assert (mb.teacher_top_ids[rows] == sample.teacher_top_ids).all()
+                assert (mb.teacher_top_logprobs[rows] == sample.teacher_top_logprobs).all()
+    plain, distilled = multi_turn_samples(3), multi_turn_samples(3)
+    config = AlgorithmConfig(type="ppo")
+    critic_scores = InProcessScorer(lambda batched: ScoreResult(values=[np.full(len(t), 0.25, np.float32) for t in batched],
+                                                                bootstrap_values=[0.0] * len(batched)))  # fmt: skip
+    asyncio.run(make_algorithm(config, critic_scores).prepare_batch([plain], 0))
+    asyncio.run(make_algorithm(config, critic_scores, Distillation(FakeTeacher(), COEF, "top_k_kl", top_k=k))
+                .prepare_batch([distilled], 0))  # fmt: skip
+    for a, b in zip(plain, distilled):
+        assert a.advantages.tolist() == b.advantages.tolist() and b.teacher_top_ids is not None
+
+    samples = multi_turn_samples()
+    replies = [top_k_of(s.token_ids.tolist(), k) for s in samples]
+    with pytest.raises(TeacherReplyError, match="answered 2 sequences for 3"):
+        set_teacher_top_k(samples, replies[:2], k)
+    narrow = list(replies)
+    narrow[1] = top_k_of(samples[1].token_ids.tolist(), k - 1)
+    with pytest.raises(TeacherReplyError, match=r"top-4 ids for group 7, branch 1: shape \(13, 3\) for 13 tokens"):
+        set_teacher_top_k(samples, narrow, k)
+    holed = [top_k_of(s.token_ids.tolist(), k) for s in samples]
+    holed[2].top_logprobs[4, 2] = np.nan  # an action token's row
+    with pytest.raises(TeacherReplyError, match="top-4 of group 7, branch 2, token 4, entry 2: id .*, log-probability nan"):
+        set_teacher_top_k(samples, holed, k)
+    holed[2].top_logprobs[4, 2] = -1.0
+    holed[2].top_logprobs[0, 1] = np.nan  # row 0 is a prompt token's: not read
+    set_teacher_top_k(samples, holed, k)
+    with pytest.raises(ValueError, match="distillation.mode 'top_k_kl' needs distillation.top_k >= 1"):
+        Distillation(FakeTeacher(), COEF, "top_k_kl")
+    with pytest.raises(ConfigError, match=r"distillation.top_k \(100000\) is larger than the student's vocabulary"):
+        orchestrator_config("sao", distillation={"teacher": teacher, "mode": "top_k_kl", "top_k": 100000})
