@@ -39,9 +39,10 @@ mean rises (distill / rl) and of the seconds a step, the teacher's KL at the fir
 Writes benchmarks/results/distillation_learning.json: figure (the distill rise at N, N, margin),
 reference (RL alone's rise at N), ratio (their means), params, the tables and every run's per-step
 records; the record of another task, mode or coef already in the file is kept under
-`other_tasks` (keyed TASK/MODE/coefC/stepsN, with a baseline TASK/MODE/coefC/baseline-B/stepsN).
+`other_tasks` (keyed TASK/MODE/coefC/stepsN, with a baseline TASK/MODE/coefC/baseline-B/stepsN,
+mode top_k_kl's /topK before /stepsN, each `--set` as /set-KEY=VALUE after it).
 Run directories `OUT/rl-sS`, `OUT/frozen-sS` and `OUT/distill-MODE-cC-sS` (with a baseline
-`OUT/distill-MODE-cC-bB-sS`; default OUT runs/distillation_learning-TASK) are reused when finished,
+`OUT/distill-MODE-cC-bB-sS`, mode top_k_kl `OUT/distill-top_k_kl-cC-kK-sS`; default OUT runs/distillation_learning-TASK) are reused when finished,
 so that trying another mode or coef reruns only the distill arm. `--max-n` ends the tables at N
 (default `--steps`; a run's first N steps are an N-step run).
 
@@ -201,13 +202,15 @@ def earlier_notes() -> list[str]:
 
 def setting(params: dict) -> str:
     """A record's key in `other_tasks`: TASK/MODE/coefC/stepsN (TASK/MODE/coefC/baseline-B/stepsN
-    with a baseline), prefixed pool/ (pool/sftK/ with a warm-started student) for `--stack pool`."""
+    with a baseline, /topK before /stepsN in mode top_k_kl, /set-KEY=VALUE after it for each
+    `--set`), prefixed pool/ (pool/sftK/ with a warm-started student) for `--stack pool`."""
     sft = params.get("student_sft_steps") or 0
     stack = (f"pool/sft{sft}/" if sft else "pool/") if params.get("stack") == "pool" else ""
     return (
         f"{stack}{params.get('task', 'count')}/{params.get('mode', 'kl_penalty')}/coef{params.get('coef', 1.0):g}"
         + (f"/baseline-{params['baseline']}" if params.get("baseline", "none") != "none" else "")
         + (f"/top{params['top_k']}" if params.get("mode") == "top_k_kl" else "")
+        + "".join(f"/set-{override}" for override in params.get("overrides") or [])
         + f"/steps{params['steps']}"
     )
 
@@ -335,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result(
         "distillation_learning",
         notes=earlier_notes(),
-        other_tasks=earlier_tasks(setting({"task": args.task, "mode": mode, "coef": coef, "baseline": baseline, "steps": args.steps, "top_k": top_k,
+        other_tasks=earlier_tasks(setting({"task": args.task, "mode": mode, "coef": coef, "baseline": baseline, "steps": args.steps, "top_k": top_k, "overrides": args.overrides,
                                            "stack": args.stack, "student_sft_steps": args.student_sft_steps})),
         figure={"distill_rise": round(rise["distill"], 4), "steps": n, "window": row["window"],
                 "margin": row["margin"], "clear": chosen is not None,

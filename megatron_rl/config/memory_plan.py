@@ -235,6 +235,8 @@ def _training_gpu(resolved: ResolvedConfig, role: str) -> GpuMemory:
             parts["reference"] = weights  # the frozen initial policy, same layout and dtype
         if role == "policy" and resolved.layout.sampler_routes:
             parts["routes"] = routes_bytes(resolved) / GIB
+        if role == "policy" and stage == layout.pp - 1 and top_k_kl(resolved):
+            parts["top_k_kl"] = top_k_kl_bytes(resolved) / GIB
         parts.update(fixed)
         tensors = rank_tensors(arch, layout, value_model, freeze, rank, stage, distributed, targets)
         peaks = [
@@ -247,6 +249,27 @@ def _training_gpu(resolved: ResolvedConfig, role: str) -> GpuMemory:
         if worst is None or gpu.largest().total > worst.largest().total:
             worst = gpu
     return worst
+
+
+# Distillation's top_k_kl on the policy's last stage, per token and teacher entry: the micro-batch's
+# ids (int64) and log-probabilities (fp32), and what the loss keeps for its backward pass (the
+# local ids, their in-range mask, the teacher's probabilities, the gradient at the ids).
+TOP_K_KL_BYTES_PER_ENTRY = 8 + 4 + 8 + 1 + 4 + 4
+
+
+def top_k_kl(resolved: ResolvedConfig) -> bool:
+    return resolved.distillation is not None and resolved.distillation.mode == "top_k_kl"
+
+
+def top_k_kl_bytes(resolved: ResolvedConfig) -> float:
+    """What distillation's top_k_kl adds on the policy's last stage for one packed row: a second
+    logits-sized gradient in the model's dtype (its loss term differentiates the logits beside the
+    log-prob kernel, and autograd sums the two; measured 3.5 -> 6.0 bytes a bf16 logit) and the
+    teacher's top k per token (TOP_K_KL_BYTES_PER_ENTRY each)."""
+    arch, layout, model = resolved.layout.policy_architecture, resolved.layout.policy, resolved.model
+    tokens = model.seq_len / layout.cp
+    return tokens * (arch.vocab_size / layout.tp * BYTES[model.dtype]
+                     + resolved.distillation.top_k * TOP_K_KL_BYTES_PER_ENTRY)  # fmt: skip
 
 
 def _start_up_peak(params: RankParameters, size: int, distributed: bool, fraction: float, steady: dict,
