@@ -41,6 +41,22 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return z / temperature if temperature != 1.0 else z
 
 
+def _row_maxes(logits: torch.Tensor, group, temperature: float, chunk_tokens: int) -> torch.Tensor:
+    """[N] float32: each row's largest logit / T over the whole vocabulary (maximised over `group`)."""
+    maxes = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    for rows in _chunks(logits.shape[0], chunk_tokens):
+        maxes[rows] = _scaled(logits[rows].max(dim=-1).values, temperature)
+    if group is not None:
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+    return maxes
+
+
+def _local_ids(ids: torch.Tensor, vocab_start: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(in this rank's vocabulary slice, the slice index clamped into it) of global token ids."""
+    local = ids - vocab_start
+    return (local >= 0) & (local < vocab_local), local.clamp(0, vocab_local - 1)
+
+
 class _VocabParallelLogProbs(torch.autograd.Function):
     """log p(target) and entropy of softmax(logits / T); logits [N, V/tp], targets [N] global ids."""
 
@@ -48,14 +64,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     def forward(ctx, logits, targets, vocab_start, group, temperature, chunk_tokens):
         ctx.set_materialize_grads(False)
         num_tokens, vocab_local = logits.shape
-        maxes = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
-        for rows in _chunks(num_tokens, chunk_tokens):
-            maxes[rows] = _scaled(logits[rows].max(dim=-1).values, temperature)
-        if group is not None:
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
-        local_targets = targets - vocab_start
-        in_range = (local_targets >= 0) & (local_targets < vocab_local)
-        clamped = local_targets.clamp(0, vocab_local - 1)
+        maxes = _row_maxes(logits, group, temperature, chunk_tokens)
+        in_range, clamped = _local_ids(targets, vocab_start, vocab_local)
         stats = torch.empty(3, num_tokens, dtype=torch.float32, device=logits.device)
         for rows in _chunks(num_tokens, chunk_tokens):
             shifted = _scaled(logits[rows], temperature) - maxes[rows].unsqueeze(-1)
@@ -128,11 +138,8 @@ def vocab_parallel_logprobs(
 
 def megatron_vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
     """vocab_parallel_logprobs over megatron's tensor-parallel group and vocabulary split."""
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
-    return vocab_parallel_logprobs(logits, targets, rank * logits.shape[-1], group, temperature)
+    vocab_start, group = _megatron_vocab_slice(logits)
+    return vocab_parallel_logprobs(logits, targets, vocab_start, group, temperature)
 
 
 class _VocabParallelTopKKL(torch.autograd.Function):
@@ -143,14 +150,8 @@ class _VocabParallelTopKKL(torch.autograd.Function):
     def forward(ctx, logits, top_ids, top_logprobs, vocab_start, group, temperature, chunk_tokens):
         ctx.set_materialize_grads(False)
         num_tokens, vocab_local = logits.shape
-        maxes = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
-        for rows in _chunks(num_tokens, chunk_tokens):
-            maxes[rows] = _scaled(logits[rows].max(dim=-1).values, temperature)
-        if group is not None:
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
-        local_ids = top_ids - vocab_start
-        in_range = (local_ids >= 0) & (local_ids < vocab_local)
-        clamped = local_ids.clamp(0, vocab_local - 1)
+        maxes = _row_maxes(logits, group, temperature, chunk_tokens)
+        in_range, clamped = _local_ids(top_ids, vocab_start, vocab_local)
         # Column 0: sum of exp; columns 1..K: the shifted logit at each id (only its owner's is non-zero).
         stats = torch.empty(num_tokens, 1 + top_ids.shape[-1], dtype=torch.float32, device=logits.device)
         for rows in _chunks(num_tokens, chunk_tokens):
@@ -235,8 +236,12 @@ def megatron_vocab_parallel_top_k_kl(
     logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor, temperature: float = 1.0
 ):
     """vocab_parallel_top_k_kl over megatron's tensor-parallel group and vocabulary split."""
+    vocab_start, group = _megatron_vocab_slice(logits)
+    return vocab_parallel_top_k_kl(logits, top_ids, top_logprobs, vocab_start, group, temperature)
 
+
+def _megatron_vocab_slice(logits: torch.Tensor) -> tuple[int, object]:
+    """(this TP rank's first vocabulary id, the TP group or None at TP 1) for its logits' slice."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
-    group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
-    return vocab_parallel_top_k_kl(logits, top_ids, top_logprobs, rank * logits.shape[-1], group, temperature)
+    return rank * logits.shape[-1], parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
