@@ -313,8 +313,8 @@ def top_k_distillation_loss(
     kl: torch.Tensor, mass: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """sum_t mask_t * w_t * KL_t, KL_t = sum_j p_T(j) (log p_T(j) - log pi_theta(j)) over the
-    teacher's top k at t (models/logprobs.py `vocab_parallel_top_k_kl`; distillation.mode
-    `top_k_kl`). Metrics, unweighted sums over masked tokens: `teacher_top_k_kl_sum` (KL_t) and
+    teacher's top k at t (models/logprobs.py `vocab_parallel_top_k_kl`, or with the log-probs and
+    entropy from one kernel `vocab_parallel_logprobs_and_top_k_kl`; distillation.mode `top_k_kl`). Metrics, unweighted sums over masked tokens: `teacher_top_k_kl_sum` (KL_t) and
     `teacher_top_k_mass_sum` (m_t = sum_j p_T(j), the teacher's probability the top k holds)."""
     mask = mask.bool()
     loss = _weighted_sum(kl, mask, weights)

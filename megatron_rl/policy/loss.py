@@ -29,7 +29,10 @@ from megatron_rl.algorithms.losses import Sequences, entropy_bonus, reference_kl
 from megatron_rl.algorithms.registry import policy_loss_for
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data.types import MicroBatch
-from megatron_rl.models.logprobs import megatron_vocab_parallel_logprobs, megatron_vocab_parallel_top_k_kl
+from megatron_rl.models.logprobs import (
+    megatron_vocab_parallel_logprobs,
+    megatron_vocab_parallel_logprobs_and_top_k_kl,
+)
 from megatron_rl.trainer.batches import RankBatch, RowSlice
 from megatron_rl.trainer.forward import forward_only
 from megatron_rl.trainer.step import RoleLoss
@@ -150,9 +153,11 @@ def policy_loss_func(
     estimator against the teacher's log-probabilities from the grid (on-policy distillation's
     kl_penalty; metric `teacher_kl`), plus `teacher_top_k_coef` * the forward KL of the teacher's
     top k from the policy's softmax over the whole vocabulary, sum_j p_T(j) (log p_T(j) - log
-    pi(j)) per action token (distillation's top_k_kl, `vocab_parallel_top_k_kl`; metrics
-    `teacher_top_k_kl` and `teacher_top_k_mass`, the top k's share of the teacher's probability),
-    minus `entropy_coef` * entropy.
+    pi(j)) per action token (distillation's top_k_kl; metrics `teacher_top_k_kl` and
+    `teacher_top_k_mass`, the top k's share of the teacher's probability), minus `entropy_coef` *
+    entropy. A batch with the teacher's top k gets its log-probabilities, entropy and top-k KL from
+    one kernel (`vocab_parallel_logprobs_and_top_k_kl`: one logits-sized gradient); the others
+    from `vocab_parallel_logprobs`.
     Each term is weighted per token by the batch's `aggregation_weights`; the policy term also by
     its `correction_weights` (rollout correction). On `PolicyBatch`es (`policy_batch`). A batch
     with action tokens but without the teacher's arrays a coefficient needs is a ValueError; one
@@ -161,7 +166,15 @@ def policy_loss_func(
 
     def loss(logits: torch.Tensor, batch: PolicyBatch):
         check_teacher_arrays(batch, teacher_coef, teacher_top_k_coef)
-        logprobs, entropy = megatron_vocab_parallel_logprobs(logits[0], batch.targets, temperature)
+        # With the teacher's top k, one kernel gives the log-probs, entropy and top-k KL, so that
+        # the backward pass writes one logits-sized gradient, not one per term.
+        top_k = teacher_top_k_coef > 0 and batch.teacher_top_ids is not None and batch.teacher_top_logprobs is not None
+        if top_k:
+            logprobs, entropy, top_k_kl, top_k_mass = megatron_vocab_parallel_logprobs_and_top_k_kl(
+                logits[0], batch.targets, batch.teacher_top_ids, batch.teacher_top_logprobs, temperature
+            )
+        else:
+            logprobs, entropy = megatron_vocab_parallel_logprobs(logits[0], batch.targets, temperature)
         aggregation, correction = batch.aggregation_weights, batch.correction_weights
         policy_weights = (
             correction
@@ -193,10 +206,8 @@ def policy_loss_func(
                 metrics["teacher_kl_sum"] = teacher_metrics["kl_ref_sum"]
         if teacher_top_k_coef > 0:
             metrics.update(teacher_top_k_kl_sum=zero, teacher_top_k_mass_sum=zero)
-            if batch.teacher_top_ids is not None:
-                kl, mass = megatron_vocab_parallel_top_k_kl(logits[0], batch.teacher_top_ids,
-                                                            batch.teacher_top_logprobs, temperature)  # fmt: skip
-                top_k_sum, top_k_metrics = top_k_distillation_loss(kl, mass, batch.loss_mask, aggregation)
+            if top_k:
+                top_k_sum, top_k_metrics = top_k_distillation_loss(top_k_kl, top_k_mass, batch.loss_mask, aggregation)
                 loss_sum = loss_sum + teacher_top_k_coef * top_k_sum
                 metrics.update(top_k_metrics)
         if entropy_coef > 0:

@@ -8,7 +8,11 @@ from __future__ import annotations
 import torch
 
 from megatron_rl import parallel
-from megatron_rl.models.logprobs import vocab_parallel_logprobs
+from megatron_rl.models.logprobs import (
+    vocab_parallel_logprobs,
+    vocab_parallel_logprobs_and_top_k_kl,
+    vocab_parallel_top_k_kl,
+)
 from tests.support.memory import AllocationTracker
 from tests.support.spawn import run_ranks
 
@@ -110,7 +114,9 @@ def test_tp2_top_k_kl_matches_full_softmax():
     """Distillation top_k_kl's term at TP = 2 (each rank's vocabulary half, the teacher's ids on
     both sides of the split and at its edges, 8 of the 64 columns megatron's padding the ids never
     reach but the softmax counts) equals the naive formula on the full log-softmax: KL, mass and
-    each rank's half of the gradient of sum_t w_t KL_t, at T = 1 and T = 0.8 in chunks of 7 rows."""
+    each rank's half of the gradient of sum_t w_t KL_t, at T = 1 and T = 0.8 in chunks of 7 rows.
+    The fused kernel (log p, entropy, KL and mass in one pass) at TP = 2 equals it on one process:
+    the four outputs and each rank's half of the gradient of sum_t (u_t log p_t + v_t H_t + w_t KL_t)."""
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(40, 64, generator=g) * 5
     teacher = torch.log_softmax(torch.randn(40, 56, generator=g) * 3, dim=-1)
@@ -118,27 +124,43 @@ def test_tp2_top_k_kl_matches_full_softmax():
     top_ids[:4, 0] = torch.tensor([0, 31, 32, 55])
     top_ids[:4, 1] = torch.tensor([33, 30, 1, 54])
     weights = torch.randn(40, generator=g)
+    targets = torch.randint(0, 64, (40,), generator=g)
+    targets[:5] = torch.tensor([0, 31, 32, 63, 33])  # both shards' edges
+    upstream = torch.randn(3, 40, generator=g)
     temperatures = (1.0, 0.8)
-    ranks = run_ranks(vocab_parallel_top_k_kl_grads, 2, logits, top_ids, top_logprobs, weights, temperatures)
+    ranks = run_ranks(vocab_parallel_top_k_kl_grads, 2, logits, top_ids, top_logprobs, weights, temperatures,
+                      targets, upstream)  # fmt: skip
     for temperature, results in zip(temperatures, zip(*ranks)):
         x = (logits / temperature).clone().requires_grad_()
         log_q = torch.log_softmax(x, dim=-1)
         p = top_logprobs.exp()
         want_kl = (p * (top_logprobs - log_q.gather(-1, top_ids))).sum(-1)
         (weights * want_kl).sum().backward()
-        for rank, (kl, mass, grad) in enumerate(results):
+        one = logits.clone().requires_grad_()
+        want_fused = vocab_parallel_logprobs_and_top_k_kl(one, targets, top_ids, top_logprobs, temperature=temperature)
+        sum((u * out).sum() for u, out in zip(upstream, want_fused[:3])).backward()
+        for rank, ((kl, mass, grad), (fused, fused_grad)) in enumerate(results):
             torch.testing.assert_close(kl, want_kl.detach(), atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(mass, p.sum(-1), atol=1e-6, rtol=1e-6)
             torch.testing.assert_close(grad, (x.grad / temperature).chunk(2, dim=-1)[rank], atol=1e-6, rtol=1e-5)
-        assert float(want_kl.min()) > 1e-2
+            for got, want in zip(fused, want_fused):
+                torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=1e-6)
+            torch.testing.assert_close(fused_grad, one.grad.chunk(2, dim=-1)[rank], atol=1e-6, rtol=1e-5)
+        assert float(want_kl.min()) > 1e-2 and float(one.grad.abs().max()) > 1e-2
 
 
-def vocab_parallel_top_k_kl_grads(rank, world_size, logits_full, top_ids, top_logprobs, weights, temperatures):
-    """Per temperature: KL, mass and the gradient of sum(w * KL) w.r.t. this rank's logits, in
-    chunks of 7 rows (megatron_vocab_parallel_top_k_kl, in one chunk, gives the same KL)."""
+def vocab_parallel_top_k_kl_grads(rank, world_size, logits_full, top_ids, top_logprobs, weights, temperatures,
+                                  targets, upstream):  # fmt: skip
+    """Per temperature: (KL, mass and the gradient of sum(w * KL) w.r.t. this rank's logits, in
+    chunks of 7 rows (megatron_vocab_parallel_top_k_kl, in one chunk, gives the same KL)), and
+    (the fused kernel's log p, entropy, KL and mass, the gradient of sum(u1 log p + u2 H + u3 KL)),
+    the fused kernel through megatron's wrapper, in one chunk."""
     from megatron.core import parallel_state
 
-    from megatron_rl.models.logprobs import megatron_vocab_parallel_top_k_kl, vocab_parallel_top_k_kl
+    from megatron_rl.models.logprobs import (
+        megatron_vocab_parallel_logprobs_and_top_k_kl,
+        megatron_vocab_parallel_top_k_kl,
+    )
 
     parallel.initialize_model_parallel(tp=world_size)
     results = []
@@ -149,7 +171,10 @@ def vocab_parallel_top_k_kl_grads(rank, world_size, logits_full, top_ids, top_lo
         (weights * kl).sum().backward()
         whole, _ = megatron_vocab_parallel_top_k_kl(local.detach(), top_ids, top_logprobs, temperature)
         torch.testing.assert_close(whole, kl.detach(), atol=0, rtol=0)  # row chunks do not change a row's sums
-        results.append((kl.detach(), mass, local.grad))
+        fused_local = logits_full.chunk(world_size, dim=-1)[rank].clone().requires_grad_()
+        fused = megatron_vocab_parallel_logprobs_and_top_k_kl(fused_local, targets, top_ids, top_logprobs, temperature)
+        sum((u * out).sum() for u, out in zip(upstream, fused[:3])).backward()
+        results.append(((kl.detach(), mass, local.grad), (tuple(out.detach() for out in fused), fused_local.grad)))
     return results
 
 
@@ -177,3 +202,40 @@ def test_memory_beyond_the_logits_is_one_gradient_plus_chunks():
     assert saved < 64 * tokens  # [tokens]-sized statistics only
     assert tracker.peak <= gradient + chunk_bytes + 64 * tokens, tracker.peak / per_logit
     assert tracker.peak >= 2 * per_logit  # the gradient itself was seen: the tracker measures
+
+
+def test_the_top_k_kl_adds_no_second_gradient_when_fused():
+    """Measured allocation, as above (1024 tokens x 4096 bf16 logits, chunks of 64 rows, T = 0.7,
+    teacher top 64 given before the block as the micro-batch holds it): the backward peak of log p,
+    entropy and top-k KL from the fused kernel is the plain log-prob kernel's plus the teacher
+    entries' own bytes (memory_plan.TOP_K_KL_BYTES_PER_ENTRY less the micro-batch's 12), with no
+    second logits-sized gradient; the two separate functions add one (2 B a logit). Measured:
+    plain 3.51, fused 3.53, separate 6.00 bytes a logit."""
+    from megatron_rl.config import memory_plan
+
+    tokens, vocab, chunk, k = 1024, 4096, 64, 64
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(tokens, vocab, generator=g).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
+    top_logprobs, top_ids = torch.log_softmax(torch.randn(tokens, vocab, generator=g) * 3, dim=-1).topk(k, dim=-1)
+
+    def backward_peak(kernel: str) -> int:
+        logits.grad = None
+        tracker = AllocationTracker()
+        with tracker:
+            if kernel == "fused":
+                logprobs, entropy, kl, _ = vocab_parallel_logprobs_and_top_k_kl(
+                    logits, targets, top_ids, top_logprobs, temperature=0.7, chunk_tokens=chunk
+                )
+            else:
+                logprobs, entropy = vocab_parallel_logprobs(logits, targets, temperature=0.7, chunk_tokens=chunk)
+                kl = torch.zeros(()) if kernel == "plain" else vocab_parallel_top_k_kl(
+                    logits, top_ids, top_logprobs, temperature=0.7, chunk_tokens=chunk)[0]  # fmt: skip
+            (logprobs.sum() - entropy.sum() + kl.sum()).backward()
+        return tracker.peak
+
+    plain, fused, separate = backward_peak("plain"), backward_peak("fused"), backward_peak("separate")
+    per_logit = tokens * vocab
+    entries = tokens * k * (memory_plan.TOP_K_KL_BYTES_PER_ENTRY - 12)
+    assert fused <= plain + entries, (plain / per_logit, fused / per_logit)
+    assert separate >= plain + 2 * per_logit, (plain / per_logit, separate / per_logit)  # what fusing saves

@@ -1,6 +1,7 @@
 """Distillation top_k_kl on one process: `vocab_parallel_top_k_kl` (value, mass and gradient equal
 a plain loop and autograd of the naive formula on the full log-softmax, in chunks, tempered, from
-bf16 logits), the loss term `top_k_distillation_loss`, the teacher's [N, K] rows shifted to the
+bf16 logits), the fused `vocab_parallel_logprobs_and_top_k_kl` (outputs and the gradient of any
+combination of them equal the two separate functions'), the loss term `top_k_distillation_loss`, the teacher's [N, K] rows shifted to the
 next token and split over CP ranks by `policy_batch`, and the policy loss's refusal of a batch
 without them. TP = 2 against one process: tests/distributed/test_logprobs.py; the policy step
 across layouts: tests/distributed/test_policy_update.py."""
@@ -14,7 +15,11 @@ import torch
 from megatron_rl.algorithms.losses import top_k_distillation_loss
 from megatron_rl.config import AlgorithmConfig
 from megatron_rl.data.packing import dummy_micro_batch, pack_into_grid
-from megatron_rl.models.logprobs import vocab_parallel_top_k_kl
+from megatron_rl.models.logprobs import (
+    vocab_parallel_logprobs,
+    vocab_parallel_logprobs_and_top_k_kl,
+    vocab_parallel_top_k_kl,
+)
 from megatron_rl.policy.loss import policy_batch, policy_loss_func
 from tests.support.samples import training_samples
 from tests.support.top_k import add_teacher_top_k
@@ -111,6 +116,75 @@ def test_shapes_and_temperature_are_checked():
         vocab_parallel_top_k_kl(logits, top_ids[:4], top_logprobs[:4])
     with pytest.raises(ValueError, match="temperature must be > 0"):
         vocab_parallel_top_k_kl(logits, top_ids, top_logprobs, temperature=0.0)
+
+
+# Which outputs the upstream loss differentiates: (log p, entropy, KL).
+DIFFERENTIATED = [(True, False, False), (True, True, False), (True, False, True), (True, True, True),
+                  (False, True, False), (False, False, True), (False, True, True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("used", DIFFERENTIATED)
+@pytest.mark.parametrize(
+    "tokens, vocab, k, chunk, temperature, seed",
+    [(17, 50, 5, None, 1.0, 10), (23, 64, 8, 3, 0.7, 11), (30, 33, 33, 7, 1.3, 12)],
+)
+def test_the_fused_kernel_equals_the_separate_functions(used, tokens, vocab, k, chunk, temperature, seed):
+    """log p, entropy, KL and mass equal `vocab_parallel_logprobs`' and `vocab_parallel_top_k_kl`'s,
+    and the one gradient it writes equals the sum autograd makes of theirs, for random upstream
+    gradients on the differentiated outputs (float32, 1e-6), in chunks, at T != 1 too."""
+    logits, top_ids, top_logprobs, _ = random_case(tokens, vocab, k, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
+    upstream = torch.randn(3, tokens, generator=g)
+    separate_x, fused_x = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    logprobs, entropy = vocab_parallel_logprobs(separate_x, targets, temperature=temperature, chunk_tokens=chunk)
+    kl, mass = vocab_parallel_top_k_kl(separate_x, top_ids, top_logprobs, temperature=temperature, chunk_tokens=chunk)
+    separate = (logprobs, entropy, kl, mass)
+    fused = vocab_parallel_logprobs_and_top_k_kl(fused_x, targets, top_ids, top_logprobs,
+                                                 temperature=temperature, chunk_tokens=chunk)  # fmt: skip
+    for got, want in zip(fused, separate):
+        assert got.dtype == torch.float32 and got.shape == (tokens,)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert not fused[3].requires_grad
+
+    def upstream_loss(outputs):
+        return sum((w * out).sum() for w, out, use in zip(upstream, outputs[:3], used) if use)
+
+    upstream_loss(separate).backward()
+    upstream_loss(fused).backward()
+    torch.testing.assert_close(fused_x.grad, separate_x.grad, atol=1e-6, rtol=1e-6)
+    assert float(separate_x.grad.abs().max()) > 1e-2
+
+
+def test_the_fused_kernel_from_bf16_logits_with_leading_dims_equals_the_separate_functions():
+    """[1, n, V] bf16 logits: [1, n] results equal the separate functions' exactly (the same fp32
+    sums), and the bf16 gradient equals theirs up to bf16 rounding of their two gradients' sum."""
+    logits, top_ids, top_logprobs, weights = random_case(11, 24, 6, 13)
+    low = logits.to(torch.bfloat16)[None]
+    targets = torch.randint(0, 24, (1, 11), generator=torch.Generator().manual_seed(13))
+    separate_x, fused_x = low.clone().requires_grad_(), low.clone().requires_grad_()
+    logprobs, entropy = vocab_parallel_logprobs(separate_x, targets, temperature=0.8, chunk_tokens=4)
+    kl, mass = vocab_parallel_top_k_kl(separate_x, top_ids[None], top_logprobs[None], temperature=0.8, chunk_tokens=4)
+    fused = vocab_parallel_logprobs_and_top_k_kl(fused_x, targets, top_ids[None], top_logprobs[None],
+                                                 temperature=0.8, chunk_tokens=4)  # fmt: skip
+    for got, want in zip(fused, (logprobs, entropy, kl, mass)):
+        assert got.shape == (1, 11)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    (weights * (logprobs - 0.1 * entropy + kl)[0]).sum().backward()
+    (weights * (fused[0] - 0.1 * fused[1] + fused[2])[0]).sum().backward()
+    assert fused_x.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(fused_x.grad.float(), separate_x.grad.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_the_fused_kernel_checks_shapes_and_temperature():
+    logits, top_ids, top_logprobs, _ = random_case(5, 20, 3, 7)
+    targets = torch.zeros(5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"top_ids \(5, 3\) and top_logprobs \(5, 2\)"):
+        vocab_parallel_logprobs_and_top_k_kl(logits, targets, top_ids, top_logprobs[:, :2])
+    with pytest.raises(ValueError, match=r"targets \(4,\) must be the logits' tokens \(5,\)"):
+        vocab_parallel_logprobs_and_top_k_kl(logits, targets[:4], top_ids, top_logprobs)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        vocab_parallel_logprobs_and_top_k_kl(logits, targets, top_ids, top_logprobs, temperature=0.0)
 
 
 def test_the_loss_term_weights_masked_tokens_and_reports_unweighted_sums():
