@@ -166,15 +166,18 @@ def policy_loss_func(
 
     def loss(logits: torch.Tensor, batch: PolicyBatch):
         check_teacher_arrays(batch, teacher_coef, teacher_top_k_coef)
+        # [1, n, V] -> [n, V] as a view whose backward is a view too (logits[0]'s backward writes
+        # a second logits-sized gradient: zeros, then the kernel's copied in).
+        rows = logits.squeeze(0)
         # With the teacher's top k, one kernel gives the log-probs, entropy and top-k KL, so that
         # the backward pass writes one logits-sized gradient, not one per term.
         top_k = teacher_top_k_coef > 0 and batch.teacher_top_ids is not None and batch.teacher_top_logprobs is not None
         if top_k:
             logprobs, entropy, top_k_kl, top_k_mass = megatron_vocab_parallel_logprobs_and_top_k_kl(
-                logits[0], batch.targets, batch.teacher_top_ids, batch.teacher_top_logprobs, temperature
+                rows, batch.targets, batch.teacher_top_ids, batch.teacher_top_logprobs, temperature
             )
         else:
-            logprobs, entropy = megatron_vocab_parallel_logprobs(logits[0], batch.targets, temperature)
+            logprobs, entropy = megatron_vocab_parallel_logprobs(rows, batch.targets, temperature)
         aggregation, correction = batch.aggregation_weights, batch.correction_weights
         policy_weights = (
             correction

@@ -239,3 +239,60 @@ def test_the_top_k_kl_adds_no_second_gradient_when_fused():
     entries = tokens * k * (memory_plan.TOP_K_KL_BYTES_PER_ENTRY - 12)
     assert fused <= plain + entries, (plain / per_logit, fused / per_logit)
     assert separate >= plain + 2 * per_logit, (plain / per_logit, separate / per_logit)  # what fusing saves
+
+
+class LogitsSizedTensors(AllocationTracker):
+    """An AllocationTracker that also records the most storages of exactly `nbytes` alive at once."""
+
+    def __init__(self, nbytes: int):
+        super().__init__()
+        self.nbytes, self.most = nbytes, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.most = max(self.most, sum(size == self.nbytes for size in self.live.values()))
+        return out
+
+
+def test_the_policy_loss_with_top_k_kl_holds_one_logits_gradient():
+    """policy_loss_func with distillation's top_k_kl (coef 0.5, an entropy bonus, bf16 logits over
+    a packed row of 8 samples, teacher top 16) holds at most one bf16 logits-sized tensor at a time
+    in its forward and backward passes, as without the term; the two separate kernels on the same
+    logits hold three (each one's gradient and autograd's sum of them: the counter sees them).
+    (With `logits[0]` for the [1, n, V] -> [n, V] step instead of a squeeze, the policy loss held
+    two: select's backward writes zeros and copies the kernel's gradient in.)"""
+    (without, with_top_k, separate), metrics = run_ranks(policy_loss_logits_gradients, 1, 2048)[0]
+    assert without == with_top_k == 1 and separate >= 2  # measured: 3 (each kernel's and their sum)
+    assert metrics["teacher_top_k_kl_sum"] > 1.0 and metrics["teacher_top_k_mass_sum"] > 1.0
+
+
+def policy_loss_logits_gradients(rank, world_size, vocab):
+    """(the most bf16 logits-sized storages alive at once: the policy loss without and with top-k KL,
+    the separate log-prob and top-k KL kernels), the top-k metrics; at TP = 1."""
+    from megatron_rl.config import AlgorithmConfig
+    from megatron_rl.data.packing import pack_into_grid
+    from megatron_rl.policy.loss import policy_batch, policy_loss_func
+    from tests.support.samples import training_samples
+    from tests.support.top_k import add_teacher_top_k
+
+    parallel.initialize_model_parallel()
+    samples = add_teacher_top_k(training_samples(8, vocab, seed=7), vocab, 16, seed=7)
+    (mb,) = pack_into_grid(samples, 1024, 1, 1, teacher_top_k=True)[0]
+    batch = policy_batch(mb)
+    logits = torch.randn(1, mb.num_tokens, vocab, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    logits.requires_grad_()
+    counts, metrics = [], {}
+    for coef in (0.0, 0.5, None):
+        logits.grad = None
+        tracker = LogitsSizedTensors(logits.numel() * logits.element_size())
+        with tracker:
+            if coef is None:
+                logprobs, entropy = vocab_parallel_logprobs(logits.squeeze(0), batch.targets)
+                kl, _ = vocab_parallel_top_k_kl(logits.squeeze(0), batch.teacher_top_ids, batch.teacher_top_logprobs)
+                (logprobs.sum() + 0.01 * entropy.sum() + kl.sum()).backward()
+            else:
+                loss = policy_loss_func(AlgorithmConfig(type="ppo", entropy_coef=0.01), 1.0, teacher_top_k_coef=coef)
+                loss_sum, metrics = loss.loss(logits, batch)
+                loss_sum.backward()
+        counts.append(tracker.most)
+    return counts, {name: float(value) for name, value in metrics.items() if name.startswith("teacher_top_k")}
