@@ -3,7 +3,8 @@ nothing (no CUDA device: exit 3, unless the caller explicitly skips, and then th
 torch: exit 4, skip or not); the checks themselves run at toy sizes on CPU (gloo; the offload check
 on megatron's hybrid optimizer with its host copies emulated) and say which ones need CUDA; the
 default run's limits fit its budget and 8 minutes, and a check whose limit no longer fits is NOT RUN, saying why; the MFU
-arithmetic counts FLOPs as written down by hand."""
+arithmetic counts FLOPs as written down by hand; the distillation checks (teacher_process, top_k_kl) pass in their
+CPU modes, and their criteria fail a misaligned teacher's top k and a KL off by 1e-4 relative."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from megatron_rl.config import Architecture
+from megatron_rl.data.types import TeacherTopK
+from megatron_rl.models import logprobs
 from tests.gpu.check import NO_CUDA, NO_TORCH
 from tests.gpu.check import main as check_main
 from tests.gpu.checks import (
@@ -28,8 +33,10 @@ from tests.gpu.checks import (
     MULTI_GPU_REGISTRY,
     REGISTRY,
     SHARED,
+    check_top_k_kl,
     model_flops,
 )
+from tests.gpu.process_checks import TEACHER_TOL, check_teacher_process, teacher_top_k_agreement
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,7 +109,8 @@ def test_checks_run_at_toy_sizes_on_cpu(tmp_path):
         "versions": "PASS", "te_extension": "NOT RUN", "memory": "PASS", "collectives": "PASS", "layer_step": "PASS",
         "nccl": "PASS", "compile": "PASS", "te_spec": "NOT RUN", "bf16_policy": "PASS", "bf16_critic": "PASS",
         "offload": "PASS", "policy_process": "PASS", "critic_process": "PASS", "vllm": "NOT RUN",
-        "te_checkpoints": "NOT RUN", "throughput": "PASS", "vllm_lora": "NOT RUN", "expert_adapters": "PASS", "glm4_moe": "PASS", "deepseek_v3": "PASS",
+        "te_checkpoints": "NOT RUN", "throughput": "PASS", "teacher_process": "PASS", "top_k_kl": "PASS",
+        "vllm_lora": "NOT RUN", "expert_adapters": "PASS", "glm4_moe": "PASS", "deepseek_v3": "PASS",
         "multi_train_step": "NOT RUN",
         "multi_weight_broadcast": "NOT RUN", "multi_expert_all_to_all": "NOT RUN", "multi_moe_families": "NOT RUN",
     }  # fmt: skip
@@ -203,3 +211,60 @@ def test_model_flops_by_hand():
     attention = 2 * 16 * (3**2 + 5**2)
     assert model_flops(arch, [3, 5]) == 3 * (linear + attention)
 
+
+
+def test_teacher_process_check_at_toy_size_on_cpu():
+    """check_teacher_process's CPU mode: the teacher on one gloo rank (local spec, float32) answers
+    /logprobs, with top_k 8 and without, as transformers does, and exits 0 on SIGTERM."""
+    figures = check_teacher_process(cpu=True)  # raises when a criterion fails
+    assert figures["dtype"] == "float32" and figures["spec"] == "local" and figures["exit_codes"] == [0]
+    assert max(figures[key] for key in ("max_abs_logprob_err", "max_abs_top_k_reply_logprob_err",
+                                        "max_abs_top_logprob_err")) < TEACHER_TOL["float32"]  # fmt: skip
+    assert figures["lengths"][1] > 2 * figures["lengths"][0]  # the two-turn chat is the one-turn chat and more
+    assert figures["top_k_rows"] == sum(length - 1 for length in figures["lengths"])
+    # the id comparison is not vacuous: most rows have no near-tie at the 8th place, and all agree
+    assert figures["top_k_rows_ids_equal"] == figures["top_k_rows"] and figures["top_k_clear_rows"] > 0.9 * figures["top_k_rows"]
+    assert figures["request_s"] > 0 and figures["scoring_passes"] == 2
+
+
+def test_teacher_top_k_agreement_finds_swapped_ids():
+    """The teacher check's id criterion: a top k taken from the right rows passes with no swap; one
+    taken a position late (a misaligned teacher) swaps ids whose reference values are far apart."""
+    reference = torch.log_softmax(3 * torch.randn(20, 64, generator=torch.Generator().manual_seed(0)), dim=-1).double()
+
+    def top_k_of(rows):
+        values, ids = rows.topk(8, dim=-1)
+        pad = np.zeros((1, 8))
+        return TeacherTopK(logprobs=np.zeros(len(rows) + 1, np.float32),
+                           top_ids=np.concatenate([pad, ids.numpy()]).astype(np.int32),
+                           top_logprobs=np.concatenate([pad, values.numpy()]).astype(np.float32))  # fmt: skip
+
+    exact = teacher_top_k_agreement([top_k_of(reference)], [reference], 8, tol=1e-4)
+    assert exact["max_swapped_ref_gap"] == 0 and exact["top_k_rows_ids_equal"] == exact["top_k_rows"] == 20
+    assert exact["max_abs_top_logprob_err"] < 1e-6 and exact["top_k_sorted"]
+    late = teacher_top_k_agreement([top_k_of(torch.roll(reference, 1, dims=0))], [reference], 8, tol=1e-4)
+    assert late["max_swapped_ref_gap"] > 1.0 and late["top_k_rows_ids_equal"] < 20
+
+
+def test_top_k_kl_check_at_toy_size_on_cpu(monkeypatch):
+    """check_top_k_kl's CPU mode (vocabulary 4096): KL and gradient within its tolerances of float64,
+    each single pass (the fused kernel's too) within the memory bound (the tracker saw the 2 B a
+    logit gradient), the two functions on the same logits holding a second gradient that the fused
+    kernel does not; a KL off by 1e-4 relative fails it."""
+    figures = check_top_k_kl(cpu=True)
+    assert figures["vocab"] == 4096 and figures["max_abs_kl_err_t1"] < 1e-5 and figures["max_abs_kl_err_t0.7"] < 1e-5
+    assert figures["max_rel_grad_err_t1"] < 2**-7 and figures["mass_range_t1"][1] < 1  # a teacher's top k: mass < 1
+    for name in ("logprobs", "top_k_kl", "fused"):
+        assert 2 <= figures[f"peak_bytes_per_logit_{name}"] <= figures["bound_bytes_per_logit"]
+    two = figures["peak_bytes_per_logit_logprobs_plus_top_k_kl"]
+    assert two >= figures["peak_bytes_per_logit_fused"] + 1.5  # two functions: a second bf16 gradient
+
+    real = logprobs.vocab_parallel_top_k_kl
+
+    def off(*args, **kwargs):
+        kl, mass = real(*args, **kwargs)
+        return kl * (1 + 1e-4), mass
+
+    monkeypatch.setattr(logprobs, "vocab_parallel_top_k_kl", off)
+    with pytest.raises(AssertionError, match="KL at temperature 1.0 off by"):
+        check_top_k_kl(cpu=True)

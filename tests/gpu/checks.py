@@ -110,6 +110,25 @@ REGISTRY = [
         "beside the memory plan's estimate",
     ),
     Check(
+        "teacher_process",
+        55,
+        "`megatron-rl teacher` (on-policy distillation's Megatron teacher) on one rank (bf16, TE's spec where "
+        "it imports) on a tiny qwen3: /logprobs with top_k 8 and without, for a one- and a two-turn chat and "
+        "random sequences, against transformers in float32 on the same weights and device: sampled-token and "
+        "top-8 log-probabilities within 3e-2, top-8 ids transformers' except swaps of values within 6e-2, the "
+        "request's seconds, exit 0 after SIGTERM (not yet timed on a GPU. AFTER_BUDGET)",
+    ),
+    Check(
+        "top_k_kl",
+        25,
+        "distillation's top_k_kl term, models/logprobs.py vocab_parallel_top_k_kl, on bf16 logits of 256 tokens "
+        "over Qwen3's 151936-token vocabulary (top 64, temperatures 1 and 0.7): KL and gradient against float64 "
+        "autograd of the naive formula (KL within 1e-5 + 1e-6 relative, gradient within 2^-7 relative: bf16 "
+        "rounds by up to 2^-8); CUDA's peak bytes per logit of forward+backward at 2048 tokens of the log-prob "
+        "kernel, the top-k KL, both as two functions and both fused (the policy loss's), each single pass "
+        "within the memory plan's bound (not yet timed on a GPU. AFTER_BUDGET)",
+    ),
+    Check(
         "vllm_lora",
         45,
         "a LoRA policy's adapter-only update on the vLLM GPU build (--enable-lora, one slot): a tiny "
@@ -186,7 +205,7 @@ MULTI_GPU = [check.name for check in MULTI_GPU_REGISTRY]
 # left of DEFAULT_BUDGET_S (the others finish under their limits; else NOT RUN, "--only NAME"):
 # their limits are not counted in the budget's sum. Added without GPU measurements to take their
 # seconds from the others'.
-AFTER_BUDGET = ["vllm_lora", "expert_adapters", "glm4_moe", "deepseek_v3"]
+AFTER_BUDGET = ["teacher_process", "top_k_kl", "vllm_lora", "expert_adapters", "glm4_moe", "deepseek_v3"]
 MULTI_GPU_BUDGET_S = 360  # each check: two spawns of 50 s at most (multi_gpu.py); multi_moe_families one
 CHECKS = [check.name for check in REGISTRY + MULTI_GPU_REGISTRY]
 LIMIT_S = {check.name: check.limit_s for check in REGISTRY + MULTI_GPU_REGISTRY}
@@ -195,6 +214,11 @@ LIMIT_S = {check.name: check.limit_s for check in REGISTRY + MULTI_GPU_REGISTRY}
 DEFAULT_BUDGET_S = 450
 CPU_LIMIT_S = 300  # per check at toy sizes on CPU (--cpu), where the run has no budget by default
 MFU_GOAL = 0.40
+# top_k_kl: the kernel's KL (float32 arithmetic on bf16 logits) against float64 on the same logits
+# within TOP_K_KL_ATOL + TOP_K_KL_RTOL |KL|; its gradient, written in the logits' dtype (bf16, 8
+# significant bits: one rounding is at most 2^-8 relative, 0.0039 measured on CPU), within
+# TOP_K_KL_GRAD_RTOL |g| + 1e-6 max |g| (float32 sums).
+TOP_K_KL_ATOL, TOP_K_KL_RTOL, TOP_K_KL_GRAD_RTOL = 1e-5, 1e-6, 2.0**-7
 
 
 def run_shared(name: str, cpu: bool) -> dict:
@@ -690,6 +714,135 @@ def check_throughput(cpu: bool) -> dict:
             torch.cuda.empty_cache()
     return {"matmul_tflops": peak, "parameters": parameters, "rows": rows,
             "goal_mfu": MFU_GOAL, "shape": arch.model_dump()}  # fmt: skip
+
+
+def _top_k_case(tokens: int, vocab: int, k: int, seed: int, device: str):
+    """bf16 student logits [tokens, vocab] (std 3), a teacher's top k ids and log-probabilities
+    (the log-softmax of the student's logits plus noise of std 2: mass below 1), next-token targets
+    and per-token loss weights [tokens], on `device`."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = (3 * torch.randn(tokens, vocab, generator=g, device=device)).to(torch.bfloat16)
+    noise = torch.randn(tokens, vocab, generator=g, device=device)
+    top_logprobs, top_ids = torch.log_softmax(logits.float() + 2 * noise, dim=-1).topk(k, dim=-1)
+    targets = torch.randint(0, vocab, (tokens,), generator=g, device=device)
+    return logits, top_ids, top_logprobs, targets, torch.randn(tokens, generator=g, device=device)
+
+
+def _naive_top_k_kl(logits, top_ids, top_logprobs, weights, temperature: float):
+    """KL_t = sum_j p_T(j) (log p_T(j) - log q(j)) with log q = log_softmax(logits / T) over the whole
+    vocabulary, float64 [tokens], and the gradient of sum_t w_t KL_t w.r.t. the logits by autograd."""
+    import torch
+
+    z = logits.double().requires_grad_()
+    log_q = torch.log_softmax(z / temperature, dim=-1)
+    teacher = top_logprobs.double()
+    kl = (teacher.exp() * (teacher - log_q.gather(-1, top_ids))).sum(dim=-1)
+    (weights.double() * kl).sum().backward()
+    return kl.detach(), z.grad
+
+
+def _peak_bytes(step, cuda: bool) -> int:
+    """The most bytes `step()` holds at once beyond what was allocated before it: CUDA's
+    max_memory_allocated, on CPU every storage its ops create (tests/support/memory.py)."""
+    import torch
+
+    from tests.support.memory import AllocationTracker
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    with AllocationTracker() as tracker:
+        step()
+    return tracker.peak
+
+
+def _loss_term_memory(cpu: bool) -> dict:
+    """Peak bytes per logit of forward+backward (weighted sum of the outputs) of the log-prob
+    kernel, the top-k KL, both as two functions on the same logits, and both from the fused kernel
+    (vocab_parallel_logprobs_and_top_k_kl, the policy loss's with top_k_kl) on bf16 logits (CUDA: 2048 tokens x 151936, the trainer's default
+    chunks; CPU: 256 x 4096 in chunks of 32 rows); the bound each single pass must keep: its
+    gradient (2 B a logit), the memory plan's chunk temporaries (LOGPROB_CHUNK_BYTES_PER_ELEMENT a
+    chunk logit) and 64 + 48 K bytes a token of [tokens, K] statistics."""
+    from megatron_rl.config.memory_plan import LOGPROB_CHUNK_BYTES_PER_ELEMENT
+    from megatron_rl.models import logprobs as kernels
+
+    tokens, vocab, k, chunk = (256, 4096, 64, 32) if cpu else (2048, 151936, 64, None)
+    logits, top_ids, top_logprobs, targets, weights = _top_k_case(tokens, vocab, k, 11, "cpu" if cpu else "cuda")
+    x = logits.requires_grad_()
+    passes = {
+        "logprobs": lambda: kernels.vocab_parallel_logprobs(x, targets, chunk_tokens=chunk)[0],
+        "top_k_kl": lambda: kernels.vocab_parallel_top_k_kl(x, top_ids, top_logprobs, chunk_tokens=chunk)[0],
+        "logprobs_plus_top_k_kl": lambda: (kernels.vocab_parallel_logprobs(x, targets, chunk_tokens=chunk)[0]
+                                           + kernels.vocab_parallel_top_k_kl(x, top_ids, top_logprobs,
+                                                                             chunk_tokens=chunk)[0]),
+    }  # fmt: skip
+
+    def fused():  # what the policy loss runs with the teacher's top k (policy/loss.py)
+        logprobs, _, kl, _ = kernels.vocab_parallel_logprobs_and_top_k_kl(x, targets, top_ids, top_logprobs,
+                                                                          chunk_tokens=chunk)  # fmt: skip
+        return logprobs + kl
+
+    passes["fused"] = fused
+
+    def step(term):
+        (weights * term()).sum().backward()
+        x.grad = None
+
+    chunk_rows = min(tokens, chunk or max(1, kernels.CHUNK_ELEMENTS // vocab))
+    bound = 2 * tokens * vocab + LOGPROB_CHUNK_BYTES_PER_ELEMENT * chunk_rows * vocab + (64 + 48 * k) * tokens
+    figures = {"memory_tokens": tokens, "memory_vocab": vocab, "bound_bytes_per_logit": bound / (tokens * vocab)}
+    for name, term in passes.items():
+        figures[f"peak_bytes_per_logit_{name}"] = _peak_bytes(lambda term=term: step(term), not cpu) / (tokens * vocab)
+    return figures
+
+
+def check_top_k_kl(cpu: bool) -> dict:
+    """models/logprobs.py vocab_parallel_top_k_kl (distillation's top_k_kl term) on this device:
+    bf16 logits of 256 tokens over a 151936-token vocabulary (CPU: 64 x 4096), the teacher's top 64,
+    at temperature 1 in the default chunks and at 0.7 in chunks of 37 rows: the KL within
+    TOP_K_KL_ATOL + TOP_K_KL_RTOL |KL| and the gradient of sum_t w_t KL_t within
+    TOP_K_KL_GRAD_RTOL |g| + 1e-6 max |g| of float64 autograd of the naive formula; then
+    `_loss_term_memory`'s peaks, each single pass within its bound."""
+    from megatron_rl.models.logprobs import vocab_parallel_top_k_kl
+
+    device = "cpu" if cpu else "cuda"
+    tokens, vocab, k = (64, 4096, 64) if cpu else (256, 151936, 64)
+    logits, top_ids, top_logprobs, _, weights = _top_k_case(tokens, vocab, k, 5, device)
+    figures: dict = {"tokens": tokens, "vocab": vocab, "top_k": k}
+    problems = []
+    for temperature, chunk in ((1.0, None), (0.7, 37)):
+        want_kl, want_grad = _naive_top_k_kl(logits, top_ids, top_logprobs, weights, temperature)
+        x = logits.clone().requires_grad_()
+        kl, mass = vocab_parallel_top_k_kl(x, top_ids, top_logprobs, 0, None, temperature, chunk)
+        (weights * kl).sum().backward()
+        kl_err = (kl.double() - want_kl).abs()
+        grad_err = (x.grad.double() - want_grad).abs()
+        grad_scale = want_grad.abs()
+        grad_atol = 1e-6 * grad_scale.max().item()
+        row = {"max_abs_kl_err": kl_err.max().item(), "kl_range": [want_kl.min().item(), want_kl.max().item()],
+               "mass_range": [mass.min().item(), mass.max().item()], "max_abs_grad": grad_scale.max().item(),
+               "max_rel_grad_err": (grad_err / grad_scale.clamp_min(grad_atol)).max().item()}  # fmt: skip
+        figures.update({f"{key}_t{temperature:g}": value for key, value in row.items()})
+        if not bool((kl_err <= TOP_K_KL_ATOL + TOP_K_KL_RTOL * want_kl.abs()).all()):
+            problems.append(f"KL at temperature {temperature} off by {row['max_abs_kl_err']:.3g}")
+        if not bool((grad_err <= TOP_K_KL_GRAD_RTOL * grad_scale + grad_atol).all()):
+            problems.append(f"gradient at temperature {temperature} off by {row['max_rel_grad_err']:.3g} relative")
+        del x, kl, want_grad, grad_err, grad_scale
+    figures.update(_loss_term_memory(cpu))
+    bound = figures["bound_bytes_per_logit"]
+    for name in ("logprobs", "top_k_kl", "fused"):
+        peak = figures[f"peak_bytes_per_logit_{name}"]
+        if not peak <= bound:
+            problems.append(f"{name}'s peak {peak:.3g} B a logit is over the bound {bound:.3g}")
+    if problems:
+        raise AssertionError(f"{'; '.join(problems)}: {figures}")
+    return figures
 
 
 def check_expert_adapters(cpu: bool) -> dict:
