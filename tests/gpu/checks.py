@@ -112,11 +112,11 @@ REGISTRY = [
     Check(
         "teacher_process",
         55,
-        "`megatron-rl teacher` (on-policy distillation's Megatron teacher) on one rank (bf16, TE's spec where "
+        "`megatron-rl teacher` (on-policy distillation's Megatron teacher) under torchrun on one rank (bf16, TE's spec where "
         "it imports) on a tiny qwen3: /logprobs with top_k 8 and without, for a one- and a two-turn chat and "
         "random sequences, against transformers in float32 on the same weights and device: sampled-token and "
         "top-8 log-probabilities within 3e-2, top-8 ids transformers' except swaps of values within 6e-2, the "
-        "request's seconds, exit 0 after SIGTERM (not yet timed on a GPU. AFTER_BUDGET)",
+        "request's seconds, torchrun's exit 0 after the launcher's SIGTERM (not yet timed on a GPU. AFTER_BUDGET)",
     ),
     Check(
         "top_k_kl",

@@ -3,6 +3,7 @@ starts them, and a vLLM server (tests/gpu/check.py runs each in a process of its
 
 from __future__ import annotations
 
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -236,14 +237,15 @@ def teacher_top_k_agreement(results, references, k: int, tol: float) -> dict:
 
 
 def check_teacher_process(cpu: bool, dtype: str | None = None) -> dict:
-    """`megatron-rl teacher` (on-policy distillation's Megatron teacher service) on one rank, as
-    the launcher starts it (torchrun's environment; NCCL and TE's spec where TE imports on CUDA,
-    bfloat16; gloo, the local spec and float32 on CPU) on a tiny qwen3: `/logprobs` with top_k 8
+    """`megatron-rl teacher` (on-policy distillation's Megatron teacher service) on one rank under
+    torchrun, started and stopped as `megatron-rl run` does (launch/local.py `Component`: SIGTERM
+    to the ranks, then torchrun exits with their code; NCCL and TE's spec where TE imports on
+    CUDA, bfloat16; gloo, the local spec and float32 on CPU) on a tiny qwen3: `/logprobs` with top_k 8
     and without for a one-turn chat, a two-turn chat with an observation and random sequences of
     2 and 100 tokens, against transformers in float32 on the same weights and device: the sampled
     tokens' log-probabilities and the top-8 log-probabilities within TEACHER_TOL of the dtype, the
     top-8 ids those of transformers wherever no two values within 2 TEACHER_TOL are swapped;
-    SIGTERM stops it with exit code 0. `dtype` serves another dtype (bfloat16 on CPU measures
+    SIGTERM stops it and torchrun exits 0. `dtype` serves another dtype (bfloat16 on CPU measures
     TEACHER_TOL's bfloat16 entry there)."""
     import asyncio
 
@@ -251,9 +253,11 @@ def check_teacher_process(cpu: bool, dtype: str | None = None) -> dict:
     import torch
 
     from megatron_rl import compat
+    from megatron_rl.launch.local import Component, torchrun_command
     from megatron_rl.models.tiny import make_tiny_model
+    from megatron_rl.parallel import free_port
     from megatron_rl.teacher.client import MegatronTeacher
-    from tests.support.teacher import start_teacher, teacher_config, teacher_url
+    from tests.support.teacher import teacher_config, teacher_url
 
     dtype = dtype or ("float32" if cpu else "bfloat16")
     device = "cpu" if cpu else "cuda"
@@ -267,25 +271,36 @@ def check_teacher_process(cpu: bool, dtype: str | None = None) -> dict:
                                         transformer_engine="auto")  # fmt: skip
         batch = _teacher_sequences(hf_dir, resolved.layout.services["teacher"].architecture.vocab_size)
 
+        # as `megatron-rl run` starts and stops it: torchrun, its ranks in sessions of their own
+        teacher = Component("teacher", torchrun_command(1, free_port(), ["teacher", "--config", str(path)]),
+                            tmp / "teacher.log", env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""} if cpu else {},
+                            torchrun=True)  # fmt: skip
+
         async def score():
-            client = MegatronTeacher(teacher_url(resolved), timeout_s=120)
+            client = MegatronTeacher(teacher_url(resolved), timeout_s=120, retries=0)
             try:
-                began = time.perf_counter()
+                while not await client.health():
+                    if teacher.process.poll() is not None:
+                        raise RuntimeError(f"torchrun exited {teacher.process.returncode} before /health answered")
+                    await asyncio.sleep(0.25)
+                started = time.perf_counter()
                 top = await client.top_k(batch, TEACHER_TOP_K)
-                request_s = time.perf_counter() - began
-                return top, await client.logprobs(batch), request_s, await client.status()
+                request_s = time.perf_counter() - started
+                return started - began, top, await client.logprobs(batch), request_s, await client.status()
             finally:
                 await client.close()
 
         began = time.perf_counter()
-        with start_teacher(resolved, path, tmp / "ranks") as ranks:
-            startup_s = time.perf_counter() - began
-            try:
-                top, rows, request_s, status = asyncio.run(score())
-            except Exception as exc:
-                raise AssertionError(f"{exc}; teacher log:\n{ranks.output()[-3000:]}") from exc
-            codes = ranks.stop(timeout_s=30)
-            log_tail = ranks.output()[-3000:]
+        teacher.start()
+        try:
+            startup_s, top, rows, request_s, status = asyncio.run(score())
+            teacher.signal(signal.SIGTERM)
+            code = teacher.process.wait(timeout=30)
+        except Exception as exc:
+            raise AssertionError(f"{exc}; teacher log:\n{teacher.log.read_text()[-3000:]}") from exc
+        finally:
+            teacher.signal(signal.SIGKILL)  # nothing, once it exited
+        log_tail = teacher.log.read_text()[-3000:]
         references = _hf_log_softmax(hf_dir, batch, device, torch.float32)
         floor = _hf_log_softmax(hf_dir, batch, device, torch.bfloat16) if dtype == "bfloat16" else references
 
@@ -305,7 +320,7 @@ def check_teacher_process(cpu: bool, dtype: str | None = None) -> dict:
         "hf_bf16_err": max(float(np.abs(sampled(r, ids) - want).max()) for r, ids, want in zip(floor, batch, expected))
         if dtype == "bfloat16" else None,
         "scoring_passes": status["scoring_passes"], "startup_s": startup_s, "request_s": request_s,
-        "exit_codes": codes,
+        "exit_code": code,
     }  # fmt: skip
     problems = [f"{key} {figures[key]:.3g} > {tol:g}" for key in ("max_abs_logprob_err", "max_abs_top_k_reply_logprob_err",
                                                                    "max_abs_top_logprob_err") if not figures[key] <= tol]  # fmt: skip
@@ -313,8 +328,8 @@ def check_teacher_process(cpu: bool, dtype: str | None = None) -> dict:
         problems.append(f"top-{TEACHER_TOP_K} ids swapped with tokens {figures['max_swapped_ref_gap']:.3g} more likely")
     if not figures["top_k_sorted"]:
         problems.append("top-k log-probabilities not most likely first")
-    if codes != [0]:
-        problems.append(f"exit codes after SIGTERM {codes}, not [0]; log:\n{log_tail}")
+    if code != 0:
+        problems.append(f"torchrun exited {code} after SIGTERM, not 0; log:\n{log_tail}")
     if problems:
         raise AssertionError(f"the teacher service on this device: {'; '.join(problems)}: {figures}")
     return figures
