@@ -33,10 +33,14 @@ from tests.gpu.checks import (
     MULTI_GPU_REGISTRY,
     REGISTRY,
     SHARED,
-    check_top_k_kl,
     model_flops,
 )
-from tests.gpu.process_checks import TEACHER_TOL, check_teacher_process, teacher_top_k_agreement
+from tests.gpu.distillation_checks import (
+    TEACHER_TOL,
+    check_teacher_process,
+    check_top_k_kl,
+    teacher_top_k_agreement,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -44,7 +44,7 @@ import time
 import traceback
 from pathlib import Path
 
-from tests.gpu import checks, compile_check, family_checks, multi_gpu, process_checks
+from tests.gpu import checks, compile_check, distillation_checks, family_checks, multi_gpu, process_checks
 from tests.gpu.checks import (
     AFTER_BUDGET,
     CHECKS,
@@ -62,7 +62,7 @@ from tests.gpu.checks import (
     run_shared,
 )
 
-CHECK_MODULES = [checks, process_checks, compile_check, family_checks, multi_gpu]  # where check_NAME is defined
+CHECK_MODULES = [checks, process_checks, distillation_checks, compile_check, family_checks, multi_gpu]  # where check_NAME is defined
 
 ROOT = Path(__file__).resolve().parents[2]
 # Exit codes besides 0 (every check run passed) and 1 (a check failed); argparse's own is 2.

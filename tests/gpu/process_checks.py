@@ -3,7 +3,6 @@ starts them, and a vLLM server (tests/gpu/check.py runs each in a process of its
 
 from __future__ import annotations
 
-import signal
 import tempfile
 import time
 from pathlib import Path
@@ -17,13 +16,6 @@ from tests.gpu.checks import LIMIT_S
 # 1.5x transformers' largest bfloat16 error; the check also requires the adapters to move the
 # log-probs by at least 4x this (else serving without them could pass).
 VLLM_LORA_BF16_TOL = 3e-2
-# teacher_process: the largest |log-prob error| allowed of the Megatron teacher against transformers
-# in float32 on the same weights and device. float32 (CPU mode): tests/distributed/test_teacher_service.py's
-# 1e-4. bfloat16 (CUDA, the teacher's default dtype): VLLM_LORA_BF16_TOL's 3e-2, measured for bfloat16
-# serving of this tiny qwen3 (transformers' own bfloat16 error 0.0029-0.020); the check reports
-# transformers' bfloat16 error on the same tokens beside it.
-TEACHER_TOL = {"float32": 1e-4, "bfloat16": VLLM_LORA_BF16_TOL}
-TEACHER_TOP_K = 8
 
 
 def check_policy_process(cpu: bool) -> dict:
@@ -171,167 +163,6 @@ def check_critic_process(cpu: bool) -> dict:
         or figures["head_only"] != [True, False]
     ):
         raise AssertionError(f"the critic process on this device: {figures}")
-    return figures
-
-
-def _teacher_sequences(hf_dir: Path, vocab: int) -> list[list[int]]:
-    """Token sequences to score: a one-turn chat, a two-turn chat with a tool observation (the
-    tiny model's ChatML template), and random ids of 2 and 100 tokens."""
-    import numpy as np
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    turns = [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant", "content": "The answer is 42."},
-             {"role": "user", "content": "observation: ok, now 42 - 2"}, {"role": "assistant", "content": "40"}]  # fmt: skip
-
-    def chat(messages) -> list[int]:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-    rng = np.random.default_rng(7)
-    return [chat(turns[:2]), chat(turns), *(rng.integers(0, vocab, n).tolist() for n in (2, 100))]
-
-
-def _hf_log_softmax(hf_dir: Path, batch: list[list[int]], device: str, dtype) -> list:
-    """transformers' log p(v | tokens before t) for every v, float64 [T - 1, V] per sequence (rows
-    for t = 1..T-1), the model in `dtype` on `device`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.backends.cuda.matmul.allow_tf32 = False  # a float32 reference
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).to(device).eval()
-    with torch.no_grad():
-        rows = [torch.log_softmax(model(torch.tensor([ids], device=device)).logits[0, :-1].double(), -1).cpu()
-                for ids in batch]  # fmt: skip
-    del model
-    return rows
-
-
-def teacher_top_k_agreement(results, references, k: int, tol: float) -> dict:
-    """How the teacher's top k (TeacherTopK a sequence) agrees with transformers' log-softmax
-    ([T - 1, V] a sequence): the largest |error| of its top-k log-probabilities at its own ids, and
-    the largest reference gap of a swapped pair: a in the reference's top k but not returned, b
-    returned but not in the reference's top k, ref(a) - ref(b). With every value within `tol` a
-    swap needs ref(a) - ref(b) <= 2 tol, so where the reference's k-th and (k+1)-th are more than
-    2 tol apart (`clear_rows`) the ids are equal as sets."""
-    import torch
-
-    worst_value, worst_swap, rows, clear, equal, ordered = 0.0, 0.0, 0, 0, 0, True
-    for result, reference in zip(results, references, strict=True):
-        ids = torch.from_numpy(result.top_ids[1:]).long()
-        values = torch.from_numpy(result.top_logprobs[1:]).double()
-        worst_value = max(worst_value, (values - reference.gather(1, ids)).abs().max().item())
-        ordered = ordered and bool((values[:, 1:] <= values[:, :-1]).all())
-        top_values, top_ids = reference.topk(k + 1, dim=-1)
-        for row in range(len(ids)):
-            returned, expected = set(ids[row].tolist()), set(top_ids[row, :k].tolist())
-            missing, extra = expected - returned, returned - expected
-            if missing:
-                gap = reference[row, list(missing)].max() - reference[row, list(extra)].min()
-                worst_swap = max(worst_swap, gap.item())
-            rows += 1
-            equal += not missing
-            clear += (top_values[row, k - 1] - top_values[row, k]).item() > 2 * tol
-    return {"max_abs_top_logprob_err": worst_value, "max_swapped_ref_gap": worst_swap, "top_k_rows": rows,
-            "top_k_rows_ids_equal": equal, "top_k_clear_rows": clear, "top_k_sorted": ordered}  # fmt: skip
-
-
-def check_teacher_process(cpu: bool, dtype: str | None = None) -> dict:
-    """`megatron-rl teacher` (on-policy distillation's Megatron teacher service) on one rank under
-    torchrun, started and stopped as `megatron-rl run` does (launch/local.py `Component`: SIGTERM
-    to the ranks, then torchrun exits with their code; NCCL and TE's spec where TE imports on
-    CUDA, bfloat16; gloo, the local spec and float32 on CPU) on a tiny qwen3: `/logprobs` with top_k 8
-    and without for a one-turn chat, a two-turn chat with an observation and random sequences of
-    2 and 100 tokens, against transformers in float32 on the same weights and device: the sampled
-    tokens' log-probabilities and the top-8 log-probabilities within TEACHER_TOL of the dtype, the
-    top-8 ids those of transformers wherever no two values within 2 TEACHER_TOL are swapped;
-    SIGTERM stops it and torchrun exits 0. `dtype` serves another dtype (bfloat16 on CPU measures
-    TEACHER_TOL's bfloat16 entry there)."""
-    import asyncio
-
-    import numpy as np
-    import torch
-
-    from megatron_rl import compat
-    from megatron_rl.launch.local import Component, torchrun_command
-    from megatron_rl.models.tiny import make_tiny_model
-    from megatron_rl.parallel import free_port
-    from megatron_rl.teacher.client import MegatronTeacher
-    from tests.support.teacher import teacher_config, teacher_url
-
-    dtype = dtype or ("float32" if cpu else "bfloat16")
-    device = "cpu" if cpu else "cuda"
-    tol = TEACHER_TOL[dtype]
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        hf_dir = make_tiny_model("qwen3", tmp / "model", seed=3, hidden_size=128)
-        overrides = {} if cpu else {"deployment": {"device": "cuda"}}
-        # TE: auto, as the policy and critic process checks (whether TE imports is te_extension's to say)
-        resolved, path = teacher_config(tmp, hf_dir, seq_len=128, overrides=overrides, dtype=dtype,
-                                        transformer_engine="auto")  # fmt: skip
-        batch = _teacher_sequences(hf_dir, resolved.layout.services["teacher"].architecture.vocab_size)
-
-        # as `megatron-rl run` starts and stops it: torchrun, its ranks in sessions of their own
-        teacher = Component("teacher", torchrun_command(1, free_port(), ["teacher", "--config", str(path)]),
-                            tmp / "teacher.log", env={"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""} if cpu else {},
-                            torchrun=True)  # fmt: skip
-
-        async def score():
-            client = MegatronTeacher(teacher_url(resolved), timeout_s=120, retries=0)
-            try:
-                while not await client.health():
-                    if teacher.process.poll() is not None:
-                        raise RuntimeError(f"torchrun exited {teacher.process.returncode} before /health answered")
-                    await asyncio.sleep(0.25)
-                started = time.perf_counter()
-                top = await client.top_k(batch, TEACHER_TOP_K)
-                request_s = time.perf_counter() - started
-                return started - began, top, await client.logprobs(batch), request_s, await client.status()
-            finally:
-                await client.close()
-
-        began = time.perf_counter()
-        teacher.start()
-        try:
-            startup_s, top, rows, request_s, status = asyncio.run(score())
-            teacher.signal(signal.SIGTERM)
-            code = teacher.process.wait(timeout=30)
-        except Exception as exc:
-            raise AssertionError(f"{exc}; teacher log:\n{teacher.log.read_text()[-3000:]}") from exc
-        finally:
-            teacher.signal(signal.SIGKILL)  # nothing, once it exited
-        log_tail = teacher.log.read_text()[-3000:]
-        references = _hf_log_softmax(hf_dir, batch, device, torch.float32)
-        floor = _hf_log_softmax(hf_dir, batch, device, torch.bfloat16) if dtype == "bfloat16" else references
-
-    def sampled(reference, ids):  # the reference's log-probabilities of the tokens in the sequence
-        return reference.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
-
-    def worst(got_rows, want_rows) -> float:
-        return max(float(np.abs(got[1:] - want).max()) for got, want in zip(got_rows, want_rows, strict=True))
-
-    expected = [sampled(reference, ids) for reference, ids in zip(references, batch, strict=True)]
-    figures = {
-        "dtype": dtype, "spec": "te" if not cpu and compat.MACHINE.transformer_engine else "local",
-        "lengths": [len(ids) for ids in batch], "top_k": TEACHER_TOP_K, "tol": tol,
-        "max_abs_logprob_err": worst(rows, expected),
-        "max_abs_top_k_reply_logprob_err": worst([t.logprobs for t in top], expected),
-        **teacher_top_k_agreement(top, references, TEACHER_TOP_K, tol),
-        "hf_bf16_err": max(float(np.abs(sampled(r, ids) - want).max()) for r, ids, want in zip(floor, batch, expected))
-        if dtype == "bfloat16" else None,
-        "scoring_passes": status["scoring_passes"], "startup_s": startup_s, "request_s": request_s,
-        "exit_code": code,
-    }  # fmt: skip
-    problems = [f"{key} {figures[key]:.3g} > {tol:g}" for key in ("max_abs_logprob_err", "max_abs_top_k_reply_logprob_err",
-                                                                   "max_abs_top_logprob_err") if not figures[key] <= tol]  # fmt: skip
-    if not figures["max_swapped_ref_gap"] <= 2 * tol:
-        problems.append(f"top-{TEACHER_TOP_K} ids swapped with tokens {figures['max_swapped_ref_gap']:.3g} more likely")
-    if not figures["top_k_sorted"]:
-        problems.append("top-k log-probabilities not most likely first")
-    if code != 0:
-        problems.append(f"torchrun exited {code} after SIGTERM, not 0; log:\n{log_tail}")
-    if problems:
-        raise AssertionError(f"the teacher service on this device: {'; '.join(problems)}: {figures}")
     return figures
 
 
