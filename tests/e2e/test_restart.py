@@ -72,11 +72,25 @@ def resume_start(resolved) -> int:
     return 0 if common is None else common + 1
 
 
-def launch(resolved, path: Path, logs: Path, kill: tuple[str, str, int] | None) -> dict[str, int]:
-    """Starts both roles, feeds steps from their resume step on. With `kill` = (role, point,
-    step) that role must die at the kill point (SIGKILL) and the other is then killed too;
-    without, the policy must finish and the critic is stopped after its last step. Returns the
-    exit codes."""
+def with_fresh_ports(resolved, logs: Path) -> tuple[ResolvedConfig, Path]:
+    """The run's resolved config with ports of its own for one launch (logs/resolved.json): a
+    killed launch frees its ports, and another test's process may take one before the next
+    launch binds it (seen once in the suite: the critic's service port, "address already in use")."""
+    data = json.loads(resolved.to_json())
+    data["transport"]["policy_port"], data["transport"]["critic_port"] = free_port(), free_port()
+    data["value"]["service"]["port"] = free_port()
+    logs.mkdir(parents=True, exist_ok=True)
+    path = logs / "resolved.json"
+    path.write_text(json.dumps(data))
+    return ResolvedConfig.model_validate_json(path.read_text()), path
+
+
+def launch(resolved, logs: Path, kill: tuple[str, str, int] | None) -> dict[str, int]:
+    """Starts both roles (on ports of their own: `with_fresh_ports`), feeds steps from their
+    resume step on. With `kill` = (role, point, step) that role must die at the kill point
+    (SIGKILL) and the other is then killed too; without, the policy must finish and the critic is
+    stopped after its last step. Returns the exit codes."""
+    resolved, path = with_fresh_ports(resolved, logs)
     start = resume_start(resolved)
     argv = {"policy": ["train-policy", "--config", str(path)], "critic": ["critic", "--config", str(path)]}
     env = {role: {ENV: f"{kill[1]}@{kill[2]}"} if kill and kill[0] == role else {} for role in ROLES}
@@ -199,13 +213,13 @@ def logged(resolved, name: str) -> list[dict]:
 
 def test_kill_and_restart_loses_nothing(tiny_models, tmp_path):
     hf_dir = tiny_models["qwen3"]
-    reference, reference_path = run_config(tmp_path / "reference", hf_dir)
-    launch(reference, reference_path, tmp_path / "reference" / "launch", None)
+    reference, _ = run_config(tmp_path / "reference", hf_dir)
+    launch(reference, tmp_path / "reference" / "launch", None)
     policy_loss = {r["step"]: r["loss"] for r in logged(reference, "policy_metrics.jsonl")}
     critic_loss = {r["step"]: r["epoch_losses"] for r in logged(reference, "critic_metrics.jsonl")}
     assert sorted(policy_loss) == sorted(critic_loss) == list(range(NUM_STEPS))
 
-    resolved, path = run_config(tmp_path / "killed", hf_dir)
+    resolved, _ = run_config(tmp_path / "killed", hf_dir)
     rng = random.Random(SEED)
     points = list(POINTS)
     rng.shuffle(points)
@@ -217,14 +231,14 @@ def test_kill_and_restart_loses_nothing(tiny_models, tmp_path):
         if kill is None:
             break
         points.remove(point)
-        launch(resolved, path, tmp_path / "killed" / f"launch{len(kills)}", kill)
+        launch(resolved, tmp_path / "killed" / f"launch{len(kills)}", kill)
         kills.append(kill)
         check_nothing_half_written(resolved)
     # between steps, mid-step, mid-checkpoint, mid-publish at least
     assert {"step.begin", "train.backward", "step.minibatch", "checkpoint.written", "publish.written"} <= {
         k[1] for k in kills
     }, kills
-    launch(resolved, path, tmp_path / "killed" / "last", None)
+    launch(resolved, tmp_path / "killed" / "last", None)
     check_nothing_half_written(resolved)
 
     policy_records = logged(resolved, "policy_metrics.jsonl")
