@@ -12,7 +12,7 @@ which the pool does after every worker answers `GET /v1/models`. Its options, an
 - `--request-timeout-secs`, `--queue-size`, `--queue-timeout-secs`, `--max-concurrent-requests`
   sized from the config: the defaults (60 s queue timeout, queue of 100) are too small for RL
   batches;
-- `--prometheus-port` on a probed free loopback port: the default 29000 collides between two
+- `--prometheus-port` on a free loopback port (`megatron_rl.ports.free_port`): the default 29000 collides between two
   routers on one machine;
 - its log level (`logging.inference_level`, WARNING by default) as `RUST_LOG` as well as
   `--log-level`: vllm-router 0.1.17 ignores `--log-level warning` and logs at INFO, three lines
@@ -34,7 +34,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -46,6 +45,7 @@ import psutil
 
 from megatron_rl.inference.vllm_server import ServerStartError, log_tail
 from megatron_rl.lifetime import bound_to_parent
+from megatron_rl.ports import free_port
 
 SESSION_HEADER = "x-session-id"
 
@@ -135,7 +135,7 @@ class VllmRouter:
         self.url = f"http://{host}:{port}"
         self.log_path = Path(log_path)
         self.command = router_command(
-            list(worker_urls), host, port, metrics_port or _free_loopback_port(), self.settings
+            list(worker_urls), host, port, metrics_port or free_port(), self.settings
         )
         self.headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,12 +223,6 @@ class VllmRouter:
                 pass
             psutil.wait_procs(filters, timeout=timeout_s)
         self._log.close()
-
-
-def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def exec_plain(rust_log: str, command: list[str]) -> None:

@@ -22,9 +22,10 @@ import time
 from megatron_rl.config import ResolvedConfig
 from megatron_rl.config.services import vllm_services
 from megatron_rl.inference.pool import InferencePool, router_settings
-from megatron_rl.inference.router import _free_loopback_port, router_command
+from megatron_rl.inference.router import router_command
 from megatron_rl.inference.services import service_api_key, service_router_settings, service_servers
 from megatron_rl.inference.vllm_control import VllmControl, VllmControlError
+from megatron_rl.ports import free_port
 
 
 def exec_inference_server(resolved: ResolvedConfig, index: int, service: str | None = None) -> None:
@@ -60,11 +61,11 @@ def exec_router(resolved: ResolvedConfig, service: str | None = None) -> None:
     if service is not None:
         served = _service(resolved, service)
         host, port = served.url.removeprefix("http://").rsplit(":", 1)
-        command = router_command(served.server_urls, host, int(port), _free_loopback_port(),
+        command = router_command(served.server_urls, host, int(port), free_port(),
                                  service_router_settings(resolved, service))  # fmt: skip
     else:
         command = router_command(resolved.layout.inference_urls, resolved.inference.host,
-                                 resolved.inference.router_port, _free_loopback_port(), router_settings(resolved))  # fmt: skip
+                                 resolved.inference.router_port, free_port(), router_settings(resolved))  # fmt: skip
     print(f"router: {' '.join(command)}", flush=True)
     os.execv(command[0], command)
 

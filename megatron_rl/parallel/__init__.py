@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
-import socket
 from datetime import timedelta
 from typing import Literal
 
@@ -25,43 +23,12 @@ from megatron.core import parallel_state, tensor_parallel
 
 from megatron_rl.config import Layout, ModelLayout, ResolvedConfig
 from megatron_rl.parallel.watchdog import PeerWatchdog, store_owner
+from megatron_rl.ports import free_port  # noqa: F401  (where callers import it from)
 
 Role = Literal["policy", "critic"]
 log = logging.getLogger("megatron_rl.parallel")
 
 
-# free_port draws from below the kernel's ephemeral range: a port the kernel hands out itself
-# (bind to 0) can be given again at once as the local port of some outgoing connection (gloo,
-# HTTP clients), and the server that meant to bind it then fails with EADDRINUSE.
-# 24000-29499 also avoids the demo's fixed ports (18000-23999) and torch's 29500.
-_FREE_PORT_RANGE = (24000, 29499)
-_handed_out: set[int] = set()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on `host` a moment ago (for single-machine rendezvous), not one
-    this process handed out before, outside the ephemeral range when the kernel's allows it."""
-    low, high = _FREE_PORT_RANGE
-    try:
-        ephemeral_low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_low = 32768
-    if ephemeral_low > high:
-        draw = random.Random()  # seeded from the OS: processes draw differently
-        for _ in range(256):
-            port = draw.randint(low, high)
-            if port in _handed_out:
-                continue
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
-            _handed_out.add(port)
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def role_layout(layout: Layout, role: Role) -> ModelLayout:

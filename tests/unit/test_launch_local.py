@@ -6,6 +6,7 @@ a component killed with SIGKILL stops everything, naming it."""
 from __future__ import annotations
 
 import io
+import os
 import random
 import signal
 import socket
@@ -280,3 +281,23 @@ def test_every_process_logs_at_the_configured_level():
     finally:
         logging.getLogger().setLevel(before)
     assert level == logging.WARNING
+
+
+def test_a_port_drawn_by_one_process_is_not_drawn_by_another_until_its_reservation_ages(tmp_path, monkeypatch):
+    # Each draw is reserved across processes (megatron_rl/ports.py); forgetting this process's own
+    # draws (`_handed_out`) stands in for another process drawing from the same range.
+    from megatron_rl import ports
+
+    monkeypatch.setenv("MEGATRON_RL_PORT_DIR", str(tmp_path))
+    monkeypatch.setattr(ports, "FREE_PORT_RANGE", (27000, 27029))
+    monkeypatch.setattr(ports, "_handed_out", set())
+    first = {ports.free_port() for _ in range(10)}
+    ports._handed_out.clear()  # "another process"
+    second = {ports.free_port() for _ in range(20)}
+    assert len(first) == 10 and len(second) == 20 and not first & second  # nothing is bound: only the reservations tell
+    assert first | second == set(range(27000, 27030))
+    ports._handed_out.clear()
+    assert not 27000 <= ports.free_port() <= 27029  # every port reserved: the kernel's choice, outside the range
+    stale = tmp_path / "27005"
+    os.utime(stale, (stale.stat().st_atime, stale.stat().st_mtime - ports.RESERVATION_TTL_S - 1))
+    assert ports.free_port() == 27005  # a reservation older than the TTL is taken over

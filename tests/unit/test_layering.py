@@ -1,5 +1,5 @@
 """The package layout's import rule (docs/contributing.md, "Import order"): a module imports only modules
-listed above it. `faults` (kill points) and `lifetime` (children bound to their starter) import nothing of ours and sit with `config`; `sim` (the scale
+listed above it. `faults` (kill points), `lifetime` (children bound to their starter) and `ports` (free ports) import nothing of ours and sit with `config`; `sim` (the scale
 simulator) runs the real orchestrator, and `launch` may import everything."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import megatron_rl
 
 ORDER = [
-    "config", "faults", "lifetime", "compat", "parallel", "models", "conversion", "transforms", "data", "algorithms",
+    "config", "faults", "lifetime", "ports", "compat", "parallel", "models", "conversion", "transforms", "data", "algorithms",
     "transport", "inference",
     "trainer", "policy", "critic", "teacher", "envs", "orchestrator", "sim", "demo", "launch",
 ]  # fmt: skip
