@@ -16,7 +16,9 @@ skipped.
 
 `vocab_parallel_top_k_kl` is on-policy distillation's `top_k_kl` term in the same style: the
 forward KL of a teacher's top k tokens (ids and log-probabilities per token) from the student's
-softmax, with [tokens, K + 1] statistics crossing the TP group and the same chunked memory.
+softmax, with [tokens, K + 3] statistics crossing the TP group and the same chunked memory; it is
+the KL of `vocab_parallel_logprobs_and_top_k_kl`, which the policy's loss calls to get the
+log-probabilities, the entropy and the KL with one logits-sized gradient.
 
 `vocab_parallel_logprobs_and_top_k_kl` computes all four (log p(target), entropy, top-k KL, mass)
 in one pass over the chunks, and its backward writes ONE logits-sized gradient for whichever of
@@ -149,55 +151,6 @@ def megatron_vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor
     return vocab_parallel_logprobs(logits, targets, vocab_start, group, temperature)
 
 
-class _VocabParallelTopKKL(torch.autograd.Function):
-    """Truncated forward KL of the teacher's top k from softmax(logits / T); logits [N, V/tp],
-    top_ids [N, K] global ids, top_logprobs [N, K] (the teacher's, constants)."""
-
-    @staticmethod
-    def forward(ctx, logits, top_ids, top_logprobs, vocab_start, group, temperature, chunk_tokens):
-        ctx.set_materialize_grads(False)
-        num_tokens, vocab_local = logits.shape
-        maxes = _row_maxes(logits, group, temperature, chunk_tokens)
-        in_range, clamped = _local_ids(top_ids, vocab_start, vocab_local)
-        # Column 0: sum of exp; columns 1..K: the shifted logit at each id (only its owner's is non-zero).
-        stats = torch.empty(num_tokens, 1 + top_ids.shape[-1], dtype=torch.float32, device=logits.device)
-        for rows in _chunks(num_tokens, chunk_tokens):
-            shifted = _scaled(logits[rows], temperature) - maxes[rows].unsqueeze(-1)
-            stats[rows, 0] = shifted.exp().sum(dim=-1)
-            stats[rows, 1:] = torch.where(in_range[rows], torch.gather(shifted, -1, clamped[rows]), 0.0)
-        if group is not None:
-            dist.all_reduce(stats, group=group)
-        sum_exp = stats[:, 0].contiguous()
-        student_logprobs = stats[:, 1:] - sum_exp.log().unsqueeze(-1)
-        teacher_logprobs = top_logprobs.float()
-        teacher_probs = teacher_logprobs.exp()
-        kl = (teacher_probs * (teacher_logprobs - student_logprobs)).sum(dim=-1)
-        mass = teacher_probs.sum(dim=-1)
-        ctx.mark_non_differentiable(mass)
-        ctx.save_for_backward(logits, clamped, in_range, maxes, sum_exp, teacher_probs, mass)
-        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
-        return kl, mass
-
-    @staticmethod
-    def backward(ctx, grad_kl, grad_mass):
-        logits, clamped, in_range, maxes, sum_exp, teacher_probs, mass = ctx.saved_tensors
-        temperature = ctx.temperature
-        grad = torch.empty_like(logits)
-        if grad_kl is None:
-            return grad.zero_(), None, None, None, None, None, None
-        # d KL / d z = m * softmax(z) - p_T at the teacher's ids ;  d z / d logits = 1 / T
-        scale = mass * grad_kl
-        at_ids = torch.where(in_range, -teacher_probs * grad_kl.unsqueeze(-1), 0.0)
-        for rows in _chunks(logits.shape[0], ctx.chunk_tokens):
-            shifted = _scaled(logits[rows], temperature) - maxes[rows].unsqueeze(-1)
-            chunk = shifted.exp() * (scale[rows] / sum_exp[rows]).unsqueeze(-1)
-            chunk.scatter_add_(-1, clamped[rows], at_ids[rows])
-            if temperature != 1.0:
-                chunk = chunk / temperature
-            grad[rows] = chunk
-        return grad, None, None, None, None, None, None
-
-
 def _check_top_k(logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor, temperature: float):
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for the top-k KL, got {temperature}")
@@ -230,17 +183,15 @@ def vocab_parallel_top_k_kl(
     `logits` [..., V_local] (any float dtype; not copied) is this rank's vocabulary slice starting
     at global id `vocab_start` (megatron's padded vocabulary: padded logits count in the softmax,
     as in `vocab_parallel_logprobs`); `group` is the tensor-parallel group (None: the logits hold
-    the whole vocabulary); only [tokens, K + 1] statistics cross it. `chunk_tokens` rows at a
+    the whole vocabulary); only [tokens, K + 3] statistics cross it. `chunk_tokens` rows at a
     time (default: CHUNK_ELEMENTS logits); the backward pass recomputes q chunk by chunk.
     """
     _check_top_k(logits, top_ids, top_logprobs, temperature)
-    vocab_local, k = logits.shape[-1], top_ids.shape[-1]
-    chunk_tokens = chunk_tokens or max(1, CHUNK_ELEMENTS // vocab_local)
-    kl, mass = _VocabParallelTopKKL.apply(
-        logits.reshape(-1, vocab_local), top_ids.reshape(-1, k).long(), top_logprobs.reshape(-1, k),
-        vocab_start, group, float(temperature), int(chunk_tokens),
-    )  # fmt: skip
-    return kl.view(top_ids.shape[:-1]), mass.view(top_ids.shape[:-1])
+    # The combined kernel with the teacher's first ids as targets: the log-probabilities and the
+    # entropy it also returns are left undifferentiated, so its backward computes the KL's part only.
+    _, _, kl, mass = vocab_parallel_logprobs_and_top_k_kl(logits, top_ids[..., 0], top_ids, top_logprobs, vocab_start,
+                                                         group, temperature, chunk_tokens)  # fmt: skip
+    return kl, mass
 
 
 def megatron_vocab_parallel_top_k_kl(
